@@ -1,0 +1,49 @@
+# Two commands from a fresh clone:  make demo   and   make test
+# Both create .venv/ (no system MPI needed: MPICH comes from the mpich wheel).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NP ?= 4
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test test-unit test-mpi gpu-test bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# The demo needs the package with its MPI extra and the examples' data (scikit-learn).
+$(VENV)/.demo: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[mpi,examples]'
+	touch $@
+
+# Tests: torch first (the CPU build here), so that nothing pulls in another, CUDA-sized build.
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test]'
+	touch $@ $(VENV)/.demo
+
+demo: $(VENV)/.demo
+	$(BIN)/mpiexec -n $(NP) $(BIN)/python examples/train_digits.py --compression int8
+	$(BIN)/mpiexec -n $(NP) $(BIN)/python bench/allreduce_perf.py -b 4K -e 16M -f 4 -n 10 \
+		--compression int8,topk:0.01
+
+test: test-unit test-mpi
+
+test-unit: $(VENV)/.test
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+
+test-mpi: $(VENV)/.test
+	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
+
+# GPU tests and kernel benchmarks (on a machine with a CUDA GPU).
+gpu-test: $(VENV)/.test
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m gpu
+	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q -m gpu
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check ringcomm tests bench examples
+
+clean:
+	rm -rf $(VENV) logs build dist *.egg-info

@@ -1,0 +1,237 @@
+"""Cross-rank agreement on a collective's arguments, before any data moves.
+
+Every collective starts with one fixed-size allgather of a small header per rank: what the call
+is, the dtype, shape, op, root, compression and name, and whether the arguments were valid on
+that rank. If any rank's arguments were invalid or the headers disagree, every rank raises the same
+error naming what differs, and the communicator stays usable. Arrays of up to ``INLINE_BYTES``
+ride in the same message, so a small allreduce is complete after this one exchange.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+
+if TYPE_CHECKING:
+    from ringcomm.comm.base import Communicator, ReduceOp
+
+__all__ = ["INLINE_BYTES", "CallSpec", "agree", "allreduce_inline"]
+
+INLINE_BYTES = 4096
+# Header words, in order.
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, INLINED = range(10)
+_WORDS = 10
+_HEADER_BYTES = 8 * _WORDS
+_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast")
+# Fields a collective lets differ between ranks.
+_MAY_DIFFER = {"allgatherv": (DIM0, INLINED)}
+
+
+_HEADERS: dict[tuple[Any, ...], bytes] = {}
+
+
+def _crc(value: object) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+class CallSpec:
+    """What one rank passed to a collective, as the agreement compares it."""
+
+    __slots__ = ("dtype", "error", "extra", "kind", "op", "root", "shape")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.dtype: np.dtype | None = None
+        self.shape: tuple[int, ...] = ()
+        self.op: str = ""
+        self.root = 0
+        self.extra = ""
+        self.error: Exception | None = None
+
+    def set_array(self, x: Any) -> np.dtype:
+        """Record ``x``'s dtype and shape after checking it is a supported array."""
+        from ringcomm.comm.base import check_dtype
+
+        if type(x) is not np.ndarray and not _ops.is_device_array(x):
+            raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
+        self.shape = x.shape
+        self.dtype = check_dtype(x.dtype)
+        return self.dtype
+
+    def set_op(self, op: ReduceOp) -> ReduceOp:
+        self.op = op
+        return op
+
+    def header(self, inlined: bool) -> bytes:
+        """The header words compared across ranks, as bytes (cached per distinct call)."""
+        key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
+               self.extra, inlined)
+        cached = _HEADERS.get(key)
+        if cached is None:
+            if len(_HEADERS) > 4096:
+                _HEADERS.clear()
+            cached = _HEADERS[key] = self._words(inlined).tobytes()
+        return cached
+
+    def _words(self, inlined: bool) -> np.ndarray:
+        from ringcomm.comm.base import SUPPORTED_DTYPES
+
+        h = np.zeros(_WORDS, dtype=np.int64)
+        h[KIND] = _KINDS.index(self.kind)
+        if self.error is not None:
+            h[ERROR] = 1
+            return h
+        dt = self.dtype
+        h[DTYPE] = SUPPORTED_DTYPES.index(dt) if dt in SUPPORTED_DTYPES else 100 + _crc(dt)
+        h[OP] = _crc(self.op)
+        h[ROOT] = self.root
+        h[NDIM] = len(self.shape)
+        h[DIM0] = self.shape[0] if self.shape else 1
+        h[REST] = _crc(self.shape[1:])
+        h[EXTRA] = _crc(self.extra)
+        h[INLINED] = int(inlined)
+        return h
+
+    def describe(self) -> dict[str, Any]:
+        """A picklable account of the call, exchanged only when the headers disagree."""
+        if self.error is not None:
+            return {"error": (type(self.error).__name__, str(self.error))}
+        return {
+            "dtype": self.dtype.name if self.dtype is not None else None,
+            "shape": self.shape,
+            "op": str(self.op.value) if self.op else "",
+            "root": self.root,
+            "compression/name": self.extra,
+        }
+
+
+def _exchange(comm: Communicator, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
+    """One fixed-size allgather of every rank's header (and inlined array); with the check on,
+    raise on every rank if the headers disagree."""
+    send, recv, view = comm._exchange_buffers(_HEADER_BYTES + INLINE_BYTES)
+    header = spec.header(inline is not None)
+    view[:_HEADER_BYTES] = header
+    if inline is not None:
+        view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
+    comm._allgather_fixed(send, recv)
+    stats, volume = comm.stats, send.nbytes * (comm.size - 1)
+    stats.bytes_sent += volume
+    stats.bytes_received += volume
+    if comm.consistency_check and (spec.error is not None
+                                   or recv[:, :_HEADER_BYTES].tobytes() != header * comm.size):
+        _verify(comm, spec, np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64))
+    return recv
+
+
+def _host_bytes(x: Any) -> memoryview:
+    if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        xp = _ops.get(x)
+        x = xp.to_host(xp.ascontiguous(x))
+    return memoryview(x).cast("B")
+
+
+def agree(comm: Communicator, spec: CallSpec) -> np.ndarray:
+    """Check the call matches on every rank; return every rank's header (size x words).
+
+    With the consistency check off the headers are still exchanged (allgatherv needs the
+    sizes) but not compared, and an invalid argument raises on its own rank only.
+    """
+    if spec.error is not None and not comm.consistency_check:
+        raise spec.error
+    recv = _exchange(comm, spec)
+    return np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64)
+
+
+def allreduce_inline(comm: Communicator, spec: CallSpec, x: Any, out: Any | None,
+                     op: ReduceOp) -> Any:
+    """Allreduce an array of at most INLINE_BYTES within the agreement exchange itself.
+
+    Every rank receives every rank's array and reduces them in rank order, so all ranks compute
+    the same bits; latency is one allgather. This is the small-message path, kept lean.
+    """
+    if spec.error is not None and not comm.consistency_check:
+        raise spec.error
+    if comm.consistency_check:
+        recv = _exchange(comm, spec, x)
+        rows = comm._inline_rows(recv, x.dtype, x.size, _HEADER_BYTES)
+    else:
+        rows = np.empty((comm.size, x.size), x.dtype)
+        comm._allgather_fixed(np.asarray(_host_bytes(x)), rows)
+        comm.stats.add(x.nbytes * (comm.size - 1), x.nbytes * (comm.size - 1))
+    if out is None:
+        out = _ops.get(x).empty(x.shape, x.dtype)
+    if x.size:
+        _reduce_rows(rows, out, op)
+    return out
+
+
+def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:
+    ufunc = _REDUCERS[op]
+    if rows.dtype.itemsize != 2 and type(result) is np.ndarray and result.flags.c_contiguous:
+        acc = result.reshape(-1)
+        if rows.shape[0] == 2:
+            first, second = rows
+            ufunc(first, second, out=acc)
+        else:
+            ufunc.reduce(rows, axis=0, out=acc)
+        if op == "avg":
+            np.divide(acc, rows.shape[0], out=acc)
+        return
+    # 16-bit floats accumulate in float32 and round once; device or strided results are
+    # written from a host buffer.
+    acc = ufunc.reduce(rows, axis=0, dtype=np.float32 if rows.dtype.itemsize == 2 else None)
+    if op == "avg":
+        np.divide(acc, rows.shape[0], out=acc)
+    _ops.get(result).copy_from_host(result, acc.reshape(result.shape))
+
+
+def _verify(comm: Communicator, spec: CallSpec, headers: np.ndarray) -> None:
+    differ = (headers != headers[0]).any(axis=0)
+    for field in _MAY_DIFFER.get(spec.kind, ()):
+        differ[field] = False
+    if not differ.any() and not headers[:, ERROR].any():
+        return
+    # Headers disagree: every rank takes the slow path, so the descriptions can be exchanged.
+    descriptions = comm._allgather_object(spec.describe())
+    raise _build_error(spec.kind, descriptions)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _build_error(kind: str, descriptions: list[dict[str, Any]]) -> Exception:
+    errors: dict[tuple[str, str], list[int]] = {}
+    for r, d in enumerate(descriptions):
+        if "error" in d:
+            errors.setdefault(d["error"], []).append(r)
+    if errors:
+        (etype, msg), ranks = next(iter(errors.items()))
+        cls = {"TypeError": TypeError, "ValueError": ValueError}.get(etype, RuntimeError)
+        return cls(f"{kind} failed on {_ranks(ranks)}: {msg}")
+    parts, cls = [], ValueError
+    for field in ("dtype", "shape", "op", "root", "compression/name"):
+        if kind == "allgatherv" and field == "shape":
+            values = [d["shape"][1:] for d in descriptions]
+            field = "shape after the first dimension"
+        else:
+            values = [d[field] for d in descriptions]
+        if len(set(values)) <= 1:
+            continue
+        if field == "dtype":
+            cls = TypeError
+        groups: dict[Any, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        shown = "; ".join(f"{v!s} on {_ranks(rs)}" for v, rs in groups.items())
+        parts.append(f"{field} differs between ranks: {shown}")
+    hint = " (use allgatherv when the first dimension differs)" if kind == "allgather" else ""
+    return cls(f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint)
+
+
+_REDUCERS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum,
+             "prod": np.multiply}

@@ -1,0 +1,489 @@
+"""The Communicator interface, reduction ops, and the argument checks every backend shares."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm.comm import agree
+
+if TYPE_CHECKING:
+    from ringcomm.compress.base import Compressor
+    from ringcomm.compress.feedback import ErrorFeedback
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "CommStats",
+    "Communicator",
+    "ReduceOp",
+    "Request",
+    "accumulation_dtype",
+    "check_dtype",
+]
+
+
+class ReduceOp(str, enum.Enum):
+    """Reduction applied elementwise across ranks."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    PROD = "prod"
+
+    # Hash like the plain string, so that "sum" and ReduceOp.SUM find the same dict entry.
+    __hash__ = str.__hash__
+
+    @classmethod
+    def parse(cls, op: str | ReduceOp) -> ReduceOp:
+        """Return the ReduceOp named by ``op`` ("sum", "avg", "min", "max", "prod").
+
+        Raises:
+            ValueError: ``op`` names no reduction.
+        """
+        try:
+            return _OPS[op]
+        except (KeyError, TypeError):
+            pass
+        if isinstance(op, str) and op.lower() in _OPS:
+            return _OPS[op.lower()]
+        names = ", ".join(repr(o.value) for o in cls)
+        raise ValueError(f"unknown op {op!r}; expected one of {names}") from None
+
+
+_OPS: dict[Any, ReduceOp] = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+
+
+# Order matters: the position is the dtype's code in the cross-rank consistency check.
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
+)
+# Dtypes already accepted, for a check that costs one dict lookup. bfloat16 (ml_dtypes on the
+# host, CuPy/DLPack on the device) joins on first sight.
+_ACCEPTED: dict[Any, np.dtype] = {dt: dt for dt in SUPPORTED_DTYPES}
+
+
+def check_dtype(dtype: Any) -> np.dtype:
+    """Return ``dtype`` as a NumPy dtype if ringcomm can reduce it.
+
+    Raises:
+        TypeError: complex, bool, object, string or any other dtype outside SUPPORTED_DTYPES.
+    """
+    dt = _ACCEPTED.get(dtype)
+    if dt is not None:
+        return dt
+    dt = np.dtype(dtype)
+    if dt in SUPPORTED_DTYPES or dt.name == "bfloat16":
+        _ACCEPTED[dtype] = dt
+        return dt
+    names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+    raise TypeError(f"unsupported dtype {dt.name}; expected one of {names}")
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype partial sums are kept in: float32 for 16-bit floats, the dtype itself otherwise."""
+    return _FLOAT32 if dtype.itemsize == 2 and dtype.kind in "fV" else dtype
+
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def check_op(op: str | ReduceOp, dtype: np.dtype) -> ReduceOp:
+    """Parse ``op`` and check it suits ``dtype``.
+
+    Raises:
+        ValueError: unknown op.
+        TypeError: "avg" on an integer dtype (an integer mean would silently truncate).
+    """
+    rop = ReduceOp.parse(op)
+    if rop is ReduceOp.AVG and dtype.kind in ("i", "u"):
+        raise TypeError(
+            f"op 'avg' needs a floating dtype, got {dtype.name}; use op='sum' and divide"
+        )
+    return rop
+
+
+class CommStats:
+    """What a communicator put on the wire since its creation or last ``reset()``.
+
+    Bytes are counted where they are handed to the transport: every point-to-point message of
+    ringcomm's own algorithms, headers included. Collectives that are handed whole to the
+    backend's library (allgather, allgatherv, broadcast, barrier on MPI) count the data each
+    rank must receive and its own data once per peer that receives it, whatever algorithm the
+    library picks.
+    """
+
+    __slots__ = ("bytes_received", "bytes_sent", "calls")
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.calls = 0
+
+    def reset(self) -> None:
+        """Set every counter back to zero."""
+        self.bytes_sent = self.bytes_received = self.calls = 0
+
+    def add(self, sent: int, received: int) -> None:
+        """Count ``sent`` and ``received`` bytes."""
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
+
+    def __repr__(self) -> str:
+        return (
+            f"CommStats(calls={self.calls}, bytes_sent={self.bytes_sent}, "
+            f"bytes_received={self.bytes_received})"
+        )
+
+
+class Request(Protocol):
+    """A posted point-to-point exchange; ``wait()`` returns once its buffers may be reused."""
+
+    def wait(self) -> None: ...
+
+
+def _flat(x: Any) -> Any:
+    """A contiguous 1-d view of ``x`` (a copy only when ``x`` is not contiguous)."""
+    return _ops.get(x).ascontiguous(x).reshape(-1)
+
+
+class Communicator(abc.ABC):
+    """Collectives over a fixed group of processes, the same on every backend.
+
+    Arrays are NumPy arrays on the MPI backend and CuPy arrays on the NCCL backend (the MPI
+    backend also takes CuPy arrays). Every collective must be called by all ranks in the same
+    order with matching arguments; with the consistency check on (the default), arguments that
+    differ between ranks raise the same error on every rank instead of hanging.
+    """
+
+    backend: str = ""
+
+    def __init__(self, rank: int, size: int, *, consistency_check: bool = True,
+                 segment_bytes: int | None = None) -> None:
+        from ringcomm import ring
+
+        self._rank = int(rank)
+        self._size = int(size)
+        self._closed = False
+        self.consistency_check = bool(consistency_check)
+        self.segment_bytes = int(segment_bytes or ring.DEFAULT_SEGMENT_BYTES)
+        if self.segment_bytes < 64:
+            raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
+        self.stats = CommStats()
+        self._compressed_calls = 0
+        self._buffers: dict[tuple[Any, ...], Any] = {}
+        self._plans: dict[tuple[Any, ...], tuple[agree.CallSpec, ReduceOp]] = {}
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def rank(self) -> int:
+        """This process's rank, 0 <= rank < size."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of processes in the communicator."""
+        return self._size
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"rank {self._rank} of {self._size}"
+        return f"<{type(self).__name__} backend={self.backend!r} {state}>"
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ backend primitives
+    @abc.abstractmethod
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> Request:
+        """Post a send of ``send`` to ``dest`` and a receive into ``recv`` from ``source``.
+
+        Either side may be None. Messages between a pair of ranks are matched in posting order.
+        This is the only primitive the ring uses.
+        """
+
+    @abc.abstractmethod
+    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Request:
+        """Like ``isendrecv``, on a channel apart from the collectives' (for ``sendrecv``)."""
+
+    @abc.abstractmethod
+    def _allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Allgather equal-sized host byte buffers (``recv`` holds size * send.nbytes)."""
+
+    @abc.abstractmethod
+    def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+        """Gather ``x`` (1-d) from every rank into ``out``, rank r's part holding counts[r]."""
+
+    @abc.abstractmethod
+    def _broadcast(self, x: Any, root: int) -> None:
+        """Broadcast contiguous ``x`` from ``root`` in place."""
+
+    @abc.abstractmethod
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        """Gather a picklable object from every rank (used on error paths only)."""
+
+    @abc.abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+    def _allreduce_dense(self, x: Any, out: Any, op: ReduceOp) -> None:
+        """Reduce flat contiguous ``x`` into flat contiguous ``out``; backends may override."""
+        from ringcomm import ring
+
+        ring.allreduce(self, x, out, op)
+
+    # ------------------------------------------------------------------------ collectives
+    def allreduce(self, x: Any, out: Any | None = None, *, op: str | ReduceOp = "sum",
+                  compression: Compressor | None = None, feedback: ErrorFeedback | None = None,
+                  name: str | None = None) -> Any:
+        """Reduce ``x`` elementwise over all ranks; every rank gets the bit-identical result.
+
+        Args:
+            x: array of a supported dtype, any shape, contiguous or not; left untouched unless
+                it is also ``out``.
+            out: where to write the result (same shape and dtype as ``x``); ``out=x`` reduces in
+                place. A new array is returned when omitted.
+            op: "sum", "avg", "min", "max" or "prod"; compressed calls take "sum" or "avg".
+            compression: a compressor (``FP16()``, ``BF16()``, ``Int8()``, ``TopK()``) for what
+                the ring sends; None sends the dtype as it is.
+            feedback: an ErrorFeedback that keeps, under ``name``, what compression did not
+                send and adds it to the next call.
+            name: the tensor's name; required with ``feedback``, and checked to match across
+                ranks.
+
+        Returns:
+            The reduced array (``out`` when given), with the shape of ``x``.
+
+        Raises:
+            TypeError: unsupported dtype, or an op the dtype does not support.
+            ValueError: unknown op, ``out`` of another shape, or arguments that differ between
+                ranks (raised on every rank).
+            RuntimeError: the communicator is closed.
+        """
+        self._ensure_open()
+        dense = compression is None and feedback is None
+        spec, rop = self._dense_plan(x, out, op) if dense else (None, None)
+        if spec is None:
+            spec = agree.CallSpec("allreduce")
+            try:
+                rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
+            except (TypeError, ValueError) as err:
+                spec.error, rop = err, ReduceOp.SUM
+            else:
+                if dense:
+                    self._plans[(type(x), x.dtype, x.shape, op)] = (spec, rop)
+        self.stats.calls += 1
+        if dense and spec.error is None and x.nbytes <= agree.INLINE_BYTES:
+            return agree.allreduce_inline(self, spec, x, out, rop)
+        agree.agree(self, spec)
+        xp = _ops.get(x)
+        result = out if out is not None else xp.empty(x.shape, x.dtype)
+        if x.size == 0:
+            return result
+        direct = result.flags.c_contiguous
+        flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
+        if dense:
+            self._allreduce_dense(_flat(x), flat_out, rop)
+        else:
+            from ringcomm.compress import algorithms
+
+            self._compressed_calls += 1
+            algorithms.allreduce(self, _flat(x), flat_out, rop, compression, feedback, name)
+        if not direct:
+            result[...] = flat_out.reshape(x.shape)
+        return result
+
+    def reduce_scatter(self, x: Any, *, op: str | ReduceOp = "sum") -> Any:
+        """Reduce ``x`` over all ranks and return this rank's chunk of the flattened result.
+
+        Rank r gets elements ``[r * L // size, (r + 1) * L // size)`` of the L reduced elements.
+        """
+        self._ensure_open()
+        spec = agree.CallSpec("reduce_scatter")
+        try:
+            dt = spec.set_array(x)
+            rop = spec.set_op(check_op(op, dt))
+        except (TypeError, ValueError) as err:
+            spec.error, rop = err, ReduceOp.SUM
+        agree.agree(self, spec)
+        self.stats.calls += 1
+        from ringcomm import ring
+
+        return ring.reduce_scatter(self, _flat(x), rop)
+
+    def allgather(self, x: Any) -> Any:
+        """Concatenate ``x`` from every rank along the first axis, in rank order.
+
+        Every rank must pass the same shape; use ``allgatherv`` when the first dimension differs.
+        """
+        return self._gather("allgather", x)
+
+    def allgatherv(self, x: Any) -> Any:
+        """Concatenate ``x`` from every rank along the first axis; first dimensions may differ."""
+        return self._gather("allgatherv", x)
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
+        self._ensure_open()
+        spec = agree.CallSpec("broadcast")
+        try:
+            spec.set_array(x)
+            spec.root = self._check_rank(root, "root")
+        except (TypeError, ValueError) as err:
+            spec.error = err
+        agree.agree(self, spec)
+        self.stats.calls += 1
+        if x.size == 0:
+            return x
+        if x.flags.c_contiguous:
+            self._broadcast(x.reshape(-1), root)
+        else:
+            flat = _flat(x)
+            self._broadcast(flat, root)
+            x[...] = flat.reshape(x.shape)
+        nbytes = x.nbytes
+        self.stats.add(nbytes * (self._size - 1) if self._rank == root else 0,
+                       0 if self._rank == root else nbytes)
+        return x
+
+    def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
+        """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``; returns ``recv``.
+
+        A point-to-point call: only the two peers take part, and sizes are not checked across
+        ranks (a receive buffer smaller than the message is an error of the backend). It never
+        matches a message of a collective in progress.
+        """
+        self._ensure_open()
+        self._check_rank(dest, "dest")
+        self._check_rank(source, "source")
+        for label, arr in (("send", send), ("recv", recv)):
+            if not hasattr(arr, "flags") or not arr.flags.c_contiguous:
+                raise ValueError(f"{label} must be a contiguous array, got {type(arr).__name__}")
+        self._user_isendrecv(send, dest, recv, source).wait()
+        self.stats.calls += 1
+        self.stats.add(send.nbytes, recv.nbytes)
+        return recv
+
+    def barrier(self) -> None:
+        """Block until every rank has called ``barrier()``."""
+        self._ensure_open()
+        self._barrier()
+
+    def close(self) -> None:
+        """Release the communicator's resources; later calls raise RuntimeError. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._buffers.clear()
+            self._close()
+
+    # ----------------------------------------------------------------------------- helpers
+    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+        """A reusable buffer of ``n`` elements on ``like``'s device, kept between calls.
+
+        Collectives reuse their staging buffers instead of allocating (and page-faulting) new
+        ones every call. Two live buffers need two keys.
+        """
+        xp = _ops.get(like)
+        k = (key, xp.__name__, np.dtype(dtype).str)
+        buf = self._buffers.get(k)
+        if buf is None or buf.size < n:
+            buf = self._buffers[k] = xp.empty((max(n, 1),), dtype)
+        return buf[:n]
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.backend} communicator is closed")
+
+    def _check_rank(self, r: int, label: str) -> int:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
+            raise ValueError(f"{label} must be a rank in [0, {self._size}), got {r!r}")
+        return int(r)
+
+    def _dense_plan(self, x: Any, out: Any, op: Any) -> tuple[Any, Any]:
+        """The checked spec of an uncompressed allreduce seen before, or (None, None).
+
+        Repeated calls (the same tensor every training step) skip re-validating their
+        arguments; anything not seen before, and every error, takes the full check.
+        """
+        try:
+            plan = self._plans.get((type(x), x.dtype, x.shape, op))
+        except (AttributeError, TypeError):  # not an array, or an unhashable op
+            return None, None
+        if plan is None or (out is not None and (
+                type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype)):
+            return None, None
+        return plan
+
+    def _check_allreduce(self, spec: agree.CallSpec, x: Any, out: Any, op: Any,
+                         compression: Any, feedback: Any, name: Any) -> ReduceOp:
+        dt = spec.set_array(x)
+        rop = spec.set_op(check_op(op, dt))
+        if out is not None:
+            if type(out) is not type(x):
+                raise TypeError(f"out is a {type(out).__name__}, expected a {type(x).__name__}")
+            if out.shape != x.shape:
+                raise ValueError(f"out has shape {out.shape}, expected {x.shape}")
+            if out.dtype != x.dtype:
+                raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
+        if compression is not None:
+            from ringcomm.compress.base import check_compressed_call
+
+            check_compressed_call(compression, dt, rop, feedback, name)
+            spec.extra = f"{compression!r}|{name}"
+        elif feedback is not None:
+            raise ValueError("feedback needs a lossy compression; got compression=None")
+        return rop
+
+    def _inline_rows(self, recv: np.ndarray, dtype: np.dtype, size: int,
+                     offset: int) -> np.ndarray:
+        """The (size x ``size``) ``dtype`` view of the inlined arrays in ``recv`` (cached)."""
+        key = ("rows", dtype, size)
+        rows = self._buffers.get(key)
+        if rows is None:
+            skip = offset // dtype.itemsize
+            rows = self._buffers[key] = recv.view(dtype)[:, skip: skip + size]
+        return rows
+
+    def _exchange_buffers(self, nbytes: int) -> tuple[np.ndarray, np.ndarray, memoryview]:
+        """The host buffers of the agreement exchange (reused by every call): send, receive,
+        and a memoryview of send for cheap byte copies."""
+        bufs = self._buffers.get(("agree", nbytes))
+        if bufs is None:
+            send = np.zeros(nbytes, np.uint8)
+            bufs = self._buffers[("agree", nbytes)] = (
+                send, np.empty((self._size, nbytes), np.uint8), memoryview(send))
+        return bufs
+
+    def _gather(self, kind: str, x: Any) -> Any:
+        self._ensure_open()
+        spec = agree.CallSpec(kind)
+        try:
+            spec.set_array(x)
+            if x.ndim == 0:
+                raise ValueError(f"{kind} needs an array with at least one dimension, got a scalar")
+        except (TypeError, ValueError) as err:
+            spec.error = err
+        headers = agree.agree(self, spec)
+        self.stats.calls += 1
+        firsts = [int(h) for h in headers[:, agree.DIM0]]
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        counts = [d * row for d in firsts]
+        out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
+        if out.size:
+            self._allgatherv(_flat(x), counts, out.reshape(-1))
+        own = x.nbytes
+        self.stats.add(own * (self._size - 1), out.nbytes - own)
+        return out

@@ -1,0 +1,117 @@
+"""Rank, size and local rank of this process, read from what the launcher put in the environment.
+
+Launchers covered: MPICH's Hydra (``PMI_RANK``, ``MPI_LOCALRANKID``), Open MPI's mpirun
+(``OMPI_COMM_WORLD_*``), PMIx-based launchers (``PMIX_RANK``), Slurm's srun (``SLURM_*``) and
+torchrun (``RANK``, ``LOCAL_RANK``, ...). The environment is read before any communicator exists,
+so that a process can pick its GPU before NCCL or CUDA start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LaunchInfo", "detect"]
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as the launcher described it.
+
+    Attributes:
+        rank: global rank, 0 <= rank < size.
+        size: number of processes in the job.
+        local_rank: rank among the processes on this host.
+        local_size: number of processes on this host.
+        launcher: which launcher's variables were found: "torchrun", "openmpi", "mpich",
+            "pmix", "slurm", or "none" for a process started on its own.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str
+
+
+# (launcher, rank, size, local rank, local size); the first launcher whose rank and size
+# variables are both set wins. torchrun comes first: it may itself run inside an mpirun or srun
+# allocation, and then its own variables describe the processes that talk to each other.
+_SCHEMES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} should be an integer, got {raw!r}") from None
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> int | None:
+    # SLURM_TASKS_PER_NODE reads like "4(x2),3": the first group is this node's count only when
+    # all nodes are alike, so use it only in its simple forms.
+    raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    head = raw.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() and "," not in raw else None
+
+
+def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read rank, size and local rank from the launcher's environment variables.
+
+    Args:
+        env: the environment to read; ``os.environ`` when omitted.
+
+    Returns:
+        A LaunchInfo. A process started without a launcher is rank 0 of 1.
+
+    Raises:
+        ValueError: a launcher variable is not an integer, or the values contradict each other
+            (rank outside [0, size), local rank outside [0, local size)).
+    """
+    env = os.environ if env is None else env
+    for launcher, rank_var, size_var, lrank_var, lsize_var in _SCHEMES:
+        if rank_var not in env or size_var not in env:
+            continue
+        rank, size = _int(env, rank_var), _int(env, size_var)
+        local_rank = _int(env, lrank_var) if lrank_var and lrank_var in env else None
+        if lsize_var and lsize_var in env:
+            local_size = _int(env, lsize_var)
+        elif launcher == "slurm":
+            local_size = _slurm_local_size(env)
+        else:
+            local_size = None
+        if local_rank is None:
+            # Without a local rank, assume one host: that is what a bare launch usually is.
+            local_rank, local_size = rank, size
+        if local_size is None:
+            local_size = max(local_rank + 1, 1)
+        return _checked(LaunchInfo(rank, size, local_rank, local_size, launcher), rank_var)
+    return LaunchInfo(0, 1, 0, 1, "none")
+
+
+def _checked(info: LaunchInfo, rank_var: str) -> LaunchInfo:
+    if info.size < 1 or not 0 <= info.rank < info.size:
+        raise ValueError(
+            f"{info.launcher} environment gives rank {info.rank} ({rank_var}) of size {info.size}; "
+            "expected 0 <= rank < size"
+        )
+    if info.local_size < 1 or not 0 <= info.local_rank < info.local_size:
+        raise ValueError(
+            f"{info.launcher} environment gives local rank {info.local_rank} of local size "
+            f"{info.local_size}; expected 0 <= local rank < local size"
+        )
+    return info

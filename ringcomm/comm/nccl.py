@@ -1,0 +1,7 @@
+"""NCCL backend."""
+
+from __future__ import annotations
+
+
+def usable() -> bool:
+    return False

@@ -1,0 +1,42 @@
+"""Compressed allreduce: error-feedback bookkeeping, then the algorithm the compressor allows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm.compress import ring, sparse
+from ringcomm.compress.base import Compressor, Wire
+from ringcomm.compress.feedback import ErrorFeedback
+
+__all__ = ["allreduce"]
+
+
+def _algorithm(comp: Compressor) -> Any:
+    if comp.wire is Wire.SPARSE:
+        return sparse.ring_allreduce if comp.algorithm == "ring" else sparse.allgather_allreduce
+    return ring.allreduce
+
+
+def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compressor,
+              feedback: ErrorFeedback | None, name: str | None) -> None:
+    """Compressed allreduce of flat ``x`` into flat ``out`` (arguments already checked).
+
+    The input plus this rank's residual is what gets compressed; the residual is then
+    overwritten with everything this rank did not send.
+    """
+    ops = _ops.get(x)
+    residual = feedback.take(name, x) if feedback is not None else None
+    work = ops.empty((x.size,), np.float32)
+    ops.compensate(x, residual, work)
+    if comm.size == 1:
+        # Nothing travels, so nothing is lost: the residual is spent in full.
+        if residual is not None:
+            residual[...] = 0
+        ops.copy(out, work)
+        return
+    seed = ring.mix_seed(comm._compressed_calls, comm.rank)
+    _algorithm(comp)(comm, work, out, op, comp, residual, seed)

@@ -1,0 +1,137 @@
+"""The Compressor interface, and what a compressor lets the ring do with its payload."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ringcomm import ops as _ops
+
+if TYPE_CHECKING:
+    from ringcomm.comm.base import ReduceOp
+    from ringcomm.compress.feedback import ErrorFeedback
+
+__all__ = ["Compressor", "DenseCompressor", "Wire", "check_compressed_call"]
+
+
+class Wire(str, enum.Enum):
+    """What the ring may do with a compressor's payload."""
+
+    #: Payloads of the same length add up elementwise after decoding, and a backend that sums
+    #: the wire type natively (NCCL on half precision) may add them undecoded (casts).
+    SUMMABLE = "summable"
+    #: A hop decodes, adds its own contribution and quantizes again (int8).
+    REQUANTIZE = "requantize"
+    #: (index, value) pairs of varying support (top-k).
+    SPARSE = "sparse"
+
+
+class Compressor(abc.ABC):
+    """A stateless compressor: ``compress(x) -> (payload, ctx)``, ``decompress(payload, ctx)``.
+
+    ``payload`` is what travels (one contiguous uint8 array); ``ctx`` stays on the rank that
+    compressed (shape and dtype). Compressors keep no state between calls; what they lose is
+    kept by an :class:`~ringcomm.ErrorFeedback`. Values are computed in float32.
+    """
+
+    wire: ClassVar[Wire]
+
+    @abc.abstractmethod
+    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Compress floating array ``x``; returns (payload bytes, ctx)."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+        """Rebuild an array of ``x``'s shape and dtype from what ``compress`` returned."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+class DenseCompressor(Compressor):
+    """A compressor whose payload encodes every element (casts, int8): the ring can cut it into
+    segments of whole ``align``-element blocks and re-encode it at every hop."""
+
+    #: Chunks and segments are cut at multiples of this many elements.
+    align: int = 1
+
+    @abc.abstractmethod
+    def nbytes(self, n: int) -> int:
+        """Payload bytes for ``n`` elements."""
+
+    @abc.abstractmethod
+    def encode(self, src: Any, out: Any, *, seed: int = 0, base: int = 0,
+               error: Any | None = None) -> None:
+        """Encode float32 ``src`` into ``out``; ``error`` receives src - decode(out).
+
+        ``seed`` and ``base`` (the global index of ``src[0]``) key the random numbers of
+        stochastic rounding, so any segmentation of an array draws the same ones.
+        """
+
+    @abc.abstractmethod
+    def decode(self, payload: Any, out: Any) -> None:
+        """Decode ``payload`` into float32 ``out``."""
+
+    @abc.abstractmethod
+    def hop(self, payload: Any, own: Any, out: Any, *, seed: int = 0, base: int = 0,
+            error: Any | None = None) -> None:
+        """Decode ``payload``, add float32 ``own``, encode the sum into ``out`` (one fused pass on
+        the GPU); ``error`` receives the sum minus its decoded encoding."""
+
+    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+        _check_float(x.dtype)
+        xp = _ops.get(x)
+        flat = xp.empty((x.size,), np.float32)
+        xp.copy(flat, xp.ascontiguous(x).reshape(-1))
+        out = xp.empty((self.nbytes(x.size),), np.uint8)
+        self.encode(flat, out)
+        return out, (x.shape, x.dtype)
+
+    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+        shape, dtype = ctx
+        xp = _ops.get(payload)
+        n = int(np.prod(shape, dtype=np.int64))
+        flat = xp.empty((n,), np.float32)
+        self.decode(payload, flat)
+        out = xp.empty(shape, dtype)
+        xp.copy(out.reshape(-1), flat)
+        return out
+
+
+def _check_float(dtype: Any) -> None:
+    dt = np.dtype(dtype)
+    if dt.kind != "f" and dt.name != "bfloat16":
+        raise TypeError(f"compression needs a floating dtype, got {dt.name}")
+
+
+def check_compressed_call(compression: Any, dtype: np.dtype, op: ReduceOp,
+                          feedback: ErrorFeedback | None, name: str | None) -> None:
+    """Check the arguments of a compressed allreduce.
+
+    Raises:
+        TypeError: ``compression`` is no Compressor, ``feedback`` no ErrorFeedback, or the
+            dtype is not floating.
+        ValueError: op other than sum/avg, or feedback without a name.
+    """
+    from ringcomm.comm.base import ReduceOp
+    from ringcomm.compress.feedback import ErrorFeedback
+
+    if not isinstance(compression, Compressor):
+        raise TypeError(
+            f"compression must be a ringcomm compressor (FP16, BF16, Int8, TopK), "
+            f"got {type(compression).__name__}"
+        )
+    _check_float(dtype)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"compressed allreduce supports op 'sum' and 'avg', got {op.value!r}")
+    if feedback is not None:
+        if not isinstance(feedback, ErrorFeedback):
+            raise TypeError(f"feedback must be an ErrorFeedback, got {type(feedback).__name__}")
+        if not name:
+            raise ValueError("feedback needs name=... to key the residual of this tensor")

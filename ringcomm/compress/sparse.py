@@ -1,0 +1,126 @@
+"""Top-k allreduce: the sparse ring, and the allgather of (index, value) pairs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm import ring
+from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm.compress.ring import mix_seed
+from ringcomm.compress.topk import TopK
+
+__all__ = ["SparseRingCodec", "allgather_allreduce", "ring_allreduce"]
+
+
+class SparseRingCodec:
+    """Ring codec for top-k: one message per chunk, re-sparsified at every hop.
+
+    Chunk c keeps k_c = ceil(ratio * len(c)) entries at every hop, so message sizes are known to
+    both ends. Where k_c pairs (8 bytes each) would not be smaller than the chunk's float32
+    values, the chunk travels dense and loses nothing (SparCML's switch).
+    """
+
+    def __init__(self, comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+                 residual: Any | None, seed: int, layout: ring.RingLayout) -> None:
+        self.work, self.out, self.op, self.comp = work, out, op, comp
+        self.residual, self.seed, self.layout = residual, seed, layout
+        self.ops = _ops.get(work)
+        n = layout.n
+        self.k = [comp.k_for(layout.chunk_len(c)) for c in range(n)]
+        self.dense = [8 * self.k[c] >= 4 * layout.chunk_len(c) for c in range(n)]
+        sizes = [self._nbytes(c) for c in range(n)]
+        self.offsets = np.cumsum([0, *sizes]).tolist()
+        self.store = self.ops.empty((self.offsets[-1],), np.uint8)
+        widest = max(sizes)
+        self.staged = ring.staging(comm, "sring.send", work, widest, np.uint8)
+        self.inbox = ring.staging(comm, "sring.recv", work, widest, np.uint8)
+        self.acc = self.ops.empty((max(layout.chunk_len(c) for c in range(n)),), np.float32)
+
+    def _nbytes(self, c: int) -> int:
+        return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
+
+    def _encode(self, acc: Any, c: int, msg: Any) -> Any:
+        """Select chunk c's share of k from ``acc`` into ``msg``; the rest is the residual."""
+        s = self.layout.chunk(c)
+        error = None if self.residual is None else self.residual[s]
+        if self.dense[c]:
+            self.ops.copy(msg.view(np.float32), acc)
+            if error is not None:
+                error[...] = 0
+            return msg
+        seed = mix_seed(self.seed, (self.layout.rank - c) % self.layout.n)
+        idx, val = self.comp.select(acc, self.k[c], seed=seed)
+        TopK.pack(idx, val, msg)
+        if error is not None:
+            self.ops.sparse_residual(acc, idx, error)
+        return msg
+
+    def _decode_add(self, msg: Any, c: int, acc: Any) -> None:
+        if self.dense[c]:
+            self.ops.reduce(ReduceOp.SUM, acc, msg.view(np.float32), acc)
+        else:
+            self.ops.scatter_add(acc, *TopK.unpack(msg))
+
+    def rs_first(self, c: int, j: int, slot: int) -> Any:
+        msg = self.staged[slot][: self._nbytes(c)]
+        return self._encode(self.work[self.layout.chunk(c)], c, msg)
+
+    def rs_recv(self, c: int, j: int, slot: int) -> Any:
+        return self.inbox[slot][: self._nbytes(c)]
+
+    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+        acc = self.acc[: self.layout.chunk_len(c)]
+        self.ops.copy(acc, self.work[self.layout.chunk(c)])
+        self._decode_add(buf, c, acc)
+        msg = self._encode(acc, c, self._slot(c))
+        if final:
+            self._write(msg, c)
+        return msg
+
+    def ag_recv(self, c: int, j: int) -> Any:
+        return self._slot(c)
+
+    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+        self._write(buf, c)
+        return buf
+
+    def _slot(self, c: int) -> Any:
+        return self.store[self.offsets[c]: self.offsets[c + 1]]
+
+    def _write(self, msg: Any, c: int) -> None:
+        acc = self.acc[: self.layout.chunk_len(c)]
+        acc[...] = 0
+        self._decode_add(msg, c, acc)
+        if self.op is ReduceOp.AVG:
+            self.ops.divide(acc, self.layout.n, acc)
+        self.ops.copy(self.out[self.layout.chunk(c)], acc)
+
+
+def ring_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+                   residual: Any | None, seed: int) -> None:
+    """Sparse-ring allreduce of float32 ``work`` (input plus residual) into ``out``."""
+    layout = ring.RingLayout.build(work.size, comm.size, comm.rank, max(work.size, 1))
+    ring.run(comm, layout, SparseRingCodec(comm, work, out, op, comp, residual, seed, layout))
+
+
+def allgather_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+                        residual: Any | None, seed: int) -> None:
+    """Gather every rank's k pairs and add them, rank by rank, on every rank."""
+    ops = _ops.get(work)
+    k = comp.k_for(work.size)
+    idx, val = comp.select(work, k, seed=seed)
+    if residual is not None:
+        ops.sparse_residual(work, idx, residual)
+    payload = TopK.pack(idx, val, ops.empty((8 * k,), np.uint8))
+    gathered = ops.empty((comm.size * 8 * k,), np.uint8)
+    comm._allgatherv(payload, [8 * k] * comm.size, gathered)
+    comm.stats.add(payload.nbytes * (comm.size - 1), payload.nbytes * (comm.size - 1))
+    acc = ops.zeros((work.size,), np.float32)
+    for r in range(comm.size):  # rank order: the same float32 sums on every rank
+        ops.scatter_add(acc, *TopK.unpack(gathered[r * 8 * k: (r + 1) * 8 * k]))
+    if op is ReduceOp.AVG:
+        ops.divide(acc, comm.size, acc)
+    ops.copy(out, acc)

@@ -1,0 +1,347 @@
+"""NumPy operations: the CPU implementation and the reference for the CUDA kernels.
+
+Every function here has a twin of the same name and signature in :mod:`ringcomm.ops.cuda`
+that must compute the same values (bit for bit where the arithmetic is exact, to float32
+rounding otherwise). Outputs are written into caller-provided arrays so the ring can reuse
+buffers and keep peak memory down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.comm.base import ReduceOp
+
+__all__ = [
+    "ascontiguous",
+    "cast_decode",
+    "cast_encode",
+    "cast_hop",
+    "cast_nbytes",
+    "compensate",
+    "copy",
+    "copy_from_host",
+    "divide",
+    "empty",
+    "int8_decode",
+    "int8_encode",
+    "int8_hop",
+    "int8_nbytes",
+    "reduce",
+    "sample_threshold",
+    "scatter_add",
+    "sparse_residual",
+    "to_host",
+    "topk",
+    "uniform",
+    "zero_nonfinite",
+    "zeros",
+]
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PROD: np.multiply,
+}
+
+xp = np
+
+
+def empty(shape: Any, dtype: Any) -> np.ndarray:
+    """An uninitialised array."""
+    return np.empty(shape, dtype=dtype)
+
+
+def zeros(shape: Any, dtype: Any) -> np.ndarray:
+    """An array of zeros."""
+    return np.zeros(shape, dtype=dtype)
+
+
+def ascontiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` itself when C-contiguous, else a contiguous copy."""
+    return np.ascontiguousarray(x)
+
+
+def to_host(x: np.ndarray) -> np.ndarray:
+    """``x`` as a host array (NumPy arrays already are)."""
+    return x
+
+
+def copy_from_host(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy host array ``src`` into ``dst`` (converting the dtype like ``copy``)."""
+    copy(dst, src)
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src`` into ``dst`` (same length), converting the dtype if they differ.
+
+    Values beyond the range of ``dst``'s dtype become infinities, as a cast does; no warning.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(dst, src, casting="unsafe")
+
+
+def reduce(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a (op) b`` elementwise; ``out`` may alias ``a`` or ``b``.
+
+    Mixed dtypes are computed in the wider one (a float32 partial sum plus a float16
+    contribution is a float32 addition) and rounded once into ``out``'s dtype.
+    """
+    ufunc = _UFUNCS[op]
+    if out.dtype == a.dtype == b.dtype:
+        ufunc(a, b, out=out)
+    else:
+        ufunc(a, b, out=out, casting="unsafe", dtype=np.result_type(a.dtype, b.dtype))
+
+
+def divide(x: np.ndarray, divisor: int, out: np.ndarray) -> None:
+    """``out = x / divisor``, computed in float32 for 16-bit floats, else in ``x``'s dtype."""
+    dt = np.dtype(np.float32) if x.dtype.itemsize == 2 else x.dtype
+    np.divide(x, dt.type(divisor), out=out, dtype=dt, casting="unsafe")
+
+
+# ------------------------------------------------------------------------- compression
+# Payload layouts (shared with kernels/*.cu):
+#   int8:  float32 scale per block, then one int8 per element, padded to 8 bytes
+#   f16/bf16: one 16-bit word per element, padded to 8 bytes
+#   top-k: k int32 indices (ascending), then k float32 values
+_F32 = np.float32
+_Q = np.float32(127.0)
+
+
+def pad8(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 8, so the next payload starts aligned."""
+    return (nbytes + 7) & ~7
+
+
+def int8_nbytes(n: int, block: int) -> int:
+    """Payload bytes of ``n`` elements quantized in blocks of ``block``."""
+    return pad8(4 * (-(-n // block)) + n)
+
+
+def _int8_views(payload: np.ndarray, n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    nb = -(-n // block)
+    return payload[: 4 * nb].view(_F32), payload[4 * nb: 4 * nb + n].view(np.int8)
+
+
+def _blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` as (full blocks x block) and its partial tail block."""
+    full = x.size // block * block
+    return x[:full].reshape(-1, block), x[full:]
+
+
+def _per_block(values: np.ndarray, x: np.ndarray, block: int, ufunc: np.ufunc,
+               out: np.ndarray) -> None:
+    """``out = ufunc(x, values[block of each element])``."""
+    xb, xt = _blocks(x, block)
+    ob, ot = _blocks(out, block)
+    ufunc(xb, values[: xb.shape[0], None], out=ob)
+    if xt.size:
+        ufunc(xt, values[-1], out=ot)
+
+
+def uniform(seed: int, base: int, n: int) -> np.ndarray:
+    """Counter-based uniforms in [0, 1): element i gets hash(seed, base + i) (as the kernels)."""
+    idx = np.arange(n, dtype=np.uint32) + np.uint32(base & 0xFFFFFFFF)
+    h = idx * np.uint32(0x9E3779B1) + np.uint32(seed & 0xFFFFFFFF)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x7FEB352D)
+    h ^= h >> np.uint32(15)
+    h *= np.uint32(0x846CA68B)
+    h ^= h >> np.uint32(16)
+    return (h >> np.uint32(8)).astype(_F32) * _F32(1.0 / (1 << 24))
+
+
+def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> None:
+    """``error = src - decoded``, with 0 where that is not finite (a NaN/Inf never becomes a
+    residual that would poison the following steps; the result already carries it)."""
+    with np.errstate(invalid="ignore"):
+        np.subtract(src, decoded, out=error)
+    zero_nonfinite(error)
+
+
+def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: bool = False,
+                seed: int = 0, base: int = 0, error: np.ndarray | None = None) -> None:
+    """Quantize float32 ``src`` into the int8 payload ``out``.
+
+    Per block: scale = absmax / 127; q = rint(x * (127 / absmax)), or floor(x * (127 / absmax)
+    + u) with counter-based uniforms u when ``stochastic``; q clipped to [-127, 127]. A block
+    holding NaN or Inf gets a NaN scale (it decodes to NaN); an all-zero block a zero scale.
+    ``error``, when given, receives ``src - decode(out)``.
+    """
+    n = src.size
+    scales, q = _int8_views(out, n, block)
+    sb, st = _blocks(src, block)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        absmax = np.empty(scales.size, _F32)
+        if sb.size:
+            np.abs(sb).max(axis=1, out=absmax[: sb.shape[0]])
+        if st.size:
+            absmax[-1] = np.abs(st).max()
+        np.divide(absmax, _Q, out=scales)
+        good = np.isfinite(absmax) & (absmax > 0)
+        inv = np.where(good, _Q / np.where(good, absmax, _F32(1)), _F32(0)).astype(_F32)
+        t = np.empty(n, _F32)
+        _per_block(inv, src, block, np.multiply, t)
+        if not good.all():
+            scales[~np.isfinite(absmax)] = np.nan
+            np.nan_to_num(t, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        if stochastic:
+            t += uniform(seed, base, n)
+            np.floor(t, out=t)
+        else:
+            np.rint(t, out=t)
+        np.clip(t, -_Q, _Q, out=t)
+    q[:] = t
+    if error is not None:
+        int8_decode(out, t, block)
+        _finite_error(src, t, error)
+
+
+def int8_decode(payload: np.ndarray, out: np.ndarray, block: int) -> None:
+    """``out = q * scale`` of each block of the int8 payload (``out`` is float32)."""
+    scales, q = _int8_views(payload, out.size, block)
+    with np.errstate(invalid="ignore"):
+        _per_block(scales, q.astype(_F32), block, np.multiply, out)
+
+
+def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, *,
+             stochastic: bool = False, seed: int = 0, base: int = 0,
+             error: np.ndarray | None = None) -> None:
+    """One reduce-scatter hop: decode ``payload``, add ``own``, re-quantize into ``out``."""
+    acc = np.empty(own.size, _F32)
+    int8_decode(payload, acc, block)
+    np.add(acc, own, out=acc)
+    int8_encode(acc, out, block, stochastic=stochastic, seed=seed, base=base, error=error)
+
+
+def cast_nbytes(n: int) -> int:
+    """Payload bytes of ``n`` elements cast to a 16-bit float."""
+    return pad8(2 * n)
+
+
+def _to_bf16_bits(src: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(src, dtype=_F32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = np.isnan(src)
+    if nan.any():
+        rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
+    return rounded.astype(np.uint16)
+
+
+def cast_encode(src: np.ndarray, out: np.ndarray, fmt: str, *,
+                error: np.ndarray | None = None) -> None:
+    """Round float32 ``src`` to ``fmt`` ("f16" or "bf16", nearest-even) into ``out``."""
+    words = out[: 2 * src.size]
+    if fmt == "f16":
+        with np.errstate(over="ignore"):
+            words.view(np.float16)[:] = src
+    else:
+        words.view(np.uint16)[:] = _to_bf16_bits(src)
+    if error is not None:
+        decoded = np.empty(src.size, _F32)
+        cast_decode(out, decoded, fmt)
+        _finite_error(src, decoded, error)
+
+
+def cast_decode(payload: np.ndarray, out: np.ndarray, fmt: str) -> None:
+    """Widen a 16-bit payload to float32 ``out``."""
+    words = payload[: 2 * out.size]
+    if fmt == "f16":
+        out[:] = words.view(np.float16)
+    else:
+        out.view(np.uint32)[:] = words.view(np.uint16).astype(np.uint32) << np.uint32(16)
+
+
+def cast_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, fmt: str, *,
+             error: np.ndarray | None = None) -> None:
+    """One reduce-scatter hop of a cast payload: decode, add ``own`` in float32, re-round."""
+    acc = np.empty(own.size, _F32)
+    cast_decode(payload, acc, fmt)
+    np.add(acc, own, out=acc)
+    cast_encode(acc, out, fmt, error=error)
+
+
+def _magnitude(x: np.ndarray) -> np.ndarray:
+    """|x| with NaN ranked above every number, so a NaN is always selected and propagates."""
+    mag = np.abs(x)
+    nan = np.isnan(mag)
+    if nan.any():
+        mag[nan] = np.inf
+    return mag
+
+
+def _top(mag: np.ndarray, k: int) -> np.ndarray:
+    return np.argpartition(mag, mag.size - k)[mag.size - k:]
+
+
+def sample_threshold(mag: np.ndarray, k: int, seed: int) -> float:
+    """DGC's estimate of the k-th largest magnitude from a strided sample of about 1%."""
+    n = mag.size
+    stride = max(1, n // max(1024, n // 100))
+    sample = mag[seed % stride:: stride]
+    want = min(sample.size, max(1, -(-k * sample.size // n)))
+    return float(np.partition(sample, sample.size - want)[sample.size - want])
+
+
+def topk(x: np.ndarray, k: int, *, approximate: bool = False,
+         seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` entries of float32 ``x`` largest in magnitude, as (int32 indices ascending,
+    float32 values).
+
+    Exact selection partitions the whole array. The approximate path (DGC) estimates the
+    threshold from a strided sample, keeps the entries at or above it in one pass (halving the
+    threshold while fewer than k pass), and selects among those: the same entries, ties aside,
+    for far less work on large arrays.
+    """
+    n = x.size
+    k = min(k, n)
+    if k <= 0:
+        return np.empty(0, np.int32), np.empty(0, _F32)
+    mag = _magnitude(x)
+    if approximate and n > 4 * k:
+        thr = sample_threshold(mag, k, seed)
+        cand = np.flatnonzero(mag >= thr)
+        for _ in range(3):  # the sample overshot: lower the bar a little, then give up
+            if cand.size >= k:
+                break
+            thr /= 2
+            cand = np.flatnonzero(mag >= thr)
+        if cand.size < k:
+            cand = np.arange(n)
+        idx = cand[_top(mag[cand], k)] if cand.size > k else cand
+    else:
+        idx = _top(mag, k)
+    idx = np.sort(idx).astype(np.int32)
+    return idx, x[idx].astype(_F32)
+
+
+def scatter_add(out: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
+    """``out[idx] += val`` for unique ``idx`` (one payload's indices never repeat)."""
+    out[idx] += val
+
+
+def compensate(x: np.ndarray, residual: np.ndarray | None, out: np.ndarray) -> None:
+    """``out = float32(x) + residual``: the error-feedback input of a compressed call."""
+    if residual is None:
+        np.copyto(out, x, casting="unsafe")
+    else:
+        np.add(x, residual, out=out, dtype=_F32, casting="unsafe")
+
+
+def zero_nonfinite(x: np.ndarray) -> None:
+    """Set NaN and Inf entries of ``x`` to 0, in place."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        x[bad] = 0
+
+
+def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None:
+    """``error = acc`` with the selected entries zeroed (what a top-k selection did not send)."""
+    np.copyto(error, acc)
+    error[idx] = 0
+    zero_nonfinite(error)

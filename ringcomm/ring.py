@@ -1,0 +1,329 @@
+"""The ring schedule: reduce-scatter then allgather, chunked and pipelined over ``isendrecv``.
+
+The flat array is cut into ``n`` chunks, one per rank, and every chunk into the same number of
+segments. In reduce-scatter step ``s`` rank ``r`` sends chunk ``r - s - 1`` to its right neighbour
+and receives chunk ``r - s - 2`` from its left one, adding its own contribution; after ``n - 1``
+steps it holds chunk ``r`` fully reduced. The allgather then passes the owners' bytes around the
+ring unchanged, so every rank ends with the same bits. Each exchange moves one segment; the
+receive of the next segment is posted before the current one is reduced, so that transfer and
+reduction overlap and the reduction reads a segment that is still in cache.
+
+What travels and how a received segment is combined is a *codec*'s business (dense arrays here;
+compressed payloads in :mod:`ringcomm.compress.ring`); this module only schedules.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm.comm.base import ReduceOp, accumulation_dtype
+
+if TYPE_CHECKING:
+    from ringcomm.comm.base import Communicator
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "WINDOW",
+    "RingCodec",
+    "RingLayout",
+    "allreduce",
+    "chunk_bounds",
+    "reduce_scatter",
+    "run",
+    "schedule",
+]
+
+# Measured on the 2-core benchmark machine (bench/results/): 1 MiB segments keep the
+# received segment in L2 while it is reduced, and amortise the per-message cost.
+DEFAULT_SEGMENT_BYTES = 1 << 20
+# Exchanges in flight: the one being reduced and the next one, already posted.
+WINDOW = 2
+
+
+def chunk_bounds(length: int, parts: int, align: int = 1) -> list[int]:
+    """Split ``length`` elements into ``parts`` near-equal runs of whole ``align``-blocks.
+
+    Returns ``parts + 1`` offsets; run ``i`` is ``[b[i], b[i + 1])``. Runs differ by at most one
+    block, the last block may be partial, and runs are empty when there are fewer blocks than
+    parts.
+    """
+    blocks = -(-length // align)
+    return [min(length, (i * blocks // parts) * align) for i in range(parts + 1)]
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Chunk and segment boundaries of a flat array of ``length`` elements over ``n`` ranks.
+
+    Every chunk has ``nseg`` segments, so the two ends of every exchange agree on its size.
+    """
+
+    length: int
+    n: int
+    rank: int
+    nseg: int
+    chunks: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    @functools.lru_cache(maxsize=256)
+    def build(cls, length: int, n: int, rank: int, seg_elems: int, align: int = 1) -> RingLayout:
+        """Lay out ``length`` elements in ``n`` chunks of segments of about ``seg_elems``.
+
+        Layouts are immutable and cached: a training loop reduces the same sizes every step.
+        """
+        chunks = chunk_bounds(length, n, align)
+        widest = max(chunks[c + 1] - chunks[c] for c in range(n))
+        nseg = max(1, math.ceil(widest / max(seg_elems, align)))
+        segments = []
+        for c in range(n):
+            inner = chunk_bounds(chunks[c + 1] - chunks[c], nseg, align)
+            segments.append(tuple(chunks[c] + b for b in inner))
+        return cls(length, n, rank, nseg, tuple(chunks), tuple(segments))
+
+    def chunk(self, c: int) -> slice:
+        """Element range of chunk ``c``."""
+        return slice(self.chunks[c], self.chunks[c + 1])
+
+    def seg(self, c: int, j: int) -> slice:
+        """Element range of segment ``j`` of chunk ``c``."""
+        s = self.segments[c]
+        return slice(s[j], s[j + 1])
+
+    def seg_len(self, c: int, j: int) -> int:
+        """Elements in segment ``j`` of chunk ``c``."""
+        s = self.segments[c]
+        return s[j + 1] - s[j]
+
+    def chunk_len(self, c: int) -> int:
+        """Elements in chunk ``c``."""
+        return self.chunks[c + 1] - self.chunks[c]
+
+    @property
+    def max_seg(self) -> int:
+        """Elements in the largest segment."""
+        return max(s[j + 1] - s[j] for s in self.segments for j in range(self.nseg))
+
+
+class RingCodec(Protocol):
+    """How a ring turns local data into messages and received messages into results.
+
+    The scheduler calls these in ring order; (c, j) is segment j of chunk c. ``slot`` is the
+    exchange's position in the window, for codecs that stage their messages.
+    """
+
+    def rs_first(self, c: int, j: int, slot: int) -> Any:
+        """The message carrying this rank's own data of (c, j), sent in the first step."""
+
+    def rs_recv(self, c: int, j: int, slot: int) -> Any:
+        """A buffer to receive a partial reduction of (c, j) into."""
+
+    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+        """Add this rank's contribution to the received partial; return the next message.
+
+        When ``final`` the chunk is this rank's own: finish it (average, write the result) and
+        return the message the allgather sends.
+        """
+
+    def ag_recv(self, c: int, j: int) -> Any:
+        """A buffer to receive the owner's message of (c, j) into."""
+
+    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+        """Write the result of (c, j) from the received message; return the message to forward."""
+
+
+def schedule(steps: int, nseg: int) -> list[tuple[int, int]]:
+    """The order of the (step, segment) exchanges: by anti-diagonal (step + segment).
+
+    Exchange (t, j) needs (t - 1, j) done, which lies on the previous diagonal, so exchanges of
+    one diagonal are independent and the next can be posted while one is reduced. The order
+    also brings every segment through its later steps (the allgather too) soon after its
+    first, while its data is still in cache.
+    """
+    order = []
+    for d in range(steps + nseg - 1):
+        for t in range(min(d, steps - 1), max(-1, d - nseg), -1):
+            order.append((t, d - t))
+    return order
+
+
+class _Unit(NamedTuple):
+    """One exchange of the schedule, with everything the loop needs precomputed."""
+
+    segment: int
+    send_chunk: int
+    recv_chunk: int
+    dep: int  # position of the exchange whose result this one sends; -1: own data
+    allgather: bool
+    final: bool  # the reduce-scatter step that completes this rank's own chunk
+
+
+@functools.lru_cache(maxsize=256)
+def _units(n: int, rank: int, nseg: int, allgather: bool) -> tuple[_Unit, ...]:
+    steps = (n - 1) * (2 if allgather else 1)
+    order = schedule(steps, nseg)
+    position = {unit: p for p, unit in enumerate(order)}
+    units = []
+    for t, j in order:
+        ag = t >= n - 1
+        sends = (rank - t + n - 1) if ag else (rank - t - 1)
+        dep = position[(t - 1, j)] if t else -1
+        units.append(_Unit(j, sends % n, (sends - 1) % n, dep, ag, t == n - 2))
+    return tuple(units)
+
+
+def run(comm: Communicator, layout: RingLayout, codec: RingCodec, *,
+        allgather: bool = True) -> None:
+    """Run the reduce-scatter (and the allgather, unless told not to) of ``layout``.
+
+    Step t < n - 1 is reduce-scatter step t, later steps are allgather steps. Every rank
+    walks the same schedule, so the k-th message a rank sends to its right neighbour is the
+    k-th that neighbour receives from its left.
+    """
+    n, r = layout.n, layout.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    units = _units(n, r, layout.nseg, allgather)
+    total = len(units)
+    produced: list[Any] = [None] * total
+    pending: list[Any] = [None] * total
+    isendrecv = comm.isendrecv
+    sent = received = 0
+    posted = 0
+    for p, unit in enumerate(units):
+        # Post what can go ahead: up to WINDOW exchanges whose messages are ready.
+        while posted < total and posted < p + WINDOW and units[posted].dep < p:
+            u, slot = units[posted], posted % WINDOW
+            if u.dep >= 0:
+                send = produced[u.dep]
+                produced[u.dep] = None
+            else:
+                send = codec.rs_first(u.send_chunk, u.segment, slot)
+            if u.allgather:
+                recv = codec.ag_recv(u.recv_chunk, u.segment)
+            else:
+                recv = codec.rs_recv(u.recv_chunk, u.segment, slot)
+            pending[posted] = (isendrecv(send, right, recv, left), recv)
+            sent += send.nbytes
+            received += recv.nbytes
+            posted += 1
+        request, buf = pending[p]
+        pending[p] = None
+        request.wait()
+        if unit.allgather:
+            produced[p] = codec.ag_done(buf, unit.recv_chunk, unit.segment)
+        else:
+            produced[p] = codec.rs_reduce(buf, unit.recv_chunk, unit.segment, unit.final)
+    comm.stats.add(sent, received)
+
+
+def staging(comm: Communicator, key: str, like: Any, n: int, dtype: Any) -> list[Any]:
+    """WINDOW reusable buffers of ``n`` elements, one per exchange in flight."""
+    return [comm.scratch(f"{key}{i}", like, n, dtype) for i in range(WINDOW)]
+
+
+class _SameDtype:
+    """Dense codec: partial sums in the output array itself; no staging copies."""
+
+    def __init__(self, comm: Communicator, x: Any, y: Any, op: ReduceOp,
+                 layout: RingLayout) -> None:
+        self.x, self.y, self.op, self.layout = x, y, op, layout
+        self.ops = _ops.get(x)
+        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, x.dtype)
+
+    def rs_first(self, c: int, j: int, slot: int) -> Any:
+        return self.x[self.layout.seg(c, j)]
+
+    def rs_recv(self, c: int, j: int, slot: int) -> Any:
+        s = self.layout.seg(c, j)
+        return self.tmp[slot][: s.stop - s.start]
+
+    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+        s = self.layout.seg(c, j)
+        out = self.y[s]
+        self.ops.reduce(self.op, buf, self.x[s], out)
+        if final and self.op is ReduceOp.AVG:
+            self.ops.divide(out, self.layout.n, out)
+        return out
+
+    def ag_recv(self, c: int, j: int) -> Any:
+        return self.y[self.layout.seg(c, j)]
+
+    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+        return buf
+
+
+class _Widened(_SameDtype):
+    """Dense codec for 16-bit floats: partial sums travel in float32, rounded once by the owner."""
+
+    def __init__(self, comm: Communicator, x: Any, y: Any, op: ReduceOp,
+                 layout: RingLayout) -> None:
+        super().__init__(comm, x, y, op, layout)
+        acc = accumulation_dtype(np.dtype(x.dtype))
+        widest = max(layout.chunk_len(c) for c in range(layout.n))
+        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, acc)
+        self.staged = staging(comm, "ring.send", x, layout.max_seg, acc)
+        # Partials of step s are sent in step s + 1 while step s + 1 makes its own: two chunks.
+        self.partials = [self.ops.empty((widest,), acc) for _ in range(2)]
+
+    def rs_first(self, c: int, j: int, slot: int) -> Any:
+        s = self.layout.seg(c, j)
+        out = self.staged[slot][: s.stop - s.start]
+        self.ops.copy(out, self.x[s])
+        return out
+
+    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+        s = self.layout.seg(c, j)
+        if final:
+            self.ops.reduce(self.op, buf, self.x[s], buf)
+            if self.op is ReduceOp.AVG:
+                self.ops.divide(buf, self.layout.n, self.y[s])
+            else:
+                self.ops.copy(self.y[s], buf)
+            return self.y[s]
+        step = (self.layout.rank - c - 2) % self.layout.n
+        lo = s.start - self.layout.chunks[c]
+        out = self.partials[step % 2][lo: lo + s.stop - s.start]
+        self.ops.reduce(self.op, buf, self.x[s], out)
+        return out
+
+
+def _codec(comm: Communicator, x: Any, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
+    widen = accumulation_dtype(np.dtype(x.dtype)) != x.dtype
+    return (_Widened if widen else _SameDtype)(comm, x, y, op, layout)
+
+
+def _single(x: Any, out: Any, op: ReduceOp) -> None:
+    ops = _ops.get(x)
+    if out is not x:
+        ops.copy(out, x)
+
+
+def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp) -> None:
+    """Ring-allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``)."""
+    if comm.size == 1:
+        _single(x, out, op)
+        return
+    seg = max(1, comm.segment_bytes // x.dtype.itemsize)
+    layout = RingLayout.build(x.size, comm.size, comm.rank, seg)
+    run(comm, layout, _codec(comm, x, out, op, layout))
+
+
+def reduce_scatter(comm: Communicator, x: Any, op: ReduceOp) -> Any:
+    """Reduce flat ``x`` over the ring and return this rank's chunk (a new array)."""
+    ops = _ops.get(x)
+    layout = RingLayout.build(x.size, comm.size, comm.rank,
+                              max(1, comm.segment_bytes // x.dtype.itemsize))
+    mine = layout.chunk(comm.rank)
+    if comm.size == 1:
+        out = ops.empty((x.size,), x.dtype)
+        _single(x, out, op)
+        return out
+    y = ops.empty((x.size,), x.dtype)
+    run(comm, layout, _codec(comm, x, y, op, layout), allgather=False)
+    return y[mine].copy()

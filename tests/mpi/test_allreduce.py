@@ -1,0 +1,139 @@
+"""Dense allreduce and reduce-scatter over the ring, against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_helpers import reference, same_on_all_ranks, tolerance
+
+from ringcomm.comm.agree import INLINE_BYTES
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def lengths(size: int) -> list[int]:
+    """Edge lengths: empty, one element, fewer than ranks, not divisible, inline edge, large."""
+    return sorted({0, 1, 2, max(size - 1, 1), size + 1, 1000, INLINE_BYTES // 4,
+                   INLINE_BYTES // 4 + 1, 300_001})
+
+
+def make(rng: np.random.Generator, n: int, dtype: str, op: str) -> np.ndarray:
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-3 if op == "prod" else -1000, 4 if op == "prod" else 1000, n).astype(
+            dtype)
+    scale = 1.0 if op != "prod" else 0.5
+    return (rng.uniform(0.5, 1.5, n) * scale * rng.choice([-1, 1], n)).astype(dtype)
+
+
+def check(world, x: np.ndarray, y: np.ndarray, op: str) -> None:
+    ref = reference(world, x, op)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if x.dtype.kind == "i":
+        np.testing.assert_array_equal(y, ref.astype(x.dtype))
+    else:
+        tol = tolerance(x.dtype, world.Get_size(), op)
+        scale = np.abs(reference(world, np.abs(x.astype(np.float64)), "sum"))
+        if op == "prod":
+            scale = np.abs(ref)
+        if op == "avg":
+            scale = scale / world.Get_size()
+        np.testing.assert_array_less(np.abs(y.astype(np.float64) - ref), tol * scale + 1e-30)
+    assert same_on_all_ranks(world, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_matches_reference(comm, world, rng, dtype, op):
+    if op == "avg" and np.dtype(dtype).kind == "i":
+        pytest.skip("avg is refused for integers (tested in test_errors)")
+    for n in lengths(comm.size):
+        x = make(rng, n, dtype, op)
+        before = x.copy()
+        y = comm.allreduce(x, op=op)
+        np.testing.assert_array_equal(x, before)  # input untouched
+        check(world, x, y, op)
+
+
+@pytest.mark.parametrize("segment_bytes", [64, 4096, 1 << 20])
+def test_segmentation_and_pipelining(comm, world, rng, segment_bytes):
+    """Many segments per chunk (deep pipelining), few, and one, all give the same sums."""
+    saved = comm.segment_bytes
+    comm.segment_bytes = segment_bytes
+    try:
+        for n in (INLINE_BYTES, 10_007, 123_457):
+            x = rng.standard_normal(n).astype(np.float32)
+            check(world, x, comm.allreduce(x), "sum")
+            h = rng.standard_normal(n).astype(np.float16)
+            check(world, h, comm.allreduce(h, op="avg"), "avg")
+    finally:
+        comm.segment_bytes = saved
+
+
+def test_in_place_and_out(comm, world, rng):
+    x = rng.standard_normal(50_000).astype(np.float32)
+    ref = comm.allreduce(x)
+    out = np.empty_like(x)
+    assert comm.allreduce(x, out=out) is out
+    np.testing.assert_array_equal(out, ref)
+    y = x.copy()
+    assert comm.allreduce(y, out=y) is y
+    np.testing.assert_array_equal(y, ref)
+
+
+def test_shape_preserved_and_noncontiguous(comm, world, rng):
+    base = rng.standard_normal((64, 70)).astype(np.float64)
+    x = base[:, ::2]  # strided view
+    assert not x.flags.c_contiguous
+    y = comm.allreduce(x)
+    assert y.shape == (64, 35)
+    check(world, np.ascontiguousarray(x), y, "sum")
+    out = np.zeros((35, 64)).T  # a non-contiguous output
+    comm.allreduce(x, out=out)
+    np.testing.assert_array_equal(out, y)
+    small = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    assert comm.allreduce(small).shape == (3, 4, 5)
+    scalar = np.array(2.5)
+    assert comm.allreduce(scalar) == pytest.approx(2.5 * comm.size)
+
+
+def test_float16_accumulates_in_float32(comm, world):
+    """Many small float16 values: per-hop float16 rounding would lose them, float32 does not."""
+    x = np.full(10_000, 1e-3, dtype=np.float16)
+    y = comm.allreduce(x)
+    exact = np.float64(np.float16(1e-3)) * comm.size
+    assert np.all(np.abs(y.astype(np.float64) - exact) <= np.finfo(np.float16).eps * exact)
+
+
+def test_reduce_scatter(comm, world, rng):
+    for n in lengths(comm.size):
+        x = rng.standard_normal(n)
+        mine = comm.reduce_scatter(x)
+        ref = reference(world, x, "sum")
+        lo, hi = comm.rank * n // comm.size, (comm.rank + 1) * n // comm.size
+        assert mine.shape == (hi - lo,)
+        np.testing.assert_allclose(mine, ref[lo:hi], rtol=1e-12, atol=1e-12)
+    x = rng.integers(0, 100, (6, 7)).astype(np.int64)
+    mine = comm.reduce_scatter(x, op="max")
+    ref = reference(world, x, "max").reshape(-1)
+    lo, hi = comm.rank * 42 // comm.size, (comm.rank + 1) * 42 // comm.size
+    np.testing.assert_array_equal(mine, ref[lo:hi])
+
+
+def test_stats_count_wire_bytes(comm, world, rng):
+    n = comm.size
+    x = rng.standard_normal(1 << 16).astype(np.float32)
+    comm.stats.reset()
+    comm.allreduce(x)
+    assert comm.stats.calls == 1
+    if n == 1:
+        assert comm.stats.bytes_sent == comm.stats.bytes_received == 0
+        return
+    # The ring moves 2(n-1)/n of the array; the agreement header exchange adds a fixed amount.
+    ring_bytes = 2 * (n - 1) * (x.nbytes // n)
+    assert ring_bytes <= comm.stats.bytes_sent <= ring_bytes + 2 * (n - 1) * 8192
+    total_sent = world.allreduce(comm.stats.bytes_sent)
+    total_received = world.allreduce(comm.stats.bytes_received)
+    assert total_sent == total_received
+    comm.stats.reset()
+    assert (comm.stats.bytes_sent, comm.stats.bytes_received, comm.stats.calls) == (0, 0, 0)

@@ -1,0 +1,63 @@
+"""allgather, allgatherv, broadcast, sendrecv, barrier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_helpers import gather_inputs, same_on_all_ranks
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (5,), (3, 4), (1000, 3)])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+def test_allgather(comm, world, rng, shape, dtype):
+    x = (rng.standard_normal(shape) * 100).astype(dtype)
+    y = comm.allgather(x)
+    assert y.shape == (shape[0] * comm.size, *shape[1:])
+    np.testing.assert_array_equal(y, np.concatenate(world.allgather(x)))
+
+
+def test_allgatherv_sizes_differ(comm, world, rng):
+    rows = (comm.rank * 3 + 1) % 5  # 0 rows on some ranks
+    x = rng.standard_normal((rows, 4)).astype(np.float32)
+    y = comm.allgatherv(x)
+    parts = world.allgather(x)
+    assert y.shape == (sum(p.shape[0] for p in parts), 4)
+    np.testing.assert_array_equal(y, np.concatenate(parts))
+    assert same_on_all_ranks(world, y)
+
+
+@pytest.mark.parametrize("root", [0, -1])
+def test_broadcast(comm, world, rng, root):
+    root = root % comm.size
+    x = rng.standard_normal((17, 3))
+    expected = world.bcast(x if comm.rank == root else None, root=root)
+    assert comm.broadcast(x, root=root) is x
+    np.testing.assert_array_equal(x, expected)
+    strided = np.zeros((10, 10))[:, ::3]
+    if comm.rank == root:
+        strided[...] = 7
+    comm.broadcast(strided, root=root)
+    assert np.all(strided == 7)
+
+
+def test_sendrecv_ring_shift(comm, world):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    send = np.full(1000, comm.rank, dtype=np.int32)
+    recv = np.empty_like(send)
+    assert comm.sendrecv(send, right, recv, left) is recv
+    assert np.all(recv == left)
+
+
+def test_sendrecv_does_not_cross_collectives(comm, world, rng):
+    """A user's point-to-point messages never match a collective's (separate channels)."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    x = rng.standard_normal(100_000)
+    y = comm.allreduce(x)
+    recv = np.empty(3)
+    comm.sendrecv(np.full(3, float(comm.rank)), right, recv, left)
+    assert np.all(recv == left)
+    np.testing.assert_allclose(y, gather_inputs(world, x).sum(axis=0), rtol=1e-12, atol=1e-12)
+
+
+def test_barrier(comm):
+    comm.barrier()

@@ -1,0 +1,140 @@
+"""Bad input: the same clear error on every rank, never a hang, and the communicator survives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringcomm
+
+
+def usable(comm) -> None:
+    """The communicator still works after an error."""
+    y = comm.allreduce(np.ones(10_000, dtype=np.float32))
+    assert np.all(y == comm.size)
+
+
+def needs_two(comm) -> None:
+    if comm.size < 2:
+        pytest.skip("needs at least 2 ranks")
+
+
+def test_lengths_differ(comm):
+    needs_two(comm)
+    n = 1000 + (comm.rank == 1) * 24
+    with pytest.raises(ValueError, match=r"shape differs between ranks: \(1000,\) on rank"):
+        comm.allreduce(np.ones(n, dtype=np.float32))
+    big = 102_400 if comm.rank == 1 else 100_000
+    with pytest.raises(ValueError, match=r"\(100000,\) on rank.*\(102400,\) on rank 1"):
+        comm.allreduce(np.ones(big, dtype=np.float32))
+    usable(comm)
+
+
+def test_dtypes_differ(comm):
+    needs_two(comm)
+    dtype = np.float64 if comm.rank == 1 else np.float32
+    with pytest.raises(TypeError, match=r"dtype differs between ranks: float32 on rank.*float64 "
+                                        r"on rank 1"):
+        comm.allreduce(np.ones(100_000, dtype=dtype))
+    usable(comm)
+
+
+def test_ops_differ(comm):
+    needs_two(comm)
+    op = "max" if comm.rank == 1 else "sum"
+    with pytest.raises(ValueError, match="op differs between ranks"):
+        comm.allreduce(np.ones(10, dtype=np.float32), op=op)
+    usable(comm)
+
+
+def test_invalid_op_on_one_rank(comm):
+    op = "median" if comm.rank == comm.size - 1 else "sum"
+    with pytest.raises(ValueError, match=f"allreduce failed on rank {comm.size - 1}: unknown op "
+                                         "'median'"):
+        comm.allreduce(np.ones(10, dtype=np.float32), op=op)
+    usable(comm)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.bool_, object, np.int8, np.uint32])
+def test_unsupported_dtype(comm, dtype):
+    x = np.ones(8, dtype=dtype)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        comm.allreduce(x)
+    usable(comm)
+
+
+def test_unsupported_dtype_on_one_rank_only(comm):
+    x = np.ones(8, dtype=np.complex128 if comm.rank == 0 else np.float64)
+    with pytest.raises(TypeError, match="failed on rank 0: unsupported dtype complex128"):
+        comm.allreduce(x)
+    usable(comm)
+
+
+def test_avg_of_integers_refused(comm):
+    with pytest.raises(TypeError, match="'avg' needs a floating dtype, got int32"):
+        comm.allreduce(np.ones(8, dtype=np.int32), op="avg")
+    usable(comm)
+
+
+def test_not_an_array(comm):
+    with pytest.raises(TypeError, match="expected a NumPy or CuPy array, got list"):
+        comm.allreduce([1.0, 2.0])
+    usable(comm)
+
+
+def test_out_mismatch(comm):
+    x = np.ones(8, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"out has shape \(9,\), expected \(8,\)"):
+        comm.allreduce(x, out=np.empty(9, np.float32))
+    with pytest.raises(TypeError, match="out has dtype float64, expected float32"):
+        comm.allreduce(x, out=np.empty(8, np.float64))
+    usable(comm)
+
+
+def test_broadcast_root_differs(comm):
+    needs_two(comm)
+    with pytest.raises(ValueError, match="root differs between ranks"):
+        comm.broadcast(np.ones(4), root=comm.rank % 2)
+    with pytest.raises(ValueError, match=r"root must be a rank in \[0, "):
+        comm.broadcast(np.ones(4), root=comm.size)
+    usable(comm)
+
+
+def test_allgather_shapes_differ(comm):
+    needs_two(comm)
+    with pytest.raises(ValueError, match="use allgatherv"):
+        comm.allgather(np.ones(3 + comm.rank))
+    assert comm.allgatherv(np.ones(3 + comm.rank)).shape == (sum(3 + r for r in range(comm.size)),)
+
+
+def test_allgatherv_trailing_shapes_differ(comm):
+    needs_two(comm)
+    with pytest.raises(ValueError, match="shape after the first dimension differs"):
+        comm.allgatherv(np.ones((2, 3 + comm.rank)))
+    usable(comm)
+
+
+def test_closed_communicator():
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    c.close()
+    c.close()  # idempotent
+    assert c.closed
+    for call in (lambda: c.allreduce(np.ones(3)), lambda: c.broadcast(np.ones(3)),
+                 lambda: c.allgather(np.ones(3)), c.barrier):
+        with pytest.raises(RuntimeError, match="communicator is closed"):
+            call()
+
+
+def test_consistency_check_can_be_switched_off(comm):
+    c = ringcomm.init("mpi", consistency_check=False, abort_on_exception=False)
+    try:
+        assert not c.consistency_check
+        x = np.arange(5000, dtype=np.float64)
+        np.testing.assert_array_equal(c.allreduce(x), x * c.size)
+        np.testing.assert_array_equal(c.allreduce(x[:7]), x[:7] * c.size)
+        # Without the check, an invalid argument raises on its own rank only: here every rank
+        # passes the same invalid op, so every rank raises and nothing waits.
+        with pytest.raises(ValueError, match="unknown op"):
+            c.allreduce(x, op="bogus")
+    finally:
+        c.close()

@@ -1,0 +1,37 @@
+"""Run pytest in one rank of an mpiexec job, its output in a log file unless it is rank 0.
+
+    mpiexec -n 4 python tests/mpi_pytest.py tests/mpi [pytest arguments]
+
+The redirection happens before pytest starts (pytest keeps the original descriptors for its
+terminal), so the console shows rank 0 alone; the others write to
+``$RINGCOMM_TEST_LOGDIR/rank<r>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ringcomm.comm.launch import detect
+
+
+def main() -> int:
+    info = detect()
+    if info.rank != 0:
+        logdir = Path(os.environ.get("RINGCOMM_TEST_LOGDIR", f"logs/mpi-n{info.size}"))
+        logdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(logdir / f"rank{info.rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                     0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    import pytest
+
+    return pytest.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""A rank that dies (or raises) mid-collective ends the whole job, non-zero, within 60 s."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = r"""
+import os, signal, sys, time
+import numpy as np
+import ringcomm
+
+how = sys.argv[1]
+comm = ringcomm.init("mpi")
+x = np.ones(1 << 22, dtype=np.float32)
+comm.allreduce(x)                       # everyone is up
+if comm.rank == 1:
+    time.sleep(0.5)                     # the others are inside the next allreduce by now
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "exit":
+        os._exit(3)
+    else:
+        raise RuntimeError("rank 1 fails mid-job")
+comm.allreduce(x)
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "exit", "raise"])
+def test_dead_rank_ends_the_job(mpiexec, subprocess_env, tmp_path, how):
+    script = tmp_path / "die.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(script), how],
+                          capture_output=True, text=True, timeout=90, env=subprocess_env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+    assert "unreachable" not in proc.stdout
+    if how == "raise":
+        assert "rank 1 fails mid-job" in proc.stderr
