@@ -16,9 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringcomm.comm.launch import detect
+from ringcomm.comm.mpi import yield_when_oversubscribed
 
 
 def main() -> int:
+    yield_when_oversubscribed()  # before the test modules import mpi4py
     info = detect()
     if info.rank != 0:
         logdir = Path(os.environ.get("RINGCOMM_TEST_LOGDIR", f"logs/mpi-n{info.size}"))

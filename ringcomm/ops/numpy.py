@@ -8,6 +8,7 @@ buffers and keep peak memory down.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -164,56 +165,83 @@ def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> No
     zero_nonfinite(error)
 
 
+def _scratch(tag: str, n: int, dtype: Any = _F32) -> np.ndarray:
+    """A per-thread reusable buffer: the codecs run segment after segment, and fresh arrays
+    would page-fault on every one."""
+    cache = _SCRATCH.__dict__
+    buf = cache.get(tag)
+    if buf is None or buf.size < n or buf.dtype != dtype:
+        buf = cache[tag] = np.empty(max(n, 1), dtype)
+    return buf[:n]
+
+
+_SCRATCH = threading.local()
+# Blocks whose absmax lies outside [_TINY, _HUGE] (zero, subnormal-small, Inf, NaN) quantize to
+# q = 0; 127 / absmax is finite for every block inside.
+_TINY = np.float32(127) / np.finfo(np.float32).max
+_HUGE = np.finfo(np.float32).max
+
+
+def _block_absmax(src: np.ndarray, block: int, out: np.ndarray, tmp: np.ndarray) -> None:
+    """``out[b] = max |src|`` over block b (NaN if the block holds one)."""
+    np.abs(src, out=tmp)
+    full, tail = _blocks(tmp, block)
+    if full.size:
+        full.max(axis=1, out=out[: full.shape[0]])
+    if tail.size:
+        out[-1] = tail.max()
+
+
 def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: bool = False,
                 seed: int = 0, base: int = 0, error: np.ndarray | None = None) -> None:
     """Quantize float32 ``src`` into the int8 payload ``out``.
 
     Per block: scale = absmax / 127; q = rint(x * (127 / absmax)), or floor(x * (127 / absmax)
-    + u) with counter-based uniforms u when ``stochastic``; q clipped to [-127, 127]. A block
-    holding NaN or Inf gets a NaN scale (it decodes to NaN); an all-zero block a zero scale.
-    ``error``, when given, receives ``src - decode(out)``.
+    + u) clipped to [-127, 127] with counter-based uniforms u when ``stochastic``. A block whose
+    absmax is 0, below 127 / FLT_MAX, Inf or NaN gets q = 0: it decodes to 0 (tiny blocks, whose
+    values then stay in the residual) or to NaN (q * Inf, q * NaN: a non-finite input never
+    turns finite). ``error``, when given, receives ``src - decode(out)`` (0 where not finite).
     """
     n = src.size
     scales, q = _int8_views(out, n, block)
-    sb, st = _blocks(src, block)
+    t = _scratch("int8.t", n)
+    absmax = _scratch("int8.absmax", scales.size)
+    _block_absmax(src, block, absmax, t)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        absmax = np.empty(scales.size, _F32)
-        if sb.size:
-            np.abs(sb).max(axis=1, out=absmax[: sb.shape[0]])
-        if st.size:
-            absmax[-1] = np.abs(st).max()
         np.divide(absmax, _Q, out=scales)
-        good = np.isfinite(absmax) & (absmax > 0)
-        inv = np.where(good, _Q / np.where(good, absmax, _F32(1)), _F32(0)).astype(_F32)
-        t = np.empty(n, _F32)
+        good = (absmax >= _TINY) & (absmax <= _HUGE)
+        clean = bool(good.all())
+        inv = np.divide(_Q, absmax, out=np.zeros_like(absmax), where=good)
         _per_block(inv, src, block, np.multiply, t)
-        if not good.all():
-            scales[~np.isfinite(absmax)] = np.nan
+        if not clean:  # x * 0 is NaN for x = +-Inf or NaN
             np.nan_to_num(t, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
         if stochastic:
             t += uniform(seed, base, n)
             np.floor(t, out=t)
+            np.clip(t, -_Q, _Q, out=t)
         else:
-            np.rint(t, out=t)
-        np.clip(t, -_Q, _Q, out=t)
-    q[:] = t
-    if error is not None:
-        int8_decode(out, t, block)
-        _finite_error(src, t, error)
+            np.rint(t, out=t)  # |x * inv| <= 127 rounds to at most 127: no clip needed
+        np.copyto(q, t, casting="unsafe")
+        if error is not None:
+            _per_block(scales, t, block, np.multiply, t)  # t holds q exactly: this is decode
+            np.subtract(src, t, out=error)
+            if not clean:
+                zero_nonfinite(error)
 
 
 def int8_decode(payload: np.ndarray, out: np.ndarray, block: int) -> None:
     """``out = q * scale`` of each block of the int8 payload (``out`` is float32)."""
     scales, q = _int8_views(payload, out.size, block)
+    np.copyto(out, q, casting="unsafe")
     with np.errstate(invalid="ignore"):
-        _per_block(scales, q.astype(_F32), block, np.multiply, out)
+        _per_block(scales, out, block, np.multiply, out)
 
 
 def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, *,
              stochastic: bool = False, seed: int = 0, base: int = 0,
              error: np.ndarray | None = None) -> None:
     """One reduce-scatter hop: decode ``payload``, add ``own``, re-quantize into ``out``."""
-    acc = np.empty(own.size, _F32)
+    acc = _scratch("int8.acc", own.size)
     int8_decode(payload, acc, block)
     np.add(acc, own, out=acc)
     int8_encode(acc, out, block, stochastic=stochastic, seed=seed, base=base, error=error)
