@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-o", "--op", default="sum", choices=[o.value for o in ReduceOp])
     p.add_argument("--backend", default="auto", choices=["auto", "mpi", "nccl"])
     p.add_argument("--compression", default="none",
-                   help="comma list of none, fp16, bf16, int8[:block], topk:RATIO[:ring|allgather]")
+                   help="comma list of none, fp16, bf16, int8[:block], "
+                        "topk:RATIO[:ring|allgather], auto, auto:topk")
     p.add_argument("--baseline", default="mpi",
                    help="comma list of mpi, gloo, nccl, none (default: mpi)")
     p.add_argument("--segment-bytes", type=parse_size, default=None)
@@ -72,6 +73,10 @@ def parse_compression(spec: str) -> Any:
     name, *params = spec.strip().lower().split(":")
     if name == "none":
         return None
+    if name == "auto":
+        # auto:topk allows top-k at 1% besides fp16 and int8
+        extra = (ringcomm.TopK(0.01),) if params and params[0] == "topk" else ()
+        return ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8(), *extra))
     if name == "fp16":
         return ringcomm.FP16()
     if name == "bf16":
@@ -221,6 +226,7 @@ def _host(x: Any) -> np.ndarray:
 # ------------------------------------------------------------------------------- baselines
 def _gloo_group(world: Any) -> Any:
     import torch.distributed as dist
+
     from ringcomm.torch.process_group import init_process_group_from_mpi
 
     if not dist.is_initialized():

@@ -22,13 +22,14 @@ from typing import Any
 from ringcomm.comm.base import CommStats, Communicator, ReduceOp
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
-from ringcomm.compress import BF16, FP16, Compressor, ErrorFeedback, Int8, TopK
+from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BF16",
     "FP16",
+    "Auto",
     "CommStats",
     "Communicator",
     "Compressor",

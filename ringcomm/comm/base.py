@@ -177,6 +177,8 @@ class Communicator(abc.ABC):
         self._compressed_calls = 0
         self._buffers: dict[tuple[Any, ...], Any] = {}
         self._plans: dict[tuple[Any, ...], tuple[agree.CallSpec, ReduceOp]] = {}
+        self._auto_figures: dict[str, Any] = {}  # link and compressor figures of "auto"
+        self._default_auto: Any = None
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -258,7 +260,8 @@ class Communicator(abc.ABC):
                 place. A new array is returned when omitted.
             op: "sum", "avg", "min", "max" or "prod"; compressed calls take "sum" or "avg".
             compression: a compressor (``FP16()``, ``BF16()``, ``Int8()``, ``TopK()``) for what
-                the ring sends; None sends the dtype as it is.
+                the ring sends; None sends the dtype as it is; "auto" (or an ``Auto``) picks
+                per call the fastest of the allowed choices for this link and size.
             feedback: an ErrorFeedback that keeps, under ``name``, what compression did not
                 send and adds it to the next call.
             name: the tensor's name; required with ``feedback``, and checked to match across
@@ -274,6 +277,8 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._ensure_open()
+        if isinstance(compression, str) and compression == "auto":
+            compression = self._auto()
         dense = compression is None and feedback is None
         spec, rop = self._dense_plan(x, out, op) if dense else (None, None)
         if spec is None:
@@ -299,7 +304,10 @@ class Communicator(abc.ABC):
             self._allreduce_dense(_flat(x), flat_out, rop)
         else:
             from ringcomm.compress import algorithms
+            from ringcomm.compress.auto import Auto
 
+            if isinstance(compression, Auto):
+                compression = compression.resolve(self, x)
             self._compressed_calls += 1
             algorithms.allreduce(self, _flat(x), flat_out, rop, compression, feedback, name)
         if not direct:
@@ -411,6 +419,13 @@ class Communicator(abc.ABC):
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
             raise ValueError(f"{label} must be a rank in [0, {self._size}), got {r!r}")
         return int(r)
+
+    def _auto(self) -> Any:
+        if self._default_auto is None:
+            from ringcomm.compress.auto import Auto
+
+            self._default_auto = Auto()
+        return self._default_auto
 
     def _dense_plan(self, x: Any, out: Any, op: Any) -> tuple[Any, Any]:
         """The checked spec of an uncompressed allreduce seen before, or (None, None).

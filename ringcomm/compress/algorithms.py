@@ -21,22 +21,27 @@ def _algorithm(comp: Compressor) -> Any:
     return ring.allreduce
 
 
-def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compressor,
+def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compressor | None,
               feedback: ErrorFeedback | None, name: str | None) -> None:
     """Compressed allreduce of flat ``x`` into flat ``out`` (arguments already checked).
 
     The input plus this rank's residual is what gets compressed; the residual is then
-    overwritten with everything this rank did not send.
+    overwritten with everything this rank did not send. ``comp`` None (what "auto" may pick)
+    sends input plus residual dense, spending the residual.
     """
     ops = _ops.get(x)
     residual = feedback.take(name, x) if feedback is not None else None
     work = ops.empty((x.size,), np.float32)
     ops.compensate(x, residual, work)
-    if comm.size == 1:
-        # Nothing travels, so nothing is lost: the residual is spent in full.
+    if comm.size == 1 or comp is None:
+        # Nothing is lost (nothing travels, or it travels dense): the residual is spent.
+        if comp is not None:
+            ops.copy(out, work)
+        else:
+            comm._allreduce_dense(work, work, op)
+            ops.copy(out, work)
         if residual is not None:
             residual[...] = 0
-        ops.copy(out, work)
         return
     seed = ring.mix_seed(comm._compressed_calls, comm.rank)
     _algorithm(comp)(comm, work, out, op, comp, residual, seed)

@@ -42,10 +42,8 @@ class SparseRingCodec:
     def _nbytes(self, c: int) -> int:
         return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
 
-    def _encode(self, acc: Any, c: int, msg: Any) -> Any:
-        """Select chunk c's share of k from ``acc`` into ``msg``; the rest is the residual."""
-        s = self.layout.chunk(c)
-        error = None if self.residual is None else self.residual[s]
+    def _encode(self, acc: Any, c: int, msg: Any, error: Any | None) -> Any:
+        """Select chunk c's share of k from ``acc`` into ``msg``; the rest goes to ``error``."""
         if self.dense[c]:
             self.ops.copy(msg.view(np.float32), acc)
             if error is not None:
@@ -64,18 +62,23 @@ class SparseRingCodec:
         else:
             self.ops.scatter_add(acc, *TopK.unpack(msg))
 
+    def _error(self, c: int) -> Any | None:
+        return None if self.residual is None else self.residual[self.layout.chunk(c)]
+
     def rs_first(self, c: int, j: int, slot: int) -> Any:
         msg = self.staged[slot][: self._nbytes(c)]
-        return self._encode(self.work[self.layout.chunk(c)], c, msg)
+        return self._encode(self.work[self.layout.chunk(c)], c, msg, self._error(c))
 
     def rs_recv(self, c: int, j: int, slot: int) -> Any:
         return self.inbox[slot][: self._nbytes(c)]
 
     def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
-        acc = self.acc[: self.layout.chunk_len(c)]
+        # Accumulate in the residual itself: what the selection leaves there is the new residual.
+        error = self._error(c)
+        acc = self.acc[: self.layout.chunk_len(c)] if error is None else error
         self.ops.copy(acc, self.work[self.layout.chunk(c)])
         self._decode_add(buf, c, acc)
-        msg = self._encode(acc, c, self._slot(c))
+        msg = self._encode(acc, c, self._slot(c), error)
         if final:
             self._write(msg, c)
         return msg
@@ -91,12 +94,18 @@ class SparseRingCodec:
         return self.store[self.offsets[c]: self.offsets[c + 1]]
 
     def _write(self, msg: Any, c: int) -> None:
-        acc = self.acc[: self.layout.chunk_len(c)]
-        acc[...] = 0
-        self._decode_add(msg, c, acc)
+        """Decode an owner's message into the result (every rank decodes the same bytes)."""
+        out = self.out[self.layout.chunk(c)]
+        acc = out if out.dtype == np.float32 else self.acc[: self.layout.chunk_len(c)]
+        if self.dense[c]:
+            self.ops.copy(acc, msg.view(np.float32))
+        else:
+            acc[...] = 0
+            self.ops.scatter_add(acc, *TopK.unpack(msg))
         if self.op is ReduceOp.AVG:
             self.ops.divide(acc, self.layout.n, acc)
-        self.ops.copy(self.out[self.layout.chunk(c)], acc)
+        if acc is not out:
+            self.ops.copy(out, acc)
 
 
 def ring_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,

@@ -369,7 +369,13 @@ def zero_nonfinite(x: np.ndarray) -> None:
 
 
 def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None:
-    """``error = acc`` with the selected entries zeroed (what a top-k selection did not send)."""
-    np.copyto(error, acc)
+    """``error = acc`` with the selected entries zeroed (what a top-k selection did not send);
+    NaN and Inf left over become 0. ``error`` may be ``acc`` itself (no copy then)."""
+    # Non-finite entries rank above every number, so they are all selected unless every selected
+    # entry is non-finite: only then can one remain.
+    clean = idx.size > 0 and bool(np.isfinite(acc[idx]).any())
+    if error is not acc:
+        np.copyto(error, acc)
     error[idx] = 0
-    zero_nonfinite(error)
+    if not clean:
+        zero_nonfinite(error)

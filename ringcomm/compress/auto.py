@@ -1,0 +1,232 @@
+"""``compression="auto"``: pick, per message size, the fastest compression the user allowed.
+
+The model (all times per allreduce of S bytes of float32 over n ranks in a ring):
+
+    wire(c, S)    bytes one ring step moves: S/n dense, S/(n * ratio_c) compressed, and for
+                  top-k the 8-byte pairs of its chunk's share of k
+    T(c, S)     = 2(n-1) * (latency + wire(c, S) / bandwidth)      link time
+                + 2(n-1) * (S/n) / throughput_c                     compute: one chunk per step
+    T(none, S)  = ceil(log2 n) * latency + (n-1) * S / bandwidth   dense S <= 4 KiB, which
+                                                                   rides in one allgather
+
+``latency`` and ``bandwidth`` come from timing one ring step (every rank sends to its right
+neighbour while receiving from its left, as the ring does) at 8 B and 4 MiB; ``throughput_c``
+from timing candidate c's per-hop work (add, or decode + add + encode) on 1 MiB. Each figure is
+the slowest rank's median, so every rank holds the same model and makes the same choice. The
+figures are measured once per communicator, on the first call that needs them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm.comm.agree import INLINE_BYTES
+from ringcomm.comm.base import ReduceOp
+from ringcomm.compress.base import Compressor, DenseCompressor, Wire
+from ringcomm.compress.cast import FP16
+from ringcomm.compress.int8 import Int8
+from ringcomm.compress.topk import TopK
+
+if TYPE_CHECKING:
+    from ringcomm.comm.base import Communicator
+
+__all__ = ["Auto", "LinkModel", "measure_link", "measure_throughput"]
+
+_PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20
+_WORK_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One ring step's cost: ``latency`` seconds plus bytes / ``bandwidth`` (bytes/s)."""
+
+    latency: float
+    bandwidth: float
+
+    def step(self, nbytes: float) -> float:
+        """Seconds for one ring step moving ``nbytes``."""
+        return self.latency + nbytes / self.bandwidth
+
+
+def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
+    """Bytes one ring step moves for an allreduce of ``nbytes`` of float32 under ``comp``."""
+    chunk = nbytes / n
+    if comp is None:
+        return chunk
+    elems = chunk / 4
+    if isinstance(comp, TopK):
+        return min(8 * comp.k_for(int(elems)), chunk)
+    if isinstance(comp, DenseCompressor):
+        return comp.nbytes(int(elems))
+    raise TypeError(f"cannot model {comp!r}")
+
+
+def predict(comp: Compressor | None, nbytes: int, n: int, link: LinkModel,
+            throughput: float) -> float:
+    """Modelled seconds of one allreduce of ``nbytes`` (see the module docstring)."""
+    if n == 1:
+        return 0.0
+    if comp is None and nbytes <= INLINE_BYTES:
+        # Small dense arrays ride in the agreement exchange: one allgather (recursive doubling).
+        return math.ceil(math.log2(n)) * link.latency + (n - 1) * nbytes / link.bandwidth
+    steps = 2 * (n - 1)
+    return steps * link.step(wire_bytes(comp, nbytes, n)) + steps * (nbytes / n) / throughput
+
+
+class Auto(Compressor):
+    """Let ringcomm choose, per call, the fastest of ``candidates`` for the message's size.
+
+    Args:
+        candidates: what the user allows; None stands for no compression. The default allows
+            no compression, FP16 and Int8 (errors of at most about 1% per step, made up by
+            error feedback); add ``TopK(...)`` to allow sparsification.
+        link: fixed link figures (for tests or a known network) instead of measuring.
+        throughput: fixed per-candidate throughputs (bytes/s, keyed by ``repr`` of the
+            candidate, "none" for None) instead of measuring.
+
+    Every rank must pass an equal Auto; the choice is the same on every rank.
+    """
+
+    wire = Wire.SUMMABLE  # never used as such: Auto resolves to one of its candidates
+
+    def __init__(self, candidates: tuple[Compressor | None, ...] = (None, FP16(), Int8()), *,
+                 link: LinkModel | None = None,
+                 throughput: dict[str, float] | None = None) -> None:
+        if not candidates:
+            raise ValueError("Auto needs at least one candidate")
+        for c in candidates:
+            if c is not None and (not isinstance(c, Compressor) or isinstance(c, Auto)):
+                raise TypeError(f"Auto candidates are compressors or None, got {c!r}")
+        self.candidates = tuple(candidates)
+        self.link = link
+        self.throughput = dict(throughput) if throughput else None
+
+    @staticmethod
+    def key(comp: Compressor | None) -> str:
+        return "none" if comp is None else repr(comp)
+
+    def choose(self, nbytes: int, n: int) -> Compressor | None:
+        """The candidate with the smallest modelled time for ``nbytes`` over ``n`` ranks.
+
+        Raises:
+            RuntimeError: the link or throughput figures are not known yet (``resolve``
+                measures them).
+        """
+        if self.link is None or self.throughput is None:
+            raise RuntimeError("Auto has no link/throughput figures yet; call resolve()")
+        times = [predict(c, nbytes, n, self.link, self.throughput[self.key(c)])
+                 for c in self.candidates]
+        return self.candidates[int(np.argmin(times))]
+
+    def resolve(self, comm: Communicator, x: Any) -> Compressor | None:
+        """Choose for array ``x``, measuring what is missing first (collectively, once per
+        communicator and array kind)."""
+        cached = comm._auto_figures
+        if self.link is None:
+            if "link" not in cached:
+                cached["link"] = measure_link(comm)
+            link = cached["link"]
+        else:
+            link = self.link
+        kind = "device" if _ops.is_device_array(x) else "host"
+        if self.throughput is None:
+            known = cached.setdefault(kind, {})
+            missing = [c for c in self.candidates if self.key(c) not in known]
+            if missing:
+                known.update(measure_throughput(comm, missing, x))
+            throughput = {self.key(c): known[self.key(c)] for c in self.candidates}
+        else:
+            throughput = self.throughput
+        nbytes = x.size * 4  # compressed calls compute in float32
+        return Auto(self.candidates, link=link, throughput=throughput).choose(nbytes, comm.size)
+
+    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+        raise NotImplementedError("Auto chooses a compressor per call; compress with that one")
+
+    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+        raise NotImplementedError("Auto chooses a compressor per call; decompress with that one")
+
+    def __repr__(self) -> str:
+        names = ", ".join(self.key(c) for c in self.candidates)
+        return f"Auto(candidates=({names}))"
+
+
+def _slowest_median(comm: Communicator, samples: list[float]) -> float:
+    """The largest over ranks of this rank's median (the same on every rank)."""
+    mine = np.array([np.median(samples)])
+    return float(comm.allreduce(mine, op="max")[0])
+
+
+def measure_link(comm: Communicator, reps: int = 5) -> LinkModel:
+    """Time one ring step at 8 B and 4 MiB; fit latency and bandwidth (collective)."""
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    times = {}
+    for size in (_PROBE_SMALL, _PROBE_LARGE):
+        send, recv = np.ones(size, np.uint8), np.empty(size, np.uint8)
+        comm.sendrecv(send, right, recv, left)  # warm-up: connections, registration
+        samples = []
+        for _ in range(reps):
+            comm.barrier()
+            start = time.perf_counter()
+            comm.sendrecv(send, right, recv, left)
+            samples.append(time.perf_counter() - start)
+        times[size] = _slowest_median(comm, samples)
+    latency = times[_PROBE_SMALL]
+    bandwidth = (_PROBE_LARGE - _PROBE_SMALL) / max(times[_PROBE_LARGE] - latency, 1e-9)
+    return LinkModel(latency, bandwidth)
+
+
+def _hop_work(comp: Compressor | None, x: Any, own: Any) -> Any:
+    xp = _ops.get(x)
+    if comp is None:
+        out = xp.empty(x.shape, x.dtype)
+        return lambda: xp.reduce(ReduceOp.SUM, x, own, out)
+    if isinstance(comp, TopK):
+        k = comp.k_for(x.size)
+        return lambda: comp.select(x, k)
+    assert isinstance(comp, DenseCompressor)
+    payload = xp.empty((comp.nbytes(x.size),), np.uint8)
+    out = xp.empty((payload.size,), np.uint8)
+    error = xp.empty(x.shape, x.dtype)
+    comp.encode(x, payload)
+    return lambda: comp.hop(payload, own, out, error=error)
+
+
+def _synchronizer(like: Any) -> Any:
+    if _ops.is_device_array(like):
+        import cupy
+
+        return cupy.cuda.get_current_stream().synchronize
+    return lambda: None
+
+
+def measure_throughput(comm: Communicator, candidates: list[Compressor | None], like: Any,
+                       reps: int = 5) -> dict[str, float]:
+    """Bytes/s of each candidate's per-hop work on 1 MiB of float32 on ``like``'s device
+    (collective)."""
+    rng = np.random.default_rng(comm.rank)
+    xp = _ops.get(like)
+    x, own = (xp.empty((_WORK_ELEMS,), np.float32) for _ in range(2))
+    xp.copy_from_host(x, rng.standard_normal(_WORK_ELEMS).astype(np.float32))
+    xp.copy_from_host(own, rng.standard_normal(_WORK_ELEMS).astype(np.float32))
+    sync = _synchronizer(like)
+    result = {}
+    for comp in candidates:
+        work = _hop_work(comp, x, own)
+        work()
+        samples = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            work()
+            sync()
+            samples.append(time.perf_counter() - start)
+        result[Auto.key(comp)] = x.nbytes / _slowest_median(comm, samples)
+    return result

@@ -1,0 +1,62 @@
+"""The "auto" selector's decisions on synthetic link and throughput figures."""
+
+from __future__ import annotations
+
+import pytest
+
+import ringcomm
+from ringcomm.compress.auto import Auto, LinkModel, predict, wire_bytes
+
+INT8, FP16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.TopK(0.01)
+CPU = {"none": 10e9, repr(FP16): 0.7e9, repr(INT8): 2.5e9, repr(TOPK): 1.0e9}
+GBIT = LinkModel(latency=50e-6, bandwidth=125e6)          # 1 Gbit/s Ethernet
+FAST = LinkModel(latency=2e-6, bandwidth=40e9)           # shared memory
+
+
+def auto(link: LinkModel, candidates=(None, FP16, INT8)) -> Auto:
+    return Auto(candidates, link=link, throughput=CPU)
+
+
+def test_slow_link_large_messages_compress():
+    assert auto(GBIT).choose(64 << 20, 4) == INT8
+    assert auto(GBIT, (None, FP16, INT8, TOPK)).choose(64 << 20, 4) == TOPK
+
+
+def test_small_messages_stay_dense():
+    assert auto(GBIT).choose(4 << 10, 4) is None
+
+
+def test_fast_link_stays_dense():
+    for nbytes in (4 << 10, 1 << 20, 64 << 20, 256 << 20):
+        assert auto(FAST).choose(nbytes, 4) is None
+
+
+def test_choice_is_the_cheapest_prediction():
+    a = auto(GBIT, (None, FP16, INT8, TOPK))
+    for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 28):
+        times = {a.key(c): predict(c, nbytes, 8, GBIT, CPU[a.key(c)]) for c in a.candidates}
+        assert a.key(a.choose(nbytes, 8)) == min(times, key=times.get)
+
+
+def test_wire_model():
+    assert wire_bytes(None, 4096, 4) == 1024
+    assert wire_bytes(INT8, 4096, 4) == INT8.nbytes(256)
+    assert wire_bytes(TOPK, 4 << 20, 4) == 8 * TOPK.k_for((1 << 20) // 4)
+    assert GBIT.step(125e6) == pytest.approx(1 + 50e-6)
+
+
+def test_allowed_only():
+    """Auto never picks what the user did not allow."""
+    assert auto(GBIT, (None, FP16)).choose(64 << 20, 4) == FP16
+    assert auto(GBIT, (None,)).choose(64 << 20, 4) is None
+
+
+def test_bad_candidates():
+    with pytest.raises(ValueError, match="at least one candidate"):
+        Auto(())
+    with pytest.raises(TypeError, match="compressors or None"):
+        Auto((None, "int8"))
+    with pytest.raises(RuntimeError, match="no link/throughput figures"):
+        Auto().choose(1 << 20, 2)
+    with pytest.raises(NotImplementedError):
+        Auto().compress(None)
