@@ -117,6 +117,7 @@ def train(comm: ringcomm.Communicator, args: argparse.Namespace, log: Any = prin
         order = np.random.default_rng(args.seed + 1 + epoch).permutation(len(y_train))
         losses, times = [], []
         comm.stats.reset()
+        epoch_start = time.perf_counter()
         steps = len(order) // args.batch_size
         for step in range(steps):
             batch = order[step * args.batch_size: (step + 1) * args.batch_size]
@@ -134,7 +135,8 @@ def train(comm: ringcomm.Communicator, args: argparse.Namespace, log: Any = prin
         loss = float(comm.allreduce(np.array([np.mean(losses)]), op="avg")[0])
         row = {"epoch": epoch + 1, "loss": loss, "test_accuracy": model.accuracy(x_test, y_test),
                "wire_bytes_per_step": comm.stats.bytes_sent / max(steps, 1),
-               "step_ms": 1e3 * float(np.median(times))}
+               "step_ms": 1e3 * float(np.median(times)),
+               "epoch_s": time.perf_counter() - epoch_start}
         result.epochs.append(row)
         if comm.rank == 0:
             log(f"epoch {row['epoch']:3d}  loss {loss:.4f}  test acc {row['test_accuracy']:.4f}  "

@@ -128,12 +128,13 @@ def test_bf16_rounds_to_nearest_even():
 
 
 # ----------------------------------------------------------------------------------- top-k
-@pytest.mark.parametrize("approximate", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (10, 3), (1000, 10), (100_000, 1000),
-                                      (100_000, 60_000)])
-def test_topk_selects_the_largest_magnitudes(rng, approximate, n, k):
+SIZES = [(1, 1), (10, 3), (1000, 10), (100_000, 1000), (100_000, 60_000), (300_001, 3001)]
+
+
+@pytest.mark.parametrize(("n", "k"), SIZES)
+def test_topk_exact_selects_the_largest_magnitudes(rng, n, k):
     x = rng.standard_normal(n).astype(np.float32)
-    idx, val = ops.topk(x, k, approximate=approximate, seed=5)
+    idx, val = ops.topk(x, k, seed=5)
     assert idx.dtype == np.int32 and val.dtype == np.float32 and idx.size == k
     assert np.all(np.diff(idx) > 0)  # sorted, unique
     np.testing.assert_array_equal(val, x[idx])
@@ -141,12 +142,26 @@ def test_topk_selects_the_largest_magnitudes(rng, approximate, n, k):
     np.testing.assert_array_equal(idx, expected)
 
 
-def test_topk_ranks_nan_and_inf_first():
-    x = np.arange(100, dtype=np.float32)
+@pytest.mark.parametrize(("n", "k"), SIZES)
+def test_topk_approximate_selects_large_magnitudes(rng, n, k):
+    x = rng.standard_normal(n).astype(np.float32)
+    idx, val = ops.topk(x, k, approximate=True, seed=5)
+    assert idx.size == k and np.all(np.diff(idx) > 0)
+    np.testing.assert_array_equal(val, x[idx])
+    kth = np.sort(np.abs(x))[-k]
+    assert np.abs(val).min() >= 0.25 * kth  # large entries, if not exactly the largest
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("n", [100, 100_000])
+def test_topk_ranks_nan_and_inf_first(approximate, n):
+    x = np.arange(n, dtype=np.float32)
     x[3], x[50] = np.nan, -np.inf
-    idx, val = ops.topk(x, 3)
-    assert list(idx) == [3, 50, 99]
-    assert np.isnan(val[0]) and val[1] == -np.inf and val[2] == 99
+    idx, val = ops.topk(x, 3, approximate=approximate)
+    assert 3 in idx and 50 in idx
+    assert np.isnan(val[list(idx).index(3)]) and val[list(idx).index(50)] == -np.inf
+    idx, val = ops.topk(x, 1, approximate=approximate)  # more non-finite entries than k
+    assert not np.isfinite(val).any()
 
 
 def test_topk_k_and_parameters():

@@ -31,17 +31,17 @@ def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compress
     """
     ops = _ops.get(x)
     residual = feedback.take(name, x) if feedback is not None else None
-    work = ops.empty((x.size,), np.float32)
-    ops.compensate(x, residual, work)
     if comm.size == 1 or comp is None:
         # Nothing is lost (nothing travels, or it travels dense): the residual is spent.
-        if comp is not None:
-            ops.copy(out, work)
-        else:
+        work = ops.empty((x.size,), np.float32)
+        ops.compensate(x, residual, work)
+        if comp is None:
             comm._allreduce_dense(work, work, op)
-            ops.copy(out, work)
+        ops.copy(out, work)
         if residual is not None:
             residual[...] = 0
         return
+    # The algorithms add the residual to the input chunk by chunk, as they first read it, and
+    # overwrite it there with what they did not send.
     seed = ring.mix_seed(comm._compressed_calls, comm.rank)
-    _algorithm(comp)(comm, work, out, op, comp, residual, seed)
+    _algorithm(comp)(comm, x, out, op, comp, residual, seed)

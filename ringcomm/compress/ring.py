@@ -33,19 +33,20 @@ def mix_seed(*values: int) -> int:
 class CompressedCodec:
     """Ring codec whose messages are a DenseCompressor's payloads."""
 
-    def __init__(self, comm: Communicator, work: Any, out: Any, op: ReduceOp,
+    def __init__(self, comm: Communicator, x: Any, out: Any, op: ReduceOp,
                  comp: DenseCompressor, residual: Any | None, seed: int,
                  layout: ring.RingLayout) -> None:
-        self.work, self.out, self.op, self.comp = work, out, op, comp
+        self.x, self.out, self.op, self.comp = x, out, op, comp
         self.residual, self.seed, self.layout = residual, seed, layout
-        self.ops = _ops.get(work)
+        self.ops = _ops.get(x)
         n = layout.n
         sizes = [comp.nbytes(layout.seg_len(c, j)) for c in range(n) for j in range(layout.nseg)]
         self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = comp.nbytes(layout.max_seg)
-        self.staged = ring.staging(comm, "cring.send", work, widest, np.uint8)
-        self.inbox = ring.staging(comm, "cring.recv", work, widest, np.uint8)
+        self.staged = ring.staging(comm, "cring.send", x, widest, np.uint8)
+        self.inbox = ring.staging(comm, "cring.recv", x, widest, np.uint8)
+        self.own = comm.scratch("cring.own", x, layout.max_seg, np.float32)
         self.decoded = None if out.dtype == np.float32 else self.ops.empty(
             (layout.max_seg,), np.float32)
 
@@ -60,10 +61,17 @@ class CompressedCodec:
     def _error(self, s: slice) -> Any | None:
         return None if self.residual is None else self.residual[s]
 
+    def _own(self, s: slice) -> Any:
+        """This rank's input plus residual on ``s``, in float32 (its residual is then free to
+        receive this hop's error)."""
+        own = self.own[: s.stop - s.start]
+        self.ops.compensate(self.x[s], self._error(s), own)
+        return own
+
     def rs_first(self, c: int, j: int, slot: int) -> Any:
         s = self.layout.seg(c, j)
         msg = self.staged[slot][: self.comp.nbytes(s.stop - s.start)]
-        self.comp.encode(self.work[s], msg, seed=self._seed(c), base=s.start,
+        self.comp.encode(self._own(s), msg, seed=self._seed(c), base=s.start,
                          error=self._error(s))
         return msg
 
@@ -74,7 +82,7 @@ class CompressedCodec:
     def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
         s = self.layout.seg(c, j)
         msg = self._slot(c, j)
-        self.comp.hop(buf, self.work[s], msg, seed=self._seed(c), base=s.start,
+        self.comp.hop(buf, self._own(s), msg, seed=self._seed(c), base=s.start,
                       error=self._error(s))
         if final:
             self._write(msg, s)
@@ -98,9 +106,10 @@ class CompressedCodec:
             self.ops.copy(out, target)
 
 
-def allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: DenseCompressor,
+def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: DenseCompressor,
               residual: Any | None, seed: int) -> None:
-    """Ring-allreduce float32 ``work`` (input plus residual) into ``out`` through ``comp``."""
+    """Ring-allreduce flat ``x`` plus ``residual`` into ``out`` through ``comp``; the residual
+    receives every error this rank makes."""
     seg = max(1, comm.segment_bytes // 4)
-    layout = ring.RingLayout.build(work.size, comm.size, comm.rank, seg, comp.align)
-    ring.run(comm, layout, CompressedCodec(comm, work, out, op, comp, residual, seed, layout))
+    layout = ring.RingLayout.build(x.size, comm.size, comm.rank, seg, comp.align)
+    ring.run(comm, layout, CompressedCodec(comm, x, out, op, comp, residual, seed, layout))

@@ -23,11 +23,11 @@ class SparseRingCodec:
     values, the chunk travels dense and loses nothing (SparCML's switch).
     """
 
-    def __init__(self, comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+    def __init__(self, comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
                  residual: Any | None, seed: int, layout: ring.RingLayout) -> None:
-        self.work, self.out, self.op, self.comp = work, out, op, comp
+        self.x, self.out, self.op, self.comp = x, out, op, comp
         self.residual, self.seed, self.layout = residual, seed, layout
-        self.ops = _ops.get(work)
+        self.ops = _ops.get(x)
         n = layout.n
         self.k = [comp.k_for(layout.chunk_len(c)) for c in range(n)]
         self.dense = [8 * self.k[c] >= 4 * layout.chunk_len(c) for c in range(n)]
@@ -35,9 +35,10 @@ class SparseRingCodec:
         self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = max(sizes)
-        self.staged = ring.staging(comm, "sring.send", work, widest, np.uint8)
-        self.inbox = ring.staging(comm, "sring.recv", work, widest, np.uint8)
-        self.acc = self.ops.empty((max(layout.chunk_len(c) for c in range(n)),), np.float32)
+        self.staged = ring.staging(comm, "sring.send", x, widest, np.uint8)
+        self.inbox = ring.staging(comm, "sring.recv", x, widest, np.uint8)
+        widest_chunk = max(layout.chunk_len(c) for c in range(n))
+        self.acc = comm.scratch("sring.acc", x, widest_chunk, np.float32)
 
     def _nbytes(self, c: int) -> int:
         return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
@@ -65,18 +66,24 @@ class SparseRingCodec:
     def _error(self, c: int) -> Any | None:
         return None if self.residual is None else self.residual[self.layout.chunk(c)]
 
+    def _own(self, c: int) -> tuple[Any, Any | None]:
+        """Chunk c of input plus residual, accumulated in the residual itself when there is one
+        (what the selection leaves there is the new residual), else in scratch."""
+        error = self._error(c)
+        acc = self.acc[: self.layout.chunk_len(c)] if error is None else error
+        self.ops.compensate(self.x[self.layout.chunk(c)], error, acc)
+        return acc, error
+
     def rs_first(self, c: int, j: int, slot: int) -> Any:
         msg = self.staged[slot][: self._nbytes(c)]
-        return self._encode(self.work[self.layout.chunk(c)], c, msg, self._error(c))
+        acc, error = self._own(c)
+        return self._encode(acc, c, msg, error)
 
     def rs_recv(self, c: int, j: int, slot: int) -> Any:
         return self.inbox[slot][: self._nbytes(c)]
 
     def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
-        # Accumulate in the residual itself: what the selection leaves there is the new residual.
-        error = self._error(c)
-        acc = self.acc[: self.layout.chunk_len(c)] if error is None else error
-        self.ops.copy(acc, self.work[self.layout.chunk(c)])
+        acc, error = self._own(c)
         self._decode_add(buf, c, acc)
         msg = self._encode(acc, c, self._slot(c), error)
         if final:
@@ -96,7 +103,8 @@ class SparseRingCodec:
     def _write(self, msg: Any, c: int) -> None:
         """Decode an owner's message into the result (every rank decodes the same bytes)."""
         out = self.out[self.layout.chunk(c)]
-        acc = out if out.dtype == np.float32 else self.acc[: self.layout.chunk_len(c)]
+        # Not into the shared scratch: the owner's message may be a view of it (the dense case).
+        acc = out if out.dtype == np.float32 else self.ops.empty(out.shape, np.float32)
         if self.dense[c]:
             self.ops.copy(acc, msg.view(np.float32))
         else:
@@ -108,18 +116,20 @@ class SparseRingCodec:
             self.ops.copy(out, acc)
 
 
-def ring_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+def ring_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
                    residual: Any | None, seed: int) -> None:
-    """Sparse-ring allreduce of float32 ``work`` (input plus residual) into ``out``."""
-    layout = ring.RingLayout.build(work.size, comm.size, comm.rank, max(work.size, 1))
-    ring.run(comm, layout, SparseRingCodec(comm, work, out, op, comp, residual, seed, layout))
+    """Sparse-ring allreduce of flat ``x`` plus ``residual`` into ``out``."""
+    layout = ring.RingLayout.build(x.size, comm.size, comm.rank, max(x.size, 1))
+    ring.run(comm, layout, SparseRingCodec(comm, x, out, op, comp, residual, seed, layout))
 
 
-def allgather_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, comp: TopK,
+def allgather_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
                         residual: Any | None, seed: int) -> None:
     """Gather every rank's k pairs and add them, rank by rank, on every rank."""
-    ops = _ops.get(work)
-    k = comp.k_for(work.size)
+    ops = _ops.get(x)
+    work = residual if residual is not None else ops.empty((x.size,), np.float32)
+    ops.compensate(x, residual, work)
+    k = comp.k_for(x.size)
     idx, val = comp.select(work, k, seed=seed)
     if residual is not None:
         ops.sparse_residual(work, idx, residual)
@@ -127,7 +137,7 @@ def allgather_allreduce(comm: Communicator, work: Any, out: Any, op: ReduceOp, c
     gathered = ops.empty((comm.size * 8 * k,), np.uint8)
     comm._allgatherv(payload, [8 * k] * comm.size, gathered)
     comm.stats.add(payload.nbytes * (comm.size - 1), payload.nbytes * (comm.size - 1))
-    acc = ops.zeros((work.size,), np.float32)
+    acc = ops.zeros((x.size,), np.float32)
     for r in range(comm.size):  # rank order: the same float32 sums on every rank
         ops.scatter_add(acc, *TopK.unpack(gathered[r * 8 * k: (r + 1) * 8 * k]))
     if op is ReduceOp.AVG:

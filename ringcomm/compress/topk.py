@@ -24,8 +24,9 @@ class TopK(Compressor):
             each rank moves about 2k(n-1)/n pairs; chunks where pairs would outweigh the dense
             values travel dense. "allgather" gathers every rank's k pairs and sums them exactly
             on every rank ((n-1)k pairs received per rank).
-        approximate: find candidates with a threshold estimated from a 1% sample (Deep Gradient
-            Compression) instead of partitioning the whole array.
+        approximate: send the earliest entries that reach a threshold estimated from a 1%
+            sample (Deep Gradient Compression) instead of exactly the k largest: no partition
+            at all, so cheaper on large tensors; what is skipped stays in the residual.
 
     Use with error feedback: alone it drops (1 - ratio) of the gradient every step.
 

@@ -295,12 +295,16 @@ def cast_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, fmt: str, *,
 
 
 def _magnitude(x: np.ndarray) -> np.ndarray:
-    """|x| with NaN ranked above every number, so a NaN is always selected and propagates."""
-    mag = np.abs(x)
-    nan = np.isnan(mag)
-    if nan.any():
-        mag[nan] = np.inf
-    return mag
+    """|x| in a reused buffer. NaN stays NaN: partitions and the ``_at_least`` test rank it
+    above every number, so a NaN is always selected and propagates."""
+    return np.abs(x, out=_scratch("topk.mag", x.size))
+
+
+def _at_least(mag: np.ndarray, thr: float) -> np.ndarray:
+    """Indices where ``mag >= thr`` or NaN, in one comparison pass."""
+    below = np.less(mag, thr, out=_scratch("topk.mask", mag.size, np.bool_))
+    np.logical_not(below, out=below)
+    return np.flatnonzero(below)
 
 
 def _top(mag: np.ndarray, k: int) -> np.ndarray:
@@ -316,34 +320,50 @@ def sample_threshold(mag: np.ndarray, k: int, seed: int) -> float:
     return float(np.partition(sample, sample.size - want)[sample.size - want])
 
 
+def _first_above(mag: np.ndarray, k: int, thr: float) -> np.ndarray:
+    """Every non-finite entry, then the earliest entries whose magnitude reaches ``thr`` (halved
+    while fewer than ``k`` do), ``k`` in all."""
+    above = _at_least(mag, thr)
+    for _ in range(8):
+        if above.size >= k:
+            break
+        thr /= 2
+        above = _at_least(mag, thr)
+    if above.size < k:
+        above = np.arange(mag.size)
+    finite = np.isfinite(mag[above])
+    if finite.all():
+        return above[:k]
+    bad = above[~finite]
+    return bad[:k] if bad.size >= k else np.concatenate([bad, above[finite][: k - bad.size]])
+
+
 def topk(x: np.ndarray, k: int, *, approximate: bool = False,
          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` entries of float32 ``x`` largest in magnitude, as (int32 indices ascending,
-    float32 values).
+    """``k`` entries of float32 ``x`` as (int32 indices ascending, float32 values).
 
-    Exact selection partitions the whole array. The approximate path (DGC) estimates the
-    threshold from a strided sample, keeps the entries at or above it in one pass (halving the
-    threshold while fewer than k pass), and selects among those: the same entries, ties aside,
-    for far less work on large arrays.
+    NaN ranks above Inf, and Inf above every number, so non-finite entries are always sent.
+    Exact: the ``k`` largest magnitudes (ties broken arbitrarily). On large arrays the entries
+    are first filtered with a threshold estimated from a 1% strided sample (Deep Gradient
+    Compression) and only those are partitioned: exact whenever at least ``k`` pass, else the
+    whole array is partitioned. Approximate (DGC): the earliest entries whose magnitude reaches
+    the sampled threshold (halved while fewer than ``k`` do), without any partition: large
+    entries, not necessarily the largest; what is skipped stays in the residual.
     """
     n = x.size
     k = min(k, n)
     if k <= 0:
         return np.empty(0, np.int32), np.empty(0, _F32)
     mag = _magnitude(x)
-    if approximate and n > 4 * k:
-        thr = sample_threshold(mag, k, seed)
-        cand = np.flatnonzero(mag >= thr)
-        for _ in range(3):  # the sample overshot: lower the bar a little, then give up
-            if cand.size >= k:
-                break
-            thr /= 2
-            cand = np.flatnonzero(mag >= thr)
-        if cand.size < k:
-            cand = np.arange(n)
-        idx = cand[_top(mag[cand], k)] if cand.size > k else cand
-    else:
+    if n < 4096 or n <= 4 * k:
         idx = _top(mag, k)
+    else:
+        thr = sample_threshold(mag, k, seed)
+        if approximate:
+            idx = _first_above(mag, k, thr)
+        else:
+            cand = _at_least(mag, thr)
+            idx = cand[_top(mag[cand], k)] if cand.size >= k else _top(mag, k)
     idx = np.sort(idx).astype(np.int32)
     return idx, x[idx].astype(_F32)
 

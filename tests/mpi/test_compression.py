@@ -92,13 +92,16 @@ def test_int8_one_step_error_below_two_percent(comm, world, rng):
 def test_topk_allgather_is_the_exact_sum_of_the_selected(comm, world, rng, approximate):
     n, comp = 50_000, ringcomm.TopK(0.01, algorithm="allgather", approximate=approximate)
     g = rng.standard_normal(n).astype(np.float32)
-    y = comm.allreduce(g, compression=comp)
-    idx, val = ops.topk(g, comp.k_for(n))  # each rank's own selection
-    expected = np.zeros(n)
-    for i, v in world.allgather((idx, val)):
-        np.add.at(expected, i, v.astype(np.float64))
-    if comm.size == 1:
-        expected = g  # a single process sends nothing, so nothing is dropped
+    ef = ringcomm.ErrorFeedback()
+    y = comm.allreduce(g, compression=comp, feedback=ef, name="g")
+    # What a rank selected is its input minus what it kept: exact, entry by entry.
+    selected = g - ef.residual("g")
+    if comm.size > 1:
+        assert np.count_nonzero(selected) == comp.k_for(n)
+    if not approximate and comm.size > 1:
+        idx, _ = ops.topk(g, comp.k_for(n))
+        np.testing.assert_array_equal(np.flatnonzero(selected), idx)
+    expected = total(world, selected)
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
     if comm.size > 1:
         assert np.count_nonzero(y) <= comm.size * comp.k_for(n)
