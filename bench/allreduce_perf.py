@@ -56,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", default="none",
                    help="comma list of none, fp16, bf16, int8[:block], "
                         "topk:RATIO[:ring|allgather], auto, auto:topk")
-    p.add_argument("--baseline", default="mpi",
-                   help="comma list of mpi, gloo, nccl, none (default: mpi)")
+    p.add_argument("--baseline", default=None,
+                   help="comma list of mpi, gloo, nccl, none (default: nccl on the NCCL "
+                        "backend, mpi otherwise)")
     p.add_argument("--segment-bytes", type=parse_size, default=None)
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy column")
     p.add_argument("--json", metavar="FILE", help="write the rows and the machine as JSON")
@@ -114,7 +115,24 @@ def machine() -> dict[str, Any]:
         info["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
     except ImportError:
         pass
+    info.update(_gpu_info())
     return info
+
+
+def _gpu_info() -> dict[str, Any]:
+    """The GPU and NCCL, where there are."""
+    from ringcomm.comm import nccl
+
+    if not nccl.usable():
+        return {}
+    import cupy
+
+    from ringcomm.comm import _nccl_lib
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return {"gpu": name, "nccl": _nccl_lib.load().version_string,
+            "cupy": cupy.__version__}
 
 
 def fmt_row(cols: list[tuple[str, int, str]], row: dict[str, Any]) -> str:
@@ -407,13 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(s.strip(), parse_compression(s)) for s in args.compression.split(",")]
     if variants[0][1] is not None:
         variants.insert(0, ("none", None))  # the dense ring is the ratio's reference
-    baselines = [b.strip() for b in args.baseline.split(",") if b.strip() not in ("", "none")]
+    baseline = args.baseline or ("nccl" if comm.backend == "nccl" else "mpi")
+    baselines = [b.strip() for b in baseline.split(",") if b.strip() not in ("", "none")]
     cols = _columns(baselines, not args.no_memcpy)
     info = machine()
     if comm.rank == 0:
         print(f"# ringcomm allreduce_perf: nranks {comm.size}, backend {comm.backend}, "
               f"segment {comm.segment_bytes} B, iters {args.iters}, warmup {args.warmup_iters}")
-        print(f"# {info.get('cpu', '')} | {info.get('mpi', '')} | numpy {info['numpy']}")
+        gpu = f" | {info['gpu']}, NCCL {info['nccl']}" if "gpu" in info else ""
+        print(f"# {info.get('cpu', '')} | {info.get('mpi', '')} | numpy {info['numpy']}{gpu}")
         print(_header(cols))
     rows = []
     for nbytes in sizes(args, dtype.itemsize):

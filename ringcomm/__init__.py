@@ -65,13 +65,24 @@ def nccl_available() -> bool:
     return nccl.usable()
 
 
+def _auto_backend(mpi_comm: Any) -> str:
+    """NCCL where every rank can run it (a GPU of its own and NCCL), else MPI; the same
+    answer on every rank (a collective when the job has several processes)."""
+    from ringcomm.comm import nccl
+
+    if mpi_comm is not None or launch_info().size > 1:
+        return "nccl" if nccl.usable_everywhere(mpi_comm) else "mpi"
+    return "nccl" if nccl.usable() else "mpi"
+
+
 def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool | None = None,
          segment_bytes: int | None = None, abort_on_exception: bool = True) -> Communicator:
     """Create a communicator over the processes of this job.
 
     Args:
-        backend: "mpi", "nccl", or "auto" (NCCL where this process has a GPU and NCCL loads,
-            MPI otherwise); ``comm.backend`` tells which was chosen.
+        backend: "mpi", "nccl", or "auto" (NCCL where every rank has a GPU of its own and NCCL
+            loads, MPI otherwise; the same choice on every rank); ``comm.backend`` tells which
+            was chosen.
         mpi_comm: the mpi4py communicator to run on (or, for NCCL, to exchange its unique id
             over); ``MPI.COMM_WORLD`` by default.
         consistency_check: check before each collective that every rank passed matching
@@ -97,7 +108,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     if segment_bytes is None and os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         segment_bytes = int(os.environ["RINGCOMM_SEGMENT_BYTES"])
     if backend == "auto":
-        backend = "nccl" if nccl_available() else "mpi"
+        backend = _auto_backend(mpi_comm)
     options = {"consistency_check": consistency_check, "segment_bytes": segment_bytes}
     if backend == "nccl":
         from ringcomm.comm.nccl import NCCLCommunicator

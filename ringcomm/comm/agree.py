@@ -19,7 +19,7 @@ from ringcomm import ops as _ops
 if TYPE_CHECKING:
     from ringcomm.comm.base import Communicator, ReduceOp
 
-__all__ = ["INLINE_BYTES", "CallSpec", "agree", "allreduce_inline"]
+__all__ = ["INLINE_BYTES", "CallSpec", "agree", "allreduce_inline", "headers"]
 
 INLINE_BYTES = 4096
 # Header words, in order.
@@ -134,12 +134,22 @@ def _host_bytes(x: Any) -> memoryview:
     return memoryview(x).cast("B")
 
 
-def agree(comm: Communicator, spec: CallSpec) -> np.ndarray:
-    """Check the call matches on every rank; return every rank's header (size x words).
+def agree(comm: Communicator, spec: CallSpec) -> None:
+    """Check the call matches on every rank, raising the same error on every rank if not.
 
-    With the consistency check off the headers are still exchanged (allgatherv needs the
-    sizes) but not compared, and an invalid argument raises on its own rank only.
+    With the consistency check off nothing is exchanged, and an invalid argument raises on its
+    own rank only.
     """
+    if not comm.consistency_check:
+        if spec.error is not None:
+            raise spec.error
+        return
+    _exchange(comm, spec)
+
+
+def headers(comm: Communicator, spec: CallSpec) -> np.ndarray:
+    """Like ``agree``, returning every rank's header (size x words); the headers are exchanged
+    even with the check off, since gathers need every rank's size."""
     if spec.error is not None and not comm.consistency_check:
         raise spec.error
     recv = _exchange(comm, spec)

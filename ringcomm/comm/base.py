@@ -241,6 +241,19 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None: ...
 
+    def _check_arrays(self, *arrays: Any) -> None:
+        """Raise TypeError/ValueError if this backend cannot take ``arrays`` (None skipped).
+
+        Called inside every collective's argument check, so the error reaches every rank.
+        """
+        return None  # the MPI backend takes NumPy and CuPy arrays alike
+
+    def _reduce_scatter_dense(self, x: Any, op: ReduceOp) -> Any:
+        """This rank's chunk of the reduction of flat contiguous ``x``; backends may override."""
+        from ringcomm import ring
+
+        return ring.reduce_scatter(self, x, op)
+
     def _allreduce_dense(self, x: Any, out: Any, op: ReduceOp) -> None:
         """Reduce flat contiguous ``x`` into flat contiguous ``out``; backends may override."""
         from ringcomm import ring
@@ -322,15 +335,14 @@ class Communicator(abc.ABC):
         self._ensure_open()
         spec = agree.CallSpec("reduce_scatter")
         try:
+            self._check_arrays(x)
             dt = spec.set_array(x)
             rop = spec.set_op(check_op(op, dt))
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
         agree.agree(self, spec)
         self.stats.calls += 1
-        from ringcomm import ring
-
-        return ring.reduce_scatter(self, _flat(x), rop)
+        return self._reduce_scatter_dense(_flat(x), rop)
 
     def allgather(self, x: Any) -> Any:
         """Concatenate ``x`` from every rank along the first axis, in rank order.
@@ -348,6 +360,7 @@ class Communicator(abc.ABC):
         self._ensure_open()
         spec = agree.CallSpec("broadcast")
         try:
+            self._check_arrays(x)
             spec.set_array(x)
             spec.root = self._check_rank(root, "root")
         except (TypeError, ValueError) as err:
@@ -377,6 +390,7 @@ class Communicator(abc.ABC):
         self._ensure_open()
         self._check_rank(dest, "dest")
         self._check_rank(source, "source")
+        self._check_arrays(send, recv)
         for label, arr in (("send", send), ("recv", recv)):
             if not hasattr(arr, "flags") or not arr.flags.c_contiguous:
                 raise ValueError(f"{label} must be a contiguous array, got {type(arr).__name__}")
@@ -433,6 +447,8 @@ class Communicator(abc.ABC):
         Repeated calls (the same tensor every training step) skip re-validating their
         arguments; anything not seen before, and every error, takes the full check.
         """
+        if type(x) is not np.ndarray:  # device arrays: their device is checked every call
+            return None, None
         try:
             plan = self._plans.get((type(x), x.dtype, x.shape, op))
         except (AttributeError, TypeError):  # not an array, or an unhashable op
@@ -444,6 +460,7 @@ class Communicator(abc.ABC):
 
     def _check_allreduce(self, spec: agree.CallSpec, x: Any, out: Any, op: Any,
                          compression: Any, feedback: Any, name: Any) -> ReduceOp:
+        self._check_arrays(x, out)
         dt = spec.set_array(x)
         rop = spec.set_op(check_op(op, dt))
         if out is not None:
@@ -486,12 +503,13 @@ class Communicator(abc.ABC):
         self._ensure_open()
         spec = agree.CallSpec(kind)
         try:
+            self._check_arrays(x)
             spec.set_array(x)
             if x.ndim == 0:
                 raise ValueError(f"{kind} needs an array with at least one dimension, got a scalar")
         except (TypeError, ValueError) as err:
             spec.error = err
-        headers = agree.agree(self, spec)
+        headers = agree.headers(self, spec)
         self.stats.calls += 1
         firsts = [int(h) for h in headers[:, agree.DIM0]]
         row = int(np.prod(x.shape[1:], dtype=np.int64))

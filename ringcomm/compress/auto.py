@@ -128,13 +128,13 @@ class Auto(Compressor):
         """Choose for array ``x``, measuring what is missing first (collectively, once per
         communicator and array kind)."""
         cached = comm._auto_figures
+        kind = "device" if _ops.is_device_array(x) else "host"
         if self.link is None:
-            if "link" not in cached:
-                cached["link"] = measure_link(comm)
-            link = cached["link"]
+            if f"link.{kind}" not in cached:
+                cached[f"link.{kind}"] = measure_link(comm, x)
+            link = cached[f"link.{kind}"]
         else:
             link = self.link
-        kind = "device" if _ops.is_device_array(x) else "host"
         if self.throughput is None:
             known = cached.setdefault(kind, {})
             missing = [c for c in self.candidates if self.key(c) not in known]
@@ -159,23 +159,26 @@ class Auto(Compressor):
 
 def _slowest_median(comm: Communicator, samples: list[float]) -> float:
     """The largest over ranks of this rank's median (the same on every rank)."""
-    mine = np.array([np.median(samples)])
-    return float(comm.allreduce(mine, op="max")[0])
+    return max(comm._allgather_object(float(np.median(samples))))
 
 
-def measure_link(comm: Communicator, reps: int = 5) -> LinkModel:
-    """Time one ring step at 8 B and 4 MiB; fit latency and bandwidth (collective)."""
+def measure_link(comm: Communicator, like: Any, reps: int = 5) -> LinkModel:
+    """Time one ring step at 8 B and 4 MiB of ``like``'s array kind; fit latency and
+    bandwidth (collective)."""
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
+    xp, sync = _ops.get(like), _synchronizer(like)
     times = {}
     for size in (_PROBE_SMALL, _PROBE_LARGE):
-        send, recv = np.ones(size, np.uint8), np.empty(size, np.uint8)
+        send, recv = xp.zeros((size,), np.uint8), xp.empty((size,), np.uint8)
         comm.sendrecv(send, right, recv, left)  # warm-up: connections, registration
+        sync()
         samples = []
         for _ in range(reps):
             comm.barrier()
             start = time.perf_counter()
             comm.sendrecv(send, right, recv, left)
+            sync()
             samples.append(time.perf_counter() - start)
         times[size] = _slowest_median(comm, samples)
     latency = times[_PROBE_SMALL]

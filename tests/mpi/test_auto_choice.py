@@ -17,8 +17,9 @@ def test_auto_measures_once_and_agrees(comm, world, rng):
         exact = gather_inputs(world, g).astype(np.float64).mean(axis=0)
         assert np.linalg.norm(y - exact) <= 0.02 * np.linalg.norm(exact)
     figures = comm._auto_figures
-    assert figures["link"].bandwidth > 0 and figures["link"].latency > 0
-    assert world.allgather(figures["link"]) == [figures["link"]] * comm.size
+    link = figures["link.host"]
+    assert link.bandwidth > 0 and link.latency > 0
+    assert world.allgather(link) == [link] * comm.size
     assert set(figures["host"]) == {"none", "FP16()", repr(ringcomm.Int8())}
 
 

@@ -1,0 +1,279 @@
+"""NCCL backend under mpiexec: startup errors on every rank, and the collectives on GPUs.
+
+Without a GPU (CI) the startup checks run for real over MPI: a rank that cannot start, or two
+ranks on one GPU, raise the same clear error on every rank. With GPUs (marker ``gpu``):
+
+- every rank builds a one-rank NCCL communicator and runs every collective against the MPI
+  backend's results on the same data;
+- two ranks on one GPU get the clear error, not NCCL's;
+- ``test_multi_gpu[n]`` runs the collectives over n ranks with a GPU each, skipping where the
+  job has too few ranks or GPUs.
+
+Whether to skip is decided from what every rank reports, so that all ranks take the same path.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import gather_inputs, same_on_all_ranks
+
+from ringcomm.comm import _nccl_setup, nccl
+from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.comm.nccl import NCCLCommunicator
+
+GPU_TIMEOUT = 300  # the first calls compile CuPy kernels
+
+
+def _gpus_here() -> int:
+    try:
+        return _nccl_setup.device_count(_nccl_setup.import_cupy())[0]
+    except RuntimeError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def hosts(world) -> list[tuple[str, int]]:
+    """(host name, visible GPU count) of every rank, the same list on every rank."""
+    return world.allgather((socket.gethostname(), _gpus_here()))
+
+
+def _fits(hosts: list[tuple[str, int]], ranks: range) -> bool:
+    """Whether ``ranks`` can each have a GPU of their own."""
+    per_host: dict[str, int] = {}
+    for r in ranks:
+        per_host[hosts[r][0]] = per_host.get(hosts[r][0], 0) + 1
+    return all(hosts[r][1] >= per_host[hosts[r][0]] for r in ranks)
+
+
+# ------------------------------------------------------------------------------- without GPU
+def test_without_gpu_every_rank_raises_the_clear_error(world, hosts):
+    if any(count for _, count in hosts):
+        pytest.skip("GPUs are visible; this checks the behaviour without them")
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*pip install 'ringcomm\[cuda12\]'"):
+        NCCLCommunicator(mpi_comm=world)
+
+
+def test_a_rank_that_cannot_start_stops_every_rank(world, monkeypatch):
+    """Rank 0 has no GPU, the others pretend to have one: all raise, none waits for rank 0."""
+    rank = world.Get_rank()
+    if rank:
+        ident = {"host": "h", "bus": f"0000:{rank:02x}:00.0", "uuid": f"u{rank}", "device": 0,
+                 "count": 1}
+        monkeypatch.setattr(_nccl_setup, "local_setup", lambda *a: _nccl_setup.LocalSetup(
+            None, None, 0, ident, None))
+    else:
+        def fail(*args: object) -> None:
+            raise RuntimeError("the NCCL backend needs a CUDA GPU (pretend)")
+
+        monkeypatch.setattr(_nccl_setup, "local_setup", fail)
+    expected = "needs a CUDA GPU" if rank == 0 else "cannot start on rank 0: the NCCL backend"
+    with pytest.raises(RuntimeError, match=expected):
+        NCCLCommunicator(mpi_comm=world)
+
+
+def test_shared_gpu_is_refused_before_nccl_starts(world, monkeypatch):
+    """Every rank reports the same GPU: the duplicate check stops all of them."""
+    if world.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    ident = {"host": "h", "bus": "0000:3b:00.0", "uuid": "same", "device": 0, "count": 1}
+    monkeypatch.setattr(_nccl_setup, "local_setup", lambda *a: _nccl_setup.LocalSetup(
+        None, None, 0, ident, None))
+    with pytest.raises(RuntimeError, match=r"ranks 0, 1.* would share GPU 0000:3b:00.0 .*one GPU "
+                                           r"per rank.*backend='mpi'"):
+        NCCLCommunicator(mpi_comm=world)
+
+
+def test_usable_everywhere_agrees(world, hosts, monkeypatch):
+    """The same answer on every rank; False as soon as one rank has no GPU of its own."""
+    answer = nccl.usable_everywhere(world)
+    assert world.allgather(answer) == [answer] * world.Get_size()
+    if not all(count for _, count in hosts):
+        assert answer is False
+    ident = {"host": "h", "bus": "0000:3b:00.0", "uuid": "same", "device": 0, "count": 1}
+    monkeypatch.setattr(_nccl_setup, "local_setup", lambda *a: _nccl_setup.LocalSetup(
+        None, None, 0, dict(ident, uuid=f"u{world.Get_rank()}"), None))
+    assert nccl.usable_everywhere(world) is True  # every rank has a GPU of its own
+    monkeypatch.setattr(_nccl_setup, "local_setup", lambda *a: _nccl_setup.LocalSetup(
+        None, None, 0, ident, None))
+    assert nccl.usable_everywhere(world) is (world.Get_size() == 1)  # all on one GPU
+
+
+def test_mpi_rendezvous(world):
+    rdv = _nccl_setup.connect(world)
+    try:
+        assert (rdv.kind, rdv.rank, rdv.size) == ("mpi", world.Get_rank(), world.Get_size())
+        assert 0 <= rdv.local_rank < rdv.local_size <= rdv.size
+        assert rdv.allgather_object(rdv.rank * 10) == [r * 10 for r in range(rdv.size)]
+        data = b"x" * 128 if rdv.rank == 0 else None
+        assert rdv.bcast_bytes(data, 0) == b"x" * 128
+        send = np.full(8, rdv.rank, np.uint8)
+        recv = np.empty((rdv.size, 8), np.uint8)
+        assert rdv.allgather_fixed(send, recv)
+        assert (recv == np.arange(rdv.size, dtype=np.uint8)[:, None]).all()
+    finally:
+        rdv.close()
+
+
+# ---------------------------------------------------------------------------------- with GPU
+@pytest.fixture(scope="module")
+def self_pair(world, hosts):
+    """A one-rank NCCL communicator and a one-rank MPI communicator on every rank."""
+    if not all(count for _, count in hosts):
+        pytest.skip("needs a GPU visible to every rank")
+    nccl = NCCLCommunicator(mpi_comm=MPI.COMM_SELF, device=0)
+    mpi = MPICommunicator(MPI.COMM_SELF)
+    yield nccl, mpi
+    nccl.close()
+    mpi.close()
+
+
+def _data(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, op: str) -> np.ndarray:
+    if op == "prod":
+        return rng.choice(np.array([-2, -1, 1, 2]), shape).astype(dtype)
+    return rng.integers(-8, 9, shape).astype(dtype)  # sums are exact in every dtype
+
+
+_DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+_OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("shape", [(5,), (3000, 7), (257, 4, 3)])
+def test_world_size_one_matches_mpi(self_pair, rng, dtype, shape):
+    import cupy
+
+    nccl, mpi = self_pair
+    x = rng.standard_normal(shape).astype(dtype) if dtype[0] == "f" else \
+        _data(rng, shape, dtype, "sum")
+    dx = cupy.asarray(x)
+    for op in _OPS:
+        if op == "avg" and dtype.startswith("int"):
+            continue
+        np.testing.assert_array_equal(nccl.allreduce(dx, op=op).get(), mpi.allreduce(x, op=op))
+        np.testing.assert_array_equal(nccl.reduce_scatter(dx, op=op).get(),
+                                      mpi.reduce_scatter(x, op=op))
+    out = cupy.empty_like(dx)
+    assert nccl.allreduce(dx, out=out) is out
+    strided = cupy.asarray(np.ascontiguousarray(x.reshape(-1)[::-1]))[::2]
+    np.testing.assert_array_equal(nccl.allreduce(strided).get(), mpi.allreduce(strided.get()))
+    np.testing.assert_array_equal(nccl.allgather(dx).get(), mpi.allgather(x))
+    np.testing.assert_array_equal(nccl.allgatherv(dx).get(), mpi.allgatherv(x))
+    np.testing.assert_array_equal(nccl.broadcast(dx.copy()).get(), mpi.broadcast(x.copy()))
+    recv = cupy.empty_like(dx)
+    np.testing.assert_array_equal(nccl.sendrecv(dx, 0, recv, 0).get(), x)
+    nccl.barrier()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+def test_world_size_one_compressed_and_native(self_pair, rng):
+    import cupy
+
+    import ringcomm
+
+    nccl, mpi = self_pair
+    x = rng.standard_normal(5000).astype(np.float32)
+    dx = cupy.asarray(x)
+    for comp in (ringcomm.FP16(), ringcomm.Int8()):
+        y = nccl.allreduce(dx, compression=comp, feedback=ringcomm.ErrorFeedback(), name="g")
+        ref = mpi.allreduce(x, compression=comp, feedback=ringcomm.ErrorFeedback(), name="g")
+        np.testing.assert_array_equal(y.get(), ref)
+    y = cupy.empty_like(dx)
+    assert nccl.native_allreduce(dx, y, "max") is y
+    np.testing.assert_array_equal(y.get(), x)
+    # isendrecv: the current stream waits for the transfer, no host wait needed.
+    recv = cupy.empty_like(dx)
+    nccl.isendrecv(dx, 0, recv, 0).wait()
+    np.testing.assert_array_equal((recv * 2).get(), x * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+def test_numpy_arrays_are_refused(self_pair):
+    nccl, _ = self_pair
+    x = np.ones(10, np.float32)
+    for call in (lambda: nccl.allreduce(x), lambda: nccl.allgather(x),
+                 lambda: nccl.allgatherv(x), lambda: nccl.broadcast(x),
+                 lambda: nccl.reduce_scatter(x), lambda: nccl.sendrecv(x, 0, x, 0),
+                 lambda: nccl.native_allreduce(x, x)):
+        with pytest.raises(TypeError, match=r"NCCL backend takes CuPy arrays, got numpy\.ndarray"):
+            call()
+    nccl.barrier()  # still usable
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+def test_two_ranks_on_one_gpu_get_the_clear_error(world, hosts):
+    if world.Get_size() < 2 or hosts[0][0] != hosts[1][0] or not hosts[0][1]:
+        pytest.skip("needs ranks 0 and 1 on one host with a GPU")
+    pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED)
+    if pair == MPI.COMM_NULL:
+        return
+    try:
+        with pytest.raises(RuntimeError, match=r"ranks 0, 1 would share GPU .*one GPU per rank"
+                                               r".*backend='mpi'"):
+            NCCLCommunicator(mpi_comm=pair, device=0)
+    finally:
+        pair.Free()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+@pytest.mark.parametrize("ngpus", [2, 4, 8])
+def test_multi_gpu(world, hosts, rng, ngpus):
+    if world.Get_size() < ngpus or not _fits(hosts, range(ngpus)):
+        pytest.skip(f"needs {ngpus} ranks with a GPU each")
+    sub = world.Split(0 if world.Get_rank() < ngpus else MPI.UNDEFINED)
+    if sub == MPI.COMM_NULL:
+        return
+    try:
+        comm = NCCLCommunicator(mpi_comm=sub)
+        try:
+            _check_collectives(comm, sub, rng)
+        finally:
+            comm.close()
+    finally:
+        sub.Free()
+
+
+def _check_collectives(comm: NCCLCommunicator, sub: MPI.Comm, rng: np.random.Generator) -> None:
+    """Every collective over ``comm`` against NumPy on every rank's inputs; exact, since the
+    inputs are small integers."""
+    import cupy
+
+    n, r = comm.size, comm.rank
+    for dtype in _DTYPES:
+        for op in _OPS:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for length in (3, 1000, 1 << 16, 1 << 16 | 5):  # inline, NCCL, and uneven sizes
+                x = _data(rng, (length,), dtype, op)
+                xs = gather_inputs(sub, x).astype(np.float64)
+                ref = {"sum": xs.sum(0), "avg": xs.sum(0) / n, "min": xs.min(0),
+                       "max": xs.max(0), "prod": xs.prod(0)}[op].astype(dtype)
+                y = comm.allreduce(cupy.asarray(x), op=op).get()
+                np.testing.assert_array_equal(y, ref)
+                assert same_on_all_ranks(sub, y)
+                part = comm.reduce_scatter(cupy.asarray(x), op=op).get()
+                np.testing.assert_array_equal(part, ref[r * length // n:(r + 1) * length // n])
+    x = rng.standard_normal((r + 1, 3)).astype(np.float32)
+    np.testing.assert_array_equal(comm.allgatherv(cupy.asarray(x)).get(),
+                                  np.concatenate(sub.allgather(x)))
+    x = rng.standard_normal((4, 3))
+    np.testing.assert_array_equal(comm.allgather(cupy.asarray(x)).get(),
+                                  np.concatenate(sub.allgather(x)))
+    root = n - 1
+    x = cupy.asarray(rng.standard_normal(1000))
+    expected = sub.bcast(x.get() if r == root else None, root=root)
+    np.testing.assert_array_equal(comm.broadcast(x, root=root).get(), expected)
+    right, left = (r + 1) % n, (r - 1) % n
+    recv = cupy.empty(100, np.int32)
+    comm.sendrecv(cupy.full(100, r, np.int32), right, recv, left)
+    assert (recv.get() == left).all()
+    comm.barrier()

@@ -1,0 +1,293 @@
+"""NCCL backend in one process: the library from the wheel, its errors, and init without a GPU.
+
+These run on machines without a GPU (CI): loading NCCL, ncclGetVersion and ncclGetUniqueId need
+none. Tests that assert the no-GPU behaviour skip where a GPU is visible.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ringcomm
+from ringcomm.comm import _nccl_lib, _nccl_setup, nccl
+
+
+@pytest.fixture(scope="module")
+def lib() -> _nccl_lib.NCCLLibrary:
+    try:
+        importlib.metadata.version("nvidia-nccl-cu12")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nvidia-nccl-cu12 is not installed (pip install 'ringcomm[cuda12]')")
+    return _nccl_lib.load()
+
+
+@pytest.fixture(scope="module")
+def gpu_count() -> int:
+    cupy = pytest.importorskip("cupy")
+    return _nccl_setup.device_count(cupy)[0]
+
+
+@pytest.fixture
+def no_gpu(gpu_count: int) -> None:
+    if gpu_count:
+        pytest.skip(f"a GPU is visible here ({gpu_count}); this checks the behaviour without one")
+
+
+def test_library_loads_from_the_wheel(lib):
+    assert lib.path.endswith("nvidia/nccl/lib/libnccl.so.2"), lib.path
+    assert _nccl_lib.load() is lib  # loaded once per process
+
+
+def test_version_matches_the_wheel(lib):
+    assert lib.version >= _nccl_lib.MIN_VERSION
+    wheel = importlib.metadata.version("nvidia-nccl-cu12")
+    assert wheel.startswith(lib.version_string), (wheel, lib.version_string)
+
+
+@pytest.mark.parametrize(("code", "text"), [(23203, "2.32.3"), (21400, "2.14.0"),
+                                            (2708, "2.7.8")])
+def test_format_version(code, text):
+    assert _nccl_lib.format_version(code) == text
+
+
+def test_unique_id_without_gpu(lib):
+    a, b = lib.unique_id(), lib.unique_id()
+    assert isinstance(a, bytes) and len(a) == 128
+    assert a != b
+
+
+def test_error_text_carries_nccl_strings(lib):
+    assert lib.error_text(4).startswith("NCCL error 4: invalid argument")
+    with pytest.raises(_nccl_lib.NCCLError, match="ncclFoo failed: NCCL error 5: invalid usage") \
+            as info:
+        lib.check(5, "ncclFoo")
+    assert isinstance(info.value, RuntimeError) and info.value.code == 5
+    lib.check(0, "ncclFoo")  # success raises nothing
+
+
+def test_failed_init_reports_last_error(lib, no_gpu):
+    """Without a GPU ncclCommInitRank fails; the error names the call, the result and the
+    reason NCCL recorded (ncclGetLastError)."""
+    with pytest.raises(_nccl_lib.NCCLError, match=r"ncclCommInitRank \(rank 0 of 1\) failed: "
+                                                  r"NCCL error \d+: .*; last error: \S"):
+        lib.init_rank(1, lib.unique_id(), 0)
+
+
+def test_init_rank_checks_the_id_length(lib):
+    with pytest.raises(ValueError, match="128 bytes, got 3"):
+        lib.init_rank(1, b"abc", 0)
+
+
+def test_dtype_codes():
+    assert _nccl_lib.dtype_code("float32") == 7 and _nccl_lib.dtype_code("bfloat16") == 9
+    with pytest.raises(TypeError, match="NCCL has no type for dtype complex64"):
+        _nccl_lib.dtype_code("complex64")
+
+
+def test_missing_library_names_what_to_install(monkeypatch):
+    monkeypatch.setattr(_nccl_lib, "_loaded", [])
+    monkeypatch.setattr(_nccl_lib, "candidate_paths", lambda: ["/nonexistent/libnccl.so.2"])
+    with pytest.raises(RuntimeError,
+                       match=r"could not load NCCL .*pip install 'ringcomm\[cuda12\]'"):
+        _nccl_lib.load()
+
+
+def test_usable_is_false_without_gpu(no_gpu, monkeypatch):
+    monkeypatch.setattr(nccl, "_usable", [])
+    assert nccl.usable() is False
+    assert ringcomm.nccl_available() is False
+
+
+@pytest.mark.parametrize("visible", ["", "-1"])
+def test_usable_is_false_when_devices_are_hidden(monkeypatch, visible):
+    monkeypatch.setattr(nccl, "_usable", [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert nccl.usable() is False
+
+
+def test_usable_never_raises(monkeypatch):
+    def broken() -> None:
+        raise RuntimeError("no NCCL here")
+
+    monkeypatch.setattr(nccl, "_usable", [])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(_nccl_lib, "load", broken)
+    assert nccl.usable() is False
+
+
+def test_usable_everywhere_is_false_without_gpu(no_gpu):
+    assert nccl.usable_everywhere() is False
+
+
+def test_auto_picks_mpi_without_gpu(no_gpu, monkeypatch):
+    monkeypatch.setattr(nccl, "_usable", [])
+    with ringcomm.init("auto", abort_on_exception=False) as comm:
+        assert comm.backend == "mpi"
+
+
+def test_init_nccl_without_gpu_says_what_to_do(no_gpu):
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*pip install 'ringcomm\[cuda12\]'"
+                                           r".*backend='mpi'"):
+        ringcomm.init("nccl", abort_on_exception=False)
+
+
+def test_missing_cupy_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes "import cupy" fail
+    with pytest.raises(RuntimeError,
+                       match=r"needs CuPy and NCCL: pip install 'ringcomm\[cuda12\]'"):
+        _nccl_setup.import_cupy()
+
+
+# --------------------------------------------------------------------- startup checks, pure
+def _ident(host: str, bus: str, uuid: str = "", device: int = 0) -> dict:
+    return {"host": host, "bus": bus, "uuid": uuid, "device": device, "count": 1}
+
+
+def test_distinct_devices_pass():
+    _nccl_setup.check_distinct_devices([_ident("a", "0000:01:00.0", "u0"),
+                                        _ident("a", "0000:02:00.0", "u1", 1),
+                                        _ident("b", "0000:01:00.0", "u2")])
+    # Without UUIDs the host and bus id tell GPUs apart.
+    _nccl_setup.check_distinct_devices([_ident("a", "0000:01:00.0"),
+                                        _ident("b", "0000:01:00.0")])
+
+
+@pytest.mark.parametrize("uuid", ["same", ""])
+def test_two_ranks_on_one_gpu_are_refused_clearly(uuid):
+    idents = [_ident("a", "0000:01:00.0", uuid), _ident("b", "0000:02:00.0", uuid + "x"),
+              _ident("a", "0000:01:00.0", uuid)]
+    with pytest.raises(RuntimeError, match=r"ranks 0, 2 would share GPU 0000:01:00.0 .* on host "
+                                           r"a; .*one GPU per rank.*backend='mpi'"):
+        _nccl_setup.check_distinct_devices(idents)
+
+
+class _FakeRendezvous:
+    """Rendezvous of rank ``rank`` whose allgather returns what the other ranks would send."""
+
+    kind, size, local_rank, local_size = "fake", 3, 0, 1
+
+    def __init__(self, rank: int, others: list) -> None:
+        self.rank, self._others = rank, others
+
+    def allgather_object(self, obj):
+        everyone = list(self._others)
+        everyone.insert(self.rank, obj)
+        return everyone
+
+
+def test_startup_exchange_fails_on_every_rank():
+    ok = (None, _ident("h", "b1"))
+    bad = ("the NCCL backend needs a CUDA GPU", None)
+    with pytest.raises(RuntimeError, match=r"^the NCCL backend needs a CUDA GPU$"):
+        _nccl_setup.startup_exchange(_FakeRendezvous(1, [ok, ok]), *bad)
+    with pytest.raises(RuntimeError, match="cannot start on rank 1: the NCCL backend needs"):
+        _nccl_setup.startup_exchange(_FakeRendezvous(0, [bad, ok]), *ok)
+    assert _nccl_setup.startup_exchange(_FakeRendezvous(2, [ok, ok]), *ok) == [ok[1]] * 3
+
+
+# -------------------------------------------------------------------- torchrun rendezvous
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env(monkeypatch, rank: int, size: int, port: int) -> None:
+    for key, value in {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": rank,
+                       "LOCAL_WORLD_SIZE": size, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port}.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def test_store_rendezvous_in_one_process(monkeypatch):
+    pytest.importorskip("torch.distributed")
+    _torchrun_env(monkeypatch, 0, 1, _free_port())
+    rdv = _nccl_setup.connect()
+    assert (rdv.kind, rdv.rank, rdv.size, rdv.local_rank, rdv.local_size) == ("store", 0, 1, 0, 1)
+    assert rdv.allgather_object({"a": 1}) == [{"a": 1}]
+    assert rdv.allgather_object(2) == [2]  # a second call uses fresh keys
+    assert rdv.bcast_bytes(b"id") == b"id"
+    rdv.close()
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import ringcomm
+    try:
+        ringcomm.init("nccl", abort_on_exception=False)
+    except RuntimeError as err:
+        print("ERROR:", err)
+        sys.exit(3)
+    print("STARTED")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_torchrun_ranks_without_gpu_fail_together(no_gpu, subprocess_env):
+    """Under torchrun (no MPI), both ranks meet in the store and raise the clear error."""
+    pytest.importorskip("torch.distributed")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(subprocess_env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _CHILD], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 3, out
+        assert "needs a CUDA GPU" in out and "ringcomm[cuda12]" in out, out
+        assert "mpi4py" not in out
+
+
+# ------------------------------------------------------------ call plumbing, recorded, no GPU
+def _recording_comm(lib, rank: int, size: int, fail: str = "") -> tuple[object, list]:
+    """An NCCLComm whose NCCL functions record their calls instead of running."""
+    calls: list = []
+
+    def recorder(name):
+        def call(*args):
+            calls.append((name, *args[:4]) if name in ("ncclSend", "ncclRecv") else (name,))
+            return 5 if name == fail else 0
+        return call
+
+    comm = object.__new__(_nccl_lib.NCCLComm)
+    comm.lib, comm.rank, comm.size, comm.handle = lib, rank, size, None
+    comm.fn = {name: recorder(name) for name in ("ncclSend", "ncclRecv", "ncclGroupStart",
+                                                 "ncclGroupEnd")}
+    return comm, calls
+
+
+def test_gatherv_posts_every_part_at_its_offset(lib):
+    u8 = _nccl_lib.UINT8
+    comm, calls = _recording_comm(lib, 1, 3)
+    comm.gatherv(1000, 5000, [4, 0, 8], stream=7)  # rank 1 sends nothing
+    assert calls == [("ncclGroupStart",), ("ncclRecv", 5000, 4, u8, 0),
+                     ("ncclRecv", 5004, 8, u8, 2), ("ncclGroupEnd",)]
+    comm, calls = _recording_comm(lib, 0, 3)
+    comm.gatherv(1000, 5000, [4, 0, 8], stream=7)
+    assert calls == [("ncclGroupStart",), ("ncclSend", 1000, 4, u8, 1),
+                     ("ncclRecv", 5004, 8, u8, 2), ("ncclSend", 1000, 4, u8, 2),
+                     ("ncclGroupEnd",)]
+
+
+def test_sendrecv_is_one_group_and_skips_a_missing_side(lib):
+    u8 = _nccl_lib.UINT8
+    comm, calls = _recording_comm(lib, 0, 2)
+    comm.sendrecv((100, 8), 1, None, 1, stream=0)
+    assert calls == [("ncclGroupStart",), ("ncclSend", 100, 8, u8, 1), ("ncclGroupEnd",)]
+
+
+def test_a_failed_call_still_ends_the_group(lib):
+    comm, calls = _recording_comm(lib, 0, 2, fail="ncclRecv")
+    with pytest.raises(_nccl_lib.NCCLError, match="ncclRecv of 8 bytes from rank 1 failed: "
+                                                  "NCCL error 5: invalid usage"):
+        comm.sendrecv((100, 8), 1, (200, 8), 1, stream=0)
+    assert calls[-1] == ("ncclGroupEnd",)
