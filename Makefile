@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi gpu-test bench lint clean
+.PHONY: demo test test-unit test-mpi gpu-test gpu-bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ test-mpi: $(VENV)/.test
 gpu-test: $(VENV)/.test
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m gpu
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q -m gpu
+
+gpu-bench: $(VENV)/.test
+	$(BIN)/python bench/kernels_perf.py --json bench/results/kernels_perf.json
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check ringcomm tests bench examples

@@ -419,7 +419,8 @@ class Communicator(abc.ABC):
         ones every call. Two live buffers need two keys.
         """
         xp = _ops.get(like)
-        k = (key, xp.__name__, np.dtype(dtype).str)
+        device = getattr(getattr(like, "device", None), "id", None)  # CuPy arrays: the GPU
+        k = (key, xp.__name__, device, np.dtype(dtype).str)
         buf = self._buffers.get(k)
         if buf is None or buf.size < n:
             buf = self._buffers[k] = xp.empty((max(n, 1),), dtype)

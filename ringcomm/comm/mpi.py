@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm import staging
 from ringcomm.comm.base import Communicator
 
 __all__ = ["MPICommunicator", "import_mpi", "install_abort_hook", "yield_when_oversubscribed"]
@@ -50,13 +51,8 @@ def import_mpi() -> Any:
 
 
 def _cuda_aware(MPI: Any) -> bool:
-    """Whether the MPI library takes device pointers (as mpi4py's config reports it)."""
-    try:
-        from mpi4py import get_config
-
-        return bool(get_config().get("cuda_aware", False))
-    except Exception:
-        return False
+    """Whether the MPI library takes device pointers (see ``staging.cuda_aware``)."""
+    return staging.cuda_aware(MPI)
 
 
 class _Pair:
@@ -105,29 +101,22 @@ class MPICommunicator(Communicator):
 
     # ------------------------------------------------------------------------ primitives
     def _isendrecv_on(self, comm: Any, tag: int, send: Any, dest: int, recv: Any,
-                      source: int) -> _Pair:
+                      source: int) -> Any:
         if type(send) is np.ndarray and type(recv) is np.ndarray:  # the common, host case
             return _Pair(self._MPI, [comm.Irecv(recv, source, tag), comm.Isend(send, dest, tag)])
-        after = None
-        if recv is not None and not self._direct(recv):
-            host_recv = np.empty(recv.shape, recv.dtype)
-            device_recv = recv
-
-            def after() -> None:  # copy the staged message to the device once it has arrived
-                device_recv.set(host_recv)
-
-            recv = host_recv
+        if _ops.is_device_array(send) or _ops.is_device_array(recv):
+            return self._device_staging().isendrecv(comm, tag, send, dest, recv, source)
         reqs = []
         if recv is not None:
             reqs.append(comm.Irecv(recv, source, tag))
         if send is not None:
-            reqs.append(comm.Isend(self._host(send), dest, tag))
-        return _Pair(self._MPI, reqs, after)
+            reqs.append(comm.Isend(send, dest, tag))
+        return _Pair(self._MPI, reqs)
 
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> _Pair:
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> Any:
         return self._isendrecv_on(self._ring, _RING_TAG, send, dest, recv, source)
 
-    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> _Pair:
+    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
         return self._isendrecv_on(self._p2p, _P2P_TAG, send, dest, recv, source)
 
     def _allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
@@ -135,20 +124,16 @@ class MPICommunicator(Communicator):
 
     def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
-        if self._direct(x):
+        if not (_ops.is_device_array(x) or _ops.is_device_array(out)):
             self._ctl.Allgatherv(x, [out, (counts, displs)])
             return
-        host_out = np.empty(out.shape, out.dtype)
-        self._ctl.Allgatherv(self._host(x), [host_out, (counts, displs)])
-        out.set(host_out)
+        self._device_staging().allgatherv(self._ctl, x, counts, displs, out)
 
     def _broadcast(self, x: Any, root: int) -> None:
-        if self._direct(x):
+        if not _ops.is_device_array(x):
             self._ctl.Bcast(x, root)
             return
-        host = self._host(x)
-        self._ctl.Bcast(host, root)
-        x.set(host)
+        self._device_staging().broadcast(self._ctl, x, root)
 
     def _allgather_object(self, obj: Any) -> list[Any]:
         return self._ctl.allgather(obj)
@@ -161,12 +146,12 @@ class MPICommunicator(Communicator):
             comm.Free()
 
     # --------------------------------------------------------------------------- staging
-    def _direct(self, x: Any) -> bool:
-        """Whether MPI may read/write ``x`` itself (host memory, or CUDA-aware MPI)."""
-        return not _ops.is_device_array(x) or self.cuda_aware
-
-    def _host(self, x: Any) -> Any:
-        return x if self._direct(x) else x.get()
+    def _device_staging(self) -> staging.DeviceStaging:
+        """How device arrays travel (created with the first one: it needs CuPy)."""
+        stage = self.__dict__.get("_device_stage")
+        if stage is None:
+            stage = self._device_stage = staging.DeviceStaging(self._MPI, self.cuda_aware)
+        return stage
 
 
 def install_abort_hook() -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
+    "pad8",
     "reduce",
     "sample_threshold",
     "scatter_add",
@@ -389,8 +390,9 @@ def zero_nonfinite(x: np.ndarray) -> None:
 
 
 def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None:
-    """``error = acc`` with the selected entries zeroed (what a top-k selection did not send);
-    NaN and Inf left over become 0. ``error`` may be ``acc`` itself (no copy then)."""
+    """``error = acc`` with the entries ``topk`` selected zeroed (what it did not send); NaN
+    and Inf left over become 0. ``idx`` must be what ``topk(acc, ...)`` returned; ``error``
+    may be ``acc`` itself (no copy then)."""
     # Non-finite entries rank above every number, so they are all selected unless every selected
     # entry is non-finite: only then can one remain.
     clean = idx.size > 0 and bool(np.isfinite(acc[idx]).any())

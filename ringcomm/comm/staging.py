@@ -1,0 +1,253 @@
+"""Device (CuPy) arrays over MPI: handed to a CUDA-aware MPI as they are, otherwise staged
+through page-locked host buffers that are reused between calls.
+
+Ordering with the GPU: kernels run asynchronously on the current CuPy stream, and MPI knows
+nothing of it. Before MPI may read a device buffer (CUDA-aware) or the host copy of one, the
+stream is synchronized; before a device buffer is handed over to be written, the same
+synchronization guarantees no queued kernel still reads its old contents. A staged receive is
+copied to the device asynchronously after it completes, on the same stream, so the reduction
+that follows it is ordered after the copy without the host waiting: with the ring's window of
+two exchanges, that copy and that reduction overlap the next segment's transfer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+
+__all__ = ["DeviceStaging", "cuda_aware"]
+
+_ENV = "RINGCOMM_MPI_CUDA_AWARE"
+_MIN_PINNED = 1 << 16
+_KEEP = 8  # idle pinned buffers kept per communicator
+
+
+def cuda_aware(MPI: Any) -> bool:
+    """Whether the MPI library takes device pointers.
+
+    ``RINGCOMM_MPI_CUDA_AWARE=0|1`` decides when set; otherwise the library is asked through
+    ``MPIX_Query_cuda_support`` (Open MPI, MPICH >= 4.1), which reports both the build and the
+    runtime setting. False when it cannot tell.
+
+    Args:
+        MPI: the ``mpi4py.MPI`` module (initialized).
+
+    Returns:
+        True when device buffers may be passed to MPI directly.
+    """
+    raw = os.environ.get(_ENV, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    return _mpix_query_cuda_support()
+
+
+def _mpix_query_cuda_support() -> bool:
+    """Call MPIX_Query_cuda_support() in the MPI library mpi4py has loaded (Linux)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps
+                            if "libmpi" in line and ".so" in line})
+    except OSError:
+        return False
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+            query = lib.MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        query.restype, query.argtypes = ctypes.c_int, []
+        return bool(query())
+    return False
+
+
+class _PinnedPool:
+    """Page-locked host buffers, lent one per staged transfer and kept for the next calls.
+
+    A buffer comes back with the CUDA event of the copy still reading or writing it; it is
+    lent again only once that event has completed.
+    """
+
+    __slots__ = ("_cupy", "_idle")
+
+    def __init__(self, cupy: Any) -> None:
+        self._cupy = cupy
+        self._idle: list[tuple[np.ndarray, Any]] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        best = -1
+        for i, (buf, event) in enumerate(self._idle):
+            if buf.nbytes >= nbytes and (event is None or event.done) and (
+                    best < 0 or buf.nbytes < self._idle[best][0].nbytes):
+                best = i
+        if best >= 0:
+            return self._idle.pop(best)[0]
+        # Powers of two: the ring's segment sizes map onto a few buffers.
+        size = 1 << (max(nbytes, _MIN_PINNED) - 1).bit_length()
+        return np.frombuffer(self._cupy.cuda.alloc_pinned_memory(size), np.uint8, size)
+
+    def give(self, buf: np.ndarray, event: Any = None) -> None:
+        self._idle.append((buf, event))
+        if len(self._idle) > _KEEP:
+            done = [i for i, (_, e) in enumerate(self._idle) if e is None or e.done]
+            if done:
+                self._idle.pop(min(done, key=lambda i: self._idle[i][0].nbytes))
+
+
+class _Staged:
+    """A posted exchange with device buffers; ``wait()`` completes it, queues the copies of
+    staged receives to the device and returns a staged send's pinned buffer to the pool."""
+
+    __slots__ = ("_downloads", "_reqs", "_staging", "_uploads")
+
+    def __init__(self, staging: DeviceStaging, reqs: list[Any],
+                 uploads: list[tuple[np.ndarray, Any]], downloads: list[np.ndarray]) -> None:
+        self._staging, self._reqs = staging, reqs
+        self._uploads, self._downloads = uploads, downloads
+
+    def wait(self) -> None:
+        staging = self._staging
+        try:
+            staging.MPI.Request.Waitall(self._reqs)
+        finally:
+            for host in self._downloads:
+                staging.release(host)
+        for host, device in self._uploads:
+            staging.upload(host, device)
+
+
+def _counts(message: Any, counts: list[int], displs: list[int]) -> list[Any]:
+    """A vector receive buffer of ``message`` (see DeviceStaging.message)."""
+    if isinstance(message, list):
+        return [message[0], (counts, displs), message[1]]
+    return [message, (counts, displs)]
+
+
+class DeviceStaging:
+    """How one communicator moves CuPy arrays through MPI.
+
+    Args:
+        MPI: the ``mpi4py.MPI`` module.
+        direct: pass device buffers to MPI as they are (CUDA-aware MPI).
+
+    Raises:
+        RuntimeError: CuPy or a GPU is missing.
+    """
+
+    def __init__(self, MPI: Any, direct: bool) -> None:
+        from ringcomm.ops import _cuda_runtime
+
+        self.MPI = MPI
+        self.direct = direct
+        self._cupy = _cuda_runtime.cp()
+        self._pool = _PinnedPool(self._cupy)
+
+    # ------------------------------------------------------------------------ pieces
+    def _sync(self) -> None:
+        self._cupy.cuda.get_current_stream().synchronize()
+
+    def message(self, buf: Any, like: Any) -> tuple[Any, int]:
+        """The MPI buffer of ``like``'s data, and the factor from elements to its items.
+
+        ``buf`` is ``like`` itself (a host array, or a device array for CUDA-aware MPI) or the
+        pinned buffer that stages it. Dtypes MPI knows travel typed (so a host peer's message
+        matches); others (bfloat16) as bytes.
+        """
+        if buf is like and not _ops.is_device_array(like):
+            return like, 1
+        if like.dtype.kind in "biufc":
+            return (like if buf is like else buf[: like.nbytes].view(like.dtype)), 1
+        if buf is like:
+            address = self.MPI.buffer.fromaddress(like.data.ptr, like.nbytes)
+            return [address, self.MPI.BYTE], like.itemsize
+        return [buf[: like.nbytes], self.MPI.BYTE], like.itemsize
+
+    def _stage(self, x: Any, incoming: bool) -> Any:
+        """What MPI reads (or, ``incoming``, writes) for array x: x itself, or a pinned buffer
+        (holding a queued download of x unless incoming)."""
+        if self.direct or not _ops.is_device_array(x):
+            return x
+        return self._pool.take(x.nbytes) if incoming else self.download(x)
+
+    def download(self, x: Any) -> np.ndarray:
+        """A pinned host buffer with device array ``x`` copied in (queued on the current
+        stream: synchronize before reading it)."""
+        host = self._pool.take(x.nbytes)
+        runtime = self._cupy.cuda.runtime
+        runtime.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost,
+                            self._cupy.cuda.get_current_stream().ptr)
+        return host
+
+    def upload(self, host: np.ndarray, x: Any) -> None:
+        """Queue the copy of pinned ``host`` into device array ``x``; the buffer goes back to
+        the pool with the copy's event, so it is not reused before the copy has read it."""
+        stream = self._cupy.cuda.get_current_stream()
+        runtime = self._cupy.cuda.runtime
+        runtime.memcpyAsync(x.data.ptr, host.ctypes.data, x.nbytes, runtime.memcpyHostToDevice,
+                            stream.ptr)
+        self._pool.give(host, stream.record())
+
+    def release(self, host: np.ndarray) -> None:
+        """Return a pinned buffer no copy is using any more."""
+        self._pool.give(host)
+
+    # -------------------------------------------------------------------- operations
+    def isendrecv(self, comm: Any, tag: int, send: Any | None, dest: int, recv: Any | None,
+                  source: int) -> _Staged:
+        """Post a receive and a send, either on the device or on the host (or None)."""
+        uploads: list[tuple[np.ndarray, Any]] = []
+        downloads: list[np.ndarray] = []
+        reqs = []
+        rbuf = sbuf = None
+        if recv is not None:
+            rbuf = self._stage(recv, True)
+            if rbuf is not recv:
+                uploads.append((rbuf, recv))
+        if send is not None:
+            sbuf = self._stage(send, False)
+            if sbuf is not send:
+                downloads.append(sbuf)
+        device = _ops.is_device_array
+        if downloads or (self.direct and (device(send) or device(recv))):
+            self._sync()  # the download is complete; no queued kernel still uses recv
+        if recv is not None:
+            reqs.append(comm.Irecv(self.message(rbuf, recv)[0], source, tag))
+        if send is not None:
+            reqs.append(comm.Isend(self.message(sbuf, send)[0], dest, tag))
+        return _Staged(self, reqs, uploads, downloads)
+
+    def allgatherv(self, comm: Any, x: Any, counts: list[int], displs: list[int],
+                   out: Any) -> None:
+        """Allgatherv of ``x`` into ``out`` (counts and displs in elements), either or both on
+        the device."""
+        send_buf, recv_buf = self._stage(x, False), self._stage(out, True)
+        self._sync()  # the download is complete, and no queued kernel still uses out
+        send, scale = self.message(send_buf, x)
+        recv = self.message(recv_buf, out)[0]
+        try:
+            comm.Allgatherv(send, _counts(recv, [c * scale for c in counts],
+                                          [d * scale for d in displs]))
+        finally:
+            if send_buf is not x:
+                self.release(send_buf)
+        if recv_buf is not out:
+            self.upload(recv_buf, out)
+
+    def broadcast(self, comm: Any, x: Any, root: int) -> None:
+        """Broadcast device array ``x`` from ``root`` in place."""
+        mine = comm.Get_rank() == root
+        buf = self._stage(x, not mine)
+        self._sync()
+        try:
+            comm.Bcast(self.message(buf, x)[0], root)
+        finally:
+            if buf is not x and mine:
+                self.release(buf)
+        if buf is not x and not mine:
+            self.upload(buf, x)

@@ -1,0 +1,107 @@
+"""CuPy machinery behind :mod:`ringcomm.ops.cuda`: the lazy import, the compiled kernel modules
+(once per device and source, cached), grid sizes, alignment checks and launches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.ops import _cuda_source as _src
+
+__all__ = ["BLOCK", "NULL", "aligned", "cp", "function", "grid", "launch", "overlap", "u32"]
+
+#: Threads per block of the grid-stride kernels.
+BLOCK = 256
+#: A null pointer argument (an optional output not asked for).
+NULL = np.uint64(0)
+# Blocks per SM of a grid-stride launch: one full wave of 256-thread blocks.
+_BLOCKS_PER_SM = 8
+
+_cupy: Any = None
+_modules: dict[tuple[int, str], Any] = {}
+_functions: dict[tuple[int, str], Any] = {}
+_sm_counts: dict[int, int] = {}
+_SOURCE_OF = {name: source for source in _src.SOURCES for name in _src.name_expressions(source)}
+
+
+def cp() -> Any:
+    """The ``cupy`` module, imported on first use.
+
+    Raises:
+        RuntimeError: CuPy is not installed, or it sees no usable CUDA GPU.
+    """
+    global _cupy
+    if _cupy is not None:
+        return _cupy
+    try:
+        import cupy
+    except ImportError as err:
+        raise RuntimeError(
+            "CuPy arrays need CuPy and a CUDA GPU: pip install 'ringcomm[cuda12]' "
+            f"(cupy-cuda12x with the NVRTC wheel) ({err})"
+        ) from err
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError: no driver, or no device
+        raise RuntimeError(f"CuPy sees no usable CUDA GPU ({err}); check the driver") from err
+    if count < 1:
+        raise RuntimeError("CuPy sees no CUDA GPU (CUDA_VISIBLE_DEVICES may hide them)")
+    _cupy = cupy
+    return cupy
+
+
+def function(name: str) -> Any:
+    """The kernel named by name expression ``name``, compiled for the current device.
+
+    The first kernel of a source compiles the whole source (all its instantiations) with NVRTC;
+    CuPy keeps the binary in its on-disk cache, so later processes only load it.
+    """
+    cupy = _cupy or cp()
+    device = cupy.cuda.runtime.getDevice()
+    fn = _functions.get((device, name))
+    if fn is None:
+        source = _SOURCE_OF[name]
+        module = _modules.get((device, source))
+        if module is None:
+            module = cupy.RawModule(code=_src.read_source(source), options=_src.OPTIONS,
+                                    name_expressions=list(_src.name_expressions(source)))
+            _modules[(device, source)] = module
+        fn = _functions[(device, name)] = module.get_function(name)
+    return fn
+
+
+def grid(items: int, per_block: int = BLOCK) -> int:
+    """Blocks for a grid-stride kernel over ``items`` work items: enough for one full wave."""
+    cupy = _cupy or cp()
+    device = cupy.cuda.runtime.getDevice()
+    sms = _sm_counts.get(device)
+    if sms is None:
+        sms = _sm_counts[device] = int(
+            cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    return max(1, min(-(-items // per_block), sms * _BLOCKS_PER_SM))
+
+
+def launch(name: str, blocks: int, args: tuple[Any, ...], threads: int = BLOCK) -> None:
+    """Launch kernel ``name`` on the current stream."""
+    function(name)((blocks,), (threads,), args)
+
+
+def aligned(*arrays: Any) -> int:
+    """1 if every array (None skipped) starts where a group of 4 of its elements may move as
+    one load (16 bytes, or 4 * itemsize when smaller), else 0."""
+    for a in arrays:
+        if a is not None and a.data.ptr % min(16, 4 * a.itemsize):
+            return 0
+    return 1
+
+
+def overlap(a: Any, b: Any) -> bool:
+    """Whether the memory of arrays ``a`` and ``b`` overlaps."""
+    pa, pb = a.data.ptr, b.data.ptr
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+def u32(value: int) -> np.uint32:
+    """``value`` modulo 2**32, as the kernels' 32-bit seeds and counters take it."""
+    return np.uint32(value & 0xFFFFFFFF)

@@ -1,0 +1,140 @@
+"""The CUDA sources behind :mod:`ringcomm.ops.cuda` and the kernels each one instantiates.
+
+Nothing here needs CuPy or a GPU: the test suite compiles exactly these sources and name
+expressions with NVRTC on machines without one. Sources live in ``kernels/`` at the repository
+root and ship as the package ``ringcomm._kernels``; they are read through importlib.resources,
+which works from a source checkout, an editable install and a wheel alike. Local headers
+(``#include "x.cuh"``) are inlined, so NVRTC needs no include path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+
+__all__ = [
+    "COPY_PAIRS",
+    "CTYPES",
+    "DIVIDE_PAIRS",
+    "FLOATS",
+    "OPTIONS",
+    "REDUCE_MIXED",
+    "SOURCES",
+    "cast_name",
+    "copy_name",
+    "divide_name",
+    "name_expressions",
+    "read_source",
+    "reduce_name",
+]
+
+#: Kernel sources, by file name.
+SOURCES = ("elementwise.cu", "quantize.cu", "cast.cu", "topk.cu")
+
+#: NVRTC options: C++17, and no contraction of a * b + c into an FMA, which NumPy never does.
+OPTIONS = ("--std=c++17", "--fmad=false")
+
+#: The C++ type a NumPy dtype name is stored as in the kernels.
+CTYPES = {
+    "float16": "rc::half_t",
+    "bfloat16": "rc::bf16_t",
+    "float32": "float",
+    "float64": "double",
+    "int32": "int",
+    "int64": "long long",
+}
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+# The instantiations cover what the ring, the compressors and the feedback use; rarer dtype
+# combinations run on CuPy's own elementwise kernels (ops/cuda.py), with the same values except
+# for casts of NaN or out-of-range floats to integers, which NumPy leaves undefined.
+#: (dst, src) dtype pairs with a conversion kernel; a same-dtype copy is a memcpy.
+COPY_PAIRS = (
+    *((d, s) for d in FLOATS for s in FLOATS if d != s),
+    ("int32", "int64"),
+    ("int64", "int32"),
+)
+#: (a, b, out) dtype triples of the mixed reductions: a float32 partial sum and a 16-bit
+#: contribution; every dtype also reduces with itself.
+REDUCE_MIXED = (("float32", "float16", "float32"), ("float32", "bfloat16", "float32"))
+#: (in, out) dtype pairs of divide: each float with itself, and float32 into 16 bits.
+DIVIDE_PAIRS = (*((f, f) for f in FLOATS), ("float32", "float16"), ("float32", "bfloat16"))
+_OPS = {"sum": "rc::OpSum", "avg": "rc::OpSum", "min": "rc::OpMin", "max": "rc::OpMax",
+        "prod": "rc::OpProd"}
+_FORMATS = {"f16": "rc::FmtF16", "bf16": "rc::FmtBF16"}
+
+
+def copy_name(dst: str, src: str) -> str:
+    """Name expression of the kernel converting dtype ``src`` to ``dst``."""
+    return f"rc::copy_kernel<{CTYPES[dst]}, {CTYPES[src]}>"
+
+
+def reduce_name(op: str, a: str, b: str, out: str) -> str:
+    """Name expression of ``out = a (op) b`` for dtype names a, b, out and op "sum"..."prod"."""
+    return f"rc::reduce_kernel<{_OPS[op]}, {CTYPES[a]}, {CTYPES[b]}, {CTYPES[out]}>"
+
+
+def divide_name(src: str, out: str) -> str:
+    """Name expression of ``out = src / divisor``."""
+    return f"rc::divide_kernel<{CTYPES[src]}, {CTYPES[out]}>"
+
+
+def cast_name(kind: str, fmt: str) -> str:
+    """Name expression of cast kernel ``kind`` ("encode", "decode", "hop") for "f16"/"bf16"."""
+    return f"rc::cast_{kind}_kernel<{_FORMATS[fmt]}>"
+
+
+def _elementwise_names() -> list[str]:
+    names = [copy_name(d, s) for d, s in COPY_PAIRS]
+    for op in ("sum", "min", "max", "prod"):
+        names += [reduce_name(op, t, t, t) for t in CTYPES]
+        names += [reduce_name(op, a, b, o) for a, b, o in REDUCE_MIXED]
+    names += [divide_name(s, o) for s, o in DIVIDE_PAIRS]
+    for f in FLOATS:
+        names += [f"rc::compensate_kernel<{CTYPES[f]}>", f"rc::zero_nonfinite_kernel<{CTYPES[f]}>"]
+    names += ["rc::uniform_kernel", "rc::scatter_add_kernel", "rc::finite_copy_kernel",
+              "rc::scatter_zero_kernel"]
+    return names
+
+
+_NAMES = {
+    "elementwise.cu": _elementwise_names,
+    "quantize.cu": lambda: ["rc::int8_encode_kernel", "rc::int8_hop_kernel",
+                            "rc::int8_decode_kernel"],
+    "cast.cu": lambda: [cast_name(k, f) for k in ("encode", "decode", "hop") for f in _FORMATS],
+    "topk.cu": lambda: ["rc::select_hist", "rc::select_pick", "rc::sample_limits",
+                        "rc::select_count", "rc::select_scan", "rc::select_write"],
+}
+
+
+@functools.cache
+def name_expressions(source: str) -> tuple[str, ...]:
+    """Every kernel instantiation ``source`` is compiled with, as NVRTC name expressions."""
+    return tuple(_NAMES[source]())
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """The text of kernel source ``name`` with its local ``#include "..."`` headers inlined.
+
+    Raises:
+        FileNotFoundError: the package ships no such source.
+    """
+    root = importlib.resources.files("ringcomm._kernels")
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        seen.add(file)
+        text = root.joinpath(file).read_text(encoding="utf-8")
+
+        def include(match: re.Match[str]) -> str:
+            header = match.group(1)
+            return "" if header in seen else f"// from {header}\n{expand(header)}"
+
+        return _INCLUDE.sub(include, text)
+
+    return expand(name)

@@ -1,0 +1,317 @@
+"""CuPy operations: the twins of :mod:`ringcomm.ops.numpy` for arrays on a CUDA GPU.
+
+Every function has the signature of its NumPy twin and computes the same values, bit for bit
+(the kernels in ``kernels/`` round explicitly, as NumPy does, and follow NumPy's NaN handling);
+the GPU tests compare each pair. Kernels launch on the current CuPy stream and device, which
+must hold the arrays (as for CuPy's own operations). CuPy is imported on first use: without it,
+or without a GPU, every function raises RuntimeError saying what to install.
+
+Contiguous arrays of the dtypes the ring and the compressors use run the kernels; other layouts
+and rare dtype combinations fall back on CuPy's elementwise operations, which give the same
+values except where NumPy's own result is undefined (NaN or out-of-range floats cast to ints).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.comm.base import ReduceOp
+from ringcomm.ops import _cuda_runtime as _rt
+from ringcomm.ops import _cuda_source as _src
+from ringcomm.ops._cuda_codecs import (
+    cast_decode,
+    cast_encode,
+    cast_hop,
+    int8_decode,
+    int8_encode,
+    int8_hop,
+)
+from ringcomm.ops._cuda_topk import sample_threshold, topk
+from ringcomm.ops.numpy import cast_nbytes, int8_nbytes, pad8
+
+__all__ = [
+    "ascontiguous",
+    "cast_decode",
+    "cast_encode",
+    "cast_hop",
+    "cast_nbytes",
+    "compensate",
+    "copy",
+    "copy_from_host",
+    "divide",
+    "empty",
+    "int8_decode",
+    "int8_encode",
+    "int8_hop",
+    "int8_nbytes",
+    "pad8",
+    "reduce",
+    "sample_threshold",
+    "scatter_add",
+    "sparse_residual",
+    "to_host",
+    "topk",
+    "uniform",
+    "zero_nonfinite",
+    "zeros",
+]
+
+_F32 = np.float32
+_COPY = {pair: _src.copy_name(*pair) for pair in _src.COPY_PAIRS}
+_REDUCE = {
+    (op, *dtypes): _src.reduce_name(op.value, *dtypes)
+    for op in ReduceOp
+    for dtypes in (*((t, t, t) for t in _src.CTYPES), *_src.REDUCE_MIXED)
+}
+_DIVIDE = {pair: _src.divide_name(*pair) for pair in _src.DIVIDE_PAIRS}
+
+
+def __getattr__(name: str) -> Any:
+    # ``xp`` is the array module, as in ops/numpy.py; importing CuPy waits until it is asked for.
+    if name == "xp":
+        return _rt.cp()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _contiguous(*arrays: Any) -> bool:
+    return all(a.flags.c_contiguous for a in arrays)
+
+
+def _elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Any) -> None:
+    """Launch a grid-stride elementwise kernel: args, then n and the vector flag of arrays."""
+    vec = _rt.aligned(*arrays)
+    _rt.launch(name, _rt.grid(-(-n // 4) if vec else n), (*args, np.int64(n), np.int32(vec)))
+
+
+def empty(shape: Any, dtype: Any) -> Any:
+    """An uninitialised device array.
+
+    Args:
+        shape: the array's shape.
+        dtype: its dtype.
+
+    Returns:
+        A CuPy array.
+
+    Raises:
+        RuntimeError: CuPy or a GPU is missing.
+    """
+    return _rt.cp().empty(shape, dtype=dtype)
+
+
+def zeros(shape: Any, dtype: Any) -> Any:
+    """A device array of zeros (see ``empty``)."""
+    return _rt.cp().zeros(shape, dtype=dtype)
+
+
+def ascontiguous(x: Any) -> Any:
+    """``x`` itself when C-contiguous, else a contiguous copy."""
+    return x if x.flags.c_contiguous else _rt.cp().ascontiguousarray(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``x`` copied into a NumPy array (waits for the work that produces it)."""
+    return x.get()
+
+
+def copy_from_host(dst: Any, src: np.ndarray) -> None:
+    """Copy host array ``src`` into device array ``dst``, converting the dtype like ``copy``.
+
+    Args:
+        dst: the device array to write.
+        src: a NumPy array of ``dst``'s size.
+    """
+    src = np.asarray(src)
+    if dst.flags.c_contiguous and src.dtype == dst.dtype and src.shape == dst.shape:
+        dst.set(np.ascontiguousarray(src))
+    else:
+        copy(dst, _rt.cp().asarray(src))
+
+
+def copy(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst`` (same length), converting the dtype if they differ.
+
+    Values beyond the range of ``dst``'s dtype become infinities, as a cast does.
+
+    Args:
+        dst: the device array to write.
+        src: a device array of the same size.
+    """
+    n = dst.size
+    if n == 0:
+        return
+    cupy = _rt.cp()
+    same_layout = src.size == n and _contiguous(dst, src)
+    if src.dtype == dst.dtype and same_layout:
+        if dst.data.ptr == src.data.ptr:
+            return  # the same array
+        if _rt.overlap(dst, src):
+            src = src.copy()
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
+        return
+    name = _COPY.get((dst.dtype.name, src.dtype.name))
+    if name is None or not same_layout:
+        dst[...] = src.copy() if cupy.may_share_memory(dst, src) else src
+        return
+    if _rt.overlap(dst, src):  # elements of different sizes: a write could clobber a read
+        src = src.copy()
+    _elementwise(name, n, (dst, src), dst, src)
+
+
+def reduce(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+    """``out = a (op) b`` elementwise; ``out`` may alias ``a`` or ``b``.
+
+    Mixed dtypes are computed in the wider one (a float32 partial sum plus a float16
+    contribution is a float32 addition) and rounded once into ``out``'s dtype.
+
+    Args:
+        op: the reduction (AVG adds, like SUM; the ring divides once at the end).
+        a: first operand.
+        b: second operand, of a's size.
+        out: result array of a's size.
+    """
+    n = out.size
+    if n == 0:
+        return
+    name = _REDUCE.get((op, a.dtype.name, b.dtype.name, out.dtype.name))
+    if name is None or a.size != n or b.size != n or not _contiguous(a, b, out):
+        _reduce_fallback(op, a, b, out)
+        return
+    _elementwise(name, n, (out, a, b), out, a, b)
+
+
+def _as(x: Any, dtype: Any) -> Any:
+    """``x`` converted to ``dtype`` by ``copy`` (NumPy's rounding), or x when it already is."""
+    if x.dtype == dtype:
+        return x
+    out = _rt.cp().empty(x.shape, dtype)
+    copy(out, x)
+    return out
+
+
+def _reduce_fallback(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+    cupy = _rt.cp()
+    ufunc = {ReduceOp.SUM: cupy.add, ReduceOp.AVG: cupy.add, ReduceOp.MIN: cupy.minimum,
+             ReduceOp.MAX: cupy.maximum, ReduceOp.PROD: cupy.multiply}[ReduceOp.parse(op)]
+    wide = np.result_type(a.dtype, b.dtype)
+    copy(out, ufunc(_as(a, wide), _as(b, wide)))
+
+
+def divide(x: Any, divisor: int, out: Any) -> None:
+    """``out = x / divisor``, computed in float32 for 16-bit floats, else in ``x``'s dtype.
+
+    Args:
+        x: the dividend.
+        divisor: an integer (the number of ranks, for an average).
+        out: result array of x's size (may be x).
+    """
+    n = out.size
+    if n == 0:
+        return
+    name = _DIVIDE.get((x.dtype.name, out.dtype.name))
+    if name is None or x.size != n or not _contiguous(x, out):
+        dt = np.dtype(_F32) if x.dtype.itemsize == 2 else x.dtype
+        copy(out, _rt.cp().divide(_as(x, dt), dt.type(divisor)))
+        return
+    _elementwise(name, n, (out, x, np.float64(divisor)), out, x)
+
+
+def compensate(x: Any, residual: Any | None, out: Any) -> None:
+    """``out = float32(x) + residual``: the error-feedback input of a compressed call.
+
+    Args:
+        x: the input, of a floating dtype.
+        residual: float32 residual of x's size, or None (then out = float32(x)).
+        out: float32 result of x's size.
+    """
+    if residual is None:
+        copy(out, x)
+        return
+    n = out.size
+    ctype = _src.CTYPES.get(x.dtype.name)
+    if n == 0 or x.dtype.name not in _src.FLOATS or not _contiguous(x, residual, out):
+        if n:
+            copy(out, _rt.cp().add(_as(x, _F32), residual))
+        return
+    _elementwise(f"rc::compensate_kernel<{ctype}>", n, (out, x, residual), out, x, residual)
+
+
+def zero_nonfinite(x: Any) -> None:
+    """Set NaN and Inf entries of ``x`` to 0, in place."""
+    n = x.size
+    if n == 0:
+        return
+    if x.dtype.name not in _src.FLOATS or not x.flags.c_contiguous:
+        x[~_rt.cp().isfinite(x)] = 0
+        return
+    _elementwise(f"rc::zero_nonfinite_kernel<{_src.CTYPES[x.dtype.name]}>", n, (x,), x)
+
+
+def uniform(seed: int, base: int, n: int) -> Any:
+    """Counter-based uniforms in [0, 1): element i gets hash(seed, base + i).
+
+    Args:
+        seed: the stream's seed (taken modulo 2**32).
+        base: the counter of element 0 (modulo 2**32).
+        n: how many.
+
+    Returns:
+        A float32 device array of n values, equal to ``ops.numpy.uniform``'s.
+    """
+    out = _rt.cp().empty(n, _F32)
+    if n:
+        _rt.launch("rc::uniform_kernel", _rt.grid(n), (out, np.int64(n), _rt.u32(seed),
+                                                       _rt.u32(base)))
+    return out
+
+
+def _pairs(idx: Any, val: Any | None = None) -> tuple[Any, Any]:
+    """int32 indices and float32 values, contiguous (payload views already are)."""
+    cupy = _rt.cp()
+    idx = cupy.ascontiguousarray(idx, dtype=np.int32)
+    return idx, None if val is None else cupy.ascontiguousarray(val, dtype=_F32)
+
+
+def scatter_add(out: Any, idx: Any, val: Any) -> None:
+    """``out[idx] += val`` for unique ``idx`` (one payload's indices never repeat).
+
+    Args:
+        out: float32 device array.
+        idx: indices into out, no two equal.
+        val: values to add, one per index.
+    """
+    k = idx.size
+    if k == 0:
+        return
+    if out.dtype != _F32 or not out.flags.c_contiguous:
+        out[idx] += val
+        return
+    idx, val = _pairs(idx, val)
+    _rt.launch("rc::scatter_add_kernel", _rt.grid(k), (out, idx, val, np.int64(k)))
+
+
+def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
+    """``error = acc`` with the selected entries zeroed (what a top-k selection did not send).
+
+    Args:
+        acc: the float32 values the selection was made from.
+        idx: the selected indices.
+        error: float32 output of acc's size; NaN and Inf become 0 in it.
+    """
+    n = error.size
+    if n == 0:
+        return
+    if acc.dtype != _F32 or error.dtype != _F32 or not _contiguous(acc, error):
+        copy(error, acc)
+        error[idx] = 0
+        zero_nonfinite(error)
+        return
+    _elementwise("rc::finite_copy_kernel", n, (error, acc), error, acc)
+    if idx.size:
+        idx, _ = _pairs(idx)
+        _rt.launch("rc::scatter_zero_kernel", _rt.grid(idx.size),
+                   (error, idx, np.int64(idx.size)))

@@ -1,0 +1,253 @@
+// A CPU stand-in for the CUDA features the kernels in kernels/ use, so that tests can run the
+// kernels themselves on a machine without a GPU (tests/gpu_emulator.py builds them with it).
+//
+// A block's threads are fibers run one at a time by a scheduler in launch(): a
+// thread runs until it reaches a barrier (__syncthreads, or a warp shuffle/ballot, which are
+// barriers of the warp's 32 lanes here) and then yields. Blocks run one after another, so
+// __shared__ variables can simply be static. A barrier that can never complete (threads of a
+// block or warp taking different paths to it) aborts with a message instead of hanging: the
+// emulator checks that every warp-level call is reached by all 32 lanes, as CUDA requires of
+// FULL_MASK calls.
+#pragma once
+
+#include <ucontext.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct rc_dim3 {
+  unsigned x = 0, y = 1, z = 1;
+};
+inline rc_dim3 gridDim, blockDim, blockIdx, threadIdx;
+
+namespace rc_emu {
+
+constexpr std::size_t STACK = 64 * 1024;
+
+#if defined(__x86_64__) && defined(__linux__)
+// Switching fibers is most of the emulator's time: swap the callee-saved registers and the
+// stack pointer (and the SSE/x87 control words) by hand, instead of swapcontext, which also
+// saves the signal mask with a system call on every switch.
+extern "C" void rc_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl rc_emu_switch
+  .hidden rc_emu_switch
+  .type rc_emu_switch, @function
+rc_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size rc_emu_switch, .-rc_emu_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_to(Context& from, Context& to) { rc_emu_switch(&from.sp, to.sp); }
+inline void start(Context& c, char* stack, std::size_t size, void (*fn)()) {
+  auto top = reinterpret_cast<std::uintptr_t>(stack + size) & ~std::uintptr_t(15);
+  auto* sp = reinterpret_cast<std::uint64_t*>(top);
+  *--sp = 0;                                   // fn's return address: fn never returns
+  *--sp = reinterpret_cast<std::uint64_t>(fn);  // where the first switch "returns" to
+  for (int i = 0; i < 6; ++i) *--sp = 0;       // rbp, rbx, r12-r15
+  std::uint32_t control[2];
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+  *--sp = (std::uint64_t)control[0] | ((std::uint64_t)(control[1] & 0xffff) << 32);
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t ctx;
+};
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.ctx, &to.ctx); }
+inline void start(Context& c, char* stack, std::size_t size, void (*fn)()) {
+  getcontext(&c.ctx);
+  c.ctx.uc_stack.ss_sp = stack;
+  c.ctx.uc_stack.ss_size = size;
+  c.ctx.uc_link = nullptr;
+  makecontext(&c.ctx, fn, 0);
+}
+#endif
+
+struct Fiber {
+  Context ctx;
+  bool done = false;
+  std::unique_ptr<char[]> stack;
+};
+
+struct Barrier {
+  unsigned arrived = 0;
+  unsigned long generation = 0;
+};
+
+inline Context scheduler;
+inline std::vector<Fiber> fibers;
+inline unsigned current = 0;
+inline bool progress = false;
+inline Barrier block_barrier;
+inline std::vector<Barrier> warp_barriers;
+inline std::vector<std::uint64_t> slots;
+inline std::function<void()> body;
+
+inline void yield() { switch_to(fibers[current].ctx, scheduler); }
+
+inline unsigned block_alive = 0;
+inline std::vector<unsigned> warp_alive;
+
+// Threads of [first, first + count) still running: the whole block, or one warp.
+inline unsigned live(unsigned first, unsigned count) {
+  return count == 32 ? warp_alive[first / 32] : block_alive;
+}
+
+// Arrive at barrier b of threads [first, first + count) and wait until all live ones have.
+inline void wait(Barrier& b, unsigned first, unsigned count) {
+  const unsigned long generation = b.generation;
+  ++b.arrived;
+  while (b.generation == generation) {
+    if (b.arrived >= live(first, count)) {
+      b.arrived = 0;
+      ++b.generation;
+      progress = true;
+      return;
+    }
+    yield();
+  }
+}
+
+inline void entry() {
+  body();
+  fibers[current].done = true;
+  --block_alive;
+  --warp_alive[current / 32];
+  progress = true;
+  switch_to(fibers[current].ctx, scheduler);  // never resumed
+}
+
+template <class T> T exchange(T v, unsigned source_lane) {
+  static_assert(sizeof(T) <= sizeof(std::uint64_t), "warp exchange of a wide type");
+  const unsigned t = threadIdx.x;
+  const unsigned warp = t / 32;
+  std::memcpy(&slots[t], &v, sizeof(T));
+  wait(warp_barriers[warp], warp * 32, 32);
+  T r;
+  std::memcpy(&r, &slots[warp * 32 + source_lane], sizeof(T));
+  wait(warp_barriers[warp], warp * 32, 32);
+  return r;
+}
+
+template <class... P, class... A>
+void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
+  if (block == 0 || block % 32 != 0 || block > 1024) {
+    std::fprintf(stderr, "emulated launch: block size %u is not a multiple of 32 up to 1024\n",
+                 block);
+    std::abort();
+  }
+  gridDim.x = grid;
+  blockDim.x = block;
+  body = [&] { kernel(args...); };
+  fibers.resize(block);
+  for (auto& f : fibers) {
+    if (!f.stack) f.stack.reset(new char[STACK]);
+  }
+  warp_barriers.assign(block / 32, Barrier{});
+  slots.assign(block, 0);
+  for (unsigned b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    block_barrier = Barrier{};
+    block_alive = block;
+    warp_alive.assign(block / 32, 32);
+    for (auto& f : fibers) {
+      start(f.ctx, f.stack.get(), STACK, entry);
+      f.done = false;
+    }
+    unsigned remaining = block;
+    while (remaining) {
+      progress = false;
+      for (unsigned t = 0; t < block; ++t) {
+        if (fibers[t].done) continue;
+        current = t;
+        threadIdx.x = t;
+        switch_to(scheduler, fibers[t].ctx);
+        remaining -= fibers[t].done ? 1 : 0;
+      }
+      if (remaining && !progress) {
+        std::fprintf(stderr, "emulated kernel deadlocked in block %u: threads wait at a "
+                     "barrier that not all of them reach\n", b);
+        std::abort();
+      }
+    }
+  }
+}
+
+}  // namespace rc_emu
+
+inline void __syncthreads() { rc_emu::wait(rc_emu::block_barrier, 0, blockDim.x); }
+
+template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+  const unsigned lane = threadIdx.x & 31;
+  unsigned source = lane ^ (unsigned)mask;
+  if (source / width != lane / width) source = lane;  // outside its segment: own value
+  return rc_emu::exchange(v, source);
+}
+
+template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const unsigned lane = threadIdx.x & 31;
+  return rc_emu::exchange(v, (lane % width) >= delta ? lane - delta : lane);
+}
+
+inline unsigned __ballot_sync(unsigned, int predicate) {
+  const unsigned lane = threadIdx.x & 31;
+  const unsigned first = threadIdx.x - lane;
+  std::uint64_t flag = predicate ? 1 : 0;
+  rc_emu::slots[threadIdx.x] = flag;
+  rc_emu::wait(rc_emu::warp_barriers[first / 32], first, 32);
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l) bits |= (rc_emu::slots[first + l] ? 1u : 0u) << l;
+  rc_emu::wait(rc_emu::warp_barriers[first / 32], first, 32);
+  return bits;
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+inline void rc_emu_check_aligned(const void* p, std::size_t align) {
+  if (reinterpret_cast<std::uintptr_t>(p) % align) {
+    std::fprintf(stderr, "emulated kernel: misaligned %zu-byte vector access at %p (block %u, "
+                 "thread %u)\n", align, p, blockIdx.x, threadIdx.x);
+    std::abort();
+  }
+}
+
+inline unsigned atomicAdd(unsigned* p, unsigned v) {  // one OS thread: no race to guard
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}

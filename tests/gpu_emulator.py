@@ -1,0 +1,310 @@
+"""Run ringcomm's CUDA kernels and its CuPy code paths on the CPU, for tests without a GPU.
+
+``build()`` compiles every kernel instantiation that ringcomm.ops.cuda launches (the sources in
+kernels/, the name expressions of ringcomm.ops._cuda_source) as host C++ against
+tests/cuda_emulation.h, behind a launcher that takes its arguments the way CUDA does (an array
+of pointers to each argument's bytes) and checks their number, sizes and pointer-ness against
+the kernel's parameters. ``installed()`` then points ringcomm.ops._cuda_runtime at a stand-in for
+CuPy whose arrays are NumPy arrays (``DeviceArray``, reported as CuPy arrays so that
+``ringcomm.ops.get`` picks the CUDA operations) and whose kernel launches run the emulated
+kernels. What runs is ringcomm's own code, kernels and Python alike; only CuPy and the GPU are
+replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringcomm.ops import _cuda_runtime, _cuda_source
+
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["DeviceArray", "Emulator", "FakeCupy", "build", "cache_dir", "installed"]
+
+_PREAMBLE = """\
+#include "cuda_emulation.h"
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+{includes}
+
+namespace {{
+template <class... P, std::size_t... I>
+void call(void (*k)(P...), unsigned g, unsigned b, void** a, std::index_sequence<I...>) {{
+  rc_emu::launch(k, g, b, *static_cast<std::remove_reference_t<P>*>(a[I])...);
+}}
+template <class... P> void run(void (*k)(P...), unsigned g, unsigned b, void** a) {{
+  call(k, g, b, a, std::index_sequence_for<P...>{{}});
+}}
+// Bytes of each parameter, plus 1000 for pointers.
+template <class... P> int signature(void (*)(P...), unsigned* out) {{
+  const unsigned s[] = {{(unsigned)(sizeof(P) + (std::is_pointer_v<P> ? 1000 : 0))..., 0u}};
+  for (unsigned i = 0; i < sizeof...(P); ++i) out[i] = s[i];
+  return (int)sizeof...(P);
+}}
+struct Kernel {{
+  const char* name;
+  void (*run)(unsigned, unsigned, void**);
+  int (*signature)(unsigned*);
+}};
+const Kernel KERNELS[] = {{
+{entries}
+}};
+}}  // namespace
+
+extern "C" {{
+int emu_count() {{ return (int)(sizeof(KERNELS) / sizeof(KERNELS[0])); }}
+const char* emu_name(int i) {{ return KERNELS[i].name; }}
+int emu_signature(int i, unsigned* out) {{ return KERNELS[i].signature(out); }}
+void emu_run(int i, unsigned grid, unsigned block, void** args) {{
+  KERNELS[i].run(grid, block, args);
+}}
+}}
+"""
+_ENTRY = ('  {{"{name}", [](unsigned g, unsigned b, void** a) {{ run(&{name}, g, b, a); }},\n'
+          '   [](unsigned* s) {{ return signature(&{name}, s); }}}},')
+
+
+def _source() -> str:
+    includes = "\n".join(f'#include "{s}"' for s in _cuda_source.SOURCES)
+    entries = "\n".join(_ENTRY.format(name=name) for source in _cuda_source.SOURCES
+                        for name in _cuda_source.name_expressions(source))
+    return _PREAMBLE.format(includes=includes, entries=entries)
+
+
+class Emulator:
+    """The compiled kernels: ``launch(name, grid, block, args)`` runs one on the CPU."""
+
+    def __init__(self, path: Path) -> None:
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.emu_name.restype = ctypes.c_char_p
+        self._lib.emu_signature.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
+        self._lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
+                                      ctypes.POINTER(ctypes.c_void_p)]
+        self.kernels: dict[str, tuple[int, list[int]]] = {}
+        sizes = (ctypes.c_uint * 32)()
+        for i in range(self._lib.emu_count()):
+            nargs = self._lib.emu_signature(i, sizes)
+            self.kernels[self._lib.emu_name(i).decode()] = (i, list(sizes[:nargs]))
+        self.launches: list[str] = []
+
+    def launch(self, name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
+        """Run kernel ``name`` over ``grid`` blocks of ``block`` threads.
+
+        Raises:
+            TypeError: the arguments do not match the kernel's parameters (count, size, or an
+                array where a scalar belongs and vice versa), which CuPy would not notice.
+        """
+        index, params = self.kernels[name]
+        if len(args) != len(params):
+            raise TypeError(f"{name} takes {len(params)} arguments, got {len(args)}")
+        keep = []
+        for pos, (arg, param) in enumerate(zip(args, params, strict=True)):
+            pointer, size = param >= 1000, param % 1000
+            if isinstance(arg, np.ndarray):
+                if not pointer:
+                    raise TypeError(f"{name}: argument {pos} is an array, the kernel takes a "
+                                    f"{size}-byte scalar")
+                keep.append(np.array([arg.__array_interface__["data"][0]], np.uint64))
+            elif isinstance(arg, np.generic):
+                if arg.itemsize != size or (pointer and arg != 0):
+                    raise TypeError(f"{name}: argument {pos} has {arg.itemsize} bytes "
+                                    f"({arg.dtype}), the kernel takes {size}"
+                                    f"{' (a pointer)' if pointer else ''}")
+                keep.append(np.array([arg]))
+            else:
+                raise TypeError(f"{name}: argument {pos} is a {type(arg).__name__}; pass "
+                                "NumPy scalars so that their width is explicit")
+        pointers = (ctypes.c_void_p * max(1, len(keep)))(*[k.ctypes.data for k in keep])
+        self.launches.append(name)
+        self._lib.emu_run(index, grid, block, pointers)
+
+
+def build(directory: Path) -> Emulator:
+    """Compile the emulated kernels into ``directory`` (reused while the sources are unchanged).
+
+    Raises:
+        FileNotFoundError: no C++ compiler.
+    """
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler")
+    code = _source()
+    digest = hashlib.sha256(code.encode())
+    for header in [*sorted((ROOT / "kernels").glob("*.cu*")), ROOT / "tests/cuda_emulation.h"]:
+        digest.update(header.read_bytes())
+    lib = directory / f"emulated_kernels_{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        src = directory / "emulated_kernels.cpp"
+        src.write_text(code)
+        tmp = lib.with_suffix(f".{id(code)}.tmp")
+        # -O0: builds in half the time, and the emulated kernels spend theirs switching fibers.
+        cmd = [cxx, "-std=c++20", "-O0", "-ffp-contract=off", "-fno-strict-aliasing",
+               "-DRC_EMULATE", "-shared", "-fPIC", f"-I{ROOT / 'kernels'}",
+               f"-I{ROOT / 'tests'}", str(src), "-o", str(tmp)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"building the emulated kernels failed:\n{done.stderr[-4000:]}")
+        tmp.replace(lib)  # atomic: concurrent builders (MPI ranks) never load a partial file
+    return Emulator(lib)
+
+
+# --------------------------------------------------------------------- the CuPy stand-in
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class DeviceArray(np.ndarray):
+    """A NumPy array standing for a CuPy array: ``.data.ptr``, ``.get()`` and ``.set()``."""
+
+    @property
+    def data(self) -> _Pointer:  # type: ignore[override]
+        return _Pointer(self.__array_interface__["data"][0])
+
+    def get(self) -> np.ndarray:
+        return np.array(self, copy=True).view(np.ndarray)
+
+    def set(self, arr: np.ndarray) -> None:
+        np.copyto(self.view(np.ndarray), arr)
+
+
+DeviceArray.__module__ = "cupy.emulated"  # what ringcomm.ops.is_device_array looks at
+
+
+def _dev(x: np.ndarray) -> DeviceArray:
+    return x.view(DeviceArray)
+
+
+class _Event:
+    done = True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    ptr = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> _Event:
+        return _Event()
+
+
+class _Runtime:
+    memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
+
+    @staticmethod
+    def getDeviceCount() -> int:
+        return 1
+
+    @staticmethod
+    def getDevice() -> int:
+        return 0
+
+    @staticmethod
+    def getDeviceProperties(device: int) -> dict[str, int]:
+        return {"multiProcessorCount": 1}
+
+    @staticmethod
+    def memcpyAsync(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+
+class _Cuda:
+    runtime = _Runtime()
+
+    @staticmethod
+    def get_current_stream() -> _Stream:
+        return _Stream()
+
+    @staticmethod
+    def alloc_pinned_memory(nbytes: int) -> bytearray:
+        return bytearray(nbytes)
+
+
+class FakeCupy:
+    """The few CuPy functions ringcomm calls, on DeviceArrays."""
+
+    ndarray = DeviceArray
+    cuda = _Cuda()
+
+    def __init__(self, emulator: Emulator) -> None:
+        self.emulator = emulator
+
+    def empty(self, shape: Any, dtype: Any = np.float64) -> DeviceArray:
+        return _dev(np.empty(shape, dtype))
+
+    def zeros(self, shape: Any, dtype: Any = np.float64) -> DeviceArray:
+        return _dev(np.zeros(shape, dtype))
+
+    def arange(self, *args: Any, dtype: Any = None) -> DeviceArray:
+        return _dev(np.arange(*args, dtype=dtype))
+
+    def asarray(self, x: Any, dtype: Any = None) -> DeviceArray:
+        return _dev(np.array(x, dtype=dtype, copy=True))
+
+    def ascontiguousarray(self, x: Any, dtype: Any = None) -> DeviceArray:
+        return _dev(np.ascontiguousarray(x, dtype=dtype))
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        return bool(np.may_share_memory(a, b))
+
+    def __getattr__(self, name: str) -> Any:  # ufuncs: isfinite, add, divide, ...
+        ufunc = getattr(np, name)
+
+        def call(*args: Any, **kw: Any) -> DeviceArray:
+            with np.errstate(all="ignore"):  # CuPy does not warn either
+                return _dev(np.asarray(ufunc(*args, **kw)))
+
+        return call
+
+
+@contextlib.contextmanager
+def installed(emulator: Emulator) -> Iterator[FakeCupy]:
+    """Run ringcomm.ops.cuda (and the MPI backend's device staging) on the emulator inside the
+    block; CuPy, if any, is back afterwards."""
+    fake = FakeCupy(emulator)
+
+    def function(name: str) -> Any:
+        def kernel(grid: tuple[int], block: tuple[int], args: tuple[Any, ...]) -> None:
+            emulator.launch(name, grid[0], block[0], args)
+
+        return kernel
+
+    rt = _cuda_runtime
+    saved = (rt._cupy, rt.function, dict(rt._functions), dict(rt._sm_counts))
+    rt._cupy, rt.function = fake, function  # type: ignore[assignment]
+    rt._functions.clear()
+    rt._sm_counts.clear()
+    try:
+        yield fake
+    finally:
+        rt._cupy, rt.function = saved[0], saved[1]  # type: ignore[assignment]
+        rt._functions.clear()
+        rt._functions.update(saved[2])
+        rt._sm_counts.clear()
+        rt._sm_counts.update(saved[3])
+
+
+def cache_dir() -> Path:
+    """Where the emulated kernels are built: shared by the ranks of an MPI job and kept between
+    runs (the file name carries a hash of the sources)."""
+    path = Path(tempfile.gettempdir()) / f"ringcomm-emulator-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

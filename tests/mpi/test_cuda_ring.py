@@ -1,0 +1,194 @@
+"""Collectives on device arrays: the dense ring, int8, casts and top-k through the MPI backend.
+
+Run on a GPU with CuPy (marker ``gpu``: the ranks of one host share the devices, rank r on
+device local_rank % count), and on the CPU emulator (tests/gpu_emulator.py: the same kernels,
+ops and MPI staging, with CuPy replaced), which runs everywhere. Every result must have the
+bits the NumPy path gives for the same inputs (the kernels round as NumPy does), the same bits
+on every rank, and the residuals of error feedback must match too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi_helpers import same_on_all_ranks
+
+import ringcomm
+from ringcomm.comm import staging
+from ringcomm.comm.agree import INLINE_BYTES
+
+
+class Kind:
+    """A kind of device array: how to make one from NumPy and back, and the test sizes."""
+
+    def __init__(self, name: str, put: Callable[[np.ndarray], Any],
+                 get: Callable[[Any], np.ndarray], large: int) -> None:
+        self.name, self.put, self.get, self.large = name, put, get, large
+
+    def lengths(self, size: int) -> list[int]:
+        """Empty, tiny, fewer than ranks, uneven, just past the inline limit, multi-segment."""
+        return sorted({0, 1, size + 1, 1000, INLINE_BYTES // 4 + 1, self.large})
+
+
+def _cuda(comm) -> Kind:
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:
+        pytest.skip(f"no CUDA GPU ({err})")
+    if count < 1:
+        pytest.skip("no CUDA GPU")
+    cupy.cuda.Device(comm.local_rank % count).use()
+    return Kind("cuda", cupy.asarray, cupy.asnumpy, 1_000_003)
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
+def kind(request, comm, world):
+    """Device arrays of a GPU, or of the CPU emulator (built by rank 0, loaded by all)."""
+    if request.param == "cuda":
+        yield _cuda(comm)
+        return
+    import gpu_emulator
+
+    missing = None
+    if world.Get_rank() == 0:
+        try:
+            gpu_emulator.build(gpu_emulator.cache_dir())
+        except FileNotFoundError as err:
+            missing = str(err)
+    missing = world.bcast(missing, root=0)
+    if missing:
+        pytest.skip(f"emulated kernels: {missing}")
+    emulator = gpu_emulator.build(gpu_emulator.cache_dir())  # rank 0's build, now cached
+    with gpu_emulator.installed(emulator) as fake:
+        yield Kind("emulated", fake.asarray, lambda a: a.get(), 20_011)
+    comm.__dict__.pop("_device_stage", None)  # its buffers belong to the emulator
+
+
+def _data(rng: np.random.Generator, n: int, dtype: str, op: str = "sum") -> np.ndarray:
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-3 if op == "prod" else -1000, 4 if op == "prod" else 1000,
+                            n).astype(dtype)
+    scale = 0.5 if op == "prod" else 1.0
+    return (rng.uniform(0.5, 1.5, n) * scale * rng.choice([-1, 1], n)).astype(dtype)
+
+
+def _same(kind: Kind, world, got: Any, want: np.ndarray, everywhere: bool = True) -> None:
+    """``got`` is a device array with ``want``'s bits (and, ``everywhere``, on every rank)."""
+    assert type(got) is not np.ndarray, "a device call returned a host array"
+    host = kind.get(got)
+    assert host.dtype == want.dtype and host.shape == want.shape
+    np.testing.assert_array_equal(host, want)
+    assert not everywhere or same_on_all_ranks(world, host)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+def test_dense_allreduce_matches_numpy(comm, world, rng, kind, dtype, op):
+    if op == "avg" and np.dtype(dtype).kind == "i":
+        pytest.skip("avg is refused for integers")
+    for n in kind.lengths(comm.size):
+        x = _data(rng, n, dtype, op)
+        want = comm.allreduce(x, op=op)
+        _same(kind, world, comm.allreduce(kind.put(x), op=op), want)
+
+
+@pytest.mark.parametrize("segment_bytes", [4096, 1 << 20])
+def test_pipelined_segments_and_in_place(comm, world, rng, kind, segment_bytes):
+    """Many segments per chunk, staged exchanges in flight, in place and into out=."""
+    saved = comm.segment_bytes
+    comm.segment_bytes = segment_bytes
+    try:
+        x = rng.standard_normal(kind.large).astype(np.float32)
+        want = comm.allreduce(x)
+        y = kind.put(x)
+        assert comm.allreduce(y, out=y) is y
+        _same(kind, world, y, want)
+        h = x.astype(np.float16)
+        _same(kind, world, comm.allreduce(kind.put(h), op="avg"), comm.allreduce(h, op="avg"))
+    finally:
+        comm.segment_bytes = saved
+
+
+def test_other_collectives_match_numpy(comm, world, rng, kind):
+    x = rng.standard_normal(3001).astype(np.float32)
+    _same(kind, world, comm.reduce_scatter(kind.put(x)), comm.reduce_scatter(x), False)
+    rows = rng.standard_normal((comm.rank + 1, 7))
+    _same(kind, world, comm.allgatherv(kind.put(rows)), comm.allgatherv(rows))
+    _same(kind, world, comm.allgather(kind.put(rows[:1])), comm.allgather(rows[:1]))
+    b = rng.standard_normal(5000)
+    want = comm.broadcast(b.copy(), root=comm.size - 1)
+    _same(kind, world, comm.broadcast(kind.put(b), root=comm.size - 1), want)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    recv = kind.put(np.zeros(100, np.int64))
+    comm.sendrecv(kind.put(np.arange(100, dtype=np.int64) + comm.rank), right, recv, left)
+    np.testing.assert_array_equal(kind.get(recv), np.arange(100) + left)
+
+
+COMPRESSORS = {
+    "int8": ringcomm.Int8(),
+    "int8-b100-stoch": ringcomm.Int8(block_size=100, stochastic=True, seed=3),
+    "fp16": ringcomm.FP16(),
+    "bf16": ringcomm.BF16(),
+    "topk-ring": ringcomm.TopK(0.01),
+    "topk-ring-approx": ringcomm.TopK(0.02, approximate=True),
+    "topk-allgather": ringcomm.TopK(0.01, algorithm="allgather"),
+    "topk-allgather-approx": ringcomm.TopK(0.01, algorithm="allgather", approximate=True),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_compressed_allreduce_matches_numpy(comm, world, rng, kind, name, op):
+    """Three steps with error feedback: the results and the residuals of the device path are
+    the NumPy path's, on every rank."""
+    comp = COMPRESSORS[name]
+    host_ef, device_ef = ringcomm.ErrorFeedback(), ringcomm.ErrorFeedback()
+    n = kind.large
+    for step in range(3):
+        g = rng.standard_normal(n).astype(np.float32)
+        if step == 1:
+            g[rng.integers(0, n)] = np.nan  # a skipped step: never a finite result, nor residual
+        calls = comm._compressed_calls  # keys the random numbers: the same for both calls
+        want = comm.allreduce(g, op=op, compression=comp, feedback=host_ef, name="w")
+        comm._compressed_calls = calls
+        got = comm.allreduce(kind.put(g), op=op, compression=comp, feedback=device_ef, name="w")
+        _same(kind, world, got, want)
+        np.testing.assert_array_equal(kind.get(device_ef.residual("w")), host_ef.residual("w"))
+
+
+def test_float64_input_compresses_like_numpy(comm, world, rng, kind):
+    """A float64 gradient: compensation casts it to float32, the result comes back float64."""
+    g = rng.standard_normal(kind.large)
+    comp = ringcomm.Int8(block_size=64)
+    want = comm.allreduce(g, compression=comp)
+    _same(kind, world, comm.allreduce(kind.put(g), compression=comp), want)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_staging_modes_agree(comm, world, rng, kind, direct):
+    """Host staging through pinned buffers, and device buffers handed to MPI as they are (a
+    CUDA-aware MPI), move the same bytes; pinned buffers are reused, not piled up."""
+    if kind.name == "cuda" and direct and not comm.cuda_aware:
+        pytest.skip("this MPI is not CUDA-aware")
+    saved = comm.__dict__.get("_device_stage")
+    comm._device_stage = staging.DeviceStaging(comm._MPI, direct)
+    try:
+        comp = ringcomm.Int8()
+        saved_seg, comm.segment_bytes = comm.segment_bytes, 8192
+        x = rng.standard_normal(kind.large).astype(np.float32)
+        for _ in range(3):
+            _same(kind, world, comm.allreduce(kind.put(x)), comm.allreduce(x))
+            calls = comm._compressed_calls
+            want = comm.allreduce(x, compression=comp)
+            comm._compressed_calls = calls
+            _same(kind, world, comm.allreduce(kind.put(x), compression=comp), want)
+        assert len(comm._device_stage._pool._idle) <= staging._KEEP
+    finally:
+        comm.segment_bytes = saved_seg
+        comm._device_stage = saved
+        if saved is None:
+            del comm._device_stage

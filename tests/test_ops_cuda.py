@@ -1,0 +1,192 @@
+"""Every ringcomm.ops.cuda operation against its NumPy twin, on a GPU and on the CPU emulator.
+
+The "cuda" runs need CuPy and a CUDA GPU (marker ``gpu``; skipped without one) and use the
+sizes 1, 255, 257 and 2**20 + 7. The "emulated" runs execute the same kernels and the same
+Python code on the CPU (tests/gpu_emulator.py) at sizes 1, 255, 257 and 4099, so they run in CI.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+
+import numpy as np
+import ops_twins as twins
+import pytest
+
+import ringcomm
+
+_BASE_DTYPES = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
+
+
+def _cuda_device() -> twins.Device:
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA GPU")
+    except Exception as err:  # no driver
+        pytest.skip(f"no CUDA GPU ({err})")
+    dtypes = list(_BASE_DTYPES)
+    if twins.BF16 is not None:
+        try:
+            cupy.zeros(1, twins.BF16)
+            dtypes.append(twins.BF16)
+        except Exception:
+            pass
+    dev = twins.Device(cupy.asarray, cupy.asnumpy, cupy.empty, dtypes)
+    dev.large, dev.sampled = 2**20 + 7, 1 << 22
+    return dev
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
+def dev(request: pytest.FixtureRequest):
+    """The device under test: a real GPU through CuPy, or the CPU emulator."""
+    if request.param == "cuda":
+        yield _cuda_device()
+        return
+    import gpu_emulator
+
+    try:
+        emulator = gpu_emulator.build(gpu_emulator.cache_dir())
+    except FileNotFoundError:
+        pytest.skip("no C++ compiler for the emulated kernels")
+    with gpu_emulator.installed(emulator) as fake:
+        dtypes = [*_BASE_DTYPES, *([twins.BF16] if twins.BF16 is not None else [])]
+        device = twins.Device(fake.asarray, lambda a: a.get(), fake.empty, dtypes)
+        device.large, device.sampled = 4099, 12_000
+        yield device
+
+
+@pytest.fixture(params=["1", "255", "257", "large"])
+def n(request: pytest.FixtureRequest, dev: twins.Device) -> int:
+    return dev.large if request.param == "large" else int(request.param)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """Fresh data per test, reproducible from the test's name."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 31))
+
+
+def test_copy(dev, rng, n):
+    twins.check_copy(dev, rng, n)
+
+
+def test_reduce(dev, rng, n):
+    twins.check_reduce(dev, rng, n)
+
+
+def test_divide(dev, rng, n):
+    twins.check_divide(dev, rng, n)
+
+
+def test_compensate_and_residuals(dev, rng, n):
+    twins.check_compensate_and_residuals(dev, rng, n)
+
+
+def test_uniform(dev, n):
+    twins.check_uniform(dev, n)
+
+
+def test_array_helpers(dev, rng, n):
+    twins.check_arrays(dev, rng, n)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8, 256, 1000, 2048])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_int8(dev, rng, n, block, stochastic):
+    twins.check_int8(dev, rng, n, block, stochastic)
+
+
+def test_int8_unaligned_payload(dev, rng, n):
+    twins.check_int8_unaligned(dev, rng, n)
+
+
+def test_unaligned_views(dev, rng, n):
+    twins.check_unaligned_views(dev, rng, n)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_cast(dev, rng, n, fmt):
+    twins.check_cast(dev, rng, n, fmt)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("ratio", [0.001, 0.05, 0.3])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_topk(dev, rng, n, ratio, approximate, nonfinite):
+    twins.check_topk(dev, rng, n, max(1, math.ceil(ratio * n)), approximate, nonfinite)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("ratio", [0.0005, 0.02])
+def test_topk_sampled(dev, rng, ratio, approximate):
+    """Arrays large enough for the sampled threshold (and its halvings) to be used."""
+    n = dev.sampled
+    twins.check_topk(dev, rng, n, math.ceil(ratio * n), approximate, nonfinite=True)
+
+
+def test_topk_ties_go_to_the_lowest_indices(dev, rng, n):
+    twins.check_topk_ties(dev, rng, n, max(1, n // 10))
+
+
+def test_sample_threshold(dev, rng, n):
+    twins.check_sample_threshold(dev, rng, n)
+
+
+@pytest.mark.parametrize("comp", [ringcomm.Int8(), ringcomm.Int8(block_size=100, stochastic=True),
+                                  ringcomm.FP16(), ringcomm.BF16(), ringcomm.TopK(0.05)],
+                         ids=repr)
+def test_compressors_match_numpy(dev, rng, comp):
+    """compress / decompress on device arrays give the NumPy path's payload and result."""
+    x = twins.data(rng, 3000, np.float32, nonfinite=False).reshape(30, 100)
+    want_payload, ctx = comp.compress(x)
+    payload, device_ctx = comp.compress(dev.put(x))
+    assert device_ctx == ctx
+    np.testing.assert_array_equal(dev.get(payload), want_payload)
+    twins.assert_same(dev, comp.decompress(payload, ctx), comp.decompress(want_payload, ctx))
+
+
+# ----------------------------------------------------------------- no device needed
+def _public_functions(module: object) -> dict[str, object]:
+    return {name: fn for name, fn in vars(module).items()
+            if inspect.isfunction(fn) and not name.startswith("_")
+            and fn.__module__ == module.__name__}
+
+
+def _shape(fn: object) -> list[tuple[str, object, object]]:
+    """Parameter names, kinds and defaults (annotations differ: NumPy vs CuPy arrays)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_every_numpy_operation_has_a_cuda_twin():
+    from ringcomm.ops import cuda
+    from ringcomm.ops import numpy as reference
+
+    for name, fn in _public_functions(reference).items():
+        twin = getattr(cuda, name, None)
+        assert callable(twin), f"ringcomm.ops.cuda has no {name}"
+        assert _shape(twin) == _shape(fn), f"{name}: {inspect.signature(twin)} vs " \
+                                           f"{inspect.signature(fn)}"
+        assert name in cuda.__all__
+
+
+def test_without_cupy_or_gpu_operations_say_what_to_install(monkeypatch):
+    from ringcomm.ops import _cuda_runtime, cuda
+
+    monkeypatch.setattr(_cuda_runtime, "_cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(RuntimeError, match=r"pip install 'ringcomm\[cuda12\]'"):
+        cuda.empty((4,), np.float32)
+
+    class NoDevice:
+        class cuda:  # mirrors cupy.cuda.runtime
+            class runtime:
+                @staticmethod
+                def getDeviceCount() -> int:
+                    raise OSError("cudaErrorNoDevice")
+
+    monkeypatch.setitem(sys.modules, "cupy", NoDevice)
+    with pytest.raises(RuntimeError, match="no usable CUDA GPU"):
+        cuda.zeros((4,), np.float32)
