@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi gpu-test gpu-bench lint clean
+.PHONY: demo test test-unit test-mpi gpu-test gpu-bench bench-ddp lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ gpu-test: $(VENV)/.test
 
 gpu-bench: $(VENV)/.test
 	$(BIN)/python bench/kernels_perf.py --json bench/results/kernels_perf.json
+
+bench-ddp: $(VENV)/.test
+	$(BIN)/mpiexec -n 2 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n2.md
+	$(BIN)/mpiexec -n 4 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n4.md
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check ringcomm tests bench examples

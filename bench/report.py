@@ -1,0 +1,85 @@
+"""Turn allreduce_perf JSON into the markdown tables committed under bench/results/.
+
+    python bench/report.py bench/results/allreduce_n2.json > bench/results/allreduce_n2.md
+
+Dense rows become "ringcomm against MPI's own Allreduce and a memcpy, measured in the same run";
+compressed rows become "what each compressor puts on the wire and what it costs against the
+dense ring".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def header(meta: dict[str, Any]) -> str:
+    m = meta["machine"]
+    args = meta["args"]
+    lines = [f"- machine: {m.get('cpu', '?')}; {m.get('platform', '')}",
+             f"- {m.get('mpi', 'no MPI')}; Python {m.get('python')}, NumPy {m.get('numpy')}",
+             f"- {meta['nranks']} ranks, backend {meta['backend']}, segment "
+             f"{meta['segment_bytes'] >> 10} KiB, {args['iters']} timed iterations after "
+             f"{args['warmup_iters']} warm-up; every figure is the median over iterations of the "
+             "slowest rank, all variants timed in turn within each iteration"]
+    if "gpu" in m:
+        lines.append(f"- GPU: {m['gpu']}, NCCL {m['nccl']}, CuPy {m.get('cupy')}")
+    return "\n".join(lines)
+
+
+def dense_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| size | ringcomm time | busbw GB/s | MPI Allreduce time | MPI busbw | ringcomm / MPI "
+           "busbw | memcpy GB/s | ringcomm busbw / memcpy | #wrong |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if r["compression"] != "none":
+            continue
+        mpi = r.get("mpi_busbw")
+        out.append(
+            f"| {_size(r['size'])} | {r['time_us']:.1f} us | {r['busbw']:.2f} | "
+            f"{r.get('mpi_time_us', float('nan')):.1f} us | {mpi or float('nan'):.2f} | "
+            f"{r['busbw'] / mpi if mpi else float('nan'):.2f}x | "
+            f"{r.get('memcpy_GBps', float('nan')):.2f} | "
+            f"{r.get('busbw_vs_memcpy', float('nan')):.2f} | {r.get('wrong', '-')} |")
+    return "\n".join(out)
+
+
+def compression_table(rows: list[dict[str, Any]]) -> str:
+    dense = {r["size"]: r for r in rows if r["compression"] == "none"}
+    out = ["| size | compression | time | vs dense time | wire bytes / rank | fewer bytes than "
+           "dense | relative error |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        d = dense.get(r["size"])
+        err = r.get("relerr")
+        out.append(
+            f"| {_size(r['size'])} | {r['compression']} | {r['time_us'] / 1e3:.2f} ms | "
+            f"{r['time_us'] / d['time_us'] if d else float('nan'):.2f}x | {r['wire_bytes']} | "
+            f"{r.get('ratio', float('nan')):.2f}x | {'-' if err is None else f'{err:.1e}'} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for path in argv:
+        data = json.loads(Path(path).read_text())
+        rows = data["rows"]
+        print(f"# allreduce_perf: {Path(path).stem}\n\n{header(data['meta'])}\n")
+        if any(r["compression"] == "none" for r in rows):
+            print(dense_table(rows) + "\n")
+        if any(r["compression"] != "none" for r in rows):
+            print(compression_table(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

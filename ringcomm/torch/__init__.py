@@ -1,0 +1,176 @@
+"""PyTorch adapters: a DDP communication hook, and a horovod.torch-compatible surface.
+
+Two ways into a training job, both on ringcomm's communicator and compressors:
+
+- DDP: ``model.register_comm_hook(RingcommState(...), ringcomm_hook)`` averages DDP's gradient
+  buckets with ringcomm's ring (zero-copy, in place), optionally compressed with error feedback.
+- Horovod: ``import ringcomm.torch as hvd`` gives the core horovod.torch calls with their names,
+  arguments and semantics (init, rank, size, allreduce, allgather, broadcast, Compression,
+  DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state, ...). Adasum, process
+  sets and elastic training raise NotImplementedError.
+
+Example (``mpiexec -n 4 python train.py``)::
+
+    import torch
+    import ringcomm.torch as hvd
+
+    hvd.init()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.int8)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+"""
+
+from __future__ import annotations
+
+from ringcomm.torch._basics import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    ReduceOp,
+    Sum,
+    ccl_built,
+    communicator,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from ringcomm.torch._errors import HorovodInternalError
+from ringcomm.torch.broadcast import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from ringcomm.torch.compression import Compression, Compressor
+from ringcomm.torch.functions import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from ringcomm.torch.hooks import RingcommState, ringcomm_hook
+from ringcomm.torch.optimizer import DistributedOptimizer
+from ringcomm.torch.unsupported import (
+    SyncBatchNorm,
+    add_process_set,
+    alltoall,
+    alltoall_async,
+    elastic,
+    join,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
+    start_timeline,
+    stop_timeline,
+)
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "RingcommState",
+    "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "communicator",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "ringcomm_hook",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]

@@ -1,0 +1,160 @@
+"""One background thread per communicator that runs its collectives in submission order.
+
+A Communicator is not thread-safe, and every rank must issue its collectives in the same order.
+Asynchronous operations (Horovod's ``*_async``, gradient hooks that overlap backward) are queued
+here and run one at a time, in the order they were submitted, on a single worker thread. A
+synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
+otherwise waits its turn behind the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Engine", "Handle", "engine_for"]
+
+
+class Handle:
+    """The pending result of a queued operation."""
+
+    __slots__ = ("_done", "_error", "_result", "callback")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        #: Called on the worker thread with the handle once it is done (set before submitting).
+        self.callback: Callable[[Handle], None] | None = None
+
+    def done(self) -> bool:
+        """Whether the operation has finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        """Block until the operation has finished; return its result or raise its error."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+        if self.callback is not None:
+            self.callback(self)
+
+
+class Engine:
+    """Runs the collectives of one communicator, queued ones on a single worker thread.
+
+    Args:
+        name: thread name, for stack dumps.
+    """
+
+    def __init__(self, name: str = "ringcomm-engine") -> None:
+        self._name = name
+        self._queue: collections.deque[tuple[Callable[[], Any], Handle]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any], handle: Handle | None = None) -> Handle:
+        """Queue ``fn`` to run after everything submitted before it; return its handle."""
+        handle = Handle() if handle is None else handle
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("ringcomm.torch has been shut down")
+            self._queue.append((fn, handle))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return handle
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return self._closed
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` after everything queued, and return its result (synchronous call)."""
+        if threading.current_thread() is self._thread:
+            return fn()  # an operation that runs another: it is already its turn
+        with self._cv:
+            inline = not self._queue and not self._busy and not self._closed
+            if inline:
+                self._busy = True
+        if not inline:
+            return self.submit(fn).wait()
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def execute(self, fn: Callable[[], Any], *, overlap: bool,
+                handle: Handle | None = None) -> Handle:
+        """Run ``fn`` in the background (``overlap``) or right here; return its handle.
+
+        Either way an error is kept in the handle, raised by ``wait()``, not here.
+        """
+        if overlap:
+            return self.submit(fn, handle)
+        handle = Handle() if handle is None else handle
+        try:
+            result, error = self.run(fn), None
+        except Exception as err:
+            result, error = None, err
+        handle._finish(result, error)
+        return handle
+
+    def drain(self) -> None:
+        """Block until every queued operation has finished."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the worker thread. Idempotent."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: (self._queue and not self._busy) or
+                                  (self._closed and not self._queue))
+                if not self._queue:
+                    return
+                fn, handle = self._queue.popleft()
+                self._busy = True
+            try:
+                result, error = fn(), None
+            except BaseException as err:  # handed to whoever waits on the handle
+                result, error = None, err
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+            handle._finish(result, error)
+
+
+_ENGINES: weakref.WeakKeyDictionary[Any, Engine] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def engine_for(comm: Any) -> Engine:
+    """The engine of ``comm`` (one per communicator, shared by every adapter that uses it)."""
+    with _LOCK:
+        engine = _ENGINES.get(comm)
+        if engine is None or engine.closed:
+            engine = _ENGINES[comm] = Engine()
+        return engine

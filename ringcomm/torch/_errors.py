@@ -1,0 +1,71 @@
+"""The errors the adapters raise, and the translation of the communicator's into Horovod's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringcomm.comm.base import Communicator
+from ringcomm.torch._objects import allgather_objects
+
+__all__ = ["HorovodInternalError", "collective_error"]
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank (arguments differ between ranks, unsupported dtype, ...).
+
+    The communicator stays usable: the job can catch this and go on.
+    """
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _differs(field: str, values: list[Any]) -> str | None:
+    groups: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    if len(groups) < 2:
+        return None
+    shown = "; ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items())
+    return f"{field} differs between ranks: {shown}"
+
+
+def _mismatch(message: str, kind: str) -> bool:
+    """Whether ``message`` is the communicator's report of arguments differing between ranks
+    (raised on every rank alike; "<kind> failed on rank r: ..." reports an invalid argument
+    and says all there is to say)."""
+    return message.startswith(f"{kind}: ")
+
+
+def collective_error(comm: Communicator, err: Exception, kind: str,
+                     tensor: torch.Tensor | None) -> HorovodInternalError:
+    """Turn the communicator's ValueError/TypeError of a collective into a RuntimeError.
+
+    When the communicator reports arguments that differ between ranks (raised on every rank
+    alike), every rank also exchanges its tensor's torch dtype and shape, so that the message
+    names them as the user knows them: tensors of dtypes that travel widened would otherwise
+    show up under their wire dtype and shape.
+
+    Args:
+        comm: the communicator the collective ran on.
+        err: what it raised.
+        kind: the collective's name as the communicator reports it ("allreduce", ...).
+        tensor: this rank's input tensor.
+
+    Returns:
+        A HorovodInternalError (a RuntimeError) carrying the message; raise it ``from err``.
+    """
+    message = str(err)
+    if tensor is not None and comm.size > 1 and comm.consistency_check and _mismatch(message, kind):
+        described = allgather_objects(comm, (str(tensor.dtype), tuple(tensor.shape)))
+        dtypes = _differs("dtype", [d for d, _ in described])
+        if kind == "allgatherv":
+            shapes = _differs("shape after the first dimension", [s[1:] for _, s in described])
+        else:
+            shapes = _differs("shape", [s for _, s in described])
+        if dtypes or shapes:
+            message = f"{kind}: " + "; ".join(p for p in (dtypes, shapes) if p)
+    return HorovodInternalError(message)

@@ -1,0 +1,130 @@
+"""Fusion buckets of DistributedOptimizer: which gradients travel together, and their allreduce.
+
+Parameters are taken in a fixed order (the reverse of the optimizer's, which is roughly the
+order backward produces their gradients) and cut into buckets of consecutive parameters of one
+dtype and device, up to a byte threshold. Every rank cuts the same buckets and reduces them in
+the same order, so no negotiation between ranks is needed; a bucket holding one parameter is
+reduced in place in its gradient, larger ones through a persistent flat buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ringcomm.comm.base import Communicator
+from ringcomm.torch._basics import ReduceOp
+from ringcomm.torch._reduce import allreduce_tensor
+from ringcomm.torch._residuals import Layout, ResidualLayouts
+from ringcomm.torch._tensors import Operand
+
+__all__ = ["DEFAULT_FUSION_BYTES", "Bucket", "Reduction", "fusion_threshold", "plan_buckets"]
+
+#: Fusion threshold when neither the argument nor HOROVOD_FUSION_THRESHOLD sets one: large
+#: enough to amortize a collective's fixed cost, small enough that the first buckets leave
+#: while backward is still computing the rest.
+DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
+
+
+def fusion_threshold(value: int | None) -> int:
+    """The fusion threshold in bytes: ``value``, else $HOROVOD_FUSION_THRESHOLD, else default.
+
+    Raises:
+        ValueError: negative, or the environment variable is not an integer.
+    """
+    if value is None:
+        raw = os.environ.get("HOROVOD_FUSION_THRESHOLD", "")
+        try:
+            value = int(raw) if raw else DEFAULT_FUSION_BYTES
+        except ValueError:
+            raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"fusion threshold must be >= 0 bytes, got {value}")
+    return value
+
+
+class Bucket:
+    """Consecutive parameters of one dtype and device reduced by one collective."""
+
+    __slots__ = ("buffer", "layout", "name", "numel", "params", "ready")
+
+    def __init__(self, params: list[torch.Tensor], names: list[str]) -> None:
+        self.params = params
+        self.name = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        offsets, off = [], 0
+        for p, n in zip(params, names, strict=True):
+            offsets.append((n, off, p.numel()))
+            off += p.numel()
+        self.layout: Layout = tuple(offsets)
+        self.numel = off
+        self.buffer: torch.Tensor | None = None
+        self.ready = 0
+
+
+def plan_buckets(params: list[torch.Tensor], names: dict[torch.Tensor, str],
+                 threshold: int) -> list[Bucket]:
+    """Cut ``params`` (in reduction order) into buckets of at most ``threshold`` bytes.
+
+    A parameter larger than the threshold gets a bucket of its own.
+    """
+    buckets: list[Bucket] = []
+    run: list[torch.Tensor] = []
+    nbytes = 0
+    for p in params:
+        size = p.numel() * p.element_size()
+        if run and (p.dtype != run[0].dtype or p.device != run[0].device
+                    or nbytes + size > threshold):
+            buckets.append(Bucket(run, [names[q] for q in run]))
+            run, nbytes = [], 0
+        run.append(p)
+        nbytes += size
+    if run:
+        buckets.append(Bucket(run, [names[q] for q in run]))
+    return buckets
+
+
+class Reduction:
+    """How DistributedOptimizer reduces a bucket: op, scaling, compression, error feedback."""
+
+    __slots__ = ("comm", "compression", "op", "postscale", "prescale", "residuals", "ring")
+
+    def __init__(self, comm: Communicator, op: ReduceOp, prescale: float, postscale: float,
+                 compression: Any, ring: Any, residuals: ResidualLayouts | None) -> None:
+        self.comm, self.op = comm, op
+        self.prescale, self.postscale = prescale, postscale
+        self.compression, self.ring, self.residuals = compression, ring, residuals
+
+    def __call__(self, bucket: Bucket) -> None:
+        """Reduce the gradients of ``bucket`` in place (runs on the engine's thread)."""
+        grads = [p.grad for p in bucket.params]
+        if self.ring is None and self.compression is not None:
+            for g in grads:
+                self._custom(g)
+            return
+        fused = len(grads) > 1 or not grads[0].is_contiguous()
+        if fused:
+            if bucket.buffer is None:
+                bucket.buffer = grads[0].new_empty(bucket.numel)
+            flat = bucket.buffer
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        else:
+            flat = grads[0]
+        name = None
+        if self.residuals is not None:
+            name = bucket.name
+            self.residuals.align(name, bucket.layout, lambda: Operand(flat).array.reshape(-1))
+        allreduce_tensor(self.comm, flat, flat, op=self.op, prescale=self.prescale,
+                         postscale=self.postscale, compression=self.ring,
+                         feedback=self.residuals.feedback if name else None, name=name)
+        if fused:
+            for g, (_, off, n) in zip(grads, bucket.layout, strict=True):
+                g.copy_(flat[off: off + n].view(g.shape))
+
+    def _custom(self, grad: torch.Tensor) -> None:
+        """A Horovod-style compressor: compress, reduce uncompressed, decompress."""
+        compressed, ctx = self.compression.compress(grad)
+        allreduce_tensor(self.comm, compressed, compressed, op=self.op, prescale=self.prescale,
+                         postscale=self.postscale)
+        grad.copy_(self.compression.decompress(compressed, ctx))

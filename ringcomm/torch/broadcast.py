@@ -1,0 +1,184 @@
+"""Make ranks that started differently identical: parameters, optimizer state, any object."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ringcomm.torch import _objects
+from ringcomm.torch._basics import check_process_set, context, global_process_set
+from ringcomm.torch.functions import broadcast_async_, synchronize
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters"]
+
+
+def broadcast_parameters(params: Any, root_rank: int,
+                         process_set: Any = global_process_set) -> None:
+    """Overwrite tensors on every rank with root's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (a dict, broadcast in sorted key order), or a list or
+            iterable of tensors or of (name, tensor) pairs such as ``model.named_parameters()``.
+        root_rank: the rank whose values everyone gets.
+        process_set: the global process set only.
+
+    Raises:
+        ValueError: ``params`` is neither a dict nor an iterable.
+        HorovodInternalError: shapes or dtypes differ between ranks (on every rank).
+
+    Example::
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    check_process_set(process_set)
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    handles = [broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
+                                name) for name, p in items]
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = global_process_set) -> Any:
+    """Return root's ``obj`` (pickled, with cloudpickle where installed) on every rank.
+
+    Example::
+
+        epoch = hvd.broadcast_object(epoch, root_rank=0)
+    """
+    check_process_set(process_set)
+    comm, engine = context()
+    return engine.run(lambda: _objects.broadcast_object(comm, obj, root_rank))
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: Any = global_process_set) -> list[Any]:
+    """Return the list of every rank's ``obj``, in rank order.
+
+    Example::
+
+        counts = hvd.allgather_object(len(local_dataset))
+    """
+    check_process_set(process_set)
+    comm, engine = context()
+    return engine.run(lambda: _objects.allgather_objects(comm, obj))
+
+
+# ------------------------------------------------------------------------ optimizer state
+class _TensorSlot:
+    """Where root's state held a tensor: what the receivers allocate for it."""
+
+    __slots__ = ("dtype", "on_param_device", "shape")
+
+    def __init__(self, t: torch.Tensor, param: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.on_param_device = t.device == param.device
+
+
+def _skeleton(value: Any, param: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a _TensorSlot (the tensors go to ``tensors``)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(value, param)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(v, param, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _skeleton(v, param, tensors) for k, v in value.items()}
+    return value
+
+
+def _flatten(value: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _flatten(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _flatten(v, out)
+
+
+def _fill(skeleton: Any, param: torch.Tensor, own: list[torch.Tensor],
+          received: list[torch.Tensor]) -> Any:
+    """Rebuild a state value from root's skeleton, reusing this rank's tensors where they fit."""
+    if isinstance(skeleton, _TensorSlot):
+        mine = own.pop(0) if own else None
+        device = param.device if skeleton.on_param_device else torch.device("cpu")
+        if (mine is None or tuple(mine.shape) != skeleton.shape or mine.dtype != skeleton.dtype
+                or mine.device != device):
+            mine = torch.empty(skeleton.shape, dtype=skeleton.dtype, device=device)
+        received.append(mine)
+        return mine
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_fill(v, param, own, received) for v in skeleton)
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, param, own, received) for k, v in skeleton.items()}
+    return skeleton
+
+
+def _root_view(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> tuple[Any, ...]:
+    tensors: list[torch.Tensor] = []
+    options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    states = {i: _skeleton(dict(optimizer.state[p]), p, tensors)
+              for i, p in enumerate(params) if optimizer.state.get(p)}
+    shapes = [tuple(p.shape) for p in params]
+    return options, states, shapes, [len(g["params"]) for g in optimizer.param_groups]
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: Any = global_process_set) -> None:
+    """Give every rank root's optimizer state and options (learning rate, betas, ...).
+
+    Works for every optimizer in torch.optim (LBFGS included) and for state root has not
+    created yet: afterwards every rank holds exactly root's state (none where root has none)
+    and root's param-group options with their types (floats stay floats, tuples tuples, None
+    None). Tensors travel by broadcast, in place where this rank's own state already has them.
+
+    Args:
+        optimizer: a torch.optim optimizer, or a DistributedOptimizer.
+        root_rank: the rank whose state everyone gets.
+        process_set: the global process set only.
+
+    Raises:
+        ValueError: the optimizers' parameter groups or shapes differ from root's (on every
+            rank).
+
+    Example::
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    check_process_set(process_set)
+    comm, _ = context()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = _root_view(optimizer, params)
+    options, states, shapes, groups = broadcast_object(mine, root_rank)
+    fits = [tuple(p.shape) for p in params] == shapes and mine[3] == groups
+    ok = np.array([int(fits)], dtype=np.int64)
+    context()[1].run(lambda: comm.allreduce(ok, out=ok, op="min"))
+    if not ok[0]:
+        here = "" if fits else (f"; rank {comm.rank} has {mine[3]} with shapes "
+                                f"{[tuple(p.shape) for p in params]}")
+        raise ValueError(f"optimizer parameters differ between ranks: rank {root_rank} has "
+                         f"{groups} parameters per group with shapes {shapes}{here}")
+    received: list[torch.Tensor] = []
+    new_state = {}
+    for i, skeleton in states.items():
+        own: list[torch.Tensor] = []
+        _flatten(dict(optimizer.state.get(params[i], {})), own)
+        new_state[params[i]] = _fill(skeleton, params[i], own, received)
+    broadcast_parameters(received, root_rank)
+    if comm.rank != root_rank:
+        optimizer.state.clear()
+        optimizer.state.update(new_state)
+        for group, opts in zip(optimizer.param_groups, options, strict=True):
+            group.update(opts)

@@ -1,0 +1,121 @@
+"""``hvd.Compression``: Horovod's compression names, mapped onto ringcomm's compressors.
+
+Horovod compresses a tensor before the allreduce and decompresses the result (its fp16
+compressor casts). Here the ring itself compresses what it sends (int8 re-quantized per hop,
+sparse top-k, half-precision casts), so these compressors leave the tensor as it is and hand
+their ringcomm compressor to the allreduce. A Horovod-style compressor of your own (a class with
+``compress``/``decompress``) still works: it is applied around an uncompressed allreduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import ringcomm
+from ringcomm.compress.base import Compressor as _RingCompressor
+
+__all__ = ["Compression", "Compressor", "RingCompressor", "as_compression"]
+
+
+class Compressor:
+    """Horovod's compressor interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress``."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Return the tensor to reduce and what ``decompress`` needs."""
+        raise NotImplementedError("a Compressor must define compress()")
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Return the reduced tensor in its original form."""
+        raise NotImplementedError("a Compressor must define decompress()")
+
+
+class NoneCompressor(Compressor):
+    """No compression."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class RingCompressor(NoneCompressor):
+    """Compression applied by the ring to what it sends; the tensor itself passes unchanged.
+
+    Args:
+        ring: the ringcomm compressor (``ringcomm.Int8()``, ``ringcomm.TopK(0.01)``, ...).
+        error_feedback: whether DistributedOptimizer keeps per-parameter residuals of what this
+            compressor drops (on for int8 and top-k; the casts round like Horovod's fp16).
+
+    Raises:
+        TypeError: ``ring`` is not a ringcomm compressor.
+    """
+
+    def __init__(self, ring: _RingCompressor, *, error_feedback: bool) -> None:
+        if not isinstance(ring, _RingCompressor):
+            raise TypeError(f"expected a ringcomm compressor, got {type(ring).__name__}")
+        self.ring = ring
+        self.error_feedback = bool(error_feedback)
+
+    def __repr__(self) -> str:
+        return f"RingCompressor({self.ring!r}, error_feedback={self.error_feedback})"
+
+
+def _topk(ratio: float = 0.01, algorithm: str = "ring") -> RingCompressor:
+    """Top-k sparsification with error feedback: send the ``ratio`` largest-magnitude entries.
+
+    Raises:
+        ValueError: ratio outside (0, 1], or unknown algorithm.
+    """
+    return RingCompressor(ringcomm.TopK(ratio=ratio, algorithm=algorithm), error_feedback=True)
+
+
+class Compression:
+    """The compression choices, as ``hvd.Compression.<name>``.
+
+    Attributes:
+        none: no compression.
+        fp16: IEEE half precision on the wire (2x fewer bytes).
+        bf16: bfloat16 on the wire (2x fewer bytes, float32's range).
+        int8: int8 blocks with per-block scales (3.9x fewer bytes), with error feedback.
+        topk: ``topk(ratio=0.01)`` returns top-k sparsification with error feedback.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(opt, model.named_parameters(),
+                                       compression=hvd.Compression.int8)
+    """
+
+    none = NoneCompressor()
+    fp16 = RingCompressor(ringcomm.FP16(), error_feedback=False)
+    bf16 = RingCompressor(ringcomm.BF16(), error_feedback=False)
+    int8 = RingCompressor(ringcomm.Int8(), error_feedback=True)
+    topk = staticmethod(_topk)
+
+
+def as_compression(compression: Any) -> Any:
+    """Return ``compression`` as something with Horovod's compress/decompress.
+
+    Accepts None (no compression), a Horovod-style compressor (class or instance), or a ringcomm
+    compressor (wrapped; lossy ones other than the casts get error feedback).
+
+    Raises:
+        TypeError: anything else.
+    """
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, _RingCompressor):
+        cast = isinstance(compression, (ringcomm.FP16, ringcomm.BF16))
+        return RingCompressor(compression, error_feedback=not cast)
+    if callable(getattr(compression, "compress", None)) and callable(
+            getattr(compression, "decompress", None)):
+        return compression
+    raise TypeError(
+        "compression must be hvd.Compression.<name>, a ringcomm compressor, or an object with "
+        f"compress() and decompress(); got {type(compression).__name__}")

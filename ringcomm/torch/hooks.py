@@ -1,0 +1,194 @@
+"""DDP communication hook: DDP's gradient buckets averaged by ringcomm's ring, maybe compressed.
+
+The bucket buffer reaches the ring as a zero-copy view (``.numpy()`` on CPU, DLPack on CUDA)
+and the average is written back into it, so no copy of the gradients is made. Compression starts
+at ``state.start_iter`` (dense before, as PowerSGD's warm-up) and skips buckets smaller than
+``state.min_compress_bytes``. Error feedback is kept per bucket and follows the parameters when
+DDP rebuilds its buckets after the first iteration.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringcomm.comm.base import Communicator
+from ringcomm.compress.base import Compressor as _RingCompressor
+from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.torch._engine import Handle, engine_for
+from ringcomm.torch._errors import collective_error
+from ringcomm.torch._residuals import Layout, ResidualLayouts
+from ringcomm.torch._tensors import Operand, from_array
+from ringcomm.torch.compression import NoneCompressor, RingCompressor
+
+__all__ = ["RingcommState", "ringcomm_hook"]
+
+
+def _ring_compressor(compression: Any) -> _RingCompressor | None:
+    if isinstance(compression, RingCompressor):
+        return compression.ring
+    if compression is None or isinstance(compression, NoneCompressor):
+        return None
+    if isinstance(compression, _RingCompressor):
+        return compression
+    raise TypeError(
+        "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...) "
+        f"or hvd.Compression.<name>, got {type(compression).__name__}")
+
+
+class RingcommState:
+    """State of :func:`ringcomm_hook`: the communicator, the compressor and its residuals.
+
+    Args:
+        comm: the communicator; the one of ``ringcomm.torch.init()`` when None (started here
+            if need be: MPI under mpiexec, a gloo group under torchrun).
+        compression: a ringcomm compressor or ``hvd.Compression.<name>``; None sends float32.
+        error_feedback: keep what compression drops, per bucket, and add it to the next step.
+        start_iter: iterations reduced uncompressed before compression starts (a warm-up, and
+            DDP's bucket rebuild after iteration 0 happens before it).
+        min_compress_bytes: buckets smaller than this go uncompressed (latency dominates them).
+        overlap: run the allreduce on ringcomm's background thread, so that backward goes on
+            computing the next buckets meanwhile (True), or inside the hook (False). None: in
+            the background for CUDA buckets only. On CPU the ring needs the cores backward is
+            using (MPI waits by polling), and running it inline measured faster
+            (bench/results/ddp_perf_n*.md).
+
+    Raises:
+        ValueError: ``start_iter`` or ``min_compress_bytes`` negative.
+        TypeError: ``compression`` is not a compressor.
+
+    Example::
+
+        state = RingcommState(compression=ringcomm.Int8(), start_iter=10)
+        ddp_model.register_comm_hook(state, ringcomm_hook)
+    """
+
+    __slots__ = ("_bucket_params", "_engine", "_residuals", "comm", "compression",
+                 "error_feedback", "feedback", "iter", "min_compress_bytes", "overlap",
+                 "start_iter")
+
+    def __init__(self, comm: Communicator | None = None, compression: Any = None,
+                 error_feedback: bool = True, start_iter: int = 2,
+                 min_compress_bytes: int = 64 * 1024, overlap: bool | None = None) -> None:
+        if not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
+                             f"{min_compress_bytes!r}")
+        self.compression = _ring_compressor(compression)
+        if comm is None:
+            from ringcomm.torch import _basics
+
+            _basics.init()
+            comm = _basics.communicator()
+        self.comm = comm
+        self.error_feedback = bool(error_feedback)
+        self.feedback = ErrorFeedback()
+        self.start_iter = start_iter
+        self.min_compress_bytes = min_compress_bytes
+        self.overlap = None if overlap is None else bool(overlap)
+        self.iter = 0
+        self._engine = engine_for(comm)
+        self._residuals = ResidualLayouts(self.feedback)
+        self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
+
+    def compresses(self, buffer: torch.Tensor) -> bool:
+        """Whether the bucket ``buffer`` is sent compressed at the current iteration."""
+        return (self.compression is not None and self.iter >= self.start_iter
+                and buffer.is_floating_point()
+                and buffer.numel() * buffer.element_size() >= self.min_compress_bytes)
+
+    def residual(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What error feedback holds back for ``param`` (flat float32), or None.
+
+        Example::
+
+            held = sum(float(state.residual(p).abs().sum()) for p in model.parameters()
+                       if state.residual(p) is not None)
+        """
+        piece = self._residuals.piece(id(param))
+        return None if piece is None else from_array(piece)
+
+    def layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Layout:
+        """Which parameters the bucket holds, at which offsets (cached per bucket index)."""
+        params = bucket.parameters()
+        ids = tuple(id(p) for p in params)
+        cached = self._bucket_params.get(bucket.index())
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        base, item = buffer.data_ptr(), buffer.element_size()
+        layout = tuple((id(p), (g.data_ptr() - base) // item, g.numel())
+                       for p, g in zip(params, bucket.gradients(), strict=True))
+        self._bucket_params[bucket.index()] = (ids, layout)
+        return layout
+
+
+def _reduce(state: RingcommState, buffer: torch.Tensor, compressed: bool,
+            layout: Layout | None, name: str | None) -> torch.Tensor:
+    operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
+    array = operand.array
+    if name is not None and layout is not None:
+        # Here, on the thread that runs the collectives, so no allreduce is using the residuals
+        # while they move.
+        state._residuals.align(name, layout, array.reshape(-1))
+    try:
+        state.comm.allreduce(array, out=array, op="avg",
+                             compression=state.compression if compressed else None,
+                             feedback=state.feedback if name is not None else None, name=name)
+    except (ValueError, TypeError) as err:
+        raise collective_error(state.comm, err, "allreduce", buffer) from err
+    operand.write_back()
+    return buffer
+
+
+def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average a DDP gradient bucket over all ranks with ringcomm, in place.
+
+    Args:
+        state: a RingcommState.
+        bucket: the bucket DDP hands over (its buffer is not pre-divided by the world size).
+
+    Returns:
+        A future holding the bucket's buffer, averaged.
+
+    Example::
+
+        import ringcomm, ringcomm.torch as hvd
+        from ringcomm.torch import RingcommState, ringcomm_hook
+        from ringcomm.torch.process_group import init_process_group_from_mpi
+
+        init_process_group_from_mpi()            # DDP's gloo group, under mpiexec
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        model.register_comm_hook(RingcommState(compression=ringcomm.Int8()), ringcomm_hook)
+    """
+    buffer = bucket.buffer()
+    compressed = state.compresses(buffer)
+    name, layout = None, None
+    if compressed and state.error_feedback:
+        name, layout = f"ddp.bucket{bucket.index()}", state.layout(bucket, buffer)
+    if bucket.is_last():
+        state.iter += 1
+    devices = [buffer.device] if buffer.device.type == "cuda" else None
+    future: torch.futures.Future = torch.futures.Future(devices=devices)
+    task = functools.partial(_reduce, state, buffer, compressed, layout, name)
+
+    def settle(handle: Handle) -> None:
+        try:
+            future.set_result(handle.wait())
+        except Exception as err:
+            future.set_exception(err)
+
+    overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
+    handle = Handle()
+    handle.callback = settle
+    state._engine.execute(task, overlap=overlap, handle=handle)
+    return future
+
+
+# DDP's register_comm_hook compares these annotations with the classes themselves; postponed
+# evaluation (the __future__ import) would leave strings there.
+ringcomm_hook.__annotations__ = {"state": RingcommState, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}

@@ -1,0 +1,321 @@
+"""``hvd.DistributedOptimizer``: gradients averaged over ranks while backward is still running.
+
+Each parameter's gradient hook counts it ready; as soon as every gradient of the next fusion
+bucket is ready, that bucket's allreduce starts: on ringcomm's background thread for CUDA
+parameters, overlapping the rest of backward, and inside the hook for CPU parameters (there the
+ring would compete with backward for the same cores). ``step()`` (or ``synchronize()``)
+reduces whatever is left, including parameters for which this rank computed no gradient (as
+zeros, so other ranks do not wait), and waits for everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.torch._basics import (
+    Average,
+    ReduceOp,
+    check_process_set,
+    context,
+    global_process_set,
+)
+from ringcomm.torch._engine import Handle
+from ringcomm.torch._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
+from ringcomm.torch._reduce import parse_op
+from ringcomm.torch._residuals import ResidualLayouts
+from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
+
+__all__ = ["DistributedOptimizer"]
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
+              "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
+              "race condition.")
+
+
+def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any, str]:
+    """Map every parameter of ``optimizer`` to its name, with Horovod's checks."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}" for i, g in enumerate(optimizer.param_groups)
+                for j, p in enumerate(g["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen: set[str] = set()
+    dups = sorted({k for k, _ in named if k in seen or seen.add(k)})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(dups))
+    named_ids = {id(v) for _, v in named}
+    unnamed = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were "
+                         "not named. Python object ids: " + ", ".join(map(str, unnamed)))
+    return {v: k for k, v in named}
+
+
+class _DistributedOptimizer:
+    """The methods DistributedOptimizer adds to the class of the optimizer it wraps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[Any, str],
+                 compression: Any, passes: int, op: ReduceOp, predivide: float,
+                 threshold: int, sparse_as_dense: bool, overlap: bool | None) -> None:
+        try:
+            super().__init__(optimizer.param_groups, **optimizer.defaults)
+        except TypeError:  # an optimizer whose defaults are not its constructor's arguments
+            super().__init__(optimizer.param_groups)
+        self.defaults = optimizer.defaults
+        self.state.update(optimizer.state)
+        self._parameter_names = names
+        self._compression = compression
+        self.backward_passes_per_step = passes
+        self.op, self.gradient_predivide_factor = op, predivide
+        self._threshold = threshold
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._overlap = overlap
+        self._comm, self._engine = context()
+        ring = compression.ring if isinstance(compression, RingCompressor) else None
+        feedback = ring is not None and compression.error_feedback
+        custom = None if isinstance(compression, NoneCompressor) else compression
+        pre, post = (1.0 / predivide, predivide) if op is Average else (1.0, 1.0)
+        self._residuals = ResidualLayouts(ErrorFeedback()) if feedback else None
+        self._reduction = Reduction(self._comm, op, pre, post, custom, ring, self._residuals)
+        self._hooked: set[int] = set()
+        self._planned: tuple[int, ...] | None = None
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[Any, Bucket] = {}
+        self._delay: dict[Any, int] = {}
+        self._handles: list[Handle] = []
+        self._next = 0
+        self._fresh = True
+        self._synchronized = False
+        self._should_synchronize = True
+        self._warned = False
+        self._lock = threading.Lock()
+        if self._comm.size > 1:  # one process reduces nothing: no hooks (as Horovod)
+            active = [p for p in reversed(self._params()) if p.requires_grad]
+            self._plan(active, tuple(id(p) for p in active))
+
+    # ---------------------------------------------------------------------- planning
+    def _params(self) -> list[Any]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _begin_round(self) -> None:
+        """Start counting gradients of a new step; re-plan if ``requires_grad`` changed."""
+        active = [p for p in reversed(self._params()) if p.requires_grad]
+        key = tuple(id(p) for p in active)
+        if key != self._planned:
+            self._plan(active, key)
+        for b in self._buckets:
+            b.ready = 0
+        self._delay = dict.fromkeys(self._bucket_of, self.backward_passes_per_step)
+        self._handles, self._next, self._fresh = [], 0, False
+
+    def _plan(self, active: list[Any], key: tuple[int, ...]) -> None:
+        custom = self._reduction.compression is not None and self._reduction.ring is None
+        # Custom compressors change each tensor on its own, so their gradients are not fused.
+        threshold = 0 if custom else self._threshold
+        self._buckets = plan_buckets(active, self._parameter_names, threshold)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._planned = key
+        me = weakref.ref(self)
+
+        def hook(t: torch.Tensor) -> None:
+            opt = me()  # weak: the parameters must not keep the optimizer alive
+            if opt is not None:
+                opt._grad_ready(t)
+
+        for p in active:
+            if id(p) not in self._hooked:
+                p.register_post_accumulate_grad_hook(hook)
+                self._hooked.add(id(p))
+
+    # ---------------------------------------------------------------------- reduction
+    def _grad_ready(self, p: Any) -> None:
+        # Backward may call hooks from one thread per device.
+        with self._lock:
+            self._count(p)
+
+    def _count(self, p: Any) -> None:
+        if self._fresh:
+            self._begin_round()
+        bucket = self._bucket_of.get(p)
+        if bucket is None:
+            return
+        if self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            bucket.ready += 1
+            while (self._next < len(self._buckets)
+                   and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
+                self._submit(self._buckets[self._next])
+
+    def _submit(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            if p.grad is None:
+                # Another rank may have a gradient for it: reduce zeros rather than hang it.
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif p.grad.is_sparse and self._sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            elif p.grad.is_sparse:
+                raise NotImplementedError(
+                    f"sparse gradient of {self._parameter_names[p]!r}: ringcomm reduces dense "
+                    "gradients only (pass sparse_as_dense=True)")
+        device = bucket.params[0].device.type
+        overlap = device == "cuda" if self._overlap is None else self._overlap
+        self._handles.append(self._engine.execute(lambda b=bucket: self._reduction(b),
+                                                  overlap=overlap))
+        self._next += 1
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient (starting those not started yet); wait for them.
+
+        Raises:
+            HorovodInternalError: a reduction failed (on every rank); the others are waited for.
+        """
+        if self._comm.size > 1:
+            if self._fresh:
+                self._begin_round()
+            while self._next < len(self._buckets):
+                self._submit(self._buckets[self._next])
+            errors = []
+            for handle in self._handles:
+                try:
+                    handle.wait()
+                except Exception as err:
+                    errors.append(err)
+            self._fresh, self._handles = True, []
+            if errors:
+                raise errors[0]
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make ``step()`` inside the block skip synchronizing (call ``synchronize()`` first).
+
+        Example::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize the gradients (unless inside ``skip_synchronize()``), then step."""
+        if self._should_synchronize:
+            if self._synchronized and not self._warned:
+                self._warned = True
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (not allowed between backward and step/synchronize)."""
+        if not self._fresh:
+            raise AssertionError(_ZERO_GRAD)
+        return super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before gradients are reduced."""
+        self.backward_passes_per_step = _check_passes(passes)
+        self._delay = dict.fromkeys(self._delay, passes)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load optimizer state; any reduction in progress is forgotten."""
+        self._handles, self._fresh, self._synchronized = [], True, False
+        self._should_synchronize = True
+        return super().load_state_dict(state_dict)
+
+
+def _check_passes(passes: Any) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+    return passes
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: Any = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = global_process_set, *,
+                         fusion_threshold_bytes: int | None = None,
+                         overlap: bool | None = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    The result is an instance of the wrapped optimizer's class (with its state and options).
+
+    Args:
+        optimizer: any torch.optim optimizer.
+        named_parameters: ``model.named_parameters()``; names key the error feedback and
+            appear in messages. Every parameter of the optimizer must be named.
+        compression: ``hvd.Compression.<name>``, a ringcomm compressor, or a Horovod-style
+            compressor. int8 and top-k keep per-parameter residuals (error feedback).
+        backward_passes_per_step: backward passes accumulated locally before the gradients are
+            reduced.
+        op: hvd.Average (default) or hvd.Sum (also Min, Max, Product).
+        gradient_predivide_factor: with Average, scale by 1/factor before the sum and by
+            factor/size after it.
+        num_groups: accepted for compatibility (fusion is by size here).
+        groups: accepted for compatibility (fusion is by size here).
+        sparse_as_dense: reduce sparse gradients as dense tensors (the gradient stays dense).
+        process_set: the global process set only.
+        fusion_threshold_bytes: largest fused bucket (default: $HOROVOD_FUSION_THRESHOLD, else
+            4 MiB).
+        overlap: reduce on ringcomm's background thread while backward goes on (True), or in
+            the gradient hook itself (False); None: in the background for CUDA parameters only
+            (on CPU the ring competes with backward for the cores).
+
+    Raises:
+        ValueError: duplicate or missing names, named_parameters not (name, tensor) pairs,
+            backward_passes_per_step < 1, gradient_predivide_factor with an op other than
+            Average.
+        NotImplementedError: op=hvd.Adasum, or a process set other than the global one.
+
+    Example::
+
+        import ringcomm.torch as hvd
+        hvd.init()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=hvd.Compression.int8)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    """
+    rop = parse_op(op, None)
+    check_process_set(process_set)
+    if gradient_predivide_factor != 1.0 and rop is not Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "torch.Tensor.")
+    passes = _check_passes(backward_passes_per_step)
+    names = _names(optimizer, named_parameters)
+    comp = as_compression(compression)
+    threshold = fusion_threshold(fusion_threshold_bytes)
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    return cls(optimizer, names, comp, passes, rop, float(gradient_predivide_factor), threshold,
+               sparse_as_dense, overlap)

@@ -1,0 +1,49 @@
+"""Horovod features ringcomm.torch does not provide: each raises NotImplementedError saying why."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+__all__ = ["SyncBatchNorm", "add_process_set", "alltoall", "alltoall_async", "elastic", "join",
+           "reducescatter", "reducescatter_async", "remove_process_set", "start_timeline",
+           "stop_timeline"]
+
+_PROCESS_SETS = ("process sets are not supported: ringcomm.torch runs every collective on the "
+                 "whole job")
+
+
+def _unsupported(name: str, reason: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(f"{name}: {reason}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Not supported: {reason}."
+    return refuse
+
+
+add_process_set = _unsupported("add_process_set", _PROCESS_SETS)
+remove_process_set = _unsupported("remove_process_set", _PROCESS_SETS)
+alltoall = _unsupported("alltoall", "ringcomm has no all-to-all collective")
+alltoall_async = _unsupported("alltoall_async", "ringcomm has no all-to-all collective")
+reducescatter = _unsupported("reducescatter",
+                             "use the communicator's reduce_scatter on flat arrays")
+reducescatter_async = _unsupported("reducescatter_async",
+                                   "use the communicator's reduce_scatter on flat arrays")
+join = _unsupported("join", "ranks must run the same number of steps (no uneven-input join)")
+SyncBatchNorm = _unsupported("SyncBatchNorm", "use torch.nn.SyncBatchNorm with DDP")
+start_timeline = _unsupported("start_timeline", "ringcomm has no timeline; use comm.stats")
+stop_timeline = _unsupported("stop_timeline", "ringcomm has no timeline; use comm.stats")
+
+
+class _Elastic:
+    """Stands in for ``hvd.elastic``: every attribute raises NotImplementedError."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("__"):  # introspection (copy, pickle, inspect) must see no such name
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"elastic.{name}: elastic training is not supported: ringcomm jobs have a fixed set "
+            "of ranks (restart the job from a checkpoint instead)")
+
+
+elastic = _Elastic()

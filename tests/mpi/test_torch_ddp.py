@@ -1,0 +1,203 @@
+"""DDP with ringcomm_hook: same training as DDP's own allreduce, compression, error feedback."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import (  # noqa: E402
+    DIGITS_BATCH,
+    DIGITS_WARMUP_EPOCHS,
+    digits,
+    digits_mlp,
+    flat_params,
+    hvd,
+    process_group,
+    same_on_all_ranks,
+    sgd,
+    train_digits,
+)
+
+import ringcomm  # noqa: E402
+from ringcomm.torch import RingcommState, ringcomm_hook  # noqa: E402
+
+DDP = torch.nn.parallel.DistributedDataParallel
+SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _group():
+    process_group()
+    hvd()  # RingcommState() takes this communicator
+
+
+@pytest.fixture
+def fresh_comm():
+    """A communicator of the test's own, whose calls the test may spy on."""
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    yield c
+    c.close()
+
+
+class Shuffled(torch.nn.Module):
+    """Layers registered in another order than forward uses them, so that DDP's bucket rebuild
+    after the first iteration changes which parameters each bucket holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = torch.nn.Linear(32, 8)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def train(model, steps: int, lr: float = 0.1) -> torch.Tensor:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + RANK)  # every rank its own data
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("overlap", [None, True])
+def test_hook_trains_like_ddp_default_allreduce(overlap):
+    expected = train(DDP(Shuffled(), bucket_cap_mb=0.002), 6)
+    model = DDP(Shuffled(), bucket_cap_mb=0.002)
+    model.register_comm_hook(RingcommState(overlap=overlap), ringcomm_hook)
+    got = train(model, 6)
+    torch.testing.assert_close(got, expected)
+    assert same_on_all_ranks(got)
+
+
+def test_hook_is_zero_copy_and_in_place():
+    seen = []
+
+    def spy(state, bucket):
+        buffer = bucket.buffer()
+        future = ringcomm_hook(state, bucket)
+        seen.append(future.wait() is buffer)
+        return future
+
+    model = DDP(Shuffled())
+    model.register_comm_hook(RingcommState(), spy)
+    train(model, 2)
+    assert seen and all(seen)
+
+
+def spy_compression(comm):
+    """Record (elements, compressed?) of every allreduce ``comm`` makes."""
+    calls = []
+    allreduce = comm.allreduce
+
+    def recording(x, *args, **kwargs):
+        calls.append((x.size, kwargs.get("compression") is not None))
+        return allreduce(x, *args, **kwargs)
+
+    comm.allreduce = recording
+    return calls
+
+
+def test_dense_until_start_iter_and_for_small_buckets(fresh_comm):
+    calls = spy_compression(fresh_comm)
+    model = DDP(Shuffled(), bucket_cap_mb=0.002)
+    state = RingcommState(fresh_comm, compression=ringcomm.Int8(), start_iter=3,
+                          min_compress_bytes=4000)
+    model.register_comm_hook(state, ringcomm_hook)
+    per_step = []
+    for _ in range(5):
+        calls.clear()
+        train(model, 1)
+        per_step.append(list(calls))
+    assert state.iter == 5
+    for step, step_calls in enumerate(per_step):
+        for n, compressed in step_calls:
+            assert compressed == (step >= 3 and 4 * n >= 4000), (step, n)
+    assert any(c for _, c in per_step[-1]) and not all(c for _, c in per_step[-1])
+
+
+def test_error_feedback_follows_the_bucket_rebuild(fresh_comm):
+    """Nothing compression held back is lost when DDP re-cuts its buckets: per parameter, the
+    sum of every rank's gradients equals size x the averages received plus every rank's
+    residual, across the rebuild after the first iteration."""
+    model = DDP(Shuffled(), bucket_cap_mb=0.002)
+    state = RingcommState(fresh_comm, compression=ringcomm.TopK(0.1), start_iter=0,
+                          min_compress_bytes=0)
+    sent = collections.defaultdict(float)
+    received = collections.defaultdict(float)
+    layouts = []
+
+    def recording(state, bucket):
+        layouts.append((bucket.index(), tuple(id(p) for p in bucket.parameters())))
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            sent[id(p)] = sent[id(p)] + g.double()
+
+        def done(future):
+            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                received[id(p)] = received[id(p)] + g.double()
+            return future.value()
+
+        return ringcomm_hook(state, bucket).then(done)
+
+    model.register_comm_hook(state, recording)
+    train(model, 4)
+    assert len(set(layouts)) > 2, "the buckets were not rebuilt; the test proves nothing"
+    for p in model.parameters():
+        residual = state.residual(p)
+        held = np.zeros(p.numel()) if residual is None else residual.double().numpy()
+        total_in = MPI.COMM_WORLD.allreduce(sent[id(p)].reshape(-1).numpy())
+        total_held = MPI.COMM_WORLD.allreduce(held)
+        total_out = SIZE * received[id(p)].reshape(-1).numpy()
+        np.testing.assert_allclose(total_out + total_held, total_in, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_state_arguments():
+    with pytest.raises(ValueError, match="start_iter must be an integer >= 0, got -1"):
+        RingcommState(start_iter=-1)
+    with pytest.raises(ValueError, match="min_compress_bytes must be an integer >= 0"):
+        RingcommState(min_compress_bytes=-5)
+    with pytest.raises(TypeError, match="compression must be a ringcomm compressor"):
+        RingcommState(compression="int8")
+
+
+@pytest.fixture(scope="module")
+def digits_accuracy():
+    """Final test accuracy of the digits MLP through the hook, per compression."""
+    pytest.importorskip("sklearn")
+    if DIGITS_BATCH % SIZE:
+        pytest.skip(f"the global batch of {DIGITS_BATCH} does not split over {SIZE} ranks")
+    steps = len(digits()[1]) // DIGITS_BATCH
+    settings = {"none": (None, 0), "int8": (ringcomm.Int8(), 2),
+                "topk": (ringcomm.TopK(0.01), DIGITS_WARMUP_EPOCHS * steps)}
+    accuracy = {}
+    for name, (compression, start) in settings.items():
+        model = DDP(digits_mlp())
+        model.register_comm_hook(RingcommState(compression=compression, start_iter=start,
+                                               min_compress_bytes=0), ringcomm_hook)
+        accuracy[name] = train_digits(model, sgd(model))
+    return accuracy
+
+
+@pytest.mark.slow
+def test_digits_through_hook_dense_learns(digits_accuracy):
+    assert digits_accuracy["none"] > 0.95
+
+
+@pytest.mark.slow
+def test_digits_through_hook_int8_within_one_point(digits_accuracy):
+    assert digits_accuracy["int8"] >= digits_accuracy["none"] - 0.01
+
+
+@pytest.mark.slow
+def test_digits_through_hook_topk_within_two_points(digits_accuracy):
+    assert digits_accuracy["topk"] >= digits_accuracy["none"] - 0.02

@@ -1,0 +1,218 @@
+"""The horovod.torch surface over ringcomm: results, scaling rules, handles, errors, gradients."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import gathered, hvd, same_on_all_ranks  # noqa: E402
+
+SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module")
+def h():
+    return hvd()
+
+
+def needs_two() -> None:
+    if SIZE < 2:
+        pytest.skip("needs at least 2 ranks")
+
+
+def usable(h) -> None:
+    """The job goes on after an error."""
+    out = h.allreduce(torch.ones(5), op=h.Sum)
+    assert torch.equal(out, torch.full((5,), float(SIZE)))
+
+
+def all_values(x: torch.Tensor) -> np.ndarray:
+    """Every rank's ``x`` stacked (size x ...), as float64 (exact for these small values)."""
+    return np.stack(MPI.COMM_WORLD.allgather(x.to(torch.float64).numpy()))
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.int8, torch.uint8]
+
+
+@pytest.mark.parametrize("op", ["Average", "Sum", "Min", "Max"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce_ops_and_dtypes(h, dtype, op):
+    x = (torch.arange(12).reshape(3, 4) % 5 + RANK).to(dtype)
+    values = all_values(x)
+    ref = {"Sum": values.sum(0), "Min": values.min(0), "Max": values.max(0),
+           "Average": values.sum(0) / SIZE}[op]
+    if op == "Average" and not dtype.is_floating_point:
+        ref = np.trunc(ref)  # Horovod: the sum scaled by 1/size in float64, truncated
+    before = x.clone()
+    out = h.allreduce(x, op=getattr(h, op))
+    assert out.dtype == dtype and out.shape == x.shape and torch.equal(x, before)
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-2 if dtype in (
+        torch.float16, torch.bfloat16) else 1e-6)
+    h.allreduce_(x, op=getattr(h, op))
+    assert torch.equal(x, out)
+    assert same_on_all_ranks(out.double())
+
+
+def test_async_in_place_and_out_of_place(h):
+    x = torch.full((1000,), float(RANK))
+    a = h.allreduce_async(x, name="a", op=h.Sum)
+    b = h.allreduce_async_(x.clone(), name="b")
+    c = h.broadcast_async(x, root_rank=SIZE - 1)
+    d = h.allgather_async(x[:2])
+    total = sum(range(SIZE))
+    assert torch.equal(h.synchronize(a), torch.full((1000,), float(total)))
+    assert torch.allclose(h.synchronize(b), torch.full((1000,), total / SIZE))
+    assert torch.equal(h.synchronize(c), torch.full((1000,), float(SIZE - 1)))
+    assert torch.equal(h.synchronize(d), torch.arange(SIZE).repeat_interleave(2).float())
+    assert torch.equal(x, torch.full((1000,), float(RANK)))  # out-of-place left it alone
+
+
+def test_poll_is_false_while_pending(h):
+    x = torch.ones(10_000)
+    if RANK == 1:
+        time.sleep(0.5)  # rank 0 submits first and must see its operation pending
+    handle = h.allreduce_async(x, name="late")
+    if SIZE > 1 and RANK == 0:
+        assert h.poll(handle) is False
+    out = h.synchronize(handle)
+    assert h.poll(handle) is True and torch.equal(out, torch.ones(10_000))
+
+
+def test_prescale_postscale_are_exact_for_integers(h):
+    x = torch.tensor([7, -7, 5, 3, -1, 1001, -999], dtype=torch.int32) * (RANK + 1)
+    out = h.allreduce(x, op=h.Average, prescale_factor=0.5, postscale_factor=3.0)
+    pre = np.trunc(all_values(x) * 0.5)  # each rank's scaling in float64, truncated
+    expected = np.trunc(pre.sum(0) * (3.0 / SIZE)).astype(np.int32)
+    np.testing.assert_array_equal(out.numpy(), expected)
+    out = h.allreduce(x.long(), op=h.Sum, postscale_factor=0.3)
+    np.testing.assert_array_equal(out.numpy(), np.trunc(all_values(x).sum(0) * 0.3))
+
+
+def test_prescale_postscale_of_float16_are_computed_in_float32(h):
+    gen = torch.Generator().manual_seed(RANK)
+    x = (torch.rand(4096, generator=gen) * 8).half()
+    out = h.allreduce(x, op=h.Average, prescale_factor=1 / 3, postscale_factor=0.7)
+    pre = (x.float() * (1 / 3)).half()  # each rank: in float32, rounded once
+    summed = torch.from_numpy(all_values(pre).sum(0)).float().half()  # the exact sum, rounded
+    expected = (summed.float() * (0.7 / SIZE)).half()
+    assert torch.equal(out, expected)
+
+
+def test_allgather_first_dimension_may_differ(h):
+    x = torch.full((RANK + 1, 3), RANK, dtype=torch.int64)
+    out = h.allgather(x)
+    rows = sum(r + 1 for r in range(SIZE))
+    assert out.shape == (rows, 3)
+    assert torch.equal(out[:, 0], torch.cat([torch.full((r + 1,), r) for r in range(SIZE)]))
+    flags = h.allgather(torch.tensor([RANK % 2 == 0, True]))
+    assert flags.dtype == torch.bool and flags.tolist() == [v for r in range(SIZE)
+                                                            for v in (r % 2 == 0, True)]
+    bf = h.allgather(torch.tensor([RANK + 0.5], dtype=torch.bfloat16))
+    assert bf.dtype == torch.bfloat16 and bf.tolist() == [r + 0.5 for r in range(SIZE)]
+
+
+def test_broadcast_in_place_and_objects(h):
+    mask = torch.tensor([RANK == 0, RANK != 0, True])
+    h.broadcast_(mask, root_rank=0)
+    assert mask.tolist() == [True, False, True]
+    w = torch.full((2, 3), float(RANK)).t()  # not contiguous
+    h.broadcast_(w, root_rank=SIZE - 1)
+    assert torch.equal(w, torch.full((3, 2), float(SIZE - 1)))
+    obj = h.broadcast_object({"rank": RANK, "f": lambda v: v + 1}, root_rank=SIZE - 1)
+    assert obj["rank"] == SIZE - 1 and obj["f"](1) == 2
+    assert h.allgather_object(("r", RANK)) == [("r", r) for r in range(SIZE)]
+    h.barrier()
+
+
+def test_grouped_allreduce(h):
+    xs = [torch.full((3,), float(RANK)), torch.full((2, 2), RANK, dtype=torch.int32)]
+    outs = h.grouped_allreduce(xs, op=h.Sum)
+    total = sum(range(SIZE))
+    assert torch.equal(outs[0], torch.full((3,), float(total)))
+    assert torch.equal(outs[1], torch.full((2, 2), total, dtype=torch.int32))
+    h.synchronize(h.grouped_allreduce_async_(xs, op=h.Max))
+    assert torch.equal(xs[0], torch.full((3,), float(SIZE - 1)))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
+def test_compressed_allreduce(h, compression):
+    gen = torch.Generator().manual_seed(RANK)
+    x = torch.randn(50_000, generator=gen)
+    exact = torch.from_numpy(all_values(x).mean(0)).float()
+    out = h.allreduce(x, compression=getattr(h.Compression, compression))
+    assert float((out - exact).norm() / exact.norm()) < 0.02
+    assert same_on_all_ranks(out)
+    ints = torch.arange(10) * RANK  # integers pass uncompressed
+    assert torch.equal(h.allreduce(ints, op=h.Sum, compression=h.Compression.int8),
+                       torch.arange(10) * sum(range(SIZE)))
+
+
+CASES = {
+    "shape": (lambda h: h.allreduce(torch.ones(3 + (RANK == 1))),
+              r"shape differs between ranks: \(3,\) on rank"),
+    "dtype": (lambda h: h.allreduce(torch.ones(3, dtype=torch.float64 if RANK == 1 else None)),
+              "dtype differs between ranks: torch.float32 on rank"),
+    "widened dtype": (lambda h: h.allreduce(torch.ones(3, dtype=torch.int8 if RANK == 1
+                                                        else torch.int32), op=h.Sum),
+                      "dtype differs between ranks: torch.int32 on rank.*torch.int8 on rank 1"),
+    "root": (lambda h: h.broadcast(torch.ones(3), root_rank=RANK % 2), "root differs"),
+    "allgather": (lambda h: h.allgather(torch.ones(2, 3 + (RANK == 1))),
+                  "shape after the first dimension differs"),
+    "async": (lambda h: h.synchronize(h.allreduce_async(torch.ones(4 + RANK))), "shape differs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mismatch_raises_runtime_error_on_every_rank(h, case):
+    needs_two()
+    call, message = CASES[case]
+    with pytest.raises(RuntimeError, match=message) as info:
+        call(h)
+    assert isinstance(info.value, h.HorovodInternalError)
+    usable(h)
+
+
+def test_unsupported_dtype_and_bad_root_raise_on_every_rank(h):
+    with pytest.raises(RuntimeError, match="unsupported dtype complex64"):
+        h.allreduce(torch.ones(3, dtype=torch.complex64 if RANK == 0 else torch.float32))
+    with pytest.raises(RuntimeError, match=r"root must be a rank in \[0, "):
+        h.broadcast_(torch.ones(3), root_rank=SIZE)
+    usable(h)
+
+
+def test_allreduce_gradient_is_the_allreduce_of_gradients(h):
+    w = torch.arange(5.0) * (RANK + 1)  # each rank weighs the output differently
+    for op, combine in ((h.Sum, np.sum), (h.Average, np.mean)):
+        x = torch.randn(5, requires_grad=True)
+        (h.allreduce(x, op=op) * w).sum().backward()
+        torch.testing.assert_close(x.grad, torch.from_numpy(combine(all_values(w), 0)).float())
+
+
+def test_allgather_gradient_is_the_own_slice_of_the_averaged_gradient(h):
+    x = torch.randn(RANK + 1, 2, requires_grad=True)
+    y = h.allgather(x)
+    w = torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape) * (RANK + 1)
+    (y * w).sum().backward()
+    averaged = torch.from_numpy(all_values(w).mean(0)).float()
+    offset = sum(r + 1 for r in range(RANK))
+    torch.testing.assert_close(x.grad, averaged[offset: offset + RANK + 1])
+
+
+def test_broadcast_gradient_reaches_the_root_only(h):
+    x = torch.randn(4, requires_grad=True)
+    w = torch.arange(4.0) + RANK
+    (h.broadcast(x, root_rank=0) * w).sum().backward()
+    averaged = torch.from_numpy(all_values(w).mean(0)).float()
+    expected = averaged if RANK == 0 else torch.zeros(4)
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_gathered_helper_agrees_with_allgather(h):
+    x = torch.arange(3) + 10 * RANK
+    assert torch.equal(gathered(x), h.allgather(x))

@@ -1,0 +1,284 @@
+"""hvd.DistributedOptimizer against single-process training on every rank's data at once."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import (  # noqa: E402
+    DIGITS_BATCH,
+    digits_mlp,
+    flat_params,
+    gathered,
+    hvd,
+    same_on_all_ranks,
+    sgd,
+    train_digits,
+)
+
+SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+F = torch.nn.functional
+
+
+@pytest.fixture(scope="module")
+def h():
+    return hvd()
+
+
+class Net(torch.nn.Module):
+    """A small MLP with an optional branch (used by some ranks only in one test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 16)
+        self.extra = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, use_extra: bool = False):
+        h = torch.relu(self.a(x))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def batch(step: int, rank: int = RANK, n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def everyone(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's batch of ``step``, concatenated (what a single process would train on)."""
+    x, y = batch(step)
+    return gathered(x), gathered(y)
+
+
+def pair(h, make_opt, **kwargs):
+    """(reference model and optimizer, distributed model and optimizer), same start."""
+    ref, model = Net(), Net()
+    opt = h.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                 **kwargs)
+    return ref, make_opt(ref), model, opt
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+}
+
+
+@pytest.mark.parametrize("fusion", [None, 256])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_matches_single_process_on_concatenated_batch(h, name, fusion):
+    ref, ref_opt, model, opt = pair(h, OPTIMIZERS[name], fusion_threshold_bytes=fusion)
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        xs, ys = everyone(step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xs), ys).backward()
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+    assert same_on_all_ranks(flat_params(model))
+
+
+def test_two_backward_passes_per_step_match_accumulating_two_batches(h):
+    make = OPTIMIZERS["sgd-momentum"]
+    ref, ref_opt, model, opt = pair(h, make, backward_passes_per_step=2)
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(10 * step + micro)
+            F.cross_entropy(model(x), y).backward()
+            xs, ys = everyone(10 * step + micro)
+            F.cross_entropy(ref(xs), ys).backward()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+
+
+def test_sum_and_predivide_factor(h):
+    make = OPTIMIZERS["sgd-momentum"]
+    ref, ref_opt, model, opt = pair(h, make, op=h.Sum)
+    _, _, model2, opt2 = pair(h, make, gradient_predivide_factor=2.0)
+    ref2 = Net()
+    ref2_opt = make(ref2)
+    for step in range(2):
+        x, y = batch(step)
+        xs, ys = everyone(step)
+        for m, o in ((model, opt), (model2, opt2)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        ref_opt.zero_grad()
+        (F.cross_entropy(ref(xs), ys) * SIZE).backward()  # sum of the ranks' mean losses
+        ref_opt.step()
+        ref2_opt.zero_grad()
+        F.cross_entropy(ref2(xs), ys).backward()
+        ref2_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+    torch.testing.assert_close(flat_params(model2), flat_params(ref2))
+
+
+def test_rank_without_gradient_for_a_parameter(h):
+    """Rank 0 runs a branch the others skip: no hang, and the gradient is rank 0's / size."""
+    ref, ref_opt, model, opt = pair(h, OPTIMIZERS["sgd-momentum"], fusion_threshold_bytes=512)
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, use_extra=RANK == 0), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        losses = []
+        for r in range(SIZE):
+            xr, yr = batch(step, r)
+            losses.append(F.cross_entropy(ref(xr, use_extra=r == 0), yr))
+        (sum(losses) / SIZE).backward()
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+    assert same_on_all_ranks(flat_params(model))
+
+
+def test_requires_grad_switched_off_and_on(h):
+    ref, ref_opt, model, opt = pair(h, OPTIMIZERS["sgd-momentum"])
+    frozen = {0: True, 1: False, 2: True, 3: False}  # layer a frozen at steps 0 and 2
+    for step in range(4):
+        for m in (model, ref):
+            for p in m.a.parameters():
+                p.requires_grad_(not frozen[step])
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        xs, ys = everyone(step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xs), ys).backward()
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+
+
+def test_clipping_between_synchronize_and_step(h):
+    ref, ref_opt, model, opt = pair(h, OPTIMIZERS["sgd-momentum"])
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            opt.step()
+        xs, ys = everyone(step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xs), ys).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+
+
+def test_warns_once_when_step_follows_synchronize(h):
+    model = Net()
+    opt = h.DistributedOptimizer(OPTIMIZERS["sgd-momentum"](model), model.named_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            opt.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert sum("without optimizer.skip_synchronize()" in m for m in messages) == 1
+
+
+def test_zero_grad_before_step_is_refused(h):
+    if SIZE == 1:
+        pytest.skip("one process reduces nothing (as Horovod, no hooks at size 1)")
+    model = Net()
+    opt = h.DistributedOptimizer(OPTIMIZERS["sgd-momentum"](model), model.named_parameters())
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match=r"zero_grad\(\) was called after loss.backward"):
+        opt.zero_grad()
+    opt.step()
+
+
+def test_more_passes_than_declared_are_refused(h):
+    if SIZE == 1:
+        pytest.skip("one process reduces nothing (as Horovod, no hooks at size 1)")
+    model = Net()
+    opt = h.DistributedOptimizer(OPTIMIZERS["sgd-momentum"](model), model.named_parameters(),
+                                 overlap=True)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step times"):
+        F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+class HalfCompressor:
+    """A Horovod-style compressor of a user's own: cast to float16 and back."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.half(), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "custom"])
+def test_fp16_compression_stays_close(h, compression):
+    comp = HalfCompressor if compression == "custom" else h.Compression.fp16
+    ref, ref_opt, model, opt = pair(h, OPTIMIZERS["sgd-momentum"], compression=comp)
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        xs, ys = everyone(step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xs), ys).backward()
+        ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-3, atol=1e-3)
+    assert same_on_all_ranks(flat_params(model))
+
+
+@pytest.fixture(scope="module")
+def digits_accuracy(h):
+    """Final test accuracy of the digits MLP through DistributedOptimizer, per compression."""
+    pytest.importorskip("sklearn")
+    if DIGITS_BATCH % SIZE:
+        pytest.skip(f"the global batch of {DIGITS_BATCH} does not split over {SIZE} ranks")
+    settings = {"none": h.Compression.none, "int8": h.Compression.int8,
+                "topk": h.Compression.topk(0.01)}
+    accuracy = {}
+    for name, compression in settings.items():
+        model = digits_mlp()
+        opt = h.DistributedOptimizer(sgd(model), model.named_parameters(),
+                                     compression=compression)
+        accuracy[name] = train_digits(model, opt)
+    return accuracy
+
+
+@pytest.mark.slow
+def test_digits_through_optimizer_dense_learns(digits_accuracy):
+    assert digits_accuracy["none"] > 0.95
+
+
+@pytest.mark.slow
+def test_digits_through_optimizer_int8_within_one_point(digits_accuracy):
+    assert digits_accuracy["int8"] >= digits_accuracy["none"] - 0.01
+
+
+@pytest.mark.slow
+def test_digits_through_optimizer_topk_within_two_points(digits_accuracy):
+    # No dense warm-up here (the optimizer compresses from the first step): a harder setting.
+    assert digits_accuracy["topk"] >= digits_accuracy["none"] - 0.02
