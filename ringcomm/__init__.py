@@ -76,7 +76,8 @@ def _auto_backend(mpi_comm: Any) -> str:
 
 
 def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool | None = None,
-         segment_bytes: int | None = None, abort_on_exception: bool = True) -> Communicator:
+         segment_bytes: int | None = None, inline_bytes: int | None = None,
+         abort_on_exception: bool = True) -> Communicator:
     """Create a communicator over the processes of this job.
 
     Args:
@@ -90,6 +91,10 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             the environment variable ``RINGCOMM_CONSISTENCY_CHECK=0`` turns it off.
         segment_bytes: ring segment size in bytes (default: the measured
             ``ringcomm.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``.
+        inline_bytes: dense allreduces of up to this many bytes ride inside the per-call
+            agreement message (one exchange instead of a ring); that slot is sent with every
+            collective, so 0 suits jobs of many small compressed calls. Default 4096; env
+            ``RINGCOMM_INLINE_BYTES``.
         abort_on_exception: make an uncaught exception on any rank abort the whole job
             (``MPI_Abort``) instead of leaving the other ranks waiting forever.
 
@@ -107,9 +112,12 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         consistency_check = _env_flag("RINGCOMM_CONSISTENCY_CHECK", True)
     if segment_bytes is None and os.environ.get("RINGCOMM_SEGMENT_BYTES"):
         segment_bytes = int(os.environ["RINGCOMM_SEGMENT_BYTES"])
+    if inline_bytes is None and os.environ.get("RINGCOMM_INLINE_BYTES"):
+        inline_bytes = int(os.environ["RINGCOMM_INLINE_BYTES"])
     if backend == "auto":
         backend = _auto_backend(mpi_comm)
-    options = {"consistency_check": consistency_check, "segment_bytes": segment_bytes}
+    options = {"consistency_check": consistency_check, "segment_bytes": segment_bytes,
+               "inline_bytes": inline_bytes}
     if backend == "nccl":
         from ringcomm.comm.nccl import NCCLCommunicator
 

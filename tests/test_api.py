@@ -46,6 +46,20 @@ def test_env_switches(monkeypatch):
         ringcomm.init("mpi")
 
 
+def test_inline_bytes_option(monkeypatch):
+    c = ringcomm.init("mpi", inline_bytes=0, abort_on_exception=False)
+    x = np.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(c.allreduce(x), x)
+    assert c.inline_bytes == 0
+    c.close()
+    monkeypatch.setenv("RINGCOMM_INLINE_BYTES", "1024")
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    assert c.inline_bytes == 1024
+    c.close()
+    with pytest.raises(ValueError, match="inline_bytes must be a multiple of 8 >= 0, got 5"):
+        ringcomm.init("mpi", inline_bytes=5)
+
+
 def test_segment_bytes_checked():
     with pytest.raises(ValueError, match="segment_bytes must be >= 64, got 8"):
         ringcomm.init("mpi", segment_bytes=8)

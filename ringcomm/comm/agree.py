@@ -3,8 +3,9 @@
 Every collective starts with one fixed-size allgather of a small header per rank: what the call
 is, the dtype, shape, op, root, compression and name, and whether the arguments were valid on
 that rank. If any rank's arguments were invalid or the headers disagree, every rank raises the same
-error naming what differs, and the communicator stays usable. Arrays of up to ``INLINE_BYTES``
-ride in the same message, so a small allreduce is complete after this one exchange.
+error naming what differs, and the communicator stays usable. Arrays of up to
+``comm.inline_bytes`` (``INLINE_BYTES`` by default) ride in the same message, so a small
+allreduce is complete after this one exchange; that slot is sent with every collective.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class CallSpec:
 def _exchange(comm: Communicator, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
     """One fixed-size allgather of every rank's header (and inlined array); with the check on,
     raise on every rank if the headers disagree."""
-    send, recv, view = comm._exchange_buffers(_HEADER_BYTES + INLINE_BYTES)
+    send, recv, view = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
     header = spec.header(inline is not None)
     view[:_HEADER_BYTES] = header
     if inline is not None:
@@ -158,7 +159,7 @@ def headers(comm: Communicator, spec: CallSpec) -> np.ndarray:
 
 def allreduce_inline(comm: Communicator, spec: CallSpec, x: Any, out: Any | None,
                      op: ReduceOp) -> Any:
-    """Allreduce an array of at most INLINE_BYTES within the agreement exchange itself.
+    """Allreduce an array of at most ``comm.inline_bytes`` within the agreement exchange.
 
     Every rank receives every rank's array and reduces them in rank order, so all ranks compute
     the same bits; latency is one allgather. This is the small-message path, kept lean.

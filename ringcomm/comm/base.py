@@ -163,7 +163,7 @@ class Communicator(abc.ABC):
     backend: str = ""
 
     def __init__(self, rank: int, size: int, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
         from ringcomm import ring
 
         self._rank = int(rank)
@@ -173,6 +173,9 @@ class Communicator(abc.ABC):
         self.segment_bytes = int(segment_bytes or ring.DEFAULT_SEGMENT_BYTES)
         if self.segment_bytes < 64:
             raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
+        self.inline_bytes = agree.INLINE_BYTES if inline_bytes is None else int(inline_bytes)
+        if self.inline_bytes < 0 or self.inline_bytes % 8:
+            raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
         self.stats = CommStats()
         self._compressed_calls = 0
         self._buffers: dict[tuple[Any, ...], Any] = {}
@@ -304,7 +307,7 @@ class Communicator(abc.ABC):
                 if dense:
                     self._plans[(type(x), x.dtype, x.shape, op)] = (spec, rop)
         self.stats.calls += 1
-        if dense and spec.error is None and x.nbytes <= agree.INLINE_BYTES:
+        if dense and spec.error is None and x.nbytes <= self.inline_bytes:
             return agree.allreduce_inline(self, spec, x, out, rop)
         agree.agree(self, spec)
         xp = _ops.get(x)

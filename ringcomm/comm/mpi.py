@@ -78,12 +78,13 @@ class MPICommunicator(Communicator):
         consistency_check: check before each collective that every rank passed matching
             arguments (one small allgather; see README, "Consistency check").
         segment_bytes: ring segment size; the measured default when None.
+        inline_bytes: see ``ringcomm.init``.
     """
 
     backend = "mpi"
 
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
         MPI = import_mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
@@ -97,7 +98,7 @@ class MPICommunicator(Communicator):
         local.Free()
         self.cuda_aware = _cuda_aware(MPI)
         super().__init__(base.Get_rank(), base.Get_size(), consistency_check=consistency_check,
-                         segment_bytes=segment_bytes)
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
 
     # ------------------------------------------------------------------------ primitives
     def _isendrecv_on(self, comm: Any, tag: int, send: Any, dest: int, recv: Any,

@@ -130,12 +130,13 @@ class NCCLCommunicator(Communicator):
     _shared: ClassVar[list[tuple[Any, NCCLCommunicator]]] = []
 
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None, device: int | None = None) -> None:
+                 segment_bytes: int | None = None, inline_bytes: int | None = None,
+                 device: int | None = None) -> None:
         rdv = _nccl_setup.connect(mpi_comm)
         self._rdv = rdv
         try:
             super().__init__(rdv.rank, rdv.size, consistency_check=consistency_check,
-                             segment_bytes=segment_bytes)
+                             segment_bytes=segment_bytes, inline_bytes=inline_bytes)
             self._start(device)
         except BaseException:
             rdv.close()

@@ -6,8 +6,9 @@ The model (all times per allreduce of S bytes of float32 over n ranks in a ring)
                   top-k the 8-byte pairs of its chunk's share of k
     T(c, S)     = 2(n-1) * (latency + wire(c, S) / bandwidth)      link time
                 + 2(n-1) * (S/n) / throughput_c                     compute: one chunk per step
-    T(none, S)  = ceil(log2 n) * latency + (n-1) * S / bandwidth   dense S <= 4 KiB, which
-                                                                   rides in one allgather
+    T(none, S)  = ceil(log2 n) * latency + (n-1) * S / bandwidth   dense S <= inline_bytes
+                                                                   (4 KiB), which rides in one
+                                                                   allgather
 
 ``latency`` and ``bandwidth`` come from timing one ring step (every rank sends to its right
 neighbour while receiving from its left, as the ring does) at 8 B and 4 MiB; ``throughput_c``
@@ -68,11 +69,11 @@ def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
 
 
 def predict(comp: Compressor | None, nbytes: int, n: int, link: LinkModel,
-            throughput: float) -> float:
+            throughput: float, inline_bytes: int = INLINE_BYTES) -> float:
     """Modelled seconds of one allreduce of ``nbytes`` (see the module docstring)."""
     if n == 1:
         return 0.0
-    if comp is None and nbytes <= INLINE_BYTES:
+    if comp is None and nbytes <= inline_bytes:
         # Small dense arrays ride in the agreement exchange: one allgather (recursive doubling).
         return math.ceil(math.log2(n)) * link.latency + (n - 1) * nbytes / link.bandwidth
     steps = 2 * (n - 1)
@@ -111,7 +112,7 @@ class Auto(Compressor):
     def key(comp: Compressor | None) -> str:
         return "none" if comp is None else repr(comp)
 
-    def choose(self, nbytes: int, n: int) -> Compressor | None:
+    def choose(self, nbytes: int, n: int, inline_bytes: int = INLINE_BYTES) -> Compressor | None:
         """The candidate with the smallest modelled time for ``nbytes`` over ``n`` ranks.
 
         Raises:
@@ -120,7 +121,7 @@ class Auto(Compressor):
         """
         if self.link is None or self.throughput is None:
             raise RuntimeError("Auto has no link/throughput figures yet; call resolve()")
-        times = [predict(c, nbytes, n, self.link, self.throughput[self.key(c)])
+        times = [predict(c, nbytes, n, self.link, self.throughput[self.key(c)], inline_bytes)
                  for c in self.candidates]
         return self.candidates[int(np.argmin(times))]
 
@@ -144,7 +145,8 @@ class Auto(Compressor):
         else:
             throughput = self.throughput
         nbytes = x.size * 4  # compressed calls compute in float32
-        return Auto(self.candidates, link=link, throughput=throughput).choose(nbytes, comm.size)
+        chooser = Auto(self.candidates, link=link, throughput=throughput)
+        return chooser.choose(nbytes, comm.size, comm.inline_bytes)
 
     def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
         raise NotImplementedError("Auto chooses a compressor per call; compress with that one")

@@ -61,7 +61,7 @@ class TorchDistCommunicator(Communicator):
     backend = "gloo"
 
     def __init__(self, group: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group() (torchrun sets its environment)")
@@ -72,7 +72,8 @@ class TorchDistCommunicator(Communicator):
         info = launch_info()
         self.local_rank, self.local_size = info.local_rank, info.local_size
         super().__init__(dist.get_rank(self._group), dist.get_world_size(self._group),
-                         consistency_check=consistency_check, segment_bytes=segment_bytes)
+                         consistency_check=consistency_check, segment_bytes=segment_bytes,
+                         inline_bytes=inline_bytes)
 
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self._group, r)

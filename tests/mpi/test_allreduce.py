@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from mpi_helpers import reference, same_on_all_ranks, tolerance
 
+import ringcomm
 from ringcomm.comm.agree import INLINE_BYTES
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
@@ -118,6 +119,22 @@ def test_reduce_scatter(comm, world, rng):
     ref = reference(world, x, "max").reshape(-1)
     lo, hi = comm.rank * 42 // comm.size, (comm.rank + 1) * 42 // comm.size
     np.testing.assert_array_equal(mine, ref[lo:hi])
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 64])
+def test_inline_slot_size(world, rng, inline_bytes):
+    """The agreement's inline slot is a per-communicator choice; results do not depend on it."""
+    c = ringcomm.init("mpi", inline_bytes=inline_bytes, abort_on_exception=False)
+    try:
+        for n in (0, 1, 8, 9, 1000):
+            x = rng.standard_normal(n)
+            check(world, x, c.allreduce(x), "sum")
+        c.stats.reset()
+        c.allreduce(np.ones(1000, np.float32), compression=ringcomm.Int8())
+        if c.size > 1:  # the header slot costs 80 + inline_bytes per peer, not 80 + 4096
+            assert c.stats.bytes_sent < 2 * (c.size - 1) * 1000 + (c.size - 1) * (80 + 64) + 512
+    finally:
+        c.close()
 
 
 def test_stats_count_wire_bytes(comm, world, rng):
