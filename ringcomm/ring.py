@@ -39,9 +39,10 @@ __all__ = [
     "schedule",
 ]
 
-# Measured on the 2-core benchmark machine (bench/results/): 1 MiB segments keep the
-# received segment in L2 while it is reduced, and amortise the per-message cost.
-DEFAULT_SEGMENT_BYTES = 1 << 20
+# Measured on the 2-core benchmark machine (bench/results/segment_sweep_n*.md): 2 MiB segments
+# were best or within 3% of the best from 16 to 256 MiB at 2 ranks (1 MiB: 7% slower, 256 KiB:
+# 30-40% slower: per-message costs dominate), and within 9% at 4 ranks.
+DEFAULT_SEGMENT_BYTES = 2 << 20
 # Exchanges in flight: the one being reduced and the next one, already posted.
 WINDOW = 2
 

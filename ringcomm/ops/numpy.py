@@ -362,11 +362,11 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     if n < 4096 or n <= 4 * k:
         idx = _top(mag, k)
     else:
-        thr = sample_threshold(mag, k, seed)
         if approximate:
-            idx = _first_above(mag, k, thr)
+            idx = _first_above(mag, k, sample_threshold(mag, k, seed))
         else:
-            cand = _at_least(mag, thr)
+            # Aim the estimate at 1.5k: a candidate set short of k costs a full partition.
+            cand = _at_least(mag, sample_threshold(mag, min(n, k + k // 2 + 8), seed))
             idx = cand[_top(mag[cand], k)] if cand.size >= k else _top(mag, k)
     idx = np.sort(idx).astype(np.int32)
     return idx, x[idx].astype(_F32)
