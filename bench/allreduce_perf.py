@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy column")
     p.add_argument("--json", metavar="FILE", help="write the rows and the machine as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot busbw and time against size (PNG)")
+    p.add_argument("--title", help="the plot's title")
     args = p.parse_args(argv)
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1:
         p.error("need minbytes <= maxbytes, stepfactor >= 2, iters >= 1")
@@ -89,6 +90,15 @@ def parse_compression(spec: str) -> Any:
         algorithm = params[1] if len(params) > 1 else "ring"
         return ringcomm.TopK(ratio=ratio, algorithm=algorithm)
     raise ValueError(f"unknown compression {spec!r}")
+
+
+def label_of(comp: Any) -> str:
+    """The --compression spelling of a compressor."""
+    if isinstance(comp, ringcomm.TopK):
+        return f"topk:{comp.ratio:g}" + ("" if comp.algorithm == "ring" else ":allgather")
+    if isinstance(comp, ringcomm.Int8):
+        return "int8" if comp.block_size == 256 else f"int8:{comp.block_size}"
+    return type(comp).__name__.lower()
 
 
 def sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
@@ -356,6 +366,9 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
             "compression": label, "time_us": t * 1e6, "algbw": algbw,
             "busbw": algbw * 2 * (n - 1) / n if n > 1 else algbw, "wire_bytes": wire,
         }
+        if isinstance(comp, ringcomm.Auto):  # what "auto" picked at this size
+            choice = comp.resolve(comm, x)
+            row["chose"] = "none" if choice is None else label_of(choice)
         if args.check:
             if comp is None:
                 row["wrong"] = count_wrong(world, x, outs[label], args.op)
@@ -449,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                     "segment_bytes": comm.segment_bytes, "args": vars(args)}
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         if args.plot:
-            plot(rows, args.plot, f"allreduce, {comm.size} ranks, {comm.backend}")
+            plot(rows, args.plot, args.title or f"allreduce, {comm.size} ranks, {comm.backend}")
     comm.close()
     return 0 if all(not r.get("wrong") for r in rows) else 1
 

@@ -79,7 +79,8 @@ def bench_rate(rate: str | None, args: argparse.Namespace, out: Path) -> dict[st
             "bench/allreduce_perf.py", "-b", args.minbytes, "-e", args.maxbytes,
             "-f", args.stepfactor, "-n", str(args.iters), "-w", str(args.warmup),
             "--compression", args.variants, "--baseline", "mpi", "--no-memcpy",
-            "--json", str(json_path), "--plot", str(png_path)], args.timeout)
+            "--json", str(json_path), "--plot", str(png_path),
+            "--title", f"allreduce, {args.ranks} ranks, links {tag}, MPI over TCP"], args.timeout)
         crossed = sum(a - b for a, b in zip(cluster.tx_bytes(), before, strict=True))
     print(text, flush=True)
     rows = json.loads(json_path.read_text())["rows"]
@@ -115,6 +116,8 @@ def speedup_table(results: list[dict[str, Any]]) -> str:
             dense = at["none"]["time_us"]
             times = [at["none"]["mpi_time_us"], *(at[k]["time_us"] for k in names)]
             cells = [f"{t / 1e3:.1f} ms ({dense / t:.2f}x)" for t in times]
+            cells = [c + (f" -> {at[k]['chose']}" if k in at and "chose" in at[k] else "")
+                     for c, k in zip(cells, ["mpi", *names], strict=True)]
             lines.append(f"| {size >> 20} MiB | " + " | ".join(cells) + " |")
         lines.append(f"\nchecks: {json.dumps(res['checks'])}")
     return "\n".join(lines)

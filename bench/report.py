@@ -68,10 +68,31 @@ def compression_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def sweep_table(data: dict[str, Any]) -> str:
+    """Segment sweep: median time per segment size, and its ratio to the row's best."""
+    segments = data["rows"][0]["segments"]
+    out = ["| size | " + " | ".join(f"{s >> 10} KiB" for s in segments) + " |",
+           "| ---: |" + " ---: |" * len(segments)]
+    for row in data["rows"]:
+        best = min(row["median_s"])
+        cells = [f"{t * 1e3:.2f} ms ({t / best:.2f})" for t in row["median_s"]]
+        out.append(f"| {_size(row['size'])} | " + " | ".join(cells) + " |")
+    m = data["meta"]["machine"]
+    head = [f"# segment sweep, {data['meta']['nranks']} ranks, float32 sum", "",
+            f"- machine: {m.get('cpu')}; {m.get('mpi')}; Python {m.get('python')}, "
+            f"NumPy {m.get('numpy')}",
+            "- median time of the slowest rank per segment size, all sizes timed in turn "
+            "within each iteration; in brackets, the ratio to the row's best", ""]
+    return "\n".join(head + out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     for path in argv:
         data = json.loads(Path(path).read_text())
+        if data["rows"] and "segments" in data["rows"][0]:
+            print(sweep_table(data))
+            continue
         rows = data["rows"]
         print(f"# allreduce_perf: {Path(path).stem}\n\n{header(data['meta'])}\n")
         if any(r["compression"] == "none" for r in rows):

@@ -295,6 +295,7 @@ class Communicator(abc.ABC):
         self._ensure_open()
         if isinstance(compression, str) and compression == "auto":
             compression = self._auto()
+        compression, feedback = self._resolve_auto(compression, x, feedback, name)
         dense = compression is None and feedback is None
         spec, rop = self._dense_plan(x, out, op) if dense else (None, None)
         if spec is None:
@@ -437,6 +438,27 @@ class Communicator(abc.ABC):
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
             raise ValueError(f"{label} must be a rank in [0, {self._size}), got {r!r}")
         return int(r)
+
+    def _resolve_auto(self, compression: Any, x: Any, feedback: Any,
+                      name: Any) -> tuple[Any, Any]:
+        """Replace an Auto whose figures are known by its choice for ``x``, before the agreement
+        (every rank chooses alike from the same figures, and a choice that differs because the
+        arguments differ is caught there). A dense choice needs no feedback unless a residual
+        is pending, which the compressed path then sends in full."""
+        from ringcomm.compress.auto import Auto
+
+        if not isinstance(compression, Auto):
+            return compression, feedback
+        try:
+            if not compression.ready(self, x):
+                return compression, feedback  # first call: agree first, then measure together
+            choice = compression.resolve(self, x)
+        except (AttributeError, TypeError):  # not an array: the argument check will say so
+            return compression, feedback
+        if choice is None and feedback is not None and name is not None and (
+                feedback.residual(name) is not None):
+            return compression, feedback  # resolves to dense after the agreement
+        return choice, (None if choice is None else feedback)
 
     def _auto(self) -> Any:
         if self._default_auto is None:

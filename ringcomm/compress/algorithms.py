@@ -40,6 +40,8 @@ def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compress
         ops.copy(out, work)
         if residual is not None:
             residual[...] = 0
+            if comp is None and feedback is not None:
+                feedback.reset(name)  # spent: later dense calls need not add zeros
         return
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.
