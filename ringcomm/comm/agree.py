@@ -53,14 +53,16 @@ class CallSpec:
         self.extra = ""
         self.error: Exception | None = None
 
-    def set_array(self, x: Any) -> np.dtype:
-        """Record ``x``'s dtype and shape after checking it is a supported array."""
-        from ringcomm.comm.base import check_dtype
+    def set_array(self, x: Any, *, reduced: bool = True) -> np.dtype:
+        """Record ``x``'s dtype and shape after checking it is a supported array: of a dtype
+        ringcomm reduces, or, for collectives that only move bytes (``reduced=False``), of any
+        dtype but object."""
+        from ringcomm.comm.base import check_dtype, check_movable
 
         if type(x) is not np.ndarray and not _ops.is_device_array(x):
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
         self.shape = x.shape
-        self.dtype = check_dtype(x.dtype)
+        self.dtype = check_dtype(x.dtype) if reduced else check_movable(x.dtype)
         return self.dtype
 
     def set_op(self, op: ReduceOp) -> ReduceOp:
@@ -132,6 +134,8 @@ def _host_bytes(x: Any) -> memoryview:
     if type(x) is not np.ndarray or not x.flags.c_contiguous:
         xp = _ops.get(x)
         x = xp.to_host(xp.ascontiguous(x))
+    if x.dtype.kind == "V":  # bfloat16 (ml_dtypes) has no buffer format of its own
+        x = x.reshape(-1).view(np.uint8)
     return memoryview(x).cast("B")
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "Request",
     "accumulation_dtype",
     "check_dtype",
+    "check_movable",
 ]
 
 
@@ -82,6 +83,19 @@ def check_dtype(dtype: Any) -> np.dtype:
         return dt
     names = ", ".join(d.name for d in SUPPORTED_DTYPES)
     raise TypeError(f"unsupported dtype {dt.name}; expected one of {names}")
+
+
+def check_movable(dtype: Any) -> np.dtype:
+    """Return ``dtype`` if collectives that only move bytes (broadcast, allgather) can carry it:
+    any dtype but object (bool, int8, uint8, complex and bfloat16 included).
+
+    Raises:
+        TypeError: an object dtype (its elements are pointers, meaningless on another rank).
+    """
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"cannot send arrays of dtype {dt.name}: they hold Python objects")
+    return dt
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:
@@ -351,6 +365,8 @@ class Communicator(abc.ABC):
     def allgather(self, x: Any) -> Any:
         """Concatenate ``x`` from every rank along the first axis, in rank order.
 
+        Any dtype but object: allgather and broadcast only move bytes.
+
         Every rank must pass the same shape; use ``allgatherv`` when the first dimension differs.
         """
         return self._gather("allgather", x)
@@ -365,7 +381,7 @@ class Communicator(abc.ABC):
         spec = agree.CallSpec("broadcast")
         try:
             self._check_arrays(x)
-            spec.set_array(x)
+            spec.set_array(x, reduced=False)
             spec.root = self._check_rank(root, "root")
         except (TypeError, ValueError) as err:
             spec.error = err
@@ -530,7 +546,7 @@ class Communicator(abc.ABC):
         spec = agree.CallSpec(kind)
         try:
             self._check_arrays(x)
-            spec.set_array(x)
+            spec.set_array(x, reduced=False)
             if x.ndim == 0:
                 raise ValueError(f"{kind} needs an array with at least one dimension, got a scalar")
         except (TypeError, ValueError) as err:

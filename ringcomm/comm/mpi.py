@@ -55,6 +55,11 @@ def _cuda_aware(MPI: Any) -> bool:
     return staging.cuda_aware(MPI)
 
 
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """``a`` itself, or its bytes where MPI has no type for it (bfloat16 from ml_dtypes)."""
+    return a.view(np.uint8) if a.dtype.kind == "V" else a
+
+
 class _Pair:
     """A send and a receive posted together; ``wait()`` completes both."""
 
@@ -103,15 +108,16 @@ class MPICommunicator(Communicator):
     # ------------------------------------------------------------------------ primitives
     def _isendrecv_on(self, comm: Any, tag: int, send: Any, dest: int, recv: Any,
                       source: int) -> Any:
-        if type(send) is np.ndarray and type(recv) is np.ndarray:  # the common, host case
+        if (type(send) is np.ndarray and type(recv) is np.ndarray
+                and "V" not in (send.dtype.kind, recv.dtype.kind)):  # the common, host case
             return _Pair(self._MPI, [comm.Irecv(recv, source, tag), comm.Isend(send, dest, tag)])
         if _ops.is_device_array(send) or _ops.is_device_array(recv):
             return self._device_staging().isendrecv(comm, tag, send, dest, recv, source)
         reqs = []
         if recv is not None:
-            reqs.append(comm.Irecv(recv, source, tag))
+            reqs.append(comm.Irecv(_as_bytes(recv), source, tag))
         if send is not None:
-            reqs.append(comm.Isend(send, dest, tag))
+            reqs.append(comm.Isend(_as_bytes(send), dest, tag))
         return _Pair(self._MPI, reqs)
 
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> Any:
@@ -126,13 +132,16 @@ class MPICommunicator(Communicator):
     def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
         if not (_ops.is_device_array(x) or _ops.is_device_array(out)):
-            self._ctl.Allgatherv(x, [out, (counts, displs)])
+            # As bytes: MPI has no type for bfloat16 and the like, and nothing is reduced.
+            item = x.itemsize
+            self._ctl.Allgatherv(x.view(np.uint8), [out.view(np.uint8), (
+                [c * item for c in counts], [d * item for d in displs])])
             return
         self._device_staging().allgatherv(self._ctl, x, counts, displs, out)
 
     def _broadcast(self, x: Any, root: int) -> None:
         if not _ops.is_device_array(x):
-            self._ctl.Bcast(x, root)
+            self._ctl.Bcast(x.view(np.uint8), root)
             return
         self._device_staging().broadcast(self._ctl, x, root)
 

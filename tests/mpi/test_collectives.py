@@ -61,3 +61,35 @@ def test_sendrecv_does_not_cross_collectives(comm, world, rng):
 
 def test_barrier(comm):
     comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint8", "uint16", "complex128", "bfloat16"])
+def test_byte_moving_collectives_take_any_dtype(comm, world, rng, dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    x = (rng.standard_normal((comm.rank + 2, 3)) * 50).astype(dtype)
+    np.testing.assert_array_equal(comm.allgatherv(x), np.concatenate(world.allgather(x)))
+    y = x[:2].copy()
+    expected = world.bcast(y if comm.rank == 0 else None, root=0)
+    np.testing.assert_array_equal(comm.broadcast(y, root=0), expected)
+    if x.dtype.name == "bfloat16":  # reduced too, in float32, rounded once
+        for n in (6, 5000):
+            z = rng.standard_normal(n).astype(dtype)
+            exact = np.sum(world.allgather(z.astype(np.float64)), axis=0)
+            np.testing.assert_allclose(comm.allreduce(z).astype(np.float64), exact,
+                                       rtol=2 ** -7, atol=1e-6)
+        return
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        comm.allreduce(x)  # reductions still need a dtype ringcomm can add
+
+
+def test_object_arrays_refused(comm):
+    with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
+        comm.broadcast(np.array([{"a": 1}, None], dtype=object))
+
+
+def test_small_dtypes_that_differ_are_caught(comm):
+    if comm.size < 2:
+        pytest.skip("needs at least 2 ranks")
+    with pytest.raises(TypeError, match="dtype differs between ranks: int8 on rank 0"):
+        comm.allgather(np.ones(3, np.int8 if comm.rank == 0 else np.uint8))
