@@ -164,14 +164,21 @@ def _sync_for(x: Any) -> Any:
 
 def time_variants(world: Any, fns: dict[str, Any], iters: int, warmup: int,
                   sync: Any) -> dict[str, float]:
-    """Median over iterations of the slowest rank's time, each variant timed in turn."""
+    """Median over iterations of the slowest rank's time, each variant timed in turn.
+
+    The order rotates every iteration, so each variant follows each other one equally often
+    (what ran just before, e.g. a memcpy that evicted the caches, changes the next timing).
+    """
     for _ in range(warmup):
         for f in fns.values():
             f()
         sync()
+    funcs = list(fns.values())
     times = np.zeros((len(fns), iters))
     for i in range(iters):
-        for k, f in enumerate(fns.values()):
+        for j in range(len(funcs)):
+            k = (i + j) % len(funcs)
+            f = funcs[k]
             world.Barrier()
             t0 = time.perf_counter()
             f()

@@ -20,7 +20,7 @@ from ringcomm import ops as _ops
 if TYPE_CHECKING:
     from ringcomm.comm.base import Communicator, ReduceOp
 
-__all__ = ["INLINE_BYTES", "CallSpec", "agree", "allreduce_inline", "headers"]
+__all__ = ["INLINE_BYTES", "CallSpec", "InlinePlan", "agree", "allreduce_inline", "headers"]
 
 INLINE_BYTES = 4096
 # Header words, in order.
@@ -182,6 +182,54 @@ def allreduce_inline(comm: Communicator, spec: CallSpec, x: Any, out: Any | None
     if x.size:
         _reduce_rows(rows, out, op)
     return out
+
+
+class InlinePlan:
+    """A small host allreduce seen before, prepared for its repeats (every training step).
+
+    Holds the call's header and the expected headers of all ranks, and views of the inlined
+    rows in the exchange buffer, so a repeat costs one copy in, one allgather, one comparison
+    and one reduction. A repeat with other arguments on another rank still fails the header
+    comparison and raises the full error.
+    """
+
+    __slots__ = ("buffers", "comm", "dtype", "expected", "header", "nbytes", "op", "rows",
+                 "shape", "spec", "volume")
+
+    def __init__(self, comm: Communicator, spec: CallSpec, x: np.ndarray, op: ReduceOp) -> None:
+        self.comm, self.spec, self.op = comm, spec, op
+        self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
+        self.header = spec.header(True)
+        self.expected = self.header * comm.size
+        self.buffers = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
+        self.rows = comm._inline_rows(self.buffers[1], x.dtype, x.size, _HEADER_BYTES)
+        self.volume = self.buffers[0].nbytes * (comm.size - 1)
+
+    @staticmethod
+    def applies(comm: Communicator, x: Any) -> bool:
+        """Whether a plan can serve ``x``: checked, host, contiguous, small, bufferable."""
+        return (comm.consistency_check and type(x) is np.ndarray and x.flags.c_contiguous
+                and x.nbytes <= comm.inline_bytes and x.dtype.kind != "V")
+
+    def fits(self, out: Any) -> bool:
+        return type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
+
+    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        send, recv, view = self.buffers
+        view[:_HEADER_BYTES] = self.header
+        if self.nbytes:
+            view[_HEADER_BYTES:_HEADER_BYTES + self.nbytes] = memoryview(x).cast("B")
+        self.comm._allgather_fixed(send, recv)
+        stats = self.comm.stats
+        stats.bytes_sent += self.volume
+        stats.bytes_received += self.volume
+        if recv[:, :_HEADER_BYTES].tobytes() != self.expected:
+            _verify(self.comm, self.spec, np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(
+                np.int64))
+        result = np.empty(self.shape, self.dtype) if out is None else out
+        if self.nbytes:
+            _reduce_rows(self.rows, result, self.op)
+        return result
 
 
 def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:

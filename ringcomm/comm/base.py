@@ -194,6 +194,7 @@ class Communicator(abc.ABC):
         self._compressed_calls = 0
         self._buffers: dict[tuple[Any, ...], Any] = {}
         self._plans: dict[tuple[Any, ...], tuple[agree.CallSpec, ReduceOp]] = {}
+        self._small: dict[tuple[Any, ...], agree.InlinePlan] = {}
         self._auto_figures: dict[str, Any] = {}  # link and compressor figures of "auto"
         self._default_auto: Any = None
 
@@ -306,10 +307,16 @@ class Communicator(abc.ABC):
                 ranks (raised on every rank).
             RuntimeError: the communicator is closed.
         """
+        if compression is None and feedback is None and type(x) is np.ndarray:
+            small = self._small_plan(x, out, op)
+            if small is not None:
+                self.stats.calls += 1
+                return small.run(x, out)
         self._ensure_open()
-        if isinstance(compression, str) and compression == "auto":
-            compression = self._auto()
-        compression, feedback = self._resolve_auto(compression, x, feedback, name)
+        if compression is not None:
+            if isinstance(compression, str) and compression == "auto":
+                compression = self._auto()
+            compression, feedback = self._resolve_auto(compression, x, feedback, name)
         dense = compression is None and feedback is None
         spec, rop = self._dense_plan(x, out, op) if dense else (None, None)
         if spec is None:
@@ -321,6 +328,8 @@ class Communicator(abc.ABC):
             else:
                 if dense:
                     self._plans[(type(x), x.dtype, x.shape, op)] = (spec, rop)
+                    if agree.InlinePlan.applies(self, x):
+                        self._small[(x.dtype, x.shape, op)] = agree.InlinePlan(self, spec, x, rop)
         self.stats.calls += 1
         if dense and spec.error is None and x.nbytes <= self.inline_bytes:
             return agree.allreduce_inline(self, spec, x, out, rop)
@@ -429,6 +438,7 @@ class Communicator(abc.ABC):
         if not self._closed:
             self._closed = True
             self._buffers.clear()
+            self._small.clear()
             self._close()
 
     # ----------------------------------------------------------------------------- helpers
@@ -482,6 +492,17 @@ class Communicator(abc.ABC):
 
             self._default_auto = Auto()
         return self._default_auto
+
+    def _small_plan(self, x: np.ndarray, out: Any, op: Any) -> agree.InlinePlan | None:
+        """The prepared plan of a small host allreduce seen before, if this call can use it."""
+        try:
+            plan = self._small.get((x.dtype, x.shape, op))
+        except TypeError:  # an unhashable op: the full check will say so
+            return None
+        if (plan is None or self._closed or not x.flags.c_contiguous
+                or (out is not None and not plan.fits(out))):
+            return None
+        return plan
 
     def _dense_plan(self, x: Any, out: Any, op: Any) -> tuple[Any, Any]:
         """The checked spec of an uncompressed allreduce seen before, or (None, None).

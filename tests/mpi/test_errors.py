@@ -138,3 +138,21 @@ def test_consistency_check_can_be_switched_off(comm):
             c.allreduce(x, op="bogus")
     finally:
         c.close()
+
+
+def test_repeated_small_call_still_checked(comm):
+    """A small allreduce seen before takes a prepared path; a rank that changes its arguments
+    is still caught on every rank."""
+    x = np.arange(16, dtype=np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(comm.allreduce(x), x * comm.size)
+    if comm.size > 1:
+        op = "max" if comm.rank == 1 else "sum"
+        with pytest.raises(ValueError, match="op differs between ranks"):
+            comm.allreduce(x, op=op)
+        y = np.arange(17, dtype=np.float32) if comm.rank == 1 else x
+        with pytest.raises(ValueError, match=r"shape differs between ranks"):
+            comm.allreduce(y)
+    out = np.empty_like(x)
+    assert comm.allreduce(x, out=out) is out
+    np.testing.assert_array_equal(out, x * comm.size)
