@@ -71,6 +71,7 @@ class RingLayout:
     nseg: int
     chunks: tuple[int, ...]
     segments: tuple[tuple[int, ...], ...]
+    max_seg: int  # elements in the largest segment
 
     @classmethod
     @functools.lru_cache(maxsize=256)
@@ -86,7 +87,8 @@ class RingLayout:
         for c in range(n):
             inner = chunk_bounds(chunks[c + 1] - chunks[c], nseg, align)
             segments.append(tuple(chunks[c] + b for b in inner))
-        return cls(length, n, rank, nseg, tuple(chunks), tuple(segments))
+        widest_seg = max(s[j + 1] - s[j] for s in segments for j in range(nseg))
+        return cls(length, n, rank, nseg, tuple(chunks), tuple(segments), widest_seg)
 
     def chunk(self, c: int) -> slice:
         """Element range of chunk ``c``."""
@@ -106,10 +108,6 @@ class RingLayout:
         """Elements in chunk ``c``."""
         return self.chunks[c + 1] - self.chunks[c]
 
-    @property
-    def max_seg(self) -> int:
-        """Elements in the largest segment."""
-        return max(s[j + 1] - s[j] for s in self.segments for j in range(self.nseg))
 
 
 class RingCodec(Protocol):
@@ -225,7 +223,12 @@ def run(comm: Communicator, layout: RingLayout, codec: RingCodec, *,
 
 def staging(comm: Communicator, key: str, like: Any, n: int, dtype: Any) -> list[Any]:
     """WINDOW reusable buffers of ``n`` elements, one per exchange in flight."""
-    return [comm.scratch(f"{key}{i}", like, n, dtype) for i in range(WINDOW)]
+    return [comm.scratch(k, like, n, dtype) for k in _slot_keys(key)]
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_keys(key: str) -> tuple[str, ...]:
+    return tuple(f"{key}{i}" for i in range(WINDOW))
 
 
 class _SameDtype:
