@@ -7,12 +7,14 @@ nothing is downloaded. Each global batch is cut into one shard per rank.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-__all__ = ["COMPRESSIONS", "add_arguments", "batches", "load", "mlp", "test_accuracy"]
+__all__ = ["COMPRESSIONS", "add_arguments", "batches", "load", "mlp", "test_accuracy",
+           "train_epoch"]
 
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 
@@ -65,3 +67,19 @@ def test_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> f
     """Fraction of the test set classified right."""
     with torch.no_grad():
         return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor, args: argparse.Namespace, epoch: int, rank: int,
+                size: int) -> tuple[list[float], list[float]]:
+    """One epoch of SGD steps on this rank's shards; returns (losses, step times)."""
+    losses, times = [], []
+    for mine in batches(len(y), args.batch_size, epoch, args.seed, rank, size):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return losses, times

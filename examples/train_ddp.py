@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from digits_torch import COMPRESSIONS, add_arguments, batches, load, mlp, test_accuracy
+from digits_torch import COMPRESSIONS, add_arguments, load, mlp, test_accuracy, train_epoch
 
 import ringcomm
 import ringcomm.torch as hvd
@@ -59,16 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digits MLP, DDP + ringcomm_hook over {size} ranks ({state.comm.backend}), "
               f"compression {args.compression}, {args.epochs} epochs")
     for epoch in range(args.epochs):
-        losses, times = [], []
         state.comm.stats.reset()
-        for mine in batches(len(y), args.batch_size, epoch, args.seed, rank, size):
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
-            loss.backward()
-            opt.step()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        losses, times = train_epoch(model, opt, x, y, args, epoch, rank, size)
         mean_loss = hvd.allreduce(torch.tensor(statistics.fmean(losses))).item()
         if rank == 0:
             print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  "

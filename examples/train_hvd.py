@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
-from digits_torch import add_arguments, batches, load, mlp, test_accuracy
+from digits_torch import add_arguments, load, mlp, test_accuracy, train_epoch
 
 import ringcomm.torch as hvd
 
@@ -49,16 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = hvd.communicator().stats  # ringcomm's wire accounting (not a Horovod call)
     steps = len(y) // args.batch_size
     for epoch in range(args.epochs):
-        losses, times = [], []
         stats.reset()
-        for mine in batches(len(y), args.batch_size, epoch, args.seed, hvd.rank(), hvd.size()):
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
-            loss.backward()
-            opt.step()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        losses, times = train_epoch(model, opt, x, y, args, epoch, hvd.rank(), hvd.size())
         mean_loss = hvd.allreduce(torch.tensor(statistics.fmean(losses)), name="loss").item()
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  "
