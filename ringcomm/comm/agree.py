@@ -57,7 +57,7 @@ class CallSpec:
         """Record ``x``'s dtype and shape after checking it is a supported array: of a dtype
         ringcomm reduces, or, for collectives that only move bytes (``reduced=False``), of any
         dtype but object."""
-        from ringcomm.comm.base import check_dtype, check_movable
+        from ringcomm.comm.types import check_dtype, check_movable
 
         if type(x) is not np.ndarray and not _ops.is_device_array(x):
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
@@ -81,7 +81,7 @@ class CallSpec:
         return cached
 
     def _words(self, inlined: bool) -> np.ndarray:
-        from ringcomm.comm.base import SUPPORTED_DTYPES
+        from ringcomm.comm.types import SUPPORTED_DTYPES
 
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
