@@ -34,6 +34,15 @@ _DTYPES = {"half": "float16", "float": "float32", "double": "float64", "int32": 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+def _dtype(name: str) -> np.dtype:
+    """nccl-tests' type names as NumPy dtypes (bfloat16 from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DTYPES[name])
+
+
 def parse_size(text: str) -> int:
     """'256', '4K', '16M', '1G' -> bytes."""
     m = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
@@ -205,6 +214,8 @@ def memcpy_fn(nbytes: int, rank: int) -> Any:
 
 # ---------------------------------------------------------------------------------- checks
 def _eps(dtype: np.dtype) -> float:
+    if dtype.name == "bfloat16":
+        return 2.0 ** -7
     return float(np.finfo(dtype).eps) if dtype.kind == "f" else 0.0
 
 
@@ -215,7 +226,7 @@ def count_wrong(world: Any, x: np.ndarray, y: np.ndarray, op: str) -> int:
 
     host_x, host_y = _host(x), _host(y)
     n = world.Get_size()
-    if host_x.dtype.kind == "f":
+    if host_x.dtype.kind in "fV":  # V: bfloat16
         wide = host_x.astype(np.float64)
         ref = np.empty_like(wide)
         mpi_op = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX,
@@ -235,7 +246,7 @@ def count_wrong(world: Any, x: np.ndarray, y: np.ndarray, op: str) -> int:
         mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}[op]
         world.Allreduce(host_x, ref, op=mpi_op)
         wrong = int(np.count_nonzero(host_y != ref))
-    first = world.bcast(host_y.tobytes() if world.Get_rank() == 0 else None, root=0)
+    first = world.bcast(host_y.tobytes() if world.Get_rank() == 0 else None, root=0)  # bytes
     if host_y.tobytes() != first:
         wrong = host_y.size
     return int(world.allreduce(wrong, op=MPI.MAX))
@@ -441,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD.Dup()
-    dtype = np.dtype(_DTYPES[args.datatype])
+    dtype = _dtype(args.datatype)
     variants = [(s.strip(), parse_compression(s)) for s in args.compression.split(",")]
     if variants[0][1] is not None:
         variants.insert(0, ("none", None))  # the dense ring is the ratio's reference

@@ -61,12 +61,22 @@ def _mpiexec(n: int) -> list[str]:
 def run_in_cluster(cluster: Cluster, args: list[str], timeout: float) -> str:
     """Run ``python args...`` on every rank of ``cluster``; returns rank 0's output."""
     cmd = [*_mpiexec(cluster.n), _python(), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cluster.mpi_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cluster.mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: mpiexec then ends its ranks, which SIGKILL would leave running.
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:.0f} s") from None
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n"
-                           f"{proc.stderr}")
-    return proc.stdout
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
+    return out
 
 
 def bench_rate(rate: str | None, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -118,7 +128,8 @@ def speedup_table(results: list[dict[str, Any]]) -> str:
             cells = [f"{t / 1e3:.1f} ms ({dense / t:.2f}x)" for t in times]
             cells = [c + (f" -> {at[k]['chose']}" if k in at and "chose" in at[k] else "")
                      for c, k in zip(cells, ["mpi", *names], strict=True)]
-            lines.append(f"| {size >> 20} MiB | " + " | ".join(cells) + " |")
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append(f"\nchecks: {json.dumps(res['checks'])}")
     return "\n".join(lines)
 

@@ -238,7 +238,12 @@ class _SameDtype:
                  layout: RingLayout) -> None:
         self.x, self.y, self.op, self.layout = x, y, op, layout
         self.ops = _ops.get(x)
-        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, x.dtype)
+        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, self.wire_dtype(x))
+
+    @staticmethod
+    def wire_dtype(x: Any) -> Any:
+        """The dtype of the reduce-scatter's messages."""
+        return x.dtype
 
     def rs_first(self, c: int, j: int, slot: int) -> Any:
         return self.x[self.layout.seg(c, j)]
@@ -268,12 +273,15 @@ class _Widened(_SameDtype):
     def __init__(self, comm: Communicator, x: Any, y: Any, op: ReduceOp,
                  layout: RingLayout) -> None:
         super().__init__(comm, x, y, op, layout)
-        acc = accumulation_dtype(np.dtype(x.dtype))
+        acc = self.wire_dtype(x)
         widest = max(layout.chunk_len(c) for c in range(layout.n))
-        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, acc)
         self.staged = staging(comm, "ring.send", x, layout.max_seg, acc)
         # Partials of step s are sent in step s + 1 while step s + 1 makes its own: two chunks.
         self.partials = [self.ops.empty((widest,), acc) for _ in range(2)]
+
+    @staticmethod
+    def wire_dtype(x: Any) -> Any:
+        return accumulation_dtype(np.dtype(x.dtype))
 
     def rs_first(self, c: int, j: int, slot: int) -> Any:
         s = self.layout.seg(c, j)
@@ -302,16 +310,11 @@ def _codec(comm: Communicator, x: Any, y: Any, op: ReduceOp, layout: RingLayout)
     return (_Widened if widen else _SameDtype)(comm, x, y, op, layout)
 
 
-def _single(x: Any, out: Any, op: ReduceOp) -> None:
-    ops = _ops.get(x)
-    if out is not x:
-        ops.copy(out, x)
-
-
 def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp) -> None:
     """Ring-allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``)."""
     if comm.size == 1:
-        _single(x, out, op)
+        if out is not x:  # any op of one contribution is that contribution
+            _ops.get(x).copy(out, x)
         return
     seg = max(1, comm.segment_bytes // x.dtype.itemsize)
     layout = RingLayout.build(x.size, comm.size, comm.rank, seg)
@@ -325,9 +328,7 @@ def reduce_scatter(comm: Communicator, x: Any, op: ReduceOp) -> Any:
                               max(1, comm.segment_bytes // x.dtype.itemsize))
     mine = layout.chunk(comm.rank)
     if comm.size == 1:
-        out = ops.empty((x.size,), x.dtype)
-        _single(x, out, op)
-        return out
+        return x.copy()
     y = ops.empty((x.size,), x.dtype)
     run(comm, layout, _codec(comm, x, y, op, layout), allgather=False)
     return y[mine].copy()

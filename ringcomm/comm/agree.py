@@ -24,12 +24,12 @@ __all__ = ["INLINE_BYTES", "CallSpec", "InlinePlan", "agree", "allreduce_inline"
 
 INLINE_BYTES = 4096
 # Header words, in order.
-KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, INLINED = range(10)
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT = range(10)
 _WORDS = 10
 _HEADER_BYTES = 8 * _WORDS
-_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast")
+_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
 # Fields a collective lets differ between ranks.
-_MAY_DIFFER = {"allgatherv": (DIM0, INLINED)}
+_MAY_DIFFER = {"allgatherv": (DIM0,)}
 
 
 _HEADERS: dict[tuple[Any, ...], bytes] = {}
@@ -69,18 +69,22 @@ class CallSpec:
         self.op = op
         return op
 
-    def header(self, inlined: bool) -> bytes:
-        """The header words compared across ranks, as bytes (cached per distinct call)."""
+    def header(self, segment_bytes: int) -> bytes:
+        """The header words compared across ranks, as bytes (cached per distinct call).
+
+        ``segment_bytes`` is the communicator's: ranks that cut the ring differently would
+        exchange messages of different sizes.
+        """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, inlined)
+               self.extra, segment_bytes)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
                 _HEADERS.clear()
-            cached = _HEADERS[key] = self._words(inlined).tobytes()
+            cached = _HEADERS[key] = self._words(segment_bytes).tobytes()
         return cached
 
-    def _words(self, inlined: bool) -> np.ndarray:
+    def _words(self, segment_bytes: int) -> np.ndarray:
         from ringcomm.comm.types import SUPPORTED_DTYPES
 
         h = np.zeros(_WORDS, dtype=np.int64)
@@ -96,7 +100,7 @@ class CallSpec:
         h[DIM0] = self.shape[0] if self.shape else 1
         h[REST] = _crc(self.shape[1:])
         h[EXTRA] = _crc(self.extra)
-        h[INLINED] = int(inlined)
+        h[SEGMENT] = segment_bytes
         return h
 
     def describe(self) -> dict[str, Any]:
@@ -116,7 +120,7 @@ def _exchange(comm: Communicator, spec: CallSpec, inline: Any | None = None) -> 
     """One fixed-size allgather of every rank's header (and inlined array); with the check on,
     raise on every rank if the headers disagree."""
     send, recv, view = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
-    header = spec.header(inline is not None)
+    header = spec.header(comm.segment_bytes)
     view[:_HEADER_BYTES] = header
     if inline is not None:
         view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
@@ -174,8 +178,9 @@ def allreduce_inline(comm: Communicator, spec: CallSpec, x: Any, out: Any | None
         recv = _exchange(comm, spec, x)
         rows = comm._inline_rows(recv, x.dtype, x.size, _HEADER_BYTES)
     else:
-        rows = np.empty((comm.size, x.size), x.dtype)
-        comm._allgather_fixed(np.asarray(_host_bytes(x)), rows)
+        raw = np.empty((comm.size, x.nbytes), np.uint8)  # bytes: MPI has no bfloat16
+        comm._allgather_fixed(np.asarray(_host_bytes(x)), raw)
+        rows = raw.view(x.dtype)
         comm.stats.add(x.nbytes * (comm.size - 1), x.nbytes * (comm.size - 1))
     if out is None:
         out = _ops.get(x).empty(x.shape, x.dtype)
@@ -199,7 +204,7 @@ class InlinePlan:
     def __init__(self, comm: Communicator, spec: CallSpec, x: np.ndarray, op: ReduceOp) -> None:
         self.comm, self.spec, self.op = comm, spec, op
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
-        self.header = spec.header(True)
+        self.header = spec.header(comm.segment_bytes)
         self.expected = self.header * comm.size
         self.buffers = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
         self.rows = comm._inline_rows(self.buffers[1], x.dtype, x.size, _HEADER_BYTES)
@@ -259,15 +264,28 @@ def _verify(comm: Communicator, spec: CallSpec, headers: np.ndarray) -> None:
     if not differ.any() and not headers[:, ERROR].any():
         return
     # Headers disagree: every rank takes the slow path, so the descriptions can be exchanged.
-    descriptions = comm._allgather_object(spec.describe())
-    raise _build_error(spec.kind, descriptions)
+    mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": comm.segment_bytes}
+    raise _build_error(comm._allgather_object(mine))
 
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _build_error(kind: str, descriptions: list[dict[str, Any]]) -> Exception:
+def _groups(values: list[Any]) -> str:
+    """'v1 on ranks 0, 2; v2 on rank 1'."""
+    groups: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{v!s} on {_ranks(rs)}" for v, rs in groups.items())
+
+
+def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
+    """The one error every rank raises, built from every rank's description of its call."""
+    kinds = [d["kind"] for d in descriptions]
+    if len(set(kinds)) > 1:
+        return ValueError(f"collective calls differ between ranks: {_groups(kinds)}")
+    kind = kinds[0]
     errors: dict[tuple[str, str], list[int]] = {}
     for r, d in enumerate(descriptions):
         if "error" in d:
@@ -277,7 +295,7 @@ def _build_error(kind: str, descriptions: list[dict[str, Any]]) -> Exception:
         cls = {"TypeError": TypeError, "ValueError": ValueError}.get(etype, RuntimeError)
         return cls(f"{kind} failed on {_ranks(ranks)}: {msg}")
     parts, cls = [], ValueError
-    for field in ("dtype", "shape", "op", "root", "compression/name"):
+    for field in ("dtype", "shape", "op", "root", "compression/name", "segment_bytes"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]
             field = "shape after the first dimension"
@@ -287,11 +305,7 @@ def _build_error(kind: str, descriptions: list[dict[str, Any]]) -> Exception:
             continue
         if field == "dtype":
             cls = TypeError
-        groups: dict[Any, list[int]] = {}
-        for r, v in enumerate(values):
-            groups.setdefault(v, []).append(r)
-        shown = "; ".join(f"{v!s} on {_ranks(rs)}" for v, rs in groups.items())
-        parts.append(f"{field} differs between ranks: {shown}")
+        parts.append(f"{field} differs between ranks: {_groups(values)}")
     hint = " (use allgatherv when the first dimension differs)" if kind == "allgather" else ""
     return cls(f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint)
 

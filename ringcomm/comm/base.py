@@ -41,6 +41,12 @@ __all__ = [
 ]
 
 
+def _check_writeable(x: Any, label: str) -> None:
+    flags = getattr(x, "flags", None)
+    if flags is not None and not getattr(flags, "writeable", True):
+        raise ValueError(f"{label} is read-only; the result is written into it")
+
+
 def _flat(x: Any) -> Any:
     """A contiguous 1-d view of ``x`` (a copy only when ``x`` is not contiguous)."""
     return _ops.get(x).ascontiguous(x).reshape(-1)
@@ -65,17 +71,15 @@ class Communicator(abc.ABC):
         self._size = int(size)
         self._closed = False
         self.consistency_check = bool(consistency_check)
+        self._small: dict[tuple[Any, ...], agree.InlinePlan] = {}
         self.segment_bytes = int(segment_bytes or ring.DEFAULT_SEGMENT_BYTES)
-        if self.segment_bytes < 64:
-            raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
-        self.inline_bytes = agree.INLINE_BYTES if inline_bytes is None else int(inline_bytes)
-        if self.inline_bytes < 0 or self.inline_bytes % 8:
+        self._inline_bytes = agree.INLINE_BYTES if inline_bytes is None else int(inline_bytes)
+        if self._inline_bytes < 0 or self._inline_bytes % 8:
             raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
         self.stats = CommStats()
         self._compressed_calls = 0
         self._buffers: dict[tuple[Any, ...], Any] = {}
         self._plans: dict[tuple[Any, ...], tuple[agree.CallSpec, ReduceOp]] = {}
-        self._small: dict[tuple[Any, ...], agree.InlinePlan] = {}
         self._auto_figures: dict[str, Any] = {}  # link and compressor figures of "auto"
         self._default_auto: Any = None
 
@@ -89,6 +93,23 @@ class Communicator(abc.ABC):
     def size(self) -> int:
         """Number of processes in the communicator."""
         return self._size
+
+    @property
+    def segment_bytes(self) -> int:
+        """Ring segment size in bytes; every rank must use the same (checked each call)."""
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value: int) -> None:
+        if int(value) < 64:
+            raise ValueError(f"segment_bytes must be >= 64, got {value}")
+        self._segment_bytes = int(value)
+        self._small.clear()  # prepared small calls carry the old value in their headers
+
+    @property
+    def inline_bytes(self) -> int:
+        """Dense arrays up to this size ride in the agreement message (fixed at creation)."""
+        return self._inline_bytes
 
     @property
     def closed(self) -> bool:
@@ -197,7 +218,7 @@ class Communicator(abc.ABC):
         if compression is not None:
             if isinstance(compression, str) and compression == "auto":
                 compression = self._auto()
-            compression, feedback = self._resolve_auto(compression, x, feedback, name)
+            compression, feedback = self._resolve_auto(compression, x, op, feedback, name)
         dense = compression is None and feedback is None
         spec, rop = self._dense_plan(x, out, op) if dense else (None, None)
         if spec is None:
@@ -208,6 +229,9 @@ class Communicator(abc.ABC):
                 spec.error, rop = err, ReduceOp.SUM
             else:
                 if dense:
+                    if len(self._plans) > 4096:  # bounded: shapes can be many
+                        self._plans.clear()
+                        self._small.clear()
                     self._plans[(type(x), x.dtype, x.shape, op)] = (spec, rop)
                     if agree.InlinePlan.applies(self, x):
                         self._small[(x.dtype, x.shape, op)] = agree.InlinePlan(self, spec, x, rop)
@@ -272,6 +296,7 @@ class Communicator(abc.ABC):
         try:
             self._check_arrays(x)
             spec.set_array(x, reduced=False)
+            _check_writeable(x, "x")
             spec.root = self._check_rank(root, "root")
         except (TypeError, ValueError) as err:
             spec.error = err
@@ -310,9 +335,16 @@ class Communicator(abc.ABC):
         return recv
 
     def barrier(self) -> None:
-        """Block until every rank has called ``barrier()``."""
+        """Block until every rank has called ``barrier()``.
+
+        With the consistency check on, the agreement exchange is the barrier, so a rank in
+        another collective meanwhile raises the same error everywhere instead of hanging.
+        """
         self._ensure_open()
-        self._barrier()
+        if self.consistency_check:
+            agree.agree(self, agree.CallSpec("barrier"))
+        else:
+            self._barrier()
 
     def close(self) -> None:
         """Release the communicator's resources; later calls raise RuntimeError. Idempotent."""
@@ -320,6 +352,7 @@ class Communicator(abc.ABC):
             self._closed = True
             self._buffers.clear()
             self._small.clear()
+            self._plans.clear()
             self._close()
 
     # ----------------------------------------------------------------------------- helpers
@@ -346,7 +379,7 @@ class Communicator(abc.ABC):
             raise ValueError(f"{label} must be a rank in [0, {self._size}), got {r!r}")
         return int(r)
 
-    def _resolve_auto(self, compression: Any, x: Any, feedback: Any,
+    def _resolve_auto(self, compression: Any, x: Any, op: Any, feedback: Any,
                       name: Any) -> tuple[Any, Any]:
         """Replace an Auto whose figures are known by its choice for ``x``, before the agreement
         (every rank chooses alike from the same figures, and a choice that differs because the
@@ -357,10 +390,15 @@ class Communicator(abc.ABC):
         if not isinstance(compression, Auto):
             return compression, feedback
         try:
+            # Any argument error must take the checked path, which raises it on every rank.
+            from ringcomm.compress.base import check_compressed_call
+
+            check_compressed_call(compression, x, ReduceOp.parse(op), feedback, name)
+            check_dtype(x.dtype)
             if not compression.ready(self, x):
                 return compression, feedback  # first call: agree first, then measure together
             choice = compression.resolve(self, x)
-        except (AttributeError, TypeError):  # not an array: the argument check will say so
+        except (AttributeError, TypeError, ValueError):
             return compression, feedback
         if choice is None and feedback is not None and name is not None and (
                 feedback.residual(name) is not None):
@@ -414,10 +452,11 @@ class Communicator(abc.ABC):
                 raise ValueError(f"out has shape {out.shape}, expected {x.shape}")
             if out.dtype != x.dtype:
                 raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
+            _check_writeable(out, "out")
         if compression is not None:
             from ringcomm.compress.base import check_compressed_call
 
-            check_compressed_call(compression, dt, rop, feedback, name)
+            check_compressed_call(compression, x, rop, feedback, name)
             spec.extra = f"{compression!r}|{name}"
         elif feedback is not None:
             raise ValueError("feedback needs a lossy compression; got compression=None")
@@ -438,10 +477,20 @@ class Communicator(abc.ABC):
         and a memoryview of send for cheap byte copies."""
         bufs = self._buffers.get(("agree", nbytes))
         if bufs is None:
+            self._agree_inline_bytes()
             send = np.zeros(nbytes, np.uint8)
             bufs = self._buffers[("agree", nbytes)] = (
                 send, np.empty((self._size, nbytes), np.uint8), memoryview(send))
         return bufs
+
+    def _agree_inline_bytes(self) -> None:
+        """Check once, before the first agreement, that every rank's slot has one size (else
+        the fixed-size exchanges would not match)."""
+        sizes = self._allgather_object(self._inline_bytes)
+        if len(set(sizes)) > 1:
+            shown = agree._groups(sizes)
+            raise ValueError(f"inline_bytes differs between ranks: {shown}; pass the same "
+                             "inline_bytes (or RINGCOMM_INLINE_BYTES) to every rank")
 
     def _gather(self, kind: str, x: Any) -> Any:
         self._ensure_open()

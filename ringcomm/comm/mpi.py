@@ -50,11 +50,6 @@ def import_mpi() -> Any:
     return MPI
 
 
-def _cuda_aware(MPI: Any) -> bool:
-    """Whether the MPI library takes device pointers (see ``staging.cuda_aware``)."""
-    return staging.cuda_aware(MPI)
-
-
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """``a`` itself, or its bytes where MPI has no type for it (bfloat16 from ml_dtypes)."""
     return a.view(np.uint8) if a.dtype.kind == "V" else a
@@ -63,15 +58,13 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
 class _Pair:
     """A send and a receive posted together; ``wait()`` completes both."""
 
-    __slots__ = ("_MPI", "_after", "_reqs")
+    __slots__ = ("_MPI", "_reqs")
 
-    def __init__(self, MPI: Any, reqs: list[Any], after: Any = None) -> None:
-        self._MPI, self._reqs, self._after = MPI, reqs, after
+    def __init__(self, MPI: Any, reqs: list[Any]) -> None:
+        self._MPI, self._reqs = MPI, reqs
 
     def wait(self) -> None:
         self._MPI.Request.Waitall(self._reqs)
-        if self._after is not None:
-            self._after()
 
 
 class MPICommunicator(Communicator):
@@ -101,7 +94,7 @@ class MPICommunicator(Communicator):
         local = base.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        self.cuda_aware = _cuda_aware(MPI)
+        self.cuda_aware = staging.cuda_aware(MPI)
         super().__init__(base.Get_rank(), base.Get_size(), consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes)
 

@@ -21,16 +21,13 @@ transfer (the host does not block), so the ring's reductions overlap the next tr
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm import _nccl_lib, _nccl_setup
 from ringcomm.comm.base import Communicator, ReduceOp
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["NCCLCommunicator", "usable", "usable_everywhere"]
 

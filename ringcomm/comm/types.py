@@ -74,7 +74,7 @@ def check_dtype(dtype: Any) -> np.dtype:
         _ACCEPTED[dtype] = dt
         return dt
     names = ", ".join(d.name for d in SUPPORTED_DTYPES)
-    raise TypeError(f"unsupported dtype {dt.name}; expected one of {names}")
+    raise TypeError(f"unsupported dtype {dt.name}; expected one of {names} or bfloat16")
 
 
 def check_movable(dtype: Any) -> np.dtype:
@@ -117,10 +117,10 @@ class CommStats:
     """What a communicator put on the wire since its creation or last ``reset()``.
 
     Bytes are counted where they are handed to the transport: every point-to-point message of
-    ringcomm's own algorithms, headers included. Collectives that are handed whole to the
-    backend's library (allgather, allgatherv, broadcast, barrier on MPI) count the data each
-    rank must receive and its own data once per peer that receives it, whatever algorithm the
-    library picks.
+    ringcomm's own algorithms, and every agreement header. Collectives that are handed whole to
+    the backend's library (allgather, allgatherv, broadcast) count the data each rank must
+    receive and its own data once per peer that receives it, whatever algorithm the library
+    picks. ``calls`` counts collective and point-to-point calls, not barriers.
     """
 
     __slots__ = ("bytes_received", "bytes_sent", "calls")

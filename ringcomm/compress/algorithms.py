@@ -31,17 +31,23 @@ def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compress
     """
     ops = _ops.get(x)
     residual = feedback.take(name, x) if feedback is not None else None
-    if comm.size == 1 or comp is None:
-        # Nothing is lost (nothing travels, or it travels dense): the residual is spent.
+    if comp is None:
+        # Dense ("auto" may choose it): the input plus the pending residual, in the input's
+        # own dtype, and the residual is spent.
+        work = x
+        if residual is not None:
+            work = ops.empty((x.size,), x.dtype)
+            ops.reduce(ReduceOp.SUM, x, residual, work)
+            feedback.reset(name)  # later dense calls need not add zeros
+        comm._allreduce_dense(work, out, op)
+        return
+    if comm.size == 1:
+        # Nothing travels, so nothing is lost: the residual is spent.
         work = ops.empty((x.size,), np.float32)
         ops.compensate(x, residual, work)
-        if comp is None:
-            comm._allreduce_dense(work, work, op)
         ops.copy(out, work)
         if residual is not None:
             residual[...] = 0
-            if comp is None and feedback is not None:
-                feedback.reset(name)  # spent: later dense calls need not add zeros
         return
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.

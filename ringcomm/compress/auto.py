@@ -69,11 +69,13 @@ def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
 
 
 def predict(comp: Compressor | None, nbytes: int, n: int, link: LinkModel,
-            throughput: float, inline_bytes: int = INLINE_BYTES) -> float:
-    """Modelled seconds of one allreduce of ``nbytes`` (see the module docstring)."""
+            throughput: float, inline_bytes: int = INLINE_BYTES,
+            dense_nbytes: int | None = None) -> float:
+    """Modelled seconds of one allreduce of ``nbytes`` of float32 (see the module docstring);
+    ``dense_nbytes`` is the array's own size, which decides whether dense rides inline."""
     if n == 1:
         return 0.0
-    if comp is None and nbytes <= inline_bytes:
+    if comp is None and (nbytes if dense_nbytes is None else dense_nbytes) <= inline_bytes:
         # Small dense arrays ride in the agreement exchange: one allgather (recursive doubling).
         return math.ceil(math.log2(n)) * link.latency + (n - 1) * nbytes / link.bandwidth
     steps = 2 * (n - 1)
@@ -112,7 +114,8 @@ class Auto(Compressor):
     def key(comp: Compressor | None) -> str:
         return "none" if comp is None else repr(comp)
 
-    def choose(self, nbytes: int, n: int, inline_bytes: int = INLINE_BYTES) -> Compressor | None:
+    def choose(self, nbytes: int, n: int, inline_bytes: int = INLINE_BYTES,
+               dense_nbytes: int | None = None) -> Compressor | None:
         """The candidate with the smallest modelled time for ``nbytes`` over ``n`` ranks.
 
         Raises:
@@ -121,8 +124,8 @@ class Auto(Compressor):
         """
         if self.link is None or self.throughput is None:
             raise RuntimeError("Auto has no link/throughput figures yet; call resolve()")
-        times = [predict(c, nbytes, n, self.link, self.throughput[self.key(c)], inline_bytes)
-                 for c in self.candidates]
+        times = [predict(c, nbytes, n, self.link, self.throughput[self.key(c)], inline_bytes,
+                         dense_nbytes) for c in self.candidates]
         return self.candidates[int(np.argmin(times))]
 
     def ready(self, comm: Communicator, x: Any) -> bool:
@@ -143,6 +146,7 @@ class Auto(Compressor):
         key = (id(self), kind, x.size)
         if key in memo and memo[key][0] is self:
             return memo[key][1]
+        counters = (comm.stats.bytes_sent, comm.stats.bytes_received, comm.stats.calls)
         if self.link is None:
             if f"link.{kind}" not in cached:
                 cached[f"link.{kind}"] = measure_link(comm, x)
@@ -157,9 +161,11 @@ class Auto(Compressor):
             throughput = {self.key(c): known[self.key(c)] for c in self.candidates}
         else:
             throughput = self.throughput
+        # The probes are ringcomm's business, not traffic of the user's calls.
+        comm.stats.bytes_sent, comm.stats.bytes_received, comm.stats.calls = counters
         nbytes = x.size * 4  # compressed calls compute in float32
         chooser = Auto(self.candidates, link=link, throughput=throughput)
-        choice = chooser.choose(nbytes, comm.size, comm.inline_bytes)
+        choice = chooser.choose(nbytes, comm.size, comm.inline_bytes, x.nbytes)
         if len(memo) > 4096:
             memo.clear()
         memo[key] = (self, choice)  # keeps self alive, so its id stays its own
@@ -173,7 +179,10 @@ class Auto(Compressor):
 
     def __repr__(self) -> str:
         names = ", ".join(self.key(c) for c in self.candidates)
-        return f"Auto(candidates=({names}))"
+        # Fixed figures are part of what every rank must agree on: they decide the choice.
+        fixed = "".join(f", {k}={v!r}" for k, v in (("link", self.link),
+                                                      ("throughput", self.throughput)) if v)
+        return f"Auto(candidates=({names}){fixed})"
 
 
 def _slowest_median(comm: Communicator, samples: list[float]) -> float:

@@ -20,8 +20,8 @@ __all__ = ["Compressor", "DenseCompressor", "Wire", "check_compressed_call"]
 class Wire(str, enum.Enum):
     """What the ring may do with a compressor's payload."""
 
-    #: Payloads of the same length add up elementwise after decoding, and a backend that sums
-    #: the wire type natively (NCCL on half precision) may add them undecoded (casts).
+    #: Payloads of the same length add up elementwise after decoding (casts). The ring treats
+    #: them as REQUANTIZE; a backend that sums the wire type natively could add them undecoded.
     SUMMABLE = "summable"
     #: A hop decodes, adds its own contribution and quantizes again (int8).
     REQUANTIZE = "requantize"
@@ -110,14 +110,15 @@ def _check_float(dtype: Any) -> None:
         raise TypeError(f"compression needs a floating dtype, got {dt.name}")
 
 
-def check_compressed_call(compression: Any, dtype: np.dtype, op: ReduceOp,
+def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
                           feedback: ErrorFeedback | None, name: str | None) -> None:
-    """Check the arguments of a compressed allreduce.
+    """Check the arguments of a compressed allreduce of ``x``.
 
     Raises:
         TypeError: ``compression`` is no Compressor, ``feedback`` no ErrorFeedback, or the
             dtype is not floating.
-        ValueError: op other than sum/avg, or feedback without a name.
+        ValueError: op other than sum/avg, feedback without a name, or a residual kept under
+            ``name`` that does not fit ``x``.
     """
     from ringcomm.comm.base import ReduceOp
     from ringcomm.compress.feedback import ErrorFeedback
@@ -127,7 +128,7 @@ def check_compressed_call(compression: Any, dtype: np.dtype, op: ReduceOp,
             f"compression must be a ringcomm compressor (FP16, BF16, Int8, TopK), "
             f"got {type(compression).__name__}"
         )
-    _check_float(dtype)
+    _check_float(x.dtype)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"compressed allreduce supports op 'sum' and 'avg', got {op.value!r}")
     if feedback is not None:
@@ -135,3 +136,4 @@ def check_compressed_call(compression: Any, dtype: np.dtype, op: ReduceOp,
             raise TypeError(f"feedback must be an ErrorFeedback, got {type(feedback).__name__}")
         if not name:
             raise ValueError("feedback needs name=... to key the residual of this tensor")
+        feedback.check(name, x)

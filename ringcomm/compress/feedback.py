@@ -65,23 +65,31 @@ class ErrorFeedback:
     def __repr__(self) -> str:
         return f"ErrorFeedback({len(self._residuals)} residuals)"
 
+    def check(self, name: str, like: Any) -> None:
+        """Raise ValueError if the residual kept under ``name`` cannot serve ``like``.
+
+        Raises:
+            ValueError: a residual of another length is stored under ``name`` (reset it when a
+                tensor or bucket changes size), or it lives on another device.
+        """
+        res = self._residuals.get(name)
+        if res is None:
+            return
+        if res.size != like.size:
+            raise ValueError(
+                f"residual {name!r} holds {res.size} elements but the tensor has {like.size}; "
+                f"call feedback.reset({name!r}) when a tensor changes size")
+        if _ops.is_device_array(res) != _ops.is_device_array(like):
+            raise ValueError(f"residual {name!r} lives on another device than the tensor")
+
     def take(self, name: str, like: Any) -> Any:
         """The residual of ``name`` for a tensor like flat ``like``, created as zeros.
 
         Raises:
-            ValueError: a residual of another length is stored under ``name`` (reset it when a
-                tensor or bucket changes size).
+            ValueError: as ``check``.
         """
+        self.check(name, like)
         res = self._residuals.get(name)
-        if res is not None:
-            if res.size != like.size:
-                raise ValueError(
-                    f"residual {name!r} holds {res.size} elements but the tensor has "
-                    f"{like.size}; call feedback.reset({name!r}) when a tensor changes size"
-                )
-            if _ops.is_device_array(res) != _ops.is_device_array(like):
-                raise ValueError(f"residual {name!r} lives on another device than the tensor")
-            return res
-        res = _ops.get(like).zeros((like.size,), np.float32)
-        self._residuals[name] = res
+        if res is None:
+            res = self._residuals[name] = _ops.get(like).zeros((like.size,), np.float32)
         return res

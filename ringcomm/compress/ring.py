@@ -18,7 +18,7 @@ from ringcomm import ring
 from ringcomm.comm.base import Communicator, ReduceOp
 from ringcomm.compress.base import DenseCompressor
 
-__all__ = ["CompressedCodec", "allreduce", "mix_seed"]
+__all__ = ["CompressedCodec", "allreduce", "keep_rounding", "mix_seed"]
 
 
 def mix_seed(*values: int) -> int:
@@ -85,7 +85,7 @@ class CompressedCodec:
         self.comp.hop(buf, self._own(s), msg, seed=self._seed(c), base=s.start,
                       error=self._error(s))
         if final:
-            self._write(msg, s)
+            self._write(msg, s, own=True)
         return msg
 
     def ag_recv(self, c: int, j: int) -> Any:
@@ -95,7 +95,7 @@ class CompressedCodec:
         self._write(buf, self.layout.seg(c, j))
         return buf
 
-    def _write(self, msg: Any, s: slice) -> None:
+    def _write(self, msg: Any, s: slice, own: bool = False) -> None:
         """Decode an owner's payload into the result (every rank decodes the same bytes)."""
         out = self.out[s]
         target = out if self.decoded is None else self.decoded[: s.stop - s.start]
@@ -104,6 +104,21 @@ class CompressedCodec:
             self.ops.divide(target, self.layout.n, target)
         if target is not out:
             self.ops.copy(out, target)
+            if own:
+                keep_rounding(self.ops, self._error(s), target, out, self.op, self.layout.n)
+
+
+def keep_rounding(ops: Any, residual: Any | None, exact: Any, out: Any, op: ReduceOp,
+                  n: int) -> None:
+    """Add to ``residual`` what rounding float32 ``exact`` into ``out`` lost (16-bit outputs;
+    in the residual's units: times n for "avg"). Only a chunk's owner calls this, once."""
+    if residual is None or out.dtype.itemsize >= 4:
+        return
+    lost = exact - out.astype(np.float32)
+    if op is ReduceOp.AVG:
+        lost *= n
+    ops.zero_nonfinite(lost)  # NaN/Inf are in the result already
+    residual += lost
 
 
 def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: DenseCompressor,

@@ -9,7 +9,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm import ring
 from ringcomm.comm.base import Communicator, ReduceOp
-from ringcomm.compress.ring import mix_seed
+from ringcomm.compress.ring import keep_rounding, mix_seed
 from ringcomm.compress.topk import TopK
 
 __all__ = ["SparseRingCodec", "allgather_allreduce", "ring_allreduce"]
@@ -87,7 +87,7 @@ class SparseRingCodec:
         self._decode_add(buf, c, acc)
         msg = self._encode(acc, c, self._slot(c), error)
         if final:
-            self._write(msg, c)
+            self._write(msg, c, own=True)
         return msg
 
     def ag_recv(self, c: int, j: int) -> Any:
@@ -100,11 +100,10 @@ class SparseRingCodec:
     def _slot(self, c: int) -> Any:
         return self.store[self.offsets[c]: self.offsets[c + 1]]
 
-    def _write(self, msg: Any, c: int) -> None:
+    def _write(self, msg: Any, c: int, own: bool = False) -> None:
         """Decode an owner's message into the result (every rank decodes the same bytes)."""
         out = self.out[self.layout.chunk(c)]
-        # Not into the shared scratch: the owner's message may be a view of it (the dense case).
-        acc = out if out.dtype == np.float32 else self.ops.empty(out.shape, np.float32)
+        acc = out if out.dtype == np.float32 else self.acc[: self.layout.chunk_len(c)]
         if self.dense[c]:
             self.ops.copy(acc, msg.view(np.float32))
         else:
@@ -114,6 +113,8 @@ class SparseRingCodec:
             self.ops.divide(acc, self.layout.n, acc)
         if acc is not out:
             self.ops.copy(out, acc)
+            if own:
+                keep_rounding(self.ops, self._error(c), acc, out, self.op, self.layout.n)
 
 
 def ring_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
@@ -143,3 +144,7 @@ def allgather_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp
     if op is ReduceOp.AVG:
         ops.divide(acc, comm.size, acc)
     ops.copy(out, acc)
+    # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
+    lo, hi = ring.chunk_bounds(x.size, comm.size)[comm.rank: comm.rank + 2]
+    keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi], out[lo:hi],
+                  op, comm.size)

@@ -68,13 +68,6 @@ _REDUCE = {
 _DIVIDE = {pair: _src.divide_name(*pair) for pair in _src.DIVIDE_PAIRS}
 
 
-def __getattr__(name: str) -> Any:
-    # ``xp`` is the array module, as in ops/numpy.py; importing CuPy waits until it is asked for.
-    if name == "xp":
-        return _rt.cp()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _contiguous(*arrays: Any) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 

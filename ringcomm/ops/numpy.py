@@ -51,7 +51,6 @@ _UFUNCS = {
     ReduceOp.PROD: np.multiply,
 }
 
-xp = np
 
 
 def empty(shape: Any, dtype: Any) -> np.ndarray:

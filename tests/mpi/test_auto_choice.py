@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from mpi_helpers import gather_inputs, same_on_all_ranks
 
 import ringcomm
@@ -30,3 +31,28 @@ def test_auto_with_topk_allowed(comm, world, rng):
     assert world.allgather(repr(choice)) == [repr(choice)] * comm.size
     y = comm.allreduce(g, compression=allowed, feedback=ringcomm.ErrorFeedback(), name="g")
     assert same_on_all_ranks(world, y)
+
+
+def test_auto_checks_do_not_depend_on_history(comm, rng):
+    g = rng.standard_normal(1000)
+    comm.allreduce(g.astype(np.float32), compression="auto")  # figures measured by now
+    for _ in range(2):
+        with pytest.raises(TypeError, match="compression needs a floating dtype"):
+            comm.allreduce(np.ones(10, np.int32), op="max", compression="auto")
+
+
+def test_auto_dense_choice_keeps_the_input_precision(comm, world):
+    x = np.full(10, 1 + 1e-12)  # float64; "auto" picks dense for 80 bytes
+    first = comm.allreduce(x, compression="auto", feedback=ringcomm.ErrorFeedback(), name="x")
+    second = comm.allreduce(x, compression="auto")
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, comm.allreduce(x))
+
+
+def test_auto_probes_are_not_counted(comm, rng):
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    try:
+        c.allreduce(rng.standard_normal(100).astype(np.float32), compression="auto")
+        assert c.stats.calls == 1
+    finally:
+        c.close()

@@ -93,3 +93,16 @@ def test_small_dtypes_that_differ_are_caught(comm):
         pytest.skip("needs at least 2 ranks")
     with pytest.raises(TypeError, match="dtype differs between ranks: int8 on rank 0"):
         comm.allgather(np.ones(3, np.int8 if comm.rank == 0 else np.uint8))
+
+
+def test_small_bfloat16_allreduce_without_the_check(world, rng):
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    import ringcomm
+
+    c = ringcomm.init("mpi", consistency_check=False, abort_on_exception=False)
+    try:
+        z = rng.standard_normal(6).astype(bf16)
+        exact = np.sum(world.allgather(z.astype(np.float64)), axis=0)
+        np.testing.assert_allclose(c.allreduce(z).astype(np.float64), exact, rtol=2 ** -7)
+    finally:
+        c.close()

@@ -165,3 +165,20 @@ def test_compression_errors_on_every_rank(comm):
                            name=f"w{comm.rank}")
     np.testing.assert_array_equal(comm.allreduce(x, compression=ringcomm.FP16()),
                                   np.full(100, comm.size, np.float32))
+
+
+@pytest.mark.parametrize("name", ["int8", "topk-ring", "topk-allgather", "bf16"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_conservation_with_float16_tensors(comm, world, rng, name, op):
+    """The owner's rounding of a 16-bit result into its dtype goes to the residual too."""
+    comp, ef, n = COMPRESSORS[name], ringcomm.ErrorFeedback(), 3001
+    inputs, results, magnitude = np.zeros(n), np.zeros(n), np.zeros(n)
+    for _ in range(6):
+        g = rng.standard_normal(n).astype(np.float16)
+        y = comm.allreduce(g, op=op, compression=comp, feedback=ef, name="h")
+        assert y.dtype == np.float16 and same_on_all_ranks(world, y)
+        inputs += total(world, g)
+        results += y.astype(np.float64) * (comm.size if op == "avg" else 1)
+        magnitude += total(world, np.abs(g.astype(np.float64)))
+    np.testing.assert_allclose(results + total(world, ef.residual("h")), inputs, rtol=0,
+                               atol=1e-5 * magnitude.max())

@@ -156,3 +156,65 @@ def test_repeated_small_call_still_checked(comm):
     out = np.empty_like(x)
     assert comm.allreduce(x, out=out) is out
     np.testing.assert_array_equal(out, x * comm.size)
+
+
+def test_residual_that_does_not_fit_raises_everywhere(comm):
+    ef = ringcomm.ErrorFeedback()
+    if comm.rank == 0:
+        ef.take("w", np.zeros(7, np.float32))  # a stale residual on one rank only
+    with pytest.raises(ValueError, match="residual 'w' holds 7 elements but the tensor has 5000"):
+        comm.allreduce(np.ones(5000, np.float32), compression=ringcomm.Int8(), feedback=ef,
+                       name="w")
+    usable(comm)
+
+
+def test_read_only_output_raises_everywhere(comm):
+    x = np.ones(5000, np.float32)
+    frozen = np.ones(5000, np.float32)
+    frozen.flags.writeable = comm.rank != comm.size - 1
+    with pytest.raises(ValueError, match="out is read-only"):
+        comm.allreduce(x, out=frozen)
+    with pytest.raises(ValueError, match="x is read-only"):
+        comm.broadcast(frozen, root=0)
+    usable(comm)
+
+
+def test_segment_bytes_must_match(comm):
+    needs_two(comm)
+    saved = comm.segment_bytes
+    comm.segment_bytes = 4096 if comm.rank == 0 else saved
+    try:
+        with pytest.raises(ValueError, match="segment_bytes differs between ranks: 4096 on rank 0"):
+            comm.allreduce(np.ones(100_000, np.float32))
+    finally:
+        comm.segment_bytes = saved
+    usable(comm)
+    with pytest.raises(AttributeError):
+        comm.inline_bytes = 64
+
+
+def test_inline_bytes_must_match():
+    c = ringcomm.init("mpi", inline_bytes=4096 if ringcomm.launch_info().rank else 1024,
+                      abort_on_exception=False)
+    try:
+        if c.size > 1:
+            with pytest.raises(ValueError, match="inline_bytes differs between ranks"):
+                c.allreduce(np.ones(10, np.float32))
+    finally:
+        c.close()
+
+
+def test_different_collectives_raise_the_same_error(comm):
+    needs_two(comm)
+    with pytest.raises(ValueError, match="collective calls differ between ranks: allreduce on "):
+        if comm.rank == 0:
+            comm.allreduce(np.ones(10))
+        else:
+            comm.broadcast(np.ones(10))
+    with pytest.raises(ValueError, match="collective calls differ between ranks"):
+        if comm.rank == 0:
+            comm.barrier()
+        else:
+            comm.allgather(np.ones(3))
+    comm.barrier()
+    usable(comm)
