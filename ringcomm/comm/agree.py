@@ -217,7 +217,8 @@ class InlinePlan:
                 and x.nbytes <= comm.inline_bytes and x.dtype.kind != "V")
 
     def fits(self, out: Any) -> bool:
-        return type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
+        return (type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
+                and out.flags.writeable)
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         send, recv, view = self.buffers

@@ -436,7 +436,8 @@ class Communicator(abc.ABC):
         except (AttributeError, TypeError):  # not an array, or an unhashable op
             return None, None
         if plan is None or (out is not None and (
-                type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype)):
+                type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype
+                or not out.flags.writeable)):
             return None, None
         return plan
 

@@ -168,9 +168,13 @@ def test_residual_that_does_not_fit_raises_everywhere(comm):
     usable(comm)
 
 
-def test_read_only_output_raises_everywhere(comm):
-    x = np.ones(5000, np.float32)
-    frozen = np.ones(5000, np.float32)
+@pytest.mark.parametrize("n", [16, 5000])
+def test_read_only_output_raises_everywhere(comm, n):
+    x = np.ones(n, np.float32)
+    writable = np.empty_like(x)
+    for _ in range(2):  # also once the call is prepared
+        comm.allreduce(x, out=writable)
+    frozen = np.ones(n, np.float32)
     frozen.flags.writeable = comm.rank != comm.size - 1
     with pytest.raises(ValueError, match="out is read-only"):
         comm.allreduce(x, out=frozen)
