@@ -71,19 +71,24 @@ OPTIMIZERS = {
 }
 
 
+def step_both(step: int, model, opt, ref, ref_opt) -> None:
+    """One distributed step on this rank's batch, one reference step on everyone's."""
+    x, y = batch(step)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    xs, ys = everyone(step)
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(xs), ys).backward()
+    ref_opt.step()
+
+
 @pytest.mark.parametrize("fusion", [None, 256])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_matches_single_process_on_concatenated_batch(h, name, fusion):
     ref, ref_opt, model, opt = pair(h, OPTIMIZERS[name], fusion_threshold_bytes=fusion)
     for step in range(3):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        xs, ys = everyone(step)
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(xs), ys).backward()
-        ref_opt.step()
+        step_both(step, model, opt, ref, ref_opt)
     torch.testing.assert_close(flat_params(model), flat_params(ref))
     assert same_on_all_ranks(flat_params(model))
 
@@ -153,14 +158,7 @@ def test_requires_grad_switched_off_and_on(h):
         for m in (model, ref):
             for p in m.a.parameters():
                 p.requires_grad_(not frozen[step])
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        xs, ys = everyone(step)
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(xs), ys).backward()
-        ref_opt.step()
+        step_both(step, model, opt, ref, ref_opt)
     torch.testing.assert_close(flat_params(model), flat_params(ref))
 
 
@@ -239,14 +237,7 @@ def test_fp16_compression_stays_close(h, compression):
     comp = HalfCompressor if compression == "custom" else h.Compression.fp16
     ref, ref_opt, model, opt = pair(h, OPTIMIZERS["sgd-momentum"], compression=comp)
     for step in range(2):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        xs, ys = everyone(step)
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(xs), ys).backward()
-        ref_opt.step()
+        step_both(step, model, opt, ref, ref_opt)
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-3, atol=1e-3)
     assert same_on_all_ranks(flat_params(model))
 
