@@ -17,15 +17,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.base import ReduceOp, accumulation_dtype
-
-if TYPE_CHECKING:
-    from ringcomm.comm.base import Communicator
+from ringcomm.comm.types import ReduceOp, Transport, accumulation_dtype
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -37,6 +34,7 @@ __all__ = [
     "reduce_scatter",
     "run",
     "schedule",
+    "staging",
 ]
 
 # Measured on the 2-core benchmark machine (bench/results/segment_sweep_n*.md): 2 MiB segments
@@ -177,7 +175,7 @@ def _units(n: int, rank: int, nseg: int, allgather: bool) -> tuple[_Unit, ...]:
     return tuple(units)
 
 
-def run(comm: Communicator, layout: RingLayout, codec: RingCodec, *,
+def run(t: Transport, layout: RingLayout, codec: RingCodec, *,
         allgather: bool = True) -> None:
     """Run the reduce-scatter (and the allgather, unless told not to) of ``layout``.
 
@@ -191,7 +189,7 @@ def run(comm: Communicator, layout: RingLayout, codec: RingCodec, *,
     total = len(units)
     produced: list[Any] = [None] * total
     pending: list[Any] = [None] * total
-    isendrecv = comm.isendrecv
+    isendrecv = t.isendrecv
     sent = received = 0
     posted = 0
     for p, unit in enumerate(units):
@@ -218,12 +216,12 @@ def run(comm: Communicator, layout: RingLayout, codec: RingCodec, *,
             produced[p] = codec.ag_done(buf, unit.recv_chunk, unit.segment)
         else:
             produced[p] = codec.rs_reduce(buf, unit.recv_chunk, unit.segment, unit.final)
-    comm.stats.add(sent, received)
+    t.stats.add(sent, received)
 
 
-def staging(comm: Communicator, key: str, like: Any, n: int, dtype: Any) -> list[Any]:
+def staging(t: Transport, key: str, like: Any, n: int, dtype: Any) -> list[Any]:
     """WINDOW reusable buffers of ``n`` elements, one per exchange in flight."""
-    return [comm.scratch(k, like, n, dtype) for k in _slot_keys(key)]
+    return [t.scratch(k, like, n, dtype) for k in _slot_keys(key)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -234,11 +232,11 @@ def _slot_keys(key: str) -> tuple[str, ...]:
 class _SameDtype:
     """Dense codec: partial sums in the output array itself; no staging copies."""
 
-    def __init__(self, comm: Communicator, x: Any, y: Any, op: ReduceOp,
+    def __init__(self, t: Transport, x: Any, y: Any, op: ReduceOp,
                  layout: RingLayout) -> None:
         self.x, self.y, self.op, self.layout = x, y, op, layout
         self.ops = _ops.get(x)
-        self.tmp = staging(comm, "ring.recv", x, layout.max_seg, self.wire_dtype(x))
+        self.tmp = staging(t, "ring.recv", x, layout.max_seg, self.wire_dtype(x))
 
     @staticmethod
     def wire_dtype(x: Any) -> Any:
@@ -270,12 +268,12 @@ class _SameDtype:
 class _Widened(_SameDtype):
     """Dense codec for 16-bit floats: partial sums travel in float32, rounded once by the owner."""
 
-    def __init__(self, comm: Communicator, x: Any, y: Any, op: ReduceOp,
+    def __init__(self, t: Transport, x: Any, y: Any, op: ReduceOp,
                  layout: RingLayout) -> None:
-        super().__init__(comm, x, y, op, layout)
+        super().__init__(t, x, y, op, layout)
         acc = self.wire_dtype(x)
         widest = max(layout.chunk_len(c) for c in range(layout.n))
-        self.staged = staging(comm, "ring.send", x, layout.max_seg, acc)
+        self.staged = staging(t, "ring.send", x, layout.max_seg, acc)
         # Partials of step s are sent in step s + 1 while step s + 1 makes its own: two chunks.
         self.partials = [self.ops.empty((widest,), acc) for _ in range(2)]
 
@@ -305,30 +303,42 @@ class _Widened(_SameDtype):
         return out
 
 
-def _codec(comm: Communicator, x: Any, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
+def _codec(t: Transport, x: Any, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
     widen = accumulation_dtype(np.dtype(x.dtype)) != x.dtype
-    return (_Widened if widen else _SameDtype)(comm, x, y, op, layout)
+    return (_Widened if widen else _SameDtype)(t, x, y, op, layout)
 
 
-def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp) -> None:
-    """Ring-allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``)."""
-    if comm.size == 1:
+def _layout(t: Transport, x: Any, segment_bytes: int) -> RingLayout:
+    seg = max(1, segment_bytes // x.dtype.itemsize)
+    return RingLayout.build(x.size, t.size, t.rank, seg)
+
+
+def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, *,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    """Allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``).
+
+    The transport's own allreduce runs where it has one (NCCL); ringcomm's ring otherwise.
+    """
+    if t.size == 1:
         if out is not x:  # any op of one contribution is that contribution
             _ops.get(x).copy(out, x)
         return
-    seg = max(1, comm.segment_bytes // x.dtype.itemsize)
-    layout = RingLayout.build(x.size, comm.size, comm.rank, seg)
-    run(comm, layout, _codec(comm, x, out, op, layout))
+    if t.native_allreduce(x, out, op):
+        return
+    layout = _layout(t, x, segment_bytes)
+    run(t, layout, _codec(t, x, out, op, layout))
 
 
-def reduce_scatter(comm: Communicator, x: Any, op: ReduceOp) -> Any:
-    """Reduce flat ``x`` over the ring and return this rank's chunk (a new array)."""
-    ops = _ops.get(x)
-    layout = RingLayout.build(x.size, comm.size, comm.rank,
-                              max(1, comm.segment_bytes // x.dtype.itemsize))
-    mine = layout.chunk(comm.rank)
-    if comm.size == 1:
+def reduce_scatter(t: Transport, x: Any, op: ReduceOp, *,
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Any:
+    """Reduce flat ``x`` and return this rank's chunk, ``[r * L // n, (r + 1) * L // n)``
+    (a new array): the transport's own reduce-scatter where it has one, the ring otherwise."""
+    if t.size == 1:
         return x.copy()
-    y = ops.empty((x.size,), x.dtype)
-    run(comm, layout, _codec(comm, x, y, op, layout), allgather=False)
-    return y[mine].copy()
+    native = t.native_reduce_scatter(x, op)
+    if native is not None:
+        return native
+    layout = _layout(t, x, segment_bytes)
+    y = _ops.get(x).empty((x.size,), x.dtype)
+    run(t, layout, _codec(t, x, y, op, layout), allgather=False)
+    return y[layout.chunk(t.rank)].copy()

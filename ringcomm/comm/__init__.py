@@ -1,5 +1,7 @@
-"""The Communicator interface and its backends (MPI, NCCL)."""
+"""Communicators and their backends.
 
-from ringcomm.comm.base import CommStats, Communicator, ReduceOp
-
-__all__ = ["CommStats", "Communicator", "ReduceOp"]
+Layers (a module imports only from layers below it): ``types`` and ``launch`` at the bottom,
+``base`` (the Communicator) and ``agree`` above the algorithms, and the backends (``mpi``,
+``nccl``, ``threads``) on top. This package's own ``__init__`` imports nothing, so that the
+bottom layer can be imported without the rest.
+"""

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.comm.types import ReduceOp
+
 __all__ = [
     "DTYPES",
     "INSTALL_HINT",
@@ -44,7 +46,8 @@ DTYPES: dict[str, int] = {
 }
 UINT8 = DTYPES["uint8"]
 # ncclRedOp_t, by ringcomm's op name.
-OPS: dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+#: ncclRedOp_t by op name, from the one table of reduce ops.
+OPS: dict[str, int] = {op.value: op.spec.nccl for op in ReduceOp}
 
 _void_p, _int, _size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 

@@ -11,18 +11,27 @@ allreduce is complete after this one exchange; that slot is sent with every coll
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm.types import (
+    DEFAULT_INLINE_BYTES,
+    SUPPORTED_DTYPES,
+    ArgumentMismatchError,
+    DtypeMismatchError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    ReduceOp,
+    Transport,
+    check_dtype,
+    check_movable,
+)
 
-if TYPE_CHECKING:
-    from ringcomm.comm.base import Communicator, ReduceOp
+__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan"]
 
-__all__ = ["INLINE_BYTES", "CallSpec", "InlinePlan", "agree", "allreduce_inline", "headers"]
-
-INLINE_BYTES = 4096
+INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
 KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT = range(10)
 _WORDS = 10
@@ -57,8 +66,6 @@ class CallSpec:
         """Record ``x``'s dtype and shape after checking it is a supported array: of a dtype
         ringcomm reduces, or, for collectives that only move bytes (``reduced=False``), of any
         dtype but object."""
-        from ringcomm.comm.types import check_dtype, check_movable
-
         if type(x) is not np.ndarray and not _ops.is_device_array(x):
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
         self.shape = x.shape
@@ -85,8 +92,6 @@ class CallSpec:
         return cached
 
     def _words(self, segment_bytes: int) -> np.ndarray:
-        from ringcomm.comm.types import SUPPORTED_DTYPES
-
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
         if self.error is not None:
@@ -94,7 +99,7 @@ class CallSpec:
             return h
         dt = self.dtype
         h[DTYPE] = SUPPORTED_DTYPES.index(dt) if dt in SUPPORTED_DTYPES else 100 + _crc(dt)
-        h[OP] = _crc(self.op)
+        h[OP] = self.op.spec.code if self.op else -1
         h[ROOT] = self.root
         h[NDIM] = len(self.shape)
         h[DIM0] = self.shape[0] if self.shape else 1
@@ -116,22 +121,133 @@ class CallSpec:
         }
 
 
-def _exchange(comm: Communicator, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
-    """One fixed-size allgather of every rank's header (and inlined array); with the check on,
-    raise on every rank if the headers disagree."""
-    send, recv, view = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
-    header = spec.header(comm.segment_bytes)
-    view[:_HEADER_BYTES] = header
-    if inline is not None:
-        view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
-    comm._allgather_fixed(send, recv)
-    stats, volume = comm.stats, send.nbytes * (comm.size - 1)
-    stats.bytes_sent += volume
-    stats.bytes_received += volume
-    if comm.consistency_check and (spec.error is not None
-                                   or recv[:, :_HEADER_BYTES].tobytes() != header * comm.size):
-        _verify(comm, spec, np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64))
-    return recv
+class Agreement:
+    """The per-call agreement of one communicator: its exchange buffers and its settings.
+
+    Args:
+        transport: what the headers travel over.
+        check: compare the headers across ranks (the consistency check).
+        inline_bytes: size of the inline slot sent with every header.
+        segment_bytes: the ring segment size, part of every header.
+    """
+
+    __slots__ = ("_buffers", "check", "inline_bytes", "segment_bytes", "transport")
+
+    def __init__(self, transport: Transport, *, check: bool, inline_bytes: int,
+                 segment_bytes: int) -> None:
+        self.transport = transport
+        self.check = check
+        self.inline_bytes = inline_bytes
+        self.segment_bytes = segment_bytes
+        self._buffers: dict[Any, Any] = {}
+
+    def agree(self, spec: CallSpec) -> None:
+        """Check the call matches on every rank, raising the same error on every rank if not.
+
+        With the consistency check off nothing is exchanged, and an invalid argument raises
+        on its own rank only.
+        """
+        if not self.check:
+            if spec.error is not None:
+                raise spec.error
+            return
+        self._exchange(spec)
+
+    def headers(self, spec: CallSpec) -> np.ndarray:
+        """Like ``agree``, returning every rank's header (size x words); the headers are
+        exchanged even with the check off, since gathers need every rank's size."""
+        if spec.error is not None and not self.check:
+            raise spec.error
+        recv = self._exchange(spec)
+        return np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64)
+
+    def allreduce_inline(self, spec: CallSpec, x: Any, out: Any | None, op: ReduceOp) -> Any:
+        """Allreduce an array of at most ``inline_bytes`` within the agreement exchange.
+
+        Every rank receives every rank's array and reduces them in rank order, so all ranks
+        compute the same bits; latency is one allgather. The small-message path, kept lean.
+        """
+        t = self.transport
+        if spec.error is not None and not self.check:
+            raise spec.error
+        if self.check:
+            recv = self._exchange(spec, x)
+            rows = self.inline_rows(recv, x.dtype, x.size)
+        else:
+            raw = np.empty((t.size, x.nbytes), np.uint8)  # bytes: MPI has no bfloat16
+            t.allgather_fixed(np.asarray(_host_bytes(x)), raw)
+            rows = raw.view(x.dtype)
+            t.stats.add(x.nbytes * (t.size - 1), x.nbytes * (t.size - 1))
+        if out is None:
+            out = _ops.get(x).empty(x.shape, x.dtype)
+        if x.size:
+            _reduce_rows(rows, out, op)
+        return out
+
+    def exchange_buffers(self) -> tuple[np.ndarray, np.ndarray, memoryview]:
+        """The host buffers of the exchange (reused by every call): send, receive, and a
+        memoryview of send for cheap byte copies."""
+        bufs = self._buffers.get("exchange")
+        if bufs is None:
+            self._check_inline_bytes()
+            nbytes = _HEADER_BYTES + self.inline_bytes
+            send = np.zeros(nbytes, np.uint8)
+            bufs = self._buffers["exchange"] = (
+                send, np.empty((self.transport.size, nbytes), np.uint8), memoryview(send))
+        return bufs
+
+    def inline_rows(self, recv: np.ndarray, dtype: np.dtype, size: int) -> np.ndarray:
+        """The (ranks x ``size``) ``dtype`` view of the inlined arrays in ``recv`` (cached)."""
+        key = ("rows", dtype, size)
+        rows = self._buffers.get(key)
+        if rows is None:
+            skip = _HEADER_BYTES // dtype.itemsize
+            rows = self._buffers[key] = recv.view(dtype)[:, skip: skip + size]
+        return rows
+
+    def release(self) -> None:
+        """Drop the exchange buffers."""
+        self._buffers.clear()
+
+    def _check_inline_bytes(self) -> None:
+        """Check once, before the first exchange, that every rank's slot has one size (else
+        the fixed-size exchanges would not match)."""
+        sizes = self.transport.allgather_object(self.inline_bytes)
+        if len(set(sizes)) > 1:
+            raise ArgumentMismatchError(
+                f"inline_bytes differs between ranks: {_groups(sizes)}; pass the same "
+                "inline_bytes (or RINGCOMM_INLINE_BYTES) to every rank",
+                kind="init", ranks=tuple(range(len(sizes))),
+                differences={"inline_bytes": tuple(sizes)})
+
+    def _exchange(self, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
+        """One fixed-size allgather of every rank's header (and inlined array); with the check
+        on, raise on every rank if the headers disagree."""
+        t = self.transport
+        send, recv, view = self.exchange_buffers()
+        header = spec.header(self.segment_bytes)
+        view[:_HEADER_BYTES] = header
+        if inline is not None:
+            view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
+        t.allgather_fixed(send, recv)
+        stats, volume = t.stats, send.nbytes * (t.size - 1)
+        stats.bytes_sent += volume
+        stats.bytes_received += volume
+        if self.check and (spec.error is not None
+                           or recv[:, :_HEADER_BYTES].tobytes() != header * t.size):
+            self.verify(spec, np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64))
+        return recv
+
+    def verify(self, spec: CallSpec, headers: np.ndarray) -> None:
+        """Raise the error every rank raises if ``headers`` (every rank's) disagree."""
+        differ = (headers != headers[0]).any(axis=0)
+        for field in _MAY_DIFFER.get(spec.kind, ()):
+            differ[field] = False
+        if not differ.any() and not headers[:, ERROR].any():
+            return
+        # Headers disagree: every rank takes the slow path, so descriptions can be exchanged.
+        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes}
+        raise _build_error(self.transport.allgather_object(mine))
 
 
 def _host_bytes(x: Any) -> memoryview:
@@ -143,52 +259,6 @@ def _host_bytes(x: Any) -> memoryview:
     return memoryview(x).cast("B")
 
 
-def agree(comm: Communicator, spec: CallSpec) -> None:
-    """Check the call matches on every rank, raising the same error on every rank if not.
-
-    With the consistency check off nothing is exchanged, and an invalid argument raises on its
-    own rank only.
-    """
-    if not comm.consistency_check:
-        if spec.error is not None:
-            raise spec.error
-        return
-    _exchange(comm, spec)
-
-
-def headers(comm: Communicator, spec: CallSpec) -> np.ndarray:
-    """Like ``agree``, returning every rank's header (size x words); the headers are exchanged
-    even with the check off, since gathers need every rank's size."""
-    if spec.error is not None and not comm.consistency_check:
-        raise spec.error
-    recv = _exchange(comm, spec)
-    return np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(np.int64)
-
-
-def allreduce_inline(comm: Communicator, spec: CallSpec, x: Any, out: Any | None,
-                     op: ReduceOp) -> Any:
-    """Allreduce an array of at most ``comm.inline_bytes`` within the agreement exchange.
-
-    Every rank receives every rank's array and reduces them in rank order, so all ranks compute
-    the same bits; latency is one allgather. This is the small-message path, kept lean.
-    """
-    if spec.error is not None and not comm.consistency_check:
-        raise spec.error
-    if comm.consistency_check:
-        recv = _exchange(comm, spec, x)
-        rows = comm._inline_rows(recv, x.dtype, x.size, _HEADER_BYTES)
-    else:
-        raw = np.empty((comm.size, x.nbytes), np.uint8)  # bytes: MPI has no bfloat16
-        comm._allgather_fixed(np.asarray(_host_bytes(x)), raw)
-        rows = raw.view(x.dtype)
-        comm.stats.add(x.nbytes * (comm.size - 1), x.nbytes * (comm.size - 1))
-    if out is None:
-        out = _ops.get(x).empty(x.shape, x.dtype)
-    if x.size:
-        _reduce_rows(rows, out, op)
-    return out
-
-
 class InlinePlan:
     """A small host allreduce seen before, prepared for its repeats (every training step).
 
@@ -198,23 +268,26 @@ class InlinePlan:
     comparison and raises the full error.
     """
 
-    __slots__ = ("buffers", "comm", "dtype", "expected", "header", "nbytes", "op", "rows",
-                 "shape", "spec", "volume")
+    __slots__ = ("agreement", "allgather", "buffers", "dtype", "expected", "header", "nbytes",
+                 "op", "rows", "shape", "spec", "stats", "volume")
 
-    def __init__(self, comm: Communicator, spec: CallSpec, x: np.ndarray, op: ReduceOp) -> None:
-        self.comm, self.spec, self.op = comm, spec, op
+    def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
+                 op: ReduceOp) -> None:
+        self.agreement, self.spec, self.op = agreement, spec, op
+        t = agreement.transport
+        self.allgather, self.stats = t.allgather_fixed, t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
-        self.header = spec.header(comm.segment_bytes)
-        self.expected = self.header * comm.size
-        self.buffers = comm._exchange_buffers(_HEADER_BYTES + comm.inline_bytes)
-        self.rows = comm._inline_rows(self.buffers[1], x.dtype, x.size, _HEADER_BYTES)
-        self.volume = self.buffers[0].nbytes * (comm.size - 1)
+        self.header = spec.header(agreement.segment_bytes)
+        self.expected = self.header * t.size
+        self.buffers = agreement.exchange_buffers()
+        self.rows = agreement.inline_rows(self.buffers[1], x.dtype, x.size)
+        self.volume = self.buffers[0].nbytes * (t.size - 1)
 
     @staticmethod
-    def applies(comm: Communicator, x: Any) -> bool:
+    def applies(agreement: Agreement, x: Any) -> bool:
         """Whether a plan can serve ``x``: checked, host, contiguous, small, bufferable."""
-        return (comm.consistency_check and type(x) is np.ndarray and x.flags.c_contiguous
-                and x.nbytes <= comm.inline_bytes and x.dtype.kind != "V")
+        return (agreement.check and type(x) is np.ndarray and x.flags.c_contiguous
+                and x.nbytes <= agreement.inline_bytes and x.dtype.kind != "V")
 
     def fits(self, out: Any) -> bool:
         return (type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
@@ -225,13 +298,13 @@ class InlinePlan:
         view[:_HEADER_BYTES] = self.header
         if self.nbytes:
             view[_HEADER_BYTES:_HEADER_BYTES + self.nbytes] = memoryview(x).cast("B")
-        self.comm._allgather_fixed(send, recv)
-        stats = self.comm.stats
+        self.allgather(send, recv)
+        stats = self.stats
         stats.bytes_sent += self.volume
         stats.bytes_received += self.volume
         if recv[:, :_HEADER_BYTES].tobytes() != self.expected:
-            _verify(self.comm, self.spec, np.ascontiguousarray(recv[:, :_HEADER_BYTES]).view(
-                np.int64))
+            self.agreement.verify(self.spec, np.ascontiguousarray(
+                recv[:, :_HEADER_BYTES]).view(np.int64))
         result = np.empty(self.shape, self.dtype) if out is None else out
         if self.nbytes:
             _reduce_rows(self.rows, result, self.op)
@@ -239,7 +312,7 @@ class InlinePlan:
 
 
 def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:
-    ufunc = _REDUCERS[op]
+    ufunc = getattr(np, op.spec.ufunc)
     if rows.dtype.itemsize != 2 and type(result) is np.ndarray and result.flags.c_contiguous:
         acc = result.reshape(-1)
         if rows.shape[0] == 2:
@@ -258,17 +331,6 @@ def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:
     _ops.get(result).copy_from_host(result, acc.reshape(result.shape))
 
 
-def _verify(comm: Communicator, spec: CallSpec, headers: np.ndarray) -> None:
-    differ = (headers != headers[0]).any(axis=0)
-    for field in _MAY_DIFFER.get(spec.kind, ()):
-        differ[field] = False
-    if not differ.any() and not headers[:, ERROR].any():
-        return
-    # Headers disagree: every rank takes the slow path, so the descriptions can be exchanged.
-    mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": comm.segment_bytes}
-    raise _build_error(comm._allgather_object(mine))
-
-
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -283,9 +345,12 @@ def _groups(values: list[Any]) -> str:
 
 def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
     """The one error every rank raises, built from every rank's description of its call."""
+    everyone = tuple(range(len(descriptions)))
     kinds = [d["kind"] for d in descriptions]
     if len(set(kinds)) > 1:
-        return ValueError(f"collective calls differ between ranks: {_groups(kinds)}")
+        return ArgumentMismatchError(
+            f"collective calls differ between ranks: {_groups(kinds)}", kind="/".join(
+                dict.fromkeys(kinds)), ranks=everyone, differences={"kind": tuple(kinds)})
     kind = kinds[0]
     errors: dict[tuple[str, str], list[int]] = {}
     for r, d in enumerate(descriptions):
@@ -293,9 +358,10 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
             errors.setdefault(d["error"], []).append(r)
     if errors:
         (etype, msg), ranks = next(iter(errors.items()))
-        cls = {"TypeError": TypeError, "ValueError": ValueError}.get(etype, RuntimeError)
-        return cls(f"{kind} failed on {_ranks(ranks)}: {msg}")
-    parts, cls = [], ValueError
+        cls = InvalidTypeError if etype == "TypeError" else InvalidArgumentError
+        return cls(f"{kind} failed on {_ranks(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
+                   reason=msg)
+    parts, differences = [], {}
     for field in ("dtype", "shape", "op", "root", "compression/name", "segment_bytes"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]
@@ -304,12 +370,9 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
             values = [d[field] for d in descriptions]
         if len(set(values)) <= 1:
             continue
-        if field == "dtype":
-            cls = TypeError
+        differences[field] = tuple(values)
         parts.append(f"{field} differs between ranks: {_groups(values)}")
     hint = " (use allgatherv when the first dimension differs)" if kind == "allgather" else ""
-    return cls(f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint)
-
-
-_REDUCERS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum,
-             "prod": np.multiply}
+    cls = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
+    message = f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint
+    return cls(message, kind=kind, ranks=everyone, differences=differences)

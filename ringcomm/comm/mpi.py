@@ -1,4 +1,10 @@
-"""MPI backend (mpi4py): NumPy arrays, and CuPy arrays through CUDA-aware MPI or host staging."""
+"""MPI backend (mpi4py): NumPy arrays, and CuPy arrays through CUDA-aware MPI or host staging.
+
+:class:`MPITransport` implements the Transport over three duplicates of an MPI communicator
+(the ring's messages, users' point-to-point messages, and the host collectives), so that none
+of ringcomm's messages can match another's or the application's. :class:`MPICommunicator` is
+the Communicator over it.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,16 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm import staging
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.types import RING
 
-__all__ = ["MPICommunicator", "import_mpi", "install_abort_hook", "yield_when_oversubscribed"]
+__all__ = [
+    "MPICommunicator",
+    "MPITransport",
+    "import_mpi",
+    "install_abort_hook",
+    "yield_when_oversubscribed",
+]
 
 _RING_TAG = 7
 _P2P_TAG = 11
@@ -67,40 +81,38 @@ class _Pair:
         self._MPI.Request.Waitall(self._reqs)
 
 
-class MPICommunicator(Communicator):
-    """Collectives over an MPI communicator; the allreduce is ringcomm's own pipelined ring.
+class MPITransport(TransportBase):
+    """The Transport over an mpi4py intracommunicator.
 
     Args:
         mpi_comm: the MPI communicator to run on (``MPI.COMM_WORLD`` by default); it is
             duplicated, so ringcomm's messages never match the application's.
-        consistency_check: check before each collective that every rank passed matching
-            arguments (one small allgather; see README, "Consistency check").
-        segment_bytes: ring segment size; the measured default when None.
-        inline_bytes: see ``ringcomm.init``.
+
+    Raises:
+        RuntimeError: mpi4py is missing (saying what to install).
+        TypeError: ``mpi_comm`` is not an mpi4py intracommunicator.
     """
 
     backend = "mpi"
 
-    def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
+    def __init__(self, mpi_comm: Any = None) -> None:
         MPI = import_mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
             raise TypeError(f"mpi_comm must be an mpi4py intracommunicator, got {base!r}")
         self._MPI = MPI
-        self._ring = base.Dup()
-        self._p2p = base.Dup()
-        self._ctl = base.Dup()
+        self._ring, self._p2p, self._ctl = base.Dup(), base.Dup(), base.Dup()
         local = base.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
         self.cuda_aware = staging.cuda_aware(MPI)
-        super().__init__(base.Get_rank(), base.Get_size(), consistency_check=consistency_check,
-                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
+        self._device_stage: staging.DeviceStaging | None = None
+        super().__init__(base.Get_rank(), base.Get_size())
 
     # ------------------------------------------------------------------------ primitives
-    def _isendrecv_on(self, comm: Any, tag: int, send: Any, dest: int, recv: Any,
-                      source: int) -> Any:
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+                  channel: int = RING) -> Any:
+        comm, tag = (self._ring, _RING_TAG) if channel == RING else (self._p2p, _P2P_TAG)
         if (type(send) is np.ndarray and type(recv) is np.ndarray
                 and "V" not in (send.dtype.kind, recv.dtype.kind)):  # the common, host case
             return _Pair(self._MPI, [comm.Irecv(recv, source, tag), comm.Isend(send, dest, tag)])
@@ -113,16 +125,10 @@ class MPICommunicator(Communicator):
             reqs.append(comm.Isend(_as_bytes(send), dest, tag))
         return _Pair(self._MPI, reqs)
 
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> Any:
-        return self._isendrecv_on(self._ring, _RING_TAG, send, dest, recv, source)
-
-    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
-        return self._isendrecv_on(self._p2p, _P2P_TAG, send, dest, recv, source)
-
-    def _allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
+    def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._ctl.Allgather(send, recv)
 
-    def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
         if not (_ops.is_device_array(x) or _ops.is_device_array(out)):
             # As bytes: MPI has no type for bfloat16 and the like, and nothing is reduced.
@@ -132,29 +138,71 @@ class MPICommunicator(Communicator):
             return
         self._device_staging().allgatherv(self._ctl, x, counts, displs, out)
 
-    def _broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Any, root: int) -> None:
         if not _ops.is_device_array(x):
             self._ctl.Bcast(x.view(np.uint8), root)
             return
         self._device_staging().broadcast(self._ctl, x, root)
 
-    def _allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any) -> list[Any]:
         return self._ctl.allgather(obj)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._ctl.Barrier()
 
-    def _close(self) -> None:
+    def split(self, color: int, key: int) -> MPITransport:
+        """``MPI_Comm_split`` of this transport's ranks (collective)."""
+        color, key = check_split(color, key)
+        sub = self._ctl.Split(color, key)
+        try:
+            return MPITransport(sub)
+        finally:
+            sub.Free()
+
+    def close(self) -> None:
+        self.release_scratch()
         for comm in (self._ring, self._p2p, self._ctl):
             comm.Free()
 
     # --------------------------------------------------------------------------- staging
     def _device_staging(self) -> staging.DeviceStaging:
         """How device arrays travel (created with the first one: it needs CuPy)."""
-        stage = self.__dict__.get("_device_stage")
-        if stage is None:
-            stage = self._device_stage = staging.DeviceStaging(self._MPI, self.cuda_aware)
-        return stage
+        if self._device_stage is None:
+            self._device_stage = staging.DeviceStaging(self._MPI, self.cuda_aware)
+        return self._device_stage
+
+
+class MPICommunicator(Communicator):
+    """The Communicator over MPI; the allreduce is ringcomm's own pipelined ring.
+
+    Args:
+        mpi_comm: the MPI communicator to run on (``MPI.COMM_WORLD`` by default); it is
+            duplicated, so ringcomm's messages never match the application's.
+        consistency_check: check before each collective that every rank passed matching
+            arguments (one small allgather; see README, "Consistency check").
+        segment_bytes: ring segment size; the measured default when None.
+        inline_bytes: see ``ringcomm.init``.
+    """
+
+    def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
+                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
+        super().__init__(MPITransport(mpi_comm), consistency_check=consistency_check,
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's position among the communicator's ranks on its host."""
+        return self.transport.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many of the communicator's ranks run on this host."""
+        return self.transport.local_size
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether device arrays go to MPI directly (else staged through host memory)."""
+        return self.transport.cuda_aware
 
 
 def install_abort_hook() -> None:

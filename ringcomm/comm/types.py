@@ -1,22 +1,40 @@
-"""Reduction ops, dtype rules, wire statistics: the vocabulary every backend shares."""
+"""Reduction ops, dtype rules, wire statistics, errors: the vocabulary every layer shares.
+
+This module is the bottom layer: it imports nothing from ringcomm, and every other module may
+import it. Each concept has one table here (reduce ops with their NumPy, CUDA and NCCL names;
+supported dtypes), which every layer reads instead of keeping its own.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 __all__ = [
+    "DEFAULT_INLINE_BYTES",
+    "RING",
     "SUPPORTED_DTYPES",
+    "USER",
+    "ArgumentMismatchError",
+    "CollectiveError",
     "CommStats",
+    "DtypeMismatchError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "OpSpec",
     "ReduceOp",
     "Request",
+    "Transport",
     "accumulation_dtype",
     "check_dtype",
     "check_movable",
     "check_op",
 ]
+
+#: Dense allreduces of up to this many bytes ride in the agreement message (see comm.agree).
+DEFAULT_INLINE_BYTES = 4096
 
 
 class ReduceOp(str, enum.Enum):
@@ -30,6 +48,11 @@ class ReduceOp(str, enum.Enum):
 
     # Hash like the plain string, so that "sum" and ReduceOp.SUM find the same dict entry.
     __hash__ = str.__hash__
+
+    @property
+    def spec(self) -> OpSpec:
+        """How every layer spells this op (NumPy/CuPy ufunc, CUDA functor, NCCL enum)."""
+        return OP_TABLE[self]
 
     @classmethod
     def parse(cls, op: str | ReduceOp) -> ReduceOp:
@@ -49,6 +72,25 @@ class ReduceOp(str, enum.Enum):
 
 
 _OPS: dict[Any, ReduceOp] = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+
+
+class OpSpec(NamedTuple):
+    """One reduce op as each layer names it."""
+
+    code: int  #: its number in the cross-rank agreement header
+    ufunc: str  #: the NumPy (and CuPy) ufunc that combines two contributions
+    kernel: str  #: the functor of kernels/common.cuh that the CUDA reduce kernels take
+    nccl: int  #: NCCL's ncclRedOp_t
+
+
+#: The one table of reduce ops. AVG combines like SUM; the algorithms divide once at the end.
+OP_TABLE: dict[ReduceOp, OpSpec] = {
+    ReduceOp.SUM: OpSpec(0, "add", "rc::OpSum", 0),
+    ReduceOp.AVG: OpSpec(1, "add", "rc::OpSum", 4),
+    ReduceOp.MIN: OpSpec(2, "minimum", "rc::OpMin", 3),
+    ReduceOp.MAX: OpSpec(3, "maximum", "rc::OpMax", 2),
+    ReduceOp.PROD: OpSpec(4, "multiply", "rc::OpProd", 1),
+}
 
 
 # Order matters: the position is the dtype's code in the cross-rank consistency check.
@@ -150,3 +192,116 @@ class Request(Protocol):
     """A posted point-to-point exchange; ``wait()`` returns once its buffers may be reused."""
 
     def wait(self) -> None: ...
+
+
+#: Channels of ``Transport.isendrecv``: messages on one channel never match the other's.
+RING, USER = 0, 1
+
+
+class Transport(Protocol):
+    """What the algorithms (ring, compressed rings, agreement) need from a backend.
+
+    A Transport connects ``size`` processes; every collective member must be called by all of
+    them in the same order. Arrays are contiguous and 1-d; a backend takes the array kinds it
+    can move (``check_arrays`` says which). Algorithms receive a Transport, never a
+    Communicator; a backend is one module implementing this protocol.
+
+    Attributes:
+        backend: the backend's name ("mpi", "nccl", "gloo", "threads").
+        rank: this process's rank, 0 <= rank < size.
+        size: the number of processes.
+        stats: bytes on the wire; the algorithms add what they send and receive.
+    """
+
+    backend: str
+    rank: int
+    size: int
+    stats: CommStats
+
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+                  channel: int = RING) -> Request:
+        """Post a send of ``send`` to ``dest`` and a receive into ``recv`` from ``source``.
+
+        Either may be None. Messages between a pair of ranks on one channel are matched in
+        posting order; the ring uses RING, a user's ``sendrecv`` USER.
+        """
+
+    def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Allgather equal-sized host byte buffers (``recv`` holds size * send.nbytes)."""
+
+    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+        """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""
+
+    def broadcast(self, x: Any, root: int) -> None:
+        """Overwrite contiguous ``x`` with root's, in place."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Gather a picklable object from every rank, in rank order."""
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier``."""
+
+    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+        """A buffer of ``n`` elements on ``like``'s device, kept between calls under ``key``."""
+
+    def check_arrays(self, *arrays: Any) -> None:
+        """Raise TypeError/ValueError if this backend cannot move ``arrays`` (None skipped)."""
+
+    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+        """Allreduce with the library's own algorithm if it has one that suits; False if not
+        (the ring runs instead)."""
+
+    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+        """This rank's chunk of the library's own reduce-scatter, or None (the ring runs)."""
+
+    def split(self, color: int, key: int) -> Transport:
+        """A Transport over the ranks that pass the same ``color``, ordered by (key, rank).
+
+        Collective over this transport. The new transport is independent of this one: its
+        messages never match this one's.
+        """
+
+    def close(self) -> None:
+        """Release the transport's resources."""
+
+
+class CollectiveError(Exception):
+    """A collective refused its arguments on every rank alike; the communicator stays usable.
+
+    Raised as one of its subclasses, each also a ValueError or TypeError (whichever the
+    problem is), so code that catches those keeps working. The fields say what happened
+    without parsing the message.
+
+    Attributes:
+        kind: the collective ("allreduce", "broadcast", ...).
+        ranks: the ranks whose arguments were invalid (InvalidArgumentError), or every rank
+            (ArgumentMismatchError).
+        differences: field name -> the value on each rank, in rank order, for every field
+            that differs between ranks (empty for InvalidArgumentError).
+        reason: the local error's message on the first failing rank (InvalidArgumentError).
+    """
+
+    def __init__(self, message: str, *, kind: str = "", ranks: tuple[int, ...] = (),
+                 differences: dict[str, tuple[Any, ...]] | None = None,
+                 reason: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.ranks = tuple(ranks)
+        self.differences = dict(differences or {})
+        self.reason = reason
+
+
+class InvalidArgumentError(CollectiveError, ValueError):
+    """An argument was invalid on some ranks (raised on every rank)."""
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument was of a type or dtype the collective cannot take, on some ranks."""
+
+
+class ArgumentMismatchError(CollectiveError, ValueError):
+    """Arguments differ between ranks, or the ranks called different collectives."""
+
+
+class DtypeMismatchError(ArgumentMismatchError, TypeError):
+    """The dtype differs between ranks."""

@@ -1,47 +1,65 @@
-"""Compressed allreduce: error-feedback bookkeeping, then the algorithm the compressor allows."""
+"""Compressed allreduce: error-feedback bookkeeping, then the algorithm the compressor names.
+
+Each compressor names the algorithm that reduces its payloads (``allreduce_algorithm``); this
+module holds the one table of those names. A new algorithm is one module of its own plus its
+line in ``ALGORITHMS``; a new compressor that reuses an algorithm touches neither.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm import ring as dense_ring
+from ringcomm.comm.types import ReduceOp, Transport
 from ringcomm.compress import ring, sparse
-from ringcomm.compress.base import Compressor, Wire
+from ringcomm.compress.base import Compressor
 from ringcomm.compress.feedback import ErrorFeedback
 
-__all__ = ["allreduce"]
+__all__ = ["ALGORITHMS", "AllreduceAlgorithm", "allreduce"]
 
 
-def _algorithm(comp: Compressor) -> Any:
-    if comp.wire is Wire.SPARSE:
-        return sparse.ring_allreduce if comp.algorithm == "ring" else sparse.allgather_allreduce
-    return ring.allreduce
+class AllreduceAlgorithm(Protocol):
+    """Reduce flat ``x`` plus ``residual`` into flat ``out`` through ``comp`` over ``t``; the
+    residual (None without error feedback) receives everything this rank did not send."""
+
+    def __call__(self, t: Transport, x: Any, out: Any, op: ReduceOp, comp: Any,
+                 residual: Any | None, seed: int, *, segment_bytes: int) -> None: ...
 
 
-def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compressor | None,
-              feedback: ErrorFeedback | None, name: str | None) -> None:
+#: Compressed allreduce algorithms by the name a compressor gives in ``allreduce_algorithm``.
+ALGORITHMS: dict[str, AllreduceAlgorithm] = {
+    "ring": ring.allreduce,
+    "sparse-ring": sparse.ring_allreduce,
+    "sparse-allgather": sparse.allgather_allreduce,
+}
+
+
+def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: Compressor | None,
+              feedback: ErrorFeedback | None, name: str | None, seed: int, *,
+              segment_bytes: int = dense_ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Compressed allreduce of flat ``x`` into flat ``out`` (arguments already checked).
 
     The input plus this rank's residual is what gets compressed; the residual is then
     overwritten with everything this rank did not send. ``comp`` None (what "auto" may pick)
-    sends input plus residual dense, spending the residual.
+    sends input plus residual dense, spending the residual. ``seed`` keys the random numbers
+    of stochastic rounding and sampling; it differs per call and rank.
     """
     ops = _ops.get(x)
-    residual = feedback.take(name, x) if feedback is not None else None
+    residual = feedback.take(name, x) if feedback is not None and name is not None else None
     if comp is None:
-        # Dense ("auto" may choose it): the input plus the pending residual, in the input's
-        # own dtype, and the residual is spent.
+        # Dense: the input plus the pending residual, in the input's own dtype; the residual
+        # is spent.
         work = x
         if residual is not None:
             work = ops.empty((x.size,), x.dtype)
             ops.reduce(ReduceOp.SUM, x, residual, work)
             feedback.reset(name)  # later dense calls need not add zeros
-        comm._allreduce_dense(work, out, op)
+        dense_ring.allreduce(t, work, out, op, segment_bytes=segment_bytes)
         return
-    if comm.size == 1:
+    if t.size == 1:
         # Nothing travels, so nothing is lost: the residual is spent.
         work = ops.empty((x.size,), np.float32)
         ops.compensate(x, residual, work)
@@ -49,7 +67,11 @@ def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: Compress
         if residual is not None:
             residual[...] = 0
         return
+    algorithm = ALGORITHMS.get(comp.allreduce_algorithm)
+    if algorithm is None:
+        known = ", ".join(sorted(ALGORITHMS))
+        raise NotImplementedError(f"{comp!r} names allreduce algorithm "
+                                  f"{comp.allreduce_algorithm!r}; known: {known}")
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.
-    seed = ring.mix_seed(comm._compressed_calls, comm.rank)
-    _algorithm(comp)(comm, x, out, op, comp, residual, seed)
+    algorithm(t, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)

@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.agree import INLINE_BYTES
-from ringcomm.comm.base import ReduceOp
-from ringcomm.compress.base import Compressor, DenseCompressor, Wire
+from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
+from ringcomm.comm.types import ReduceOp, Transport
+from ringcomm.compress.base import Compressor, Wire
 from ringcomm.compress.cast import FP16
 from ringcomm.compress.int8 import Int8
-from ringcomm.compress.topk import TopK
 
-if TYPE_CHECKING:
-    from ringcomm.comm.base import Communicator
-
-__all__ = ["Auto", "LinkModel", "measure_link", "measure_throughput"]
+__all__ = ["Auto", "AutoFigures", "LinkModel", "measure_link", "measure_throughput"]
 
 _PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20
 _WORK_ELEMS = 1 << 18
@@ -55,17 +52,27 @@ class LinkModel:
         return self.latency + nbytes / self.bandwidth
 
 
+@dataclass
+class AutoFigures:
+    """What "auto" has measured on one communicator, per array kind ("host", "device").
+
+    Attributes:
+        links: the ring step's latency and bandwidth.
+        throughput: bytes/s of each candidate's hop (keyed by ``Auto.key``).
+        choices: the choice made per (Auto, array kind, length), with the Auto kept alive.
+    """
+
+    links: dict[str, LinkModel] = field(default_factory=dict)
+    throughput: dict[str, dict[str, float]] = field(default_factory=dict)
+    choices: dict[tuple[int, str, int], tuple[Auto, Compressor | None]] = field(
+        default_factory=dict)
+
+
 def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
     """Bytes one ring step moves for an allreduce of ``nbytes`` of float32 under ``comp``."""
-    chunk = nbytes / n
     if comp is None:
-        return chunk
-    elems = chunk / 4
-    if isinstance(comp, TopK):
-        return min(8 * comp.k_for(int(elems)), chunk)
-    if isinstance(comp, DenseCompressor):
-        return comp.nbytes(int(elems))
-    raise TypeError(f"cannot model {comp!r}")
+        return nbytes / n
+    return comp.wire_bytes(nbytes // 4, n)
 
 
 def predict(comp: Compressor | None, nbytes: int, n: int, link: LinkModel,
@@ -128,48 +135,52 @@ class Auto(Compressor):
                          dense_nbytes) for c in self.candidates]
         return self.candidates[int(np.argmin(times))]
 
-    def ready(self, comm: Communicator, x: Any) -> bool:
+    def ready(self, figures: AutoFigures, x: Any) -> bool:
         """Whether ``resolve`` can choose for ``x`` without measuring (a collective)."""
-        cached = comm._auto_figures
-        kind = "device" if _ops.is_device_array(x) else "host"
-        link = self.link is not None or f"link.{kind}" in cached
-        known = cached.get(kind, {})
+        kind = _kind(x)
+        link = self.link is not None or kind in figures.links
+        known = figures.throughput.get(kind, {})
         speed = self.throughput is not None or all(self.key(c) in known for c in self.candidates)
         return link and speed
 
-    def resolve(self, comm: Communicator, x: Any) -> Compressor | None:
-        """Choose for array ``x``, measuring what is missing first (collectively, once per
-        communicator and array kind)."""
-        cached = comm._auto_figures
-        kind = "device" if _ops.is_device_array(x) else "host"
-        memo = cached.setdefault("choices", {})
+    def resolve(self, t: Transport, figures: AutoFigures, x: Any,
+                inline_bytes: int = INLINE_BYTES) -> Compressor | None:
+        """Choose for array ``x``, measuring over ``t`` what ``figures`` lack first
+        (collectively, once per communicator and array kind)."""
+        kind = _kind(x)
         key = (id(self), kind, x.size)
-        if key in memo and memo[key][0] is self:
-            return memo[key][1]
-        counters = (comm.stats.bytes_sent, comm.stats.bytes_received, comm.stats.calls)
-        if self.link is None:
-            if f"link.{kind}" not in cached:
-                cached[f"link.{kind}"] = measure_link(comm, x)
-            link = cached[f"link.{kind}"]
-        else:
-            link = self.link
-        if self.throughput is None:
-            known = cached.setdefault(kind, {})
+        memo = figures.choices.get(key)
+        if memo is not None and memo[0] is self:
+            return memo[1]
+        link = self.link
+        if link is None:
+            if kind not in figures.links:
+                figures.links[kind] = measure_link(t, x)
+            link = figures.links[kind]
+        throughput = self.throughput
+        if throughput is None:
+            known = figures.throughput.setdefault(kind, {})
             missing = [c for c in self.candidates if self.key(c) not in known]
             if missing:
-                known.update(measure_throughput(comm, missing, x))
+                known.update(measure_throughput(t, missing, x))
             throughput = {self.key(c): known[self.key(c)] for c in self.candidates}
-        else:
-            throughput = self.throughput
-        # The probes are ringcomm's business, not traffic of the user's calls.
-        comm.stats.bytes_sent, comm.stats.bytes_received, comm.stats.calls = counters
         nbytes = x.size * 4  # compressed calls compute in float32
         chooser = Auto(self.candidates, link=link, throughput=throughput)
-        choice = chooser.choose(nbytes, comm.size, comm.inline_bytes, x.nbytes)
-        if len(memo) > 4096:
-            memo.clear()
-        memo[key] = (self, choice)  # keeps self alive, so its id stays its own
+        choice = chooser.choose(nbytes, t.size, inline_bytes, x.nbytes)
+        if len(figures.choices) > 4096:
+            figures.choices.clear()
+        figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own
         return choice
+
+    @property
+    def allreduce_algorithm(self) -> str:
+        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
+
+    def wire_bytes(self, length: int, n: int) -> int:
+        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
+
+    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
 
     def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
         raise NotImplementedError("Auto chooses a compressor per call; compress with that one")
@@ -185,49 +196,46 @@ class Auto(Compressor):
         return f"Auto(candidates=({names}){fixed})"
 
 
-def _slowest_median(comm: Communicator, samples: list[float]) -> float:
+def _kind(x: Any) -> str:
+    return "device" if _ops.is_device_array(x) else "host"
+
+
+def _slowest_median(t: Transport, samples: list[float]) -> float:
     """The largest over ranks of this rank's median (the same on every rank)."""
-    return max(comm._allgather_object(float(np.median(samples))))
+    return max(t.allgather_object(float(np.median(samples))))
 
 
-def measure_link(comm: Communicator, like: Any, reps: int = 5) -> LinkModel:
+def measure_link(t: Transport, like: Any, reps: int = 5) -> LinkModel:
     """Time one ring step at 8 B and 4 MiB of ``like``'s array kind; fit latency and
     bandwidth (collective)."""
-    n, r = comm.size, comm.rank
+    n, r = t.size, t.rank
     right, left = (r + 1) % n, (r - 1) % n
     xp, sync = _ops.get(like), _synchronizer(like)
     times = {}
     for size in (_PROBE_SMALL, _PROBE_LARGE):
         send, recv = xp.zeros((size,), np.uint8), xp.empty((size,), np.uint8)
-        comm.sendrecv(send, right, recv, left)  # warm-up: connections, registration
+        t.isendrecv(send, right, recv, left).wait()  # warm-up: connections, registration
         sync()
         samples = []
         for _ in range(reps):
-            comm.barrier()
+            t.barrier()
             start = time.perf_counter()
-            comm.sendrecv(send, right, recv, left)
+            t.isendrecv(send, right, recv, left).wait()
             sync()
             samples.append(time.perf_counter() - start)
-        times[size] = _slowest_median(comm, samples)
+        times[size] = _slowest_median(t, samples)
     latency = times[_PROBE_SMALL]
     bandwidth = (_PROBE_LARGE - _PROBE_SMALL) / max(times[_PROBE_LARGE] - latency, 1e-9)
     return LinkModel(latency, bandwidth)
 
 
-def _hop_work(comp: Compressor | None, x: Any, own: Any) -> Any:
+def _hop_work(comp: Compressor | None, x: Any, own: Any) -> Callable[[], Any]:
+    """One hop of ``comp`` (None: the dense ring's addition), for timing."""
+    if comp is not None:
+        return comp.hop_work(x, own)
     xp = _ops.get(x)
-    if comp is None:
-        out = xp.empty(x.shape, x.dtype)
-        return lambda: xp.reduce(ReduceOp.SUM, x, own, out)
-    if isinstance(comp, TopK):
-        k = comp.k_for(x.size)
-        return lambda: comp.select(x, k)
-    assert isinstance(comp, DenseCompressor)
-    payload = xp.empty((comp.nbytes(x.size),), np.uint8)
-    out = xp.empty((payload.size,), np.uint8)
-    error = xp.empty(x.shape, x.dtype)
-    comp.encode(x, payload)
-    return lambda: comp.hop(payload, own, out, error=error)
+    out = xp.empty(x.shape, x.dtype)
+    return lambda: xp.reduce(ReduceOp.SUM, x, own, out)
 
 
 def _synchronizer(like: Any) -> Any:
@@ -238,11 +246,11 @@ def _synchronizer(like: Any) -> Any:
     return lambda: None
 
 
-def measure_throughput(comm: Communicator, candidates: list[Compressor | None], like: Any,
+def measure_throughput(t: Transport, candidates: list[Compressor | None], like: Any,
                        reps: int = 5) -> dict[str, float]:
     """Bytes/s of each candidate's per-hop work on 1 MiB of float32 on ``like``'s device
     (collective)."""
-    rng = np.random.default_rng(comm.rank)
+    rng = np.random.default_rng(t.rank)
     xp = _ops.get(like)
     x, own = (xp.empty((_WORK_ELEMS,), np.float32) for _ in range(2))
     xp.copy_from_host(x, rng.standard_normal(_WORK_ELEMS).astype(np.float32))
@@ -259,5 +267,5 @@ def measure_throughput(comm: Communicator, candidates: list[Compressor | None], 
             work()
             sync()
             samples.append(time.perf_counter() - start)
-        result[Auto.key(comp)] = x.nbytes / _slowest_median(comm, samples)
+        result[Auto.key(comp)] = x.nbytes / _slowest_median(t, samples)
     return result

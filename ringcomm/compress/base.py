@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ringcomm import ops as _ops
-
-if TYPE_CHECKING:
-    from ringcomm.comm.base import ReduceOp
-    from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.comm.types import ReduceOp
+from ringcomm.compress.feedback import ErrorFeedback
 
 __all__ = ["Compressor", "DenseCompressor", "Wire", "check_compressed_call"]
 
@@ -35,9 +34,29 @@ class Compressor(abc.ABC):
     ``payload`` is what travels (one contiguous uint8 array); ``ctx`` stays on the rank that
     compressed (shape and dtype). Compressors keep no state between calls; what they lose is
     kept by an :class:`~ringcomm.ErrorFeedback`. Values are computed in float32.
+
+    A compressor also says how the library uses it: which compressed allreduce reduces its
+    payloads (``allreduce_algorithm``, a name in ``ringcomm.compress.algorithms``), what one
+    ring step puts on the wire (``wire_bytes``), and what one hop costs (``hop_work``, which
+    ``compression="auto"`` times).
     """
 
     wire: ClassVar[Wire]
+
+    @property
+    @abc.abstractmethod
+    def allreduce_algorithm(self) -> str:
+        """The name of the compressed allreduce that reduces this compressor's payloads."""
+
+    @abc.abstractmethod
+    def wire_bytes(self, length: int, n: int) -> int:
+        """Bytes one ring step moves in an allreduce of ``length`` float32 elements over ``n``
+        ranks (one chunk's payload)."""
+
+    @abc.abstractmethod
+    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+        """A function doing one hop's work on float32 ``x`` (a received partial) and ``own``
+        (this rank's contribution), for timing; it may reuse buffers between calls."""
 
     @abc.abstractmethod
     def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -60,6 +79,21 @@ class DenseCompressor(Compressor):
 
     #: Chunks and segments are cut at multiples of this many elements.
     align: int = 1
+
+    @property
+    def allreduce_algorithm(self) -> str:
+        return "ring"
+
+    def wire_bytes(self, length: int, n: int) -> int:
+        return self.nbytes(length // n)
+
+    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+        xp = _ops.get(x)
+        payload = xp.empty((self.nbytes(x.size),), np.uint8)
+        out = xp.empty((payload.size,), np.uint8)
+        error = xp.empty(x.shape, x.dtype)
+        self.encode(x, payload)
+        return lambda: self.hop(payload, own, out, error=error)
 
     @abc.abstractmethod
     def nbytes(self, n: int) -> int:
@@ -120,9 +154,6 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
         ValueError: op other than sum/avg, feedback without a name, or a residual kept under
             ``name`` that does not fit ``x``.
     """
-    from ringcomm.comm.base import ReduceOp
-    from ringcomm.compress.feedback import ErrorFeedback
-
     if not isinstance(compression, Compressor):
         raise TypeError(
             f"compression must be a ringcomm compressor (FP16, BF16, Int8, TopK), "

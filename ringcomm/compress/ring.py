@@ -15,7 +15,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm import ring
-from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm.comm.types import ReduceOp, Transport
 from ringcomm.compress.base import DenseCompressor
 
 __all__ = ["CompressedCodec", "allreduce", "keep_rounding", "mix_seed"]
@@ -33,7 +33,7 @@ def mix_seed(*values: int) -> int:
 class CompressedCodec:
     """Ring codec whose messages are a DenseCompressor's payloads."""
 
-    def __init__(self, comm: Communicator, x: Any, out: Any, op: ReduceOp,
+    def __init__(self, t: Transport, x: Any, out: Any, op: ReduceOp,
                  comp: DenseCompressor, residual: Any | None, seed: int,
                  layout: ring.RingLayout) -> None:
         self.x, self.out, self.op, self.comp = x, out, op, comp
@@ -44,9 +44,9 @@ class CompressedCodec:
         self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = comp.nbytes(layout.max_seg)
-        self.staged = ring.staging(comm, "cring.send", x, widest, np.uint8)
-        self.inbox = ring.staging(comm, "cring.recv", x, widest, np.uint8)
-        self.own = comm.scratch("cring.own", x, layout.max_seg, np.float32)
+        self.staged = ring.staging(t, "cring.send", x, widest, np.uint8)
+        self.inbox = ring.staging(t, "cring.recv", x, widest, np.uint8)
+        self.own = t.scratch("cring.own", x, layout.max_seg, np.float32)
         self.decoded = None if out.dtype == np.float32 else self.ops.empty(
             (layout.max_seg,), np.float32)
 
@@ -121,10 +121,11 @@ def keep_rounding(ops: Any, residual: Any | None, exact: Any, out: Any, op: Redu
     residual += lost
 
 
-def allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: DenseCompressor,
-              residual: Any | None, seed: int) -> None:
+def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: DenseCompressor,
+              residual: Any | None, seed: int, *,
+              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Ring-allreduce flat ``x`` plus ``residual`` into ``out`` through ``comp``; the residual
     receives every error this rank makes."""
-    seg = max(1, comm.segment_bytes // 4)
-    layout = ring.RingLayout.build(x.size, comm.size, comm.rank, seg, comp.align)
-    ring.run(comm, layout, CompressedCodec(comm, x, out, op, comp, residual, seed, layout))
+    seg = max(1, segment_bytes // 4)
+    layout = ring.RingLayout.build(x.size, t.size, t.rank, seg, comp.align)
+    ring.run(t, layout, CompressedCodec(t, x, out, op, comp, residual, seed, layout))

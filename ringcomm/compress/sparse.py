@@ -8,7 +8,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm import ring
-from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm.comm.types import ReduceOp, Transport
 from ringcomm.compress.ring import keep_rounding, mix_seed
 from ringcomm.compress.topk import TopK
 
@@ -23,7 +23,7 @@ class SparseRingCodec:
     values, the chunk travels dense and loses nothing (SparCML's switch).
     """
 
-    def __init__(self, comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
+    def __init__(self, t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
                  residual: Any | None, seed: int, layout: ring.RingLayout) -> None:
         self.x, self.out, self.op, self.comp = x, out, op, comp
         self.residual, self.seed, self.layout = residual, seed, layout
@@ -35,10 +35,10 @@ class SparseRingCodec:
         self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = max(sizes)
-        self.staged = ring.staging(comm, "sring.send", x, widest, np.uint8)
-        self.inbox = ring.staging(comm, "sring.recv", x, widest, np.uint8)
+        self.staged = ring.staging(t, "sring.send", x, widest, np.uint8)
+        self.inbox = ring.staging(t, "sring.recv", x, widest, np.uint8)
         widest_chunk = max(layout.chunk_len(c) for c in range(n))
-        self.acc = comm.scratch("sring.acc", x, widest_chunk, np.float32)
+        self.acc = t.scratch("sring.acc", x, widest_chunk, np.float32)
 
     def _nbytes(self, c: int) -> int:
         return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
@@ -117,16 +117,21 @@ class SparseRingCodec:
                 keep_rounding(self.ops, self._error(c), acc, out, self.op, self.layout.n)
 
 
-def ring_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
-                   residual: Any | None, seed: int) -> None:
-    """Sparse-ring allreduce of flat ``x`` plus ``residual`` into ``out``."""
-    layout = ring.RingLayout.build(x.size, comm.size, comm.rank, max(x.size, 1))
-    ring.run(comm, layout, SparseRingCodec(comm, x, out, op, comp, residual, seed, layout))
+def ring_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
+                   residual: Any | None, seed: int, *, segment_bytes: int = 0) -> None:
+    """Sparse-ring allreduce of flat ``x`` plus ``residual`` into ``out``.
+
+    Each chunk travels as one message (its k pairs are selected over the whole chunk), so
+    ``segment_bytes`` does not apply.
+    """
+    layout = ring.RingLayout.build(x.size, t.size, t.rank, max(x.size, 1))
+    ring.run(t, layout, SparseRingCodec(t, x, out, op, comp, residual, seed, layout))
 
 
-def allgather_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp: TopK,
-                        residual: Any | None, seed: int) -> None:
-    """Gather every rank's k pairs and add them, rank by rank, on every rank."""
+def allgather_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
+                        residual: Any | None, seed: int, *, segment_bytes: int = 0) -> None:
+    """Gather every rank's k pairs and add them, rank by rank, on every rank (one message:
+    ``segment_bytes`` does not apply)."""
     ops = _ops.get(x)
     work = residual if residual is not None else ops.empty((x.size,), np.float32)
     ops.compensate(x, residual, work)
@@ -135,16 +140,16 @@ def allgather_allreduce(comm: Communicator, x: Any, out: Any, op: ReduceOp, comp
     if residual is not None:
         ops.sparse_residual(work, idx, residual)
     payload = TopK.pack(idx, val, ops.empty((8 * k,), np.uint8))
-    gathered = ops.empty((comm.size * 8 * k,), np.uint8)
-    comm._allgatherv(payload, [8 * k] * comm.size, gathered)
-    comm.stats.add(payload.nbytes * (comm.size - 1), payload.nbytes * (comm.size - 1))
+    gathered = ops.empty((t.size * 8 * k,), np.uint8)
+    t.allgatherv(payload, [8 * k] * t.size, gathered)
+    t.stats.add(payload.nbytes * (t.size - 1), payload.nbytes * (t.size - 1))
     acc = ops.zeros((x.size,), np.float32)
-    for r in range(comm.size):  # rank order: the same float32 sums on every rank
+    for r in range(t.size):  # rank order: the same float32 sums on every rank
         ops.scatter_add(acc, *TopK.unpack(gathered[r * 8 * k: (r + 1) * 8 * k]))
     if op is ReduceOp.AVG:
-        ops.divide(acc, comm.size, acc)
+        ops.divide(acc, t.size, acc)
     ops.copy(out, acc)
     # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
-    lo, hi = ring.chunk_bounds(x.size, comm.size)[comm.rank: comm.rank + 2]
+    lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
     keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi], out[lo:hi],
-                  op, comm.size)
+                  op, t.size)

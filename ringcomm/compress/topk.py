@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,6 +46,19 @@ class TopK(Compressor):
         self.ratio = float(ratio)
         self.algorithm = algorithm
         self.approximate = bool(approximate)
+
+    @property
+    def allreduce_algorithm(self) -> str:
+        return f"sparse-{self.algorithm}"
+
+    def wire_bytes(self, length: int, n: int) -> int:
+        # The sparse ring sends a chunk dense where its pairs would not be smaller.
+        chunk = length // n
+        return min(8 * self.k_for(chunk), 4 * chunk)
+
+    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+        k = self.k_for(x.size)
+        return lambda: self.select(x, k)
 
     def k_for(self, n: int) -> int:
         """Entries kept of an array of ``n``: ceil(ratio * n), at least 1 when n > 0."""

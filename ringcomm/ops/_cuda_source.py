@@ -13,6 +13,8 @@ import functools
 import importlib.resources
 import re
 
+from ringcomm.comm.types import ReduceOp
+
 __all__ = [
     "COPY_PAIRS",
     "CTYPES",
@@ -60,8 +62,7 @@ COPY_PAIRS = (
 REDUCE_MIXED = (("float32", "float16", "float32"), ("float32", "bfloat16", "float32"))
 #: (in, out) dtype pairs of divide: each float with itself, and float32 into 16 bits.
 DIVIDE_PAIRS = (*((f, f) for f in FLOATS), ("float32", "float16"), ("float32", "bfloat16"))
-_OPS = {"sum": "rc::OpSum", "avg": "rc::OpSum", "min": "rc::OpMin", "max": "rc::OpMax",
-        "prod": "rc::OpProd"}
+
 _FORMATS = {"f16": "rc::FmtF16", "bf16": "rc::FmtBF16"}
 
 
@@ -72,7 +73,8 @@ def copy_name(dst: str, src: str) -> str:
 
 def reduce_name(op: str, a: str, b: str, out: str) -> str:
     """Name expression of ``out = a (op) b`` for dtype names a, b, out and op "sum"..."prod"."""
-    return f"rc::reduce_kernel<{_OPS[op]}, {CTYPES[a]}, {CTYPES[b]}, {CTYPES[out]}>"
+    functor = ReduceOp.parse(op).spec.kernel
+    return f"rc::reduce_kernel<{functor}, {CTYPES[a]}, {CTYPES[b]}, {CTYPES[out]}>"
 
 
 def divide_name(src: str, out: str) -> str:
@@ -87,7 +89,7 @@ def cast_name(kind: str, fmt: str) -> str:
 
 def _elementwise_names() -> list[str]:
     names = [copy_name(d, s) for d, s in COPY_PAIRS]
-    for op in ("sum", "min", "max", "prod"):
+    for op in {o.spec.kernel: o for o in ReduceOp}.values():  # one per kernel functor
         names += [reduce_name(op, t, t, t) for t in CTYPES]
         names += [reduce_name(op, a, b, o) for a, b, o in REDUCE_MIXED]
     names += [divide_name(s, o) for s, o in DIVIDE_PAIRS]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.base import ReduceOp
+from ringcomm.comm.types import ReduceOp
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _cuda_source as _src
 from ringcomm.ops._cuda_codecs import (
@@ -188,8 +188,7 @@ def _as(x: Any, dtype: Any) -> Any:
 
 def _reduce_fallback(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
     cupy = _rt.cp()
-    ufunc = {ReduceOp.SUM: cupy.add, ReduceOp.AVG: cupy.add, ReduceOp.MIN: cupy.minimum,
-             ReduceOp.MAX: cupy.maximum, ReduceOp.PROD: cupy.multiply}[ReduceOp.parse(op)]
+    ufunc = getattr(cupy, ReduceOp.parse(op).spec.ufunc)
     wide = np.result_type(a.dtype, b.dtype)
     copy(out, ufunc(_as(a, wide), _as(b, wide)))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.base import ReduceOp
+from ringcomm.comm.types import ReduceOp
 
 __all__ = [
     "ascontiguous",
@@ -43,13 +43,7 @@ __all__ = [
     "zeros",
 ]
 
-_UFUNCS = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PROD: np.multiply,
-}
+_UFUNCS = {op: getattr(np, op.spec.ufunc) for op in ReduceOp}
 
 
 

@@ -1,0 +1,80 @@
+"""Allreduce plans: what a checked call runs, and the one cache of plans for repeated calls.
+
+A training loop reduces the same tensors every step. The first call of a dense allreduce is
+checked in full and its plan kept, keyed by array type, dtype, shape and op; repeats skip the
+local checks (the cross-rank agreement still runs every call). Small host arrays also get an
+:class:`~ringcomm.comm.agree.InlinePlan`, which finishes the call within the agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.comm import agree
+from ringcomm.comm.types import ReduceOp
+
+__all__ = ["AllreducePlan", "PlanCache"]
+
+_LIMIT = 4096  # plans kept at most: shapes can be many
+
+
+class AllreducePlan:
+    """How one allreduce runs: its agreed spec, op, compression and error feedback."""
+
+    __slots__ = ("compression", "feedback", "inline", "name", "op", "spec")
+
+    def __init__(self, spec: agree.CallSpec, op: ReduceOp, compression: Any, feedback: Any,
+                 name: Any) -> None:
+        self.spec, self.op = spec, op
+        self.compression, self.feedback, self.name = compression, feedback, name
+        self.inline: agree.InlinePlan | None = None
+
+    @property
+    def dense(self) -> bool:
+        """Whether the data travels as it is (no compression, no error feedback)."""
+        return self.compression is None and self.feedback is None
+
+
+class PlanCache:
+    """Checked plans of dense host allreduces, for their repeats."""
+
+    __slots__ = ("_plans",)
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], AllreducePlan] = {}
+
+    def get(self, x: Any, out: Any, op: Any) -> AllreducePlan | None:
+        """The plan of a dense allreduce seen before that this call can reuse, or None."""
+        if type(x) is not np.ndarray:  # device arrays: their device is checked every call
+            return None
+        try:
+            plan = self._plans.get((x.dtype, x.shape, op))
+        except TypeError:  # an unhashable op: the full check will say so
+            return None
+        if plan is None:
+            return None
+        if plan.inline is not None and not x.flags.c_contiguous:
+            return None
+        if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
+                                or out.dtype != x.dtype or not out.flags.writeable):
+            return None
+        return plan
+
+    def put(self, x: Any, op: Any, plan: AllreducePlan, agreement: agree.Agreement) -> None:
+        """Keep the checked plan of a dense allreduce of host array ``x``."""
+        if type(x) is not np.ndarray:
+            return
+        if len(self._plans) >= _LIMIT:
+            self._plans.clear()
+        if agree.InlinePlan.applies(agreement, x):
+            plan.inline = agree.InlinePlan(agreement, plan.spec, x, plan.op)
+        try:
+            self._plans[(x.dtype, x.shape, op)] = plan
+        except TypeError:
+            pass
+
+    def clear(self) -> None:
+        """Forget every plan (settings that plans carry have changed)."""
+        self._plans.clear()

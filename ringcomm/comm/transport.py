@@ -1,0 +1,77 @@
+"""What every Transport implementation shares: rank, size, wire stats and scratch buffers.
+
+Backends subclass :class:`TransportBase` and implement the rest of the
+:class:`~ringcomm.comm.types.Transport` protocol (point-to-point exchange, the few host
+collectives, ``split``); the defaults here say "no native collective, every array kind taken".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm.comm.types import CommStats, ReduceOp
+
+__all__ = ["TransportBase", "check_split"]
+
+
+class TransportBase:
+    """Rank, size, stats and scratch buffers of a Transport; backends add the messaging."""
+
+    backend: str = ""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = int(rank)
+        self.size = int(size)
+        self.stats = CommStats()
+        self._buffers: dict[tuple[Any, ...], Any] = {}
+
+    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+        """A reusable buffer of ``n`` elements on ``like``'s device, kept between calls.
+
+        Collectives reuse their staging buffers instead of allocating (and page-faulting) new
+        ones every call. Two live buffers need two keys.
+        """
+        xp = _ops.get(like)
+        device = getattr(getattr(like, "device", None), "id", None)  # CuPy arrays: the GPU
+        k = (key, xp.__name__, device, np.dtype(dtype).str)
+        buf = self._buffers.get(k)
+        if buf is None or buf.size < n:
+            buf = self._buffers[k] = xp.empty((max(n, 1),), dtype)
+        return buf[:n]
+
+    def release_scratch(self) -> None:
+        """Drop every scratch buffer (they are made again on demand)."""
+        self._buffers.clear()
+
+    def check_arrays(self, *arrays: Any) -> None:
+        """Accept every array kind (NumPy and CuPy); backends that cannot, override."""
+        return None
+
+    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+        """No native allreduce: the ring runs."""
+        return False
+
+    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+        """No native reduce-scatter: the ring runs."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank {self.rank} of {self.size}>"
+
+
+def check_split(color: Any, key: Any) -> tuple[int, int]:
+    """Validate the arguments of ``split`` (non-negative integer color, integer key).
+
+    Raises:
+        TypeError: color or key is not an integer.
+        ValueError: color is negative.
+    """
+    for label, v in (("color", color), ("key", key)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"split {label} must be an integer, got {type(v).__name__}")
+    if color < 0:
+        raise ValueError(f"split color must be >= 0, got {color}")
+    return int(color), int(key)
