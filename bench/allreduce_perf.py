@@ -385,7 +385,7 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
             "busbw": algbw * 2 * (n - 1) / n if n > 1 else algbw, "wire_bytes": wire,
         }
         if isinstance(comp, ringcomm.Auto):  # what "auto" picked at this size
-            choice = comp.resolve(comm, x)
+            choice = comp.resolve(comm.transport, comm.auto_figures, x, comm.inline_bytes)
             row["chose"] = "none" if choice is None else label_of(choice)
         if args.check:
             if comp is None:
