@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi gpu-test gpu-bench bench-ddp lint clean
+.PHONY: demo test test-unit test-mpi layers gpu-test gpu-bench bench-ddp lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/python bench/allreduce_perf.py -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: test-unit test-mpi
+test: layers test-unit test-mpi
+
+# The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
+# layers below it.
+layers: $(VENV)/.test
+	$(BIN)/lint-imports
 
 test-unit: $(VENV)/.test
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -49,7 +54,7 @@ bench-ddp: $(VENV)/.test
 	$(BIN)/mpiexec -n 2 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n2.md
 	$(BIN)/mpiexec -n 4 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n4.md
 
-lint: $(VENV)/.test
+lint: layers
 	$(BIN)/ruff check ringcomm tests bench examples
 
 clean:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import ringcomm
-from ringcomm.comm.base import ReduceOp
+from ringcomm.comm.types import ReduceOp
 
 _DTYPES = {"half": "float16", "float": "float32", "double": "float64", "int32": "int32",
            "int64": "int64", "bfloat16": "bfloat16"}

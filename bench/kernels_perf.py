@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.base import ReduceOp
+from ringcomm.comm.types import ReduceOp
 from ringcomm.ops import numpy as host_ops
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -19,9 +19,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ringcomm.comm.base import CommStats, Communicator, ReduceOp
+from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
+from ringcomm.comm.types import (
+    ArgumentMismatchError,
+    CollectiveError,
+    CommStats,
+    DtypeMismatchError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    ReduceOp,
+    Transport,
+)
 from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
 
 __version__ = "0.1.0"
@@ -29,15 +39,21 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16",
     "FP16",
+    "ArgumentMismatchError",
     "Auto",
+    "CollectiveError",
     "CommStats",
     "Communicator",
     "Compressor",
+    "DtypeMismatchError",
     "ErrorFeedback",
     "Int8",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "LaunchInfo",
     "ReduceOp",
     "TopK",
+    "Transport",
     "__version__",
     "init",
     "launch_info",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.base import ReduceOp
+from ringcomm.comm.types import ReduceOp
 from ringcomm.ops import cuda as gpu
 from ringcomm.ops import numpy as ref
 

@@ -114,11 +114,6 @@ class Engine:
         handle._finish(result, error)
         return handle
 
-    def drain(self) -> None:
-        """Block until every queued operation has finished."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._queue and not self._busy)
-
     def close(self) -> None:
         """Finish what is queued, then stop the worker thread. Idempotent."""
         with self._cv:

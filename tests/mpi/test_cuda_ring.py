@@ -174,8 +174,9 @@ def test_staging_modes_agree(comm, world, rng, kind, direct):
     CUDA-aware MPI), move the same bytes; pinned buffers are reused, not piled up."""
     if kind.name == "cuda" and direct and not comm.cuda_aware:
         pytest.skip("this MPI is not CUDA-aware")
-    saved = comm.__dict__.get("_device_stage")
-    comm._device_stage = staging.DeviceStaging(comm._MPI, direct)
+    transport = comm.transport
+    saved = transport._device_stage
+    transport._device_stage = staging.DeviceStaging(transport._MPI, direct)
     try:
         comp = ringcomm.Int8()
         saved_seg, comm.segment_bytes = comm.segment_bytes, 8192
@@ -186,9 +187,7 @@ def test_staging_modes_agree(comm, world, rng, kind, direct):
             want = comm.allreduce(x, compression=comp)
             comm._compressed_calls = calls
             _same(kind, world, comm.allreduce(kind.put(x), compression=comp), want)
-        assert len(comm._device_stage._pool._idle) <= staging._KEEP
+        assert len(transport._device_stage._pool._idle) <= staging._KEEP
     finally:
         comm.segment_bytes = saved_seg
-        comm._device_stage = saved
-        if saved is None:
-            del comm._device_stage
+        transport._device_stage = saved

@@ -39,6 +39,30 @@ def test_dtypes_differ(comm):
     usable(comm)
 
 
+def test_errors_carry_their_fields(comm):
+    """Typed errors: what differs, on which ranks, without parsing the message."""
+    needs_two(comm)
+    n = 1000 + (comm.rank == 1) * 24
+    with pytest.raises(ringcomm.ArgumentMismatchError) as mismatch:
+        comm.allreduce(np.ones(n, dtype=np.float32))
+    err = mismatch.value
+    assert err.kind == "allreduce" and err.ranks == tuple(range(comm.size))
+    assert err.differences == {"shape": tuple((1000 + (r == 1) * 24,) for r in range(comm.size))}
+    dtype = np.float64 if comm.rank == 1 else np.float32
+    with pytest.raises(ringcomm.DtypeMismatchError) as mismatch:
+        comm.allreduce(np.ones(10, dtype=dtype))
+    assert isinstance(mismatch.value, TypeError) and "dtype" in mismatch.value.differences
+    op = "median" if comm.rank == comm.size - 1 else "sum"
+    with pytest.raises(ringcomm.InvalidArgumentError) as invalid:
+        comm.allreduce(np.ones(10, dtype=np.float32), op=op)
+    err = invalid.value
+    assert err.kind == "allreduce" and err.ranks == (comm.size - 1,) and err.differences == {}
+    assert err.reason.startswith("unknown op 'median'")
+    with pytest.raises(ringcomm.InvalidTypeError):
+        comm.allreduce(np.ones(10, dtype=np.complex64))
+    usable(comm)
+
+
 def test_ops_differ(comm):
     needs_two(comm)
     op = "max" if comm.rank == 1 else "sum"

@@ -1,0 +1,72 @@
+"""Compare allreduce_perf runs of two versions of ringcomm, size by size, as a Markdown table.
+
+Each version's JSON files (``allreduce_perf.py --json``) are runs on the same machine, taken
+alternately (before, after, before, after, ...) so that drift hits both alike. Per size the
+table gives the median time of each version, their ratio, and the same ratio normalised by
+MPI's own Allreduce timed in the same runs (which cancels what the machine did meanwhile).
+
+Usage::
+
+    python bench/compare_runs.py --before b1.json b2.json --after a1.json a2.json \
+        --markdown bench/results/FILE.md --title "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _rows(paths: list[str]) -> dict[int, list[dict[str, Any]]]:
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if row.get("compression", "none") == "none":
+                by_size.setdefault(int(row["size"]), []).append(row)
+    return by_size
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def table(before: list[str], after: list[str]) -> list[str]:
+    """The Markdown lines comparing the two sets of runs."""
+    b, a = _rows(before), _rows(after)
+    lines = [
+        "| size | before (µs) | after (µs) | after / before | MPI before (µs) | MPI after (µs) "
+        "| after / before, MPI-normalised |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in sorted(set(a) & set(b)):
+        tb = statistics.median(r["time_us"] for r in b[size])
+        ta = statistics.median(r["time_us"] for r in a[size])
+        mb = statistics.median(r["mpi_time_us"] for r in b[size] if "mpi_time_us" in r)
+        ma = statistics.median(r["mpi_time_us"] for r in a[size] if "mpi_time_us" in r)
+        normalised = (ta / ma) / (tb / mb)
+        lines.append(f"| {_size(size)} | {tb:.0f} | {ta:.0f} | {ta / tb:.3f} | {mb:.0f} | "
+                     f"{ma:.0f} | {normalised:.3f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", nargs="+", required=True, help="JSON runs of the old tree")
+    parser.add_argument("--after", nargs="+", required=True, help="JSON runs of the new tree")
+    parser.add_argument("--markdown", help="write the table here (else print it)")
+    parser.add_argument("--title", default="Dense allreduce, before and after")
+    args = parser.parse_args()
+    text = "\n".join([f"# {args.title}", "", *table(args.before, args.after), ""])
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

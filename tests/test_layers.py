@@ -1,0 +1,53 @@
+"""The import layers of ringcomm/ hold, and an import that climbs a layer breaks them.
+
+The contracts live in pyproject.toml ([tool.importlinter]); `make test` runs `lint-imports`
+itself. These tests also show the contracts can fail: a copy of the package with one climbing
+import added must be refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed")
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache", "--config", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_layers_hold():
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "BROKEN" not in result.stdout
+
+
+@pytest.mark.parametrize(("module", "statement"), [
+    ("ringcomm/ring.py", "from ringcomm.comm import base"),  # algorithm -> Communicator
+    ("ringcomm/compress/int8.py", "from ringcomm.compress import ring"),  # codec -> algorithm
+    ("ringcomm/ops/numpy.py", "import ringcomm.compress.feedback"),  # ops -> codecs
+    ("ringcomm/comm/types.py", "import ringcomm.ops"),  # the bottom imports nothing
+    ("ringcomm/comm/agree.py", "import ringcomm.comm.mpi"),  # Communicator -> a backend
+    ("ringcomm/torch/_dist_backend.py", "import ringcomm"),  # backend -> the package root
+])
+def test_a_climbing_import_is_refused(tmp_path, module, statement):
+    shutil.copytree(ROOT / "ringcomm", tmp_path / "ringcomm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{statement}  # noqa\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert "BROKEN" in result.stdout
+    assert module[:-3].replace("/", ".") in result.stdout
