@@ -7,6 +7,7 @@ none. Tests that assert the no-GPU behaviour skip where a GPU is visible.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import socket
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def test_failed_init_reports_last_error(lib, no_gpu):
 def test_init_rank_checks_the_id_length(lib):
     with pytest.raises(ValueError, match="128 bytes, got 3"):
         lib.init_rank(1, b"abc", 0)
+
+
+def test_split_is_bound_from_nccl_2_18(lib):
+    """ncclCommSplit is bound where the library has it; NCCLTransport.split falls back to a
+    fresh communicator per group (over the rendezvous) where it does not."""
+    assert lib.can_split is (lib.version >= 21800)
+    assert ("ncclCommSplit" in lib.fn) is lib.can_split
 
 
 def test_dtype_codes():
@@ -213,7 +221,52 @@ def test_store_rendezvous_in_one_process(monkeypatch):
     assert rdv.allgather_object({"a": 1}) == [{"a": 1}]
     assert rdv.allgather_object(2) == [2]  # a second call uses fresh keys
     assert rdv.bcast_bytes(b"id") == b"id"
+    sub = rdv.split(3, 0)
+    assert (sub.kind, sub.rank, sub.size, sub.local_rank, sub.local_size) == ("store", 0, 1, 0, 1)
+    assert sub.allgather_object("x") == ["x"]
+    assert rdv.allgather_object(3) == [3]  # the parent goes on after a split
+    sub.close()
     rdv.close()
+
+
+_SPLIT_CHILD = textwrap.dedent("""
+    import json
+    from ringcomm.comm import _nccl_setup
+
+    rdv = _nccl_setup.connect()
+    sub = rdv.split(rdv.rank % 2, -rdv.rank)
+    seen = sub.allgather_object(rdv.rank)
+    uid = sub.bcast_bytes(b"id%d" % rdv.rank if sub.rank == 0 else None, 0).decode()
+    after = rdv.allgather_object(sub.rank)
+    print("SPLIT", json.dumps([sub.rank, sub.size, sub.local_rank, sub.local_size, seen, uid,
+                               after]))
+    sub.close()
+    rdv.close()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_store_rendezvous_splits_like_mpi(subprocess_env):
+    """Three torchrun-style processes split by rank parity with descending keys: each group
+    orders its ranks by (key, rank), gets its own key space, and the parent goes on."""
+    pytest.importorskip("torch.distributed")
+    port, size = _free_port(), 3
+    procs = []
+    for rank in range(size):
+        env = dict(subprocess_env, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _SPLIT_CHILD], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    results = []
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out
+        results.append(json.loads(out.split("SPLIT ", 1)[1]))
+    # Color 0 holds ranks 0 and 2 (keys 0 and -2, so rank 2 comes first); color 1 rank 1.
+    assert results == [[1, 2, 1, 2, [2, 0], "id2", [1, 0, 0]],
+                       [0, 1, 0, 1, [1], "id1", [1, 0, 0]],
+                       [0, 2, 0, 2, [2, 0], "id2", [1, 0, 0]]]
 
 
 _CHILD = textwrap.dedent("""
@@ -258,8 +311,7 @@ def _recording_comm(lib, rank: int, size: int, fail: str = "") -> tuple[object, 
             return 5 if name == fail else 0
         return call
 
-    comm = object.__new__(_nccl_lib.NCCLComm)
-    comm.lib, comm.rank, comm.size, comm.handle = lib, rank, size, None
+    comm = _nccl_lib.NCCLComm(lib, None, rank, size)
     comm.fn = {name: recorder(name) for name in ("ncclSend", "ncclRecv", "ncclGroupStart",
                                                  "ncclGroupEnd")}
     return comm, calls

@@ -3,7 +3,8 @@
 The library is looked up in the nvidia-nccl-cu12 / nvidia-nccl-cu13 wheels first (both install
 it as ``nvidia/nccl/lib/libnccl.so.2``; ``nvidia/cu13/lib`` is searched too), then wherever the
 dynamic loader finds ``libnccl.so.2`` (a site NCCL on ``LD_LIBRARY_PATH``). Loading, version
-and unique-id calls need no GPU.
+and unique-id calls need no GPU. Reduce ops take their ncclRedOp_t from the one table of
+reduce ops (``ReduceOp.X.spec.nccl``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.types import ReduceOp
-
 __all__ = [
     "DTYPES",
     "INSTALL_HINT",
     "MIN_VERSION",
-    "OPS",
     "UINT8",
     "NCCLComm",
     "NCCLError",
@@ -45,9 +43,6 @@ DTYPES: dict[str, int] = {
     "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
 }
 UINT8 = DTYPES["uint8"]
-# ncclRedOp_t, by ringcomm's op name.
-#: ncclRedOp_t by op name, from the one table of reduce ops.
-OPS: dict[str, int] = {op.value: op.spec.nccl for op in ReduceOp}
 
 _void_p, _int, _size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 
@@ -63,8 +58,8 @@ _PROTOTYPES: tuple[tuple[str, list[Any]], ...] = (
     ("ncclCommInitRank", [ctypes.POINTER(_void_p), _int, _UniqueId, _int]),
     ("ncclCommFinalize", [_void_p]),
     ("ncclCommDestroy", [_void_p]),
-    ("ncclCommAbort", [_void_p]),
-    ("ncclCommGetAsyncError", [_void_p, ctypes.POINTER(_int)]),
+    ("ncclCommCount", [_void_p, ctypes.POINTER(_int)]),
+    ("ncclCommUserRank", [_void_p, ctypes.POINTER(_int)]),
     ("ncclGetErrorString", [_int]),
     ("ncclGetLastError", [_void_p]),
     ("ncclAllReduce", [_void_p, _void_p, _size_t, _int, _int, _void_p, _void_p]),
@@ -77,6 +72,10 @@ _PROTOTYPES: tuple[tuple[str, list[Any]], ...] = (
     ("ncclGroupEnd", []),
 )
 _RESTYPES = {"ncclGetErrorString": ctypes.c_char_p, "ncclGetLastError": ctypes.c_char_p}
+# Bound where the library has them: ncclCommSplit arrived in NCCL 2.18.
+_OPTIONAL_PROTOTYPES: tuple[tuple[str, list[Any]], ...] = (
+    ("ncclCommSplit", [_void_p, _int, _int, ctypes.POINTER(_void_p), _void_p]),
+)
 
 
 class NCCLError(RuntimeError):
@@ -128,8 +127,12 @@ class NCCLLibrary:
     Args:
         path: the shared library to load.
 
+    Attributes:
+        can_split: whether the library has ``ncclCommSplit`` (NCCL 2.18 and newer).
+
     Raises:
         OSError: the library cannot be loaded.
+        AttributeError: a function ringcomm needs is missing.
         RuntimeError: it is older than ``MIN_VERSION``.
     """
 
@@ -137,11 +140,13 @@ class NCCLLibrary:
         self.path = path
         self._lib = ctypes.CDLL(path)
         self.fn: dict[str, Any] = {}
-        for name, argtypes in _PROTOTYPES:
+        optional = [p for p in _OPTIONAL_PROTOTYPES if hasattr(self._lib, p[0])]
+        for name, argtypes in (*_PROTOTYPES, *optional):
             f = getattr(self._lib, name)
             f.argtypes = argtypes
             f.restype = _RESTYPES.get(name, _int)
             self.fn[name] = f
+        self.can_split = "ncclCommSplit" in self.fn
         self.version = self._version()
         if self.version < MIN_VERSION:
             raise RuntimeError(
@@ -195,37 +200,64 @@ class NCCLLibrary:
         self.check(code, f"ncclCommInitRank (rank {rank} of {nranks})")
         return handle
 
-    def destroy(self, comm: Any, *, abort: bool = False) -> None:
-        """Finish outstanding work of ``comm`` and free it (or abort it, dropping the work)."""
-        if abort:
-            self.check(self.fn["ncclCommAbort"](comm), "ncclCommAbort")
-            return
+    def destroy(self, comm: Any) -> None:
+        """Finish the outstanding work of communicator ``comm`` and free it."""
         self.check(self.fn["ncclCommFinalize"](comm), "ncclCommFinalize", comm)
         self.check(self.fn["ncclCommDestroy"](comm), "ncclCommDestroy")
 
-    def async_error(self, comm: Any) -> int:
-        """The communicator's asynchronous error code (0 when none)."""
-        state = _int()
-        self.check(self.fn["ncclCommGetAsyncError"](comm, ctypes.byref(state)),
-                   "ncclCommGetAsyncError", comm)
-        return state.value
+    def comm_shape(self, comm: Any) -> tuple[int, int]:
+        """(rank, number of ranks) of communicator ``comm``, as NCCL numbers them."""
+        rank, count = _int(), _int()
+        self.check(self.fn["ncclCommUserRank"](comm, ctypes.byref(rank)), "ncclCommUserRank",
+                   comm)
+        self.check(self.fn["ncclCommCount"](comm, ctypes.byref(count)), "ncclCommCount", comm)
+        return rank.value, count.value
 
 
 class NCCLComm:
     """One NCCL communicator: enqueue calls on a given stream, checking every result.
 
-    Buffers are device pointers and sizes; point-to-point calls move bytes.
+    Buffers are device pointers and sizes; point-to-point calls move bytes. Made by
+    :meth:`create` or :meth:`split`.
 
     Args:
         lib: the loaded library.
-        nranks, uid, rank: as for ``ncclCommInitRank``, on the current CUDA device.
+        handle: the ncclComm_t.
+        rank, size: this rank and the number of ranks, as NCCL numbers them.
     """
 
     __slots__ = ("fn", "handle", "lib", "rank", "size")
 
-    def __init__(self, lib: NCCLLibrary, nranks: int, uid: bytes, rank: int) -> None:
-        self.lib, self.fn, self.rank, self.size = lib, lib.fn, rank, nranks
-        self.handle = lib.init_rank(nranks, uid, rank)
+    def __init__(self, lib: NCCLLibrary, handle: Any, rank: int, size: int) -> None:
+        self.lib, self.fn, self.handle, self.rank, self.size = lib, lib.fn, handle, rank, size
+
+    @classmethod
+    def create(cls, lib: NCCLLibrary, nranks: int, uid: bytes, rank: int) -> NCCLComm:
+        """Create rank ``rank`` of ``nranks`` on the current CUDA device (``ncclCommInitRank``).
+
+        Raises:
+            ValueError: ``uid`` is not a 128-byte unique id.
+            NCCLError: NCCL refused (bad device, peers unreachable, ...).
+        """
+        return cls(lib, lib.init_rank(nranks, uid, rank), rank, nranks)
+
+    def split(self, color: int, key: int) -> NCCLComm:
+        """The communicator of the ranks that pass the same ``color`` (``ncclCommSplit``).
+
+        Collective over this communicator's ranks; ranks are ordered by (key, rank here), as
+        MPI_Comm_split orders them. The new communicator keeps this one's configuration.
+
+        Raises:
+            NotImplementedError: the library is older than NCCL 2.18 (``lib.can_split``).
+            NCCLError: NCCL refused.
+        """
+        if not self.lib.can_split:
+            raise NotImplementedError(
+                f"ncclCommSplit needs NCCL 2.18 or newer, this is {self.lib.version_string}")
+        handle = _void_p()
+        code = self.fn["ncclCommSplit"](self.handle, color, key, ctypes.byref(handle), None)
+        self.check(code, f"ncclCommSplit (color {color}, key {key})")
+        return NCCLComm(self.lib, handle, *self.lib.comm_shape(handle))
 
     def check(self, code: int, what: str) -> None:
         """Raise NCCLError (with this communicator's last error) unless ``code`` is 0."""

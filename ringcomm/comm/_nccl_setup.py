@@ -8,7 +8,8 @@ The rendezvous is picked by how the job was launched: MPI (mpiexec/mpirun/srun w
 or an explicit ``mpi_comm``), the store of torch.distributed (torchrun: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; a process group already initialised lends
 its store), or nothing at all for a lone process. It carries the startup exchange, the NCCL
-unique id, and small objects on error paths.
+unique id, and small objects on error paths. A rendezvous splits like an MPI communicator, for
+the NCCL transport's ``split``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Rendezvous(Protocol):
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> bool: ...
 
+    def split(self, color: int, key: int) -> Rendezvous:
+        """The rendezvous of the ranks passing ``color``, ordered by (key, rank); collective."""
+
     def close(self) -> None: ...
 
 
@@ -90,24 +94,43 @@ class _MPIRendezvous:
         self.comm.Allgather(send, recv)
         return True
 
+    def split(self, color: int, key: int) -> _MPIRendezvous:
+        sub = self.comm.Split(color, key)
+        try:
+            return _MPIRendezvous(sub)
+        finally:
+            sub.Free()
+
     def close(self) -> None:
         self.comm.Free()
 
 
 class _StoreRendezvous:
-    """Over torch.distributed's key-value store (TCPStore at MASTER_ADDR:MASTER_PORT)."""
+    """Over torch.distributed's key-value store (TCPStore at MASTER_ADDR:MASTER_PORT).
+
+    Args:
+        store: a store whose keys no other rendezvous uses (a PrefixStore).
+        rank, size, local_rank, local_size: this rank's place in the rendezvous.
+    """
 
     kind = "store"
 
-    def __init__(self, info: launch.LaunchInfo) -> None:
+    def __init__(self, store: Any, rank: int, size: int, local_rank: int,
+                 local_size: int) -> None:
+        self.store = store
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self._calls = itertools.count()
+
+    @classmethod
+    def launched(cls, info: launch.LaunchInfo) -> _StoreRendezvous:
+        """The rendezvous of a torchrun job, over the store its environment names."""
         try:
             import torch.distributed as dist
         except ImportError as err:
             raise RuntimeError(
                 "under torchrun the NCCL backend exchanges its unique id over "
                 f"torch.distributed's store, which needs PyTorch ({err})") from err
-        self.rank, self.size = info.rank, info.size
-        self.local_rank, self.local_size = info.local_rank, info.local_size
         if dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         else:
@@ -120,8 +143,8 @@ class _StoreRendezvous:
                     f"store could not be reached at MASTER_ADDR:MASTER_PORT: {err}") from err
         # Every communicator of this process gets its own key space; all ranks create their
         # communicators in the same order, so the generations agree.
-        self.store = dist.PrefixStore(f"ringcomm/nccl{next(_GENERATION)}/", store)
-        self._calls = itertools.count()
+        prefixed = dist.PrefixStore(f"ringcomm/nccl{next(_GENERATION)}/", store)
+        return cls(prefixed, info.rank, info.size, info.local_rank, info.local_size)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         tag = f"ag{next(self._calls)}/"
@@ -146,6 +169,20 @@ class _StoreRendezvous:
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> bool:
         return False  # a store round trip per collective is too slow; NCCL does this one
 
+    def split(self, color: int, key: int) -> _StoreRendezvous:
+        import torch.distributed as dist
+
+        # The key space is numbered like any other call, so every rank names the same one.
+        space = f"sp{next(self._calls)}/{color}/"
+        everyone = self.allgather_object((color, key, socket.gethostname()))
+        members = sorted((k, r) for r, (c, k, _) in enumerate(everyone) if c == color)
+        ranks = [r for _, r in members]
+        hosts = [everyone[r][2] for r in ranks]
+        rank = ranks.index(self.rank)
+        here = [i for i, host in enumerate(hosts) if host == hosts[rank]]
+        return _StoreRendezvous(dist.PrefixStore(space, self.store), rank, len(ranks),
+                                here.index(rank), len(here))
+
     def close(self) -> None:
         self.store = None
 
@@ -167,6 +204,9 @@ class _LocalRendezvous:
         recv.reshape(-1)[:] = send.reshape(-1)
         return True
 
+    def split(self, color: int, key: int) -> _LocalRendezvous:
+        return _LocalRendezvous()
+
     def close(self) -> None:
         pass
 
@@ -187,7 +227,7 @@ def connect(mpi_comm: Any = None) -> Rendezvous:
         return _MPIRendezvous(mpi_comm)
     info = launch.detect()
     if info.launcher == "torchrun":
-        return _StoreRendezvous(info)
+        return _StoreRendezvous.launched(info)
     try:
         from mpi4py import MPI
     except ImportError as err:

@@ -1,5 +1,8 @@
 """NCCL backend: collectives on CuPy arrays, one NCCL communicator per process on its local GPU.
 
+:class:`NCCLTransport` implements the Transport over one NCCL communicator;
+:class:`NCCLCommunicator` is the Communicator over it.
+
 NCCL is called through ctypes over the ``libnccl.so.2`` of the nvidia-nccl-cu12 wheel (see
 :mod:`ringcomm.comm._nccl_lib`), not through ``cupy.cuda.nccl``: whether CuPy finds the wheel's
 library depends on the library preloading of the CuPy release (ringcomm accepts CuPy 13 and
@@ -13,26 +16,29 @@ cannot start, or two ranks on one GPU, give a clear error on every rank instead 
 NCCL's own message.
 
 Streams: every collective is enqueued on the caller's current CuPy stream and returns without
-waiting for the GPU. The ring's ``isendrecv`` runs on a stream of its own, after the work
-already on the current stream; the request's ``wait()`` makes the current stream wait for the
-transfer (the host does not block), so the ring's reductions overlap the next transfer.
+waiting for the GPU. The ring's exchanges (channel RING) run on a stream of their own, after
+the work already on the current stream; the request's ``wait()`` makes the current stream wait
+for the transfer (the host does not block), so the ring's reductions overlap the next transfer.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm import _nccl_lib, _nccl_setup
-from ringcomm.comm.base import Communicator, ReduceOp
+from ringcomm.comm.base import Communicator
+from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.types import RING, ReduceOp, Request
 
-__all__ = ["NCCLCommunicator", "usable", "usable_everywhere"]
+__all__ = ["NCCLCommunicator", "NCCLTransport", "usable", "usable_everywhere"]
 
 _INT32 = _nccl_lib.DTYPES["int32"]
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the pointers say where they live
+_C_INT = range(-(1 << 31), 1 << 31)  # NCCL takes split colors and keys as C ints
 
 
 _usable: list[bool] = []
@@ -99,23 +105,32 @@ class _Enqueued:
 _ENQUEUED = _Enqueued()
 
 
-class NCCLCommunicator(Communicator):
-    """Collectives over NCCL on CuPy arrays; dense allreduce is NCCL's own.
+def _checked_setup(rdv: _nccl_setup.Rendezvous,
+                   device: int | None) -> tuple[_nccl_setup.LocalSetup, bytes]:
+    """Check every rank can start (raising the same error everywhere if one cannot), and
+    return this rank's setup with rank 0's unique id."""
+    problem, setup = None, None
+    try:
+        setup = _nccl_setup.local_setup(rdv.local_rank, device, rdv.rank == 0)
+    except RuntimeError as err:
+        problem = str(err)
+    identities = _nccl_setup.startup_exchange(rdv, problem, setup.identity if setup else None)
+    _nccl_setup.check_distinct_devices(identities)
+    assert setup is not None
+    return setup, rdv.bcast_bytes(setup.uid, 0)
 
-    Each process drives one GPU: local rank (among this communicator's ranks on the host)
-    modulo the visible device count, made the current CuPy device. Collectives run on the
-    current stream. reduce_scatter is NCCL's where the length divides evenly by the size, the
-    ring otherwise; compressed allreduce runs the ring over ``isendrecv`` with the GPU kernels.
-    16-bit floats are summed by NCCL in their own precision (the ring sums them in float32).
+
+class NCCLTransport(TransportBase):
+    """The Transport over one NCCL communicator on this process's GPU (CuPy arrays only).
+
+    The GPU is the local rank (among this transport's ranks on the host) modulo the visible
+    device count; it becomes the current CuPy device. The host collectives travel over the
+    rendezvous: MPI where there is one, else NCCL (``allgather_fixed``) or the store.
 
     Args:
         mpi_comm: mpi4py communicator whose ranks form this one (``MPI.COMM_WORLD`` by
-            default); it carries the unique id and the per-call agreement. Under torchrun
-            without it, torch.distributed's store carries the unique id, and the agreement
-            is a small NCCL allgather that waits for the current stream once per call.
-        consistency_check: check before each collective that every rank passed matching
-            arguments (one small host-side allgather).
-        segment_bytes: ring segment size for the ring paths; the measured default when None.
+            default); it carries the unique id and the host collectives. Under torchrun
+            without it, torch.distributed's store carries the unique id.
         device: CUDA device to use instead of the one the local rank picks.
 
     Raises:
@@ -124,134 +139,53 @@ class NCCLCommunicator(Communicator):
     """
 
     backend = "nccl"
-    _shared: ClassVar[list[tuple[Any, NCCLCommunicator]]] = []
 
-    def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None, inline_bytes: int | None = None,
-                 device: int | None = None) -> None:
+    def __init__(self, mpi_comm: Any = None, *, device: int | None = None) -> None:
         rdv = _nccl_setup.connect(mpi_comm)
-        self._rdv = rdv
         try:
-            super().__init__(rdv.rank, rdv.size, consistency_check=consistency_check,
-                             segment_bytes=segment_bytes, inline_bytes=inline_bytes)
-            self._start(device)
+            setup, uid = _checked_setup(rdv, device)
+            gpu = setup.cupy.cuda.Device(setup.device)
+            # Arrays the application creates next belong on this GPU, as with
+            # torch.cuda.set_device.
+            gpu.use()
+            with gpu:
+                nccl = _nccl_lib.NCCLComm.create(setup.lib, rdv.size, uid, rdv.rank)
+            self._attach(rdv, setup.cupy, setup.lib, setup.device, nccl)
         except BaseException:
             rdv.close()
             raise
 
-    def _start(self, device: int | None) -> None:
-        """Check every rank can start, then create the NCCL communicator."""
-        problem, setup = None, None
-        try:
-            setup = _nccl_setup.local_setup(self._rdv.local_rank, device, self._rank == 0)
-        except RuntimeError as err:
-            problem = str(err)
-        identities = _nccl_setup.startup_exchange(
-            self._rdv, problem, setup.identity if setup else None)
-        _nccl_setup.check_distinct_devices(identities)
-        assert setup is not None
-        uid = self._rdv.bcast_bytes(setup.uid, 0)
-        cupy = setup.cupy
-        self._cupy, self._lib, self._cuda = cupy, setup.lib, cupy.cuda
-        self._device_id = setup.device
-        self._device = cupy.cuda.Device(setup.device)
-        # Arrays the application creates next belong on this GPU, as with torch.cuda.set_device.
-        self._device.use()
-        with self._device:
-            self._nccl = _nccl_lib.NCCLComm(setup.lib, self._size, uid, self._rank)
+    def _attach(self, rdv: _nccl_setup.Rendezvous, cupy: Any, lib: _nccl_lib.NCCLLibrary,
+                device: int, nccl: _nccl_lib.NCCLComm) -> None:
+        """Become the transport over ``rdv`` and ``nccl`` on CUDA device ``device``."""
+        super().__init__(rdv.rank, rdv.size)
+        self._rdv, self._cupy, self._cuda, self._lib, self._nccl = rdv, cupy, cupy.cuda, lib, nccl
+        self._device_id = device
+        self._open = True
+        self.device = cupy.cuda.Device(device)
+        self.local_rank, self.local_size = rdv.local_rank, rdv.local_size
+        self._fixed: dict[int, tuple[Any, Any]] = {}
+        with self.device:
             self._p2p_stream = cupy.cuda.Stream(non_blocking=True)
             self._word = cupy.zeros(1, np.int32)
-            self._fixed: dict[int, tuple[Any, Any]] = {}
-
-    @classmethod
-    def shared(cls, world: Any) -> NCCLCommunicator:
-        """The communicator over mpi4py communicator ``world``, created on first use.
-
-        Every rank of ``world`` must make the first call together (it creates an NCCL
-        communicator); later calls return the same object until it is closed.
-        """
-        for w, comm in cls._shared:
-            if w is world and not comm.closed:
-                return comm
-        comm = cls(mpi_comm=world)
-        cls._shared.append((world, comm))
-        return comm
-
-    # ----------------------------------------------------------------------------- properties
-    @property
-    def device(self) -> Any:
-        """The cupy.cuda.Device this communicator runs on."""
-        return self._device
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's position among the communicator's ranks on its host."""
-        return self._rdv.local_rank
-
-    @property
-    def local_size(self) -> int:
-        """How many of the communicator's ranks run on this host."""
-        return self._rdv.local_size
 
     @property
     def nccl_version(self) -> str:
         """The NCCL library's version, as "2.21.5"."""
         return self._lib.version_string
 
-    # ---------------------------------------------------------------------------- hooks
-    def _check_arrays(self, *arrays: Any) -> None:
-        err = self._foreign(*arrays)
-        if err is not None:
-            raise err
-
-    def _reduce_scatter_dense(self, x: Any, op: ReduceOp) -> Any:
-        """ncclReduceScatter when the length divides by the size, the ring otherwise (same
-        chunks: rank r gets ``[r * L // size, (r + 1) * L // size)``)."""
-        if x.size % self._size:
-            return super()._reduce_scatter_dense(x, op)
-        count = x.size // self._size
-        with self._device:
-            out = self._cupy.empty((count,), x.dtype)
-            if count:
-                self._reduce("ncclReduceScatter", x, out, count, op)
-            moved = count * x.itemsize * (self._size - 1)
-            self.stats.add(moved, moved)
-        return out
-
-    def native_allreduce(self, x: Any, y: Any, op: str | ReduceOp = "sum") -> Any:
-        """Run NCCL's own allreduce of ``x`` into ``y`` on the current stream; returns ``y``.
-
-        No agreement, no staging: the benchmark's baseline. ``x`` and ``y`` are contiguous
-        CuPy arrays of one size and dtype on this communicator's GPU (``y`` may be ``x``).
-
-        Raises:
-            TypeError: not CuPy arrays, or dtypes differ.
-            ValueError: sizes differ, an array is not contiguous, or an unknown op.
-        """
-        self._ensure_open()
-        err = self._foreign(x, y)
-        if err is not None:
-            raise err
-        if x.dtype != y.dtype:
-            raise TypeError(f"y has dtype {y.dtype}, expected {x.dtype}")
-        if x.size != y.size or not (x.flags.c_contiguous and y.flags.c_contiguous):
-            raise ValueError(f"expected contiguous x and y of one size, got sizes {x.size} "
-                             f"and {y.size}")
-        if x.size:
-            self._reduce("ncclAllReduce", x, y, x.size, ReduceOp.parse(op))
-        return y
-
     # ------------------------------------------------------------------------ primitives
-    def _allreduce_dense(self, x: Any, out: Any, op: ReduceOp) -> None:
-        self._reduce("ncclAllReduce", x, out, x.size, op)
-        # Counted as NCCL's ring moves it: 2 (n - 1) / n of the array each way.
-        moved = 2 * (self._size - 1) * x.nbytes // self._size
-        self.stats.add(moved, moved)
-
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None,
-                  source: int) -> _Transfer:
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+                  channel: int = RING) -> Request:
+        if channel != RING:
+            # One NCCL communicator serves both channels: NCCL matches a pair's messages in
+            # the order they are issued, and a collective issues all of its messages before
+            # it returns, so a user's message can never be taken for one of a collective's.
+            with self.device:
+                self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._stream())
+            return _ENQUEUED
         cuda = self._cuda
-        with self._device:
+        with self.device:
             ready = cuda.Event(disable_timing=True)
             ready.record(cuda.get_current_stream())
             self._p2p_stream.wait_event(ready)
@@ -260,19 +194,11 @@ class NCCLCommunicator(Communicator):
             done.record(self._p2p_stream)
         return _Transfer(cuda, done, (send, recv))
 
-    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> _Enqueued:
-        # One NCCL communicator serves both: NCCL matches a pair's messages in the order they
-        # are issued, and a collective issues all of its messages before it returns, so a
-        # user's message can never be taken for one of a collective's.
-        with self._device:
-            self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._stream())
-        return _ENQUEUED
-
-    def _allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
+    def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self._rdv.allgather_fixed(send, recv):
             return
         # No MPI (torchrun): through NCCL, staged in device buffers kept per size.
-        with self._device:
+        with self.device:
             bufs = self._fixed.get(send.nbytes)
             if bufs is None:
                 bufs = self._fixed[send.nbytes] = (
@@ -283,45 +209,129 @@ class NCCLCommunicator(Communicator):
             self._nccl.allgather(dsend.data.ptr, drecv.data.ptr, send.nbytes, self._stream())
             drecv.get(out=recv)
 
-    def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         item = x.itemsize
-        with self._device:
+        with self.device:
             stream = self._stream()
             if len(set(counts)) == 1:
                 self._nccl.allgather(x.data.ptr, out.data.ptr, counts[0] * item, stream)
                 return
             self._nccl.gatherv(x.data.ptr, out.data.ptr, [c * item for c in counts], stream)
-            mine = counts[self._rank] * item
+            mine = counts[self.rank] * item
             if mine:
-                at = out.data.ptr + sum(counts[: self._rank]) * item
+                at = out.data.ptr + sum(counts[: self.rank]) * item
                 self._cuda.runtime.memcpyAsync(at, x.data.ptr, mine, _MEMCPY_DEFAULT, stream)
 
-    def _broadcast(self, x: Any, root: int) -> None:
-        with self._device:
+    def broadcast(self, x: Any, root: int) -> None:
+        with self.device:
             self._nccl.broadcast(x.data.ptr, x.nbytes, root, self._stream())
 
-    def _allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any) -> list[Any]:
         return self._rdv.allgather_object(obj)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         # A one-word allreduce, then wait for it: returns once every rank has issued it, and
         # after this rank's earlier GPU work on the current stream.
-        with self._device:
+        with self.device:
             stream = self._cuda.get_current_stream()
             ptr = self._word.data.ptr
-            self._nccl.reduce("ncclAllReduce", ptr, ptr, 1, _INT32, _nccl_lib.OPS["sum"],
+            self._nccl.reduce("ncclAllReduce", ptr, ptr, 1, _INT32, ReduceOp.SUM.spec.nccl,
                               stream.ptr)
             stream.synchronize()
 
-    def _close(self) -> None:
-        type(self)._shared[:] = [(w, c) for w, c in self._shared if c is not self]
+    def check_arrays(self, *arrays: Any) -> None:
+        """Raise unless every array (None skipped) is a CuPy array on this transport's GPU.
+
+        Raises:
+            TypeError: an array is not a CuPy array.
+            ValueError: an array is on another GPU.
+        """
+        for a in arrays:
+            if a is None:
+                continue
+            if not _ops.is_device_array(a):
+                kind = f"{type(a).__module__}.{type(a).__name__}"
+                raise TypeError(
+                    f"the NCCL backend takes CuPy arrays, got {kind}; move the data to the GPU "
+                    "with cupy.asarray(x), or use ringcomm.init(backend='mpi') for NumPy arrays")
+            if a.device.id != self._device_id:
+                raise ValueError(f"array is on GPU {a.device.id}, but this communicator runs "
+                                 f"on GPU {self._device_id}")
+
+    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+        """Enqueue ncclAllReduce of flat ``x`` into flat ``out`` (which may be ``x``) on the
+        current stream; True, since NCCL reduces every dtype and op ringcomm takes.
+
+        16-bit floats are summed in their own precision (the ring sums them in float32).
+        """
+        if x.size:
+            self._reduce("ncclAllReduce", x, out, x.size, op)
+        # Counted as NCCL's ring moves it: 2 (n - 1) / n of the array each way.
+        moved = 2 * (self.size - 1) * x.nbytes // self.size
+        self.stats.add(moved, moved)
+        return True
+
+    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+        """ncclReduceScatter when the length divides by the size; None otherwise (the ring
+        runs, with the same chunks: rank r gets ``[r * L // size, (r + 1) * L // size)``)."""
+        if x.size % self.size:
+            return None
+        count = x.size // self.size
+        with self.device:
+            out = self._cupy.empty((count,), x.dtype)
+        if count:
+            self._reduce("ncclReduceScatter", x, out, count, op)
+        moved = count * x.itemsize * (self.size - 1)
+        self.stats.add(moved, moved)
+        return out
+
+    def split(self, color: int, key: int) -> NCCLTransport:
+        """A transport over the ranks passing ``color``, ordered by (key, rank); collective.
+
+        The rendezvous splits first (MPI_Comm_split, or the store's key space). The NCCL
+        communicator is ``ncclCommSplit``'s where the library has it (NCCL >= 2.18); with an
+        older NCCL, rank 0 of each new group makes a fresh unique id, shared over the group's
+        rendezvous, and the group starts a communicator with it. Every rank runs the same NCCL
+        (NCCL refuses mixed versions), so all take the same path.
+
+        Raises:
+            TypeError: color or key is not an integer.
+            ValueError: color is negative, or color or key does not fit a C int.
+            RuntimeError: NCCL failed (with NCCL's error text).
+        """
+        color, key = check_split(color, key)
+        if color not in _C_INT or key not in _C_INT:
+            raise ValueError(f"split color and key must fit a 32-bit int, got {color}, {key}")
+        rdv = self._rdv.split(color, key)
         try:
-            with self._device:
+            with self.device:
+                nccl = (self._nccl.split(color, key) if self._lib.can_split
+                        else self._fresh_comm(rdv))
+                if (nccl.rank, nccl.size) != (rdv.rank, rdv.size):
+                    nccl.destroy()
+                    raise RuntimeError(
+                        f"split: NCCL made this rank {nccl.rank} of {nccl.size}, the rendezvous "
+                        f"{rdv.rank} of {rdv.size}")
+            child = NCCLTransport.__new__(NCCLTransport)
+            child._attach(rdv, self._cupy, self._lib, self._device_id, nccl)
+        except BaseException:
+            rdv.close()
+            raise
+        return child
+
+    def close(self) -> None:
+        """Wait for this transport's GPU work, then free the NCCL communicator. Idempotent."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            with self.device:
                 self._p2p_stream.synchronize()
                 self._cuda.get_current_stream().synchronize()
                 self._nccl.destroy()
         finally:
             self._fixed.clear()
+            self.release_scratch()
             self._rdv.close()
 
     # ---------------------------------------------------------------------------- helpers
@@ -330,27 +340,80 @@ class NCCLCommunicator(Communicator):
 
     def _reduce(self, name: str, x: Any, out: Any, count: int, op: ReduceOp) -> None:
         """Enqueue ncclAllReduce or ncclReduceScatter of ``count`` elements per output."""
-        code = _nccl_lib.DTYPES.get(x.dtype.name)
-        if code is None:
-            raise TypeError(f"NCCL cannot reduce dtype {x.dtype.name}")
-        with self._device:
-            self._nccl.reduce(name, x.data.ptr, out.data.ptr, count, code,
-                              _nccl_lib.OPS[op.value], self._stream())
+        code = _nccl_lib.dtype_code(x.dtype)
+        with self.device:
+            self._nccl.reduce(name, x.data.ptr, out.data.ptr, count, code, op.spec.nccl,
+                              self._stream())
 
-    def _foreign(self, *arrays: Any) -> Exception | None:
-        """Why NCCL cannot take these arrays (not CuPy, or on another GPU), or None."""
-        for a in arrays:
-            if a is None:
-                continue
-            if not _ops.is_device_array(a):
-                kind = f"{type(a).__module__}.{type(a).__name__}"
-                return TypeError(
-                    f"the NCCL backend takes CuPy arrays, got {kind}; move the data to the GPU "
-                    "with cupy.asarray(x), or use ringcomm.init(backend='mpi') for NumPy arrays")
-            if a.device.id != self._device_id:
-                return ValueError(f"array is on GPU {a.device.id}, but this communicator runs "
-                                  f"on GPU {self._device_id}")
-        return None
+    def _fresh_comm(self, rdv: _nccl_setup.Rendezvous) -> _nccl_lib.NCCLComm:
+        """A new NCCL communicator over ``rdv``'s ranks, from a unique id of its rank 0
+        (shared with an allgather, so that a failure to make one reaches every rank)."""
+        mine: bytes | str | None = None
+        if rdv.rank == 0:
+            try:
+                mine = self._lib.unique_id()
+            except _nccl_lib.NCCLError as err:
+                mine = str(err)
+        uid = rdv.allgather_object(mine)[0]
+        if isinstance(uid, str):
+            raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
+        return _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank)
+
+
+class NCCLCommunicator(Communicator):
+    """Collectives over NCCL on CuPy arrays, one GPU per process (see NCCLTransport).
+
+    Dense allreduce is NCCL's own, reduce_scatter too where the length divides evenly by the
+    size (the ring otherwise); compressed allreduce runs the ring with the GPU kernels. 16-bit
+    floats are summed by NCCL in their own precision (the ring sums them in float32).
+
+    Args:
+        mpi_comm: mpi4py communicator whose ranks form this one (``MPI.COMM_WORLD`` by
+            default); it carries the unique id and the per-call agreement. Under torchrun
+            without it, torch.distributed's store carries the unique id, and the agreement
+            is a small NCCL allgather that waits for the current stream once per call.
+        consistency_check: check before each collective that every rank passed matching
+            arguments (one small host-side allgather).
+        segment_bytes: ring segment size for the ring paths; the measured default when None.
+        inline_bytes: see ``ringcomm.init``.
+        device: CUDA device to use instead of the one the local rank picks.
+
+    Raises:
+        RuntimeError: CuPy, NCCL or a GPU is missing (naming what to install), two ranks
+            would share one GPU, or NCCL failed to start (with NCCL's error text).
+        ValueError: a bad ``inline_bytes``.
+    """
+
+    def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
+                 segment_bytes: int | None = None, inline_bytes: int | None = None,
+                 device: int | None = None) -> None:
+        transport = NCCLTransport(mpi_comm, device=device)
+        try:
+            super().__init__(transport, consistency_check=consistency_check,
+                             segment_bytes=segment_bytes, inline_bytes=inline_bytes)
+        except BaseException:
+            transport.close()
+            raise
+
+    @property
+    def device(self) -> Any:
+        """The cupy.cuda.Device this communicator runs on."""
+        return self.transport.device
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's position among the communicator's ranks on its host."""
+        return self.transport.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many of the communicator's ranks run on this host."""
+        return self.transport.local_size
+
+    @property
+    def nccl_version(self) -> str:
+        """The NCCL library's version, as "2.21.5"."""
+        return self.transport.nccl_version
 
 
 def _span(x: Any) -> tuple[int, int] | None:

@@ -7,7 +7,9 @@ ranks on one GPU, raise the same clear error on every rank. With GPUs (marker ``
   backend's results on the same data;
 - two ranks on one GPU get the clear error, not NCCL's;
 - ``test_multi_gpu[n]`` runs the collectives over n ranks with a GPU each, skipping where the
-  job has too few ranks or GPUs.
+  job has too few ranks or GPUs;
+- ``split`` of the transport, with ``ncclCommSplit`` and with its fallback (a fresh unique id
+  per group), on one rank and over n ranks.
 
 Whether to skip is decided from what every rank reports, so that all ranks take the same path.
 """
@@ -15,17 +17,21 @@ Whether to skip is decided from what every rank reports, so that all ranks take 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from mpi_helpers import gather_inputs, same_on_all_ranks
 
-from ringcomm.comm import _nccl_setup, nccl
+from ringcomm.comm import _nccl_lib, _nccl_setup, nccl
+from ringcomm.comm.base import Communicator
 from ringcomm.comm.mpi import MPICommunicator
 from ringcomm.comm.nccl import NCCLCommunicator
+from ringcomm.comm.types import RING, ReduceOp
 
 GPU_TIMEOUT = 300  # the first calls compile CuPy kernels
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _gpus_here() -> int:
@@ -118,6 +124,25 @@ def test_mpi_rendezvous(world):
         rdv.close()
 
 
+def test_mpi_rendezvous_splits_like_mpi(world):
+    """Split by rank parity with descending keys: ranks ordered by (key, rank), and the parent
+    goes on."""
+    rdv = _nccl_setup.connect(world)
+    n, r = rdv.size, rdv.rank
+    sub = rdv.split(r % 2, -r)
+    try:
+        members = [q for q in reversed(range(n)) if q % 2 == r % 2]
+        assert (sub.kind, sub.rank, sub.size) == ("mpi", members.index(r), len(members))
+        assert 0 <= sub.local_rank < sub.local_size <= sub.size
+        assert sub.allgather_object(r) == members
+        assert sub.bcast_bytes(b"id%d" % r if sub.rank == 0 else None, 0) == b"id%d" % members[0]
+        assert rdv.allgather_object(sub.rank) == [
+            [q for q in reversed(range(n)) if q % 2 == p % 2].index(p) for p in range(n)]
+    finally:
+        sub.close()
+        rdv.close()
+
+
 # ---------------------------------------------------------------------------------- with GPU
 @pytest.fixture(scope="module")
 def self_pair(world, hosts):
@@ -185,12 +210,30 @@ def test_world_size_one_compressed_and_native(self_pair, rng):
         ref = mpi.allreduce(x, compression=comp, feedback=ringcomm.ErrorFeedback(), name="g")
         np.testing.assert_array_equal(y.get(), ref)
     y = cupy.empty_like(dx)
-    assert nccl.native_allreduce(dx, y, "max") is y
+    assert nccl.transport.native_allreduce(dx, y, ReduceOp.MAX) is True
     np.testing.assert_array_equal(y.get(), x)
-    # isendrecv: the current stream waits for the transfer, no host wait needed.
+    part = nccl.transport.native_reduce_scatter(dx[:4999], ReduceOp.SUM)  # any length divides by 1
+    np.testing.assert_array_equal(part.get(), x[:4999])
+    # The ring's channel: the current stream waits for the transfer, no host wait needed.
     recv = cupy.empty_like(dx)
-    nccl.isendrecv(dx, 0, recv, 0).wait()
+    nccl.transport.isendrecv(dx, 0, recv, 0, channel=RING).wait()
     np.testing.assert_array_equal((recv * 2).get(), x * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+def test_benchmark_baseline_is_nccl_allreduce(self_pair, rng, monkeypatch):
+    """bench/nccl_baseline.py: NCCL's allreduce on a transport of its own, made once."""
+    import cupy
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import nccl_baseline
+
+    x = rng.standard_normal(5000).astype(np.float32)
+    dx, y = cupy.asarray(x), cupy.empty(5000, np.float32)
+    assert nccl_baseline.allreduce_fn(MPI.COMM_SELF, dx, "max", out=y)() is True
+    np.testing.assert_array_equal(y.get(), x)
+    assert nccl_baseline.transport(MPI.COMM_SELF) is nccl_baseline.transport(MPI.COMM_SELF)
 
 
 @pytest.mark.gpu
@@ -201,7 +244,7 @@ def test_numpy_arrays_are_refused(self_pair):
     for call in (lambda: nccl.allreduce(x), lambda: nccl.allgather(x),
                  lambda: nccl.allgatherv(x), lambda: nccl.broadcast(x),
                  lambda: nccl.reduce_scatter(x), lambda: nccl.sendrecv(x, 0, x, 0),
-                 lambda: nccl.native_allreduce(x, x)):
+                 lambda: nccl.transport.check_arrays(None, x)):
         with pytest.raises(TypeError, match=r"NCCL backend takes CuPy arrays, got numpy\.ndarray"):
             call()
     nccl.barrier()  # still usable
@@ -242,7 +285,77 @@ def test_multi_gpu(world, hosts, rng, ngpus):
         sub.Free()
 
 
-def _check_collectives(comm: NCCLCommunicator, sub: MPI.Comm, rng: np.random.Generator) -> None:
+def _split_path(world: MPI.Comm, native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make NCCLTransport.split take ``ncclCommSplit`` (native) or its fallback, or skip on
+    every rank alike where NCCL has no ncclCommSplit."""
+    try:
+        can = _nccl_lib.load().can_split
+    except RuntimeError:
+        can = False
+    if native and not all(world.allgather(can)):
+        pytest.skip("this NCCL has no ncclCommSplit (NCCL < 2.18)")
+    if not native and can:
+        monkeypatch.setattr(_nccl_lib.load(), "can_split", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+@pytest.mark.parametrize("native", [True, False], ids=["ncclCommSplit", "fresh-id"])
+def test_world_size_one_split(world, self_pair, rng, monkeypatch, native):
+    import cupy
+
+    _split_path(world, native, monkeypatch)
+    parent, mpi = self_pair
+    sub = Communicator(parent.transport.split(0, 0))
+    try:
+        assert (sub.backend, sub.rank, sub.size) == ("nccl", 0, 1)
+        assert sub.transport.device.id == parent.device.id
+        x = rng.standard_normal(1000).astype(np.float32)
+        dx, y = cupy.asarray(x), cupy.empty(1000, np.float32)
+        assert sub.transport.native_allreduce(dx, y, ReduceOp.SUM) is True
+        np.testing.assert_array_equal(y.get(), x)
+        np.testing.assert_array_equal(sub.allreduce(dx, op="max").get(), mpi.allreduce(x, op="max"))
+        np.testing.assert_array_equal(sub.allgatherv(dx).get(), mpi.allgatherv(x))
+        np.testing.assert_array_equal(sub.broadcast(dx.copy()).get(), x)
+        sub.barrier()
+    finally:
+        sub.close()
+    parent.barrier()  # the parent goes on
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT)
+@pytest.mark.parametrize("native", [True, False], ids=["ncclCommSplit", "fresh-id"])
+@pytest.mark.parametrize("ngpus", [2, 4, 8])
+def test_multi_gpu_split(world, hosts, rng, monkeypatch, ngpus, native):
+    """Split n GPUs by rank parity with descending keys; every collective over each half
+    against MPI's split of the same ranks."""
+    if world.Get_size() < ngpus or not _fits(hosts, range(ngpus)):
+        pytest.skip(f"needs {ngpus} ranks with a GPU each")
+    _split_path(world, native, monkeypatch)
+    sub = world.Split(0 if world.Get_rank() < ngpus else MPI.UNDEFINED)
+    if sub == MPI.COMM_NULL:
+        return
+    r = sub.Get_rank()
+    ref = sub.Split(r % 2, -r)
+    try:
+        parent = NCCLCommunicator(mpi_comm=sub)
+        try:
+            half = Communicator(parent.transport.split(r % 2, -r))
+            try:
+                assert (half.rank, half.size) == (ref.Get_rank(), ref.Get_size())
+                _check_collectives(half, ref, rng)
+            finally:
+                half.close()
+            parent.barrier()
+        finally:
+            parent.close()
+    finally:
+        ref.Free()
+        sub.Free()
+
+
+def _check_collectives(comm: Communicator, sub: MPI.Comm, rng: np.random.Generator) -> None:
     """Every collective over ``comm`` against NumPy on every rank's inputs; exact, since the
     inputs are small integers."""
     import cupy
