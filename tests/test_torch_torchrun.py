@@ -1,4 +1,5 @@
-"""Jobs started by torchrun: the communicator runs over gloo, the hook and hvd work as under MPI."""
+"""Jobs started by torchrun: the communicator runs over gloo, the hook and hvd work as under MPI,
+and the gloo transport splits into sub-groups."""
 
 from __future__ import annotations
 
@@ -60,14 +61,91 @@ hvd.shutdown()
 """
 
 
-@pytest.mark.slow
-def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env):
+SPLIT_SCRIPT = r"""
+import numpy as np
+import torch.distributed as dist
+from ringcomm.comm.base import Communicator
+from ringcomm.comm.types import InvalidArgumentError, InvalidTypeError
+from ringcomm.torch._dist_backend import TorchDistTransport
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+world = TorchDistTransport()
+assert (world.backend, world.rank, world.size) == ("gloo", rank, 2)
+
+def data(r, n):
+    return (np.arange(n, dtype=np.float32) * 0.37 + r) * (1.0 + 0.01 * r)   # inexact sums
+
+def check(sub, members):
+    # sub's ranks are the world ranks in members, in that order
+    comm = Communicator(sub)
+    assert (comm.rank, comm.size) == (members.index(rank), len(members)), (comm.rank, members)
+    assert (sub.local_rank, sub.local_size) == (comm.rank, comm.size)     # one host
+    results = []
+    for n in (7, 300_000):                  # inline in the agreement, and the pipelined ring
+        got = comm.allreduce(data(rank, n))
+        want = data(members[0], n)
+        for r in members[1:]:
+            want = want + data(r, n)
+        assert got.tobytes() == want.tobytes(), n
+        results.append(got.tobytes())
+    gathered = comm.allgatherv(np.full(1 + members.index(rank), rank, np.int64))
+    assert gathered.tolist() == [r for i, r in enumerate(members) for _ in range(i + 1)]
+    x = np.full(3, float(rank))
+    assert (comm.broadcast(x, root=0) == members[0]).all()
+    peer = (comm.rank + 1) % comm.size      # the user's channel, beside the ring's
+    got = comm.sendrecv(np.full(4, rank, np.int32), peer, np.empty(4, np.int32), peer)
+    assert (got == members[peer]).all()
+    comm.close()
+    return results
+
+# Two 1-rank groups, then one group in reversed order: every rank of a group bit-identical.
+check(world.split(rank, 0), [rank])
+both = check(world.split(5, -rank), [1, 0])
+on_rank = world.allgather_object(both)
+assert on_rank[0] == on_rank[1]
+
+# An invalid argument on one rank raises on both, and the transport stays usable.
+for color, key, error in ((-1, 0, InvalidArgumentError), (0, "k", InvalidTypeError)):
+    try:
+        world.split(color if rank == 1 else 0, key if rank == 1 else 0)
+        raise AssertionError("no error")
+    except error as err:
+        assert err.kind == "split" and err.ranks == (1,), err
+check(world.split(0, rank), [0, 1])
+
+# A group that torch counts on rank 0 only: refused on both ranks instead of hanging.
+dist.new_group(ranks=[0], backend="gloo")
+try:
+    world.split(0, rank)
+    raise AssertionError("no error")
+except RuntimeError as err:
+    assert "different number of process groups" in str(err), err
+world.barrier()
+world.close()
+print(f"rank {rank} ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp_path: Path, env: dict[str, str], script: str) -> None:
+    """Run ``script`` in 2 processes under torchrun; both must end well and print "ok"."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("no torchrun next to the interpreter")
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=110, env=subprocess_env)
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+                          capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+@pytest.mark.slow
+def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env):
+    _torchrun(tmp_path, subprocess_env, SCRIPT)
+
+
+@pytest.mark.slow
+def test_transport_split_under_torchrun(tmp_path, subprocess_env):
+    _torchrun(tmp_path, subprocess_env, SPLIT_SCRIPT)

@@ -1,14 +1,19 @@
-"""A Communicator over a torch.distributed gloo group, for jobs started by torchrun.
+"""A Transport over a torch.distributed gloo group, for jobs started by torchrun.
 
 torchrun starts plain processes, each its own one-process MPI world (and MPICH's singletons
 cannot connect to each other), so under torchrun the ring's point-to-point messages, the
 agreement allgather and the broadcasts travel over a gloo group of torch.distributed instead.
 The ring, compression and error feedback are ringcomm's own, as on every backend. Host arrays
 only: device arrays are staged through host memory.
+
+:class:`TorchDistTransport` implements the Transport; :class:`TorchDistCommunicator` is the
+Communicator over it.
 """
 
 from __future__ import annotations
 
+import functools
+import socket
 from typing import Any
 
 import numpy as np
@@ -17,8 +22,11 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.launch import detect
+from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.types import RING, InvalidArgumentError, InvalidTypeError
 
-__all__ = ["TorchDistCommunicator"]
+__all__ = ["TorchDistCommunicator", "TorchDistTransport"]
 
 _RING_TAG = 7
 _P2P_TAG = 11
@@ -45,6 +53,176 @@ def _host(x: Any) -> np.ndarray:
     return x if type(x) is np.ndarray else _ops.get(x).to_host(x)
 
 
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of contiguous ``a``, as a 1-d uint8 view."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _bytes(a: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over the memory of contiguous ``a``: gloo only moves the bytes, and some
+    dtypes (bfloat16 from ml_dtypes) have no torch twin that from_numpy would accept."""
+    return torch.from_numpy(_flat_bytes(a))
+
+
+def _staged(recv: Any) -> tuple[np.ndarray, Any]:
+    """Where to receive into ``recv`` on the host, and what copies it over once received."""
+    if type(recv) is np.ndarray:
+        return recv, None
+    host = np.empty(recv.shape, recv.dtype)
+    return host, functools.partial(_ops.get(recv).copy_from_host, recv, host)
+
+
+def _torch_group_count() -> int | None:
+    """How many process groups torch.distributed has registered in this process (None when
+    this torch does not say).
+
+    A group made with ``use_local_synchronization`` is named after its ranks and this count,
+    and ``new_group`` counts a group only on its members, so the count can differ between
+    processes; members whose counts differ would rendezvous under different names and wait
+    for each other until the timeout.
+    """
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    return None if names is None else len(names)
+
+
+class TorchDistTransport(TransportBase):
+    """The Transport over a gloo process group of torch.distributed (torchrun jobs).
+
+    Args:
+        group: the gloo process group to run on; a new one over the default group's ranks
+            when None (so that ringcomm's messages never match the application's), made by
+            every process of the job and destroyed by ``close()``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+
+    backend = "gloo"
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call "
+                               "dist.init_process_group() (torchrun sets its environment)")
+        info = detect()
+        owned = group is None
+        self._setup(dist.new_group(backend="gloo") if owned else group, owned,
+                    info.local_rank, info.local_size)
+
+    def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int) -> None:
+        self._group, self._owns_group = group, owned
+        self.local_rank, self.local_size = int(local_rank), int(local_size)
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+
+    # ------------------------------------------------------------------------ primitives
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+                  channel: int = RING) -> _Pair:
+        if dest == source == self.rank and send is not None and recv is not None:
+            return self._to_self(send, recv)
+        tag = _RING_TAG if channel == RING else _P2P_TAG
+        works, after = [], None
+        if recv is not None:
+            host_recv, after = _staged(recv)
+            works.append(dist.irecv(_bytes(host_recv), group=self._group, group_src=source,
+                                    tag=tag))
+        if send is not None:
+            works.append(dist.isend(_bytes(_host(send)), group=self._group, group_dst=dest,
+                                    tag=tag))
+        return _Pair(works, after)
+
+    @staticmethod
+    def _to_self(send: Any, recv: Any) -> _Pair:
+        # gloo connects no pair from a rank to itself (MPI does): the message is a copy.
+        host_recv, after = _staged(recv)
+        data = _flat_bytes(_host(send))
+        _flat_bytes(host_recv)[: data.size] = data
+        return _Pair([], after)
+
+    def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
+        _all_gather(_bytes(recv), _bytes(send), group=self._group)
+
+    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+        # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
+        item = x.dtype.itemsize
+        rows = np.zeros((self.size, max(counts) * item), dtype=np.uint8)
+        mine = _flat_bytes(_host(x))
+        rows[self.rank, : mine.size] = mine
+        _all_gather(torch.from_numpy(rows).view(-1), torch.from_numpy(rows[self.rank].copy()),
+                    group=self._group)
+        flat = np.concatenate([rows[r, : counts[r] * item] for r in range(self.size)])
+        _ops.get(out).copy_from_host(out, flat.view(out.dtype))
+
+    def broadcast(self, x: Any, root: int) -> None:
+        host = _host(x)
+        dist.broadcast(_bytes(host), group=self._group, group_src=root)
+        if host is not x:
+            _ops.get(x).copy_from_host(x, host)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def split(self, color: int, key: int) -> TorchDistTransport:
+        """A transport over the ranks that pass the same ``color``, ordered by (key, rank).
+
+        Collective over this transport; each new gloo group is made by its members only.
+
+        Raises:
+            InvalidTypeError, InvalidArgumentError: color or key is invalid on some rank (as
+                ``check_split`` says; raised on every rank).
+            RuntimeError: torch.distributed has registered a different number of process
+                groups on ranks that would share a group, so they could not find each other
+                (raised on every rank, before any group is made).
+        """
+        try:
+            mine: Any = (*check_split(color, key), socket.gethostname(), _torch_group_count())
+        except (TypeError, ValueError) as err:
+            mine = (type(err).__name__, str(err))
+        everyone = self.allgather_object(mine)
+        _raise_split_errors(everyone)
+        members = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
+        order = [r for _, r in members]
+        group = dist.new_group(ranks=[dist.get_global_rank(self._group, r) for r in order],
+                               backend="gloo", use_local_synchronization=True,
+                               sort_ranks=False)
+        # The launcher's local rank describes the whole job; a sub-group counts its own.
+        hosts = [everyone[r][2] for r in order]
+        new_rank = order.index(self.rank)
+        sub = TorchDistTransport.__new__(TorchDistTransport)
+        sub._setup(group, True, hosts[:new_rank].count(hosts[new_rank]),
+                   hosts.count(hosts[new_rank]))
+        return sub
+
+    def close(self) -> None:
+        self.release_scratch()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+
+
+def _raise_split_errors(everyone: list[tuple[Any, ...]]) -> None:
+    """Raise, on every rank alike, what makes the split gathered in ``everyone`` impossible."""
+    failed = [r for r, v in enumerate(everyone) if isinstance(v[0], str)]
+    if failed:
+        etype, reason = everyone[failed[0]]
+        cls = InvalidTypeError if etype == "TypeError" else InvalidArgumentError
+        where = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(map(str, failed))
+        raise cls(f"split failed on {where}: {reason}", kind="split", ranks=tuple(failed),
+                  reason=reason)
+    counts: dict[int, set[Any]] = {}
+    for color, _, _, count in everyone:
+        counts.setdefault(color, set()).add(count)
+    uneven = sorted(c for c, seen in counts.items() if len(seen) > 1)
+    if uneven:
+        raise RuntimeError(
+            f"split: torch.distributed holds a different number of process groups on the "
+            f"ranks of color {uneven[0]} ({[v[3] for v in everyone]} in rank order), so their "
+            "new group would get a different name on each; make the same torch.distributed "
+            "groups on every rank (new_group counts a group on its members only)")
+
+
 class TorchDistCommunicator(Communicator):
     """Collectives over a gloo group of torch.distributed (torchrun jobs).
 
@@ -53,80 +231,29 @@ class TorchDistCommunicator(Communicator):
             when None (so that ringcomm's messages never match the application's).
         consistency_check: as for :func:`ringcomm.init`.
         segment_bytes: ring segment size; the measured default when None.
+        inline_bytes: see ``ringcomm.init``.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-    """
 
-    backend = "gloo"
+    Example::
+
+        dist.init_process_group("gloo")             # torchrun's environment
+        comm = TorchDistCommunicator()
+        total = comm.allreduce(np.ones(4, np.float32))
+    """
 
     def __init__(self, group: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call "
-                               "dist.init_process_group() (torchrun sets its environment)")
-        self._group = dist.new_group(backend="gloo") if group is None else group
-        self._owns_group = group is None
-        from ringcomm import launch_info
+        super().__init__(TorchDistTransport(group), consistency_check=consistency_check,
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
 
-        info = launch_info()
-        self.local_rank, self.local_size = info.local_rank, info.local_size
-        super().__init__(dist.get_rank(self._group), dist.get_world_size(self._group),
-                         consistency_check=consistency_check, segment_bytes=segment_bytes,
-                         inline_bytes=inline_bytes)
+    @property
+    def local_rank(self) -> int:
+        """This rank's position among the communicator's ranks on its host."""
+        return self.transport.local_rank
 
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self._group, r)
-
-    def _post(self, tag: int, send: Any, dest: int, recv: Any, source: int) -> _Pair:
-        works, after = [], None
-        if recv is not None:
-            host_recv = recv if type(recv) is np.ndarray else np.empty(recv.shape, recv.dtype)
-            if host_recv is not recv:
-                device_recv = recv
-
-                def after() -> None:
-                    _ops.get(device_recv).copy_from_host(device_recv, host_recv)
-            works.append(dist.irecv(torch.from_numpy(host_recv), self._global(source),
-                                    group=self._group, tag=tag))
-        if send is not None:
-            works.append(dist.isend(torch.from_numpy(_host(send)), self._global(dest),
-                                    group=self._group, tag=tag))
-        return _Pair(works, after)
-
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int) -> _Pair:
-        return self._post(_RING_TAG, send, dest, recv, source)
-
-    def _user_isendrecv(self, send: Any, dest: int, recv: Any, source: int) -> _Pair:
-        return self._post(_P2P_TAG, send, dest, recv, source)
-
-    def _allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
-        _all_gather(torch.from_numpy(recv).view(-1), torch.from_numpy(send), group=self._group)
-
-    def _allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
-        # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
-        width = max(counts)
-        rows = np.zeros((self._size, width), dtype=x.dtype)
-        rows[self._rank, : counts[self._rank]] = _host(x)
-        _all_gather(torch.from_numpy(rows).view(-1), torch.from_numpy(rows[self._rank].copy()),
-                    group=self._group)
-        flat = np.concatenate([rows[r, : counts[r]] for r in range(self._size)])
-        _ops.get(out).copy_from_host(out, flat)
-
-    def _broadcast(self, x: Any, root: int) -> None:
-        host = _host(x)
-        dist.broadcast(torch.from_numpy(host), self._global(root), group=self._group)
-        if host is not x:
-            _ops.get(x).copy_from_host(x, host)
-
-    def _allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
-
-    def _barrier(self) -> None:
-        dist.barrier(group=self._group)
-
-    def _close(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+    @property
+    def local_size(self) -> int:
+        """How many of the communicator's ranks run on this host."""
+        return self.transport.local_size

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.types import ArgumentMismatchError
 from ringcomm.torch._objects import allgather_objects
 
 __all__ = ["HorovodInternalError", "collective_error"]
@@ -33,13 +34,6 @@ def _differs(field: str, values: list[Any]) -> str | None:
     return f"{field} differs between ranks: {shown}"
 
 
-def _mismatch(message: str, kind: str) -> bool:
-    """Whether ``message`` is the communicator's report of arguments differing between ranks
-    (raised on every rank alike; "<kind> failed on rank r: ..." reports an invalid argument
-    and says all there is to say)."""
-    return message.startswith(f"{kind}: ")
-
-
 def collective_error(comm: Communicator, err: Exception, kind: str,
                      tensor: torch.Tensor | None) -> HorovodInternalError:
     """Turn the communicator's ValueError/TypeError of a collective into a RuntimeError.
@@ -59,7 +53,9 @@ def collective_error(comm: Communicator, err: Exception, kind: str,
         A HorovodInternalError (a RuntimeError) carrying the message; raise it ``from err``.
     """
     message = str(err)
-    if tensor is not None and comm.size > 1 and comm.consistency_check and _mismatch(message, kind):
+    # The type says the agreement raised it, on every rank alike, so every rank takes part in
+    # the exchange below; a mismatch of the collectives themselves has nothing to re-describe.
+    if tensor is not None and isinstance(err, ArgumentMismatchError) and err.kind == kind:
         described = allgather_objects(comm, (str(tensor.dtype), tuple(tensor.shape)))
         dtypes = _differs("dtype", [d for d, _ in described])
         if kind == "allgatherv":
