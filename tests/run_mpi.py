@@ -33,8 +33,10 @@ def run_one(n: int, pytest_args: list[str], timeout: float) -> tuple[int, dict[s
     logdir = ROOT / "logs" / f"mpi-n{n}"
     logdir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RINGCOMM_TEST_LOGDIR=str(logdir), PYTHONUNBUFFERED="1")
-    cmd = [_mpiexec(), "-n", str(n), sys.executable, "tests/mpi_pytest.py", "tests/mpi",
-           "-p", "no:cacheprovider", *pytest_args]
+    # Test paths among the arguments narrow the run; without any, the whole of tests/mpi runs.
+    named = any(a.startswith("tests/") for a in pytest_args)
+    cmd = [_mpiexec(), "-n", str(n), sys.executable, "tests/mpi_pytest.py",
+           *([] if named else ["tests/mpi"]), "-p", "no:cacheprovider", *pytest_args]
     print(f"$ {' '.join(cmd)}", flush=True)
     counts: dict[str, int] = {}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
