@@ -100,6 +100,16 @@ class Communicator:
         return self._transport.size
 
     @property
+    def local_rank(self) -> int:
+        """This rank's position among the communicator's ranks on its host."""
+        return self._transport.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many of the communicator's ranks run on this host."""
+        return self._transport.local_size
+
+    @property
     def stats(self) -> CommStats:
         """Bytes on the wire and calls since creation or ``stats.reset()``."""
         return self._transport.stats

@@ -103,11 +103,12 @@ class MPITransport(TransportBase):
         self._MPI = MPI
         self._ring, self._p2p, self._ctl = base.Dup(), base.Dup(), base.Dup()
         local = base.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
         self.cuda_aware = staging.cuda_aware(MPI)
         self._device_stage: staging.DeviceStaging | None = None
-        super().__init__(base.Get_rank(), base.Get_size())
+        super().__init__(base.Get_rank(), base.Get_size(), local_rank=local_rank,
+                         local_size=local_size)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
@@ -188,16 +189,6 @@ class MPICommunicator(Communicator):
                  segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
         super().__init__(MPITransport(mpi_comm), consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes)
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's position among the communicator's ranks on its host."""
-        return self.transport.local_rank
-
-    @property
-    def local_size(self) -> int:
-        """How many of the communicator's ranks run on this host."""
-        return self.transport.local_size
 
     @property
     def cuda_aware(self) -> bool:

@@ -158,12 +158,12 @@ class NCCLTransport(TransportBase):
     def _attach(self, rdv: _nccl_setup.Rendezvous, cupy: Any, lib: _nccl_lib.NCCLLibrary,
                 device: int, nccl: _nccl_lib.NCCLComm) -> None:
         """Become the transport over ``rdv`` and ``nccl`` on CUDA device ``device``."""
-        super().__init__(rdv.rank, rdv.size)
+        super().__init__(rdv.rank, rdv.size, local_rank=rdv.local_rank,
+                         local_size=rdv.local_size)
         self._rdv, self._cupy, self._cuda, self._lib, self._nccl = rdv, cupy, cupy.cuda, lib, nccl
         self._device_id = device
         self._open = True
         self.device = cupy.cuda.Device(device)
-        self.local_rank, self.local_size = rdv.local_rank, rdv.local_size
         self._fixed: dict[int, tuple[Any, Any]] = {}
         with self.device:
             self._p2p_stream = cupy.cuda.Stream(non_blocking=True)
@@ -399,16 +399,6 @@ class NCCLCommunicator(Communicator):
     def device(self) -> Any:
         """The cupy.cuda.Device this communicator runs on."""
         return self.transport.device
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's position among the communicator's ranks on its host."""
-        return self.transport.local_rank
-
-    @property
-    def local_size(self) -> int:
-        """How many of the communicator's ranks run on this host."""
-        return self.transport.local_size
 
     @property
     def nccl_version(self) -> str:

@@ -18,13 +18,18 @@ __all__ = ["TransportBase", "check_split"]
 
 
 class TransportBase:
-    """Rank, size, stats and scratch buffers of a Transport; backends add the messaging."""
+    """Rank, size, host-local rank and size, stats and scratch buffers of a Transport;
+    backends add the messaging."""
 
     backend: str = ""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, *, local_rank: int | None = None,
+                 local_size: int | None = None) -> None:
         self.rank = int(rank)
         self.size = int(size)
+        # Without word from the backend, every rank counts as on this host.
+        self.local_rank = self.rank if local_rank is None else int(local_rank)
+        self.local_size = self.size if local_size is None else int(local_size)
         self.stats = CommStats()
         self._buffers: dict[tuple[Any, ...], Any] = {}
 

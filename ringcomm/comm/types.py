@@ -210,12 +210,16 @@ class Transport(Protocol):
         backend: the backend's name ("mpi", "nccl", "gloo", "threads").
         rank: this process's rank, 0 <= rank < size.
         size: the number of processes.
+        local_rank: this process's rank among the transport's ranks on its host.
+        local_size: how many of the transport's ranks run on this host.
         stats: bytes on the wire; the algorithms add what they send and receive.
     """
 
     backend: str
     rank: int
     size: int
+    local_rank: int
+    local_size: int
     stats: CommStats
 
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,

@@ -110,8 +110,8 @@ class TorchDistTransport(TransportBase):
 
     def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int) -> None:
         self._group, self._owns_group = group, owned
-        self.local_rank, self.local_size = int(local_rank), int(local_size)
-        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        super().__init__(dist.get_rank(group), dist.get_world_size(group),
+                         local_rank=local_rank, local_size=local_size)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
@@ -247,13 +247,3 @@ class TorchDistCommunicator(Communicator):
                  segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
         super().__init__(TorchDistTransport(group), consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes)
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's position among the communicator's ranks on its host."""
-        return self.transport.local_rank
-
-    @property
-    def local_size(self) -> int:
-        """How many of the communicator's ranks run on this host."""
-        return self.transport.local_size
