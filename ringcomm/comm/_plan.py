@@ -53,14 +53,12 @@ class PlanCache:
             plan = self._plans.get((x.dtype, x.shape, op))
         except TypeError:  # an unhashable op: the full check will say so
             return None
-        if plan is None:
+        if plan is None or (plan.inline is not None and not x.flags.c_contiguous):
             return None
-        if plan.inline is not None and not x.flags.c_contiguous:
-            return None
-        if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
-                                or out.dtype != x.dtype or not out.flags.writeable):
-            return None
-        return plan
+        if out is None or (type(out) is np.ndarray and out.shape == x.shape
+                           and out.dtype == x.dtype and out.flags.writeable):
+            return plan
+        return None
 
     def put(self, x: Any, op: Any, plan: AllreducePlan, agreement: agree.Agreement) -> None:
         """Keep the checked plan of a dense allreduce of host array ``x``."""

@@ -312,7 +312,7 @@ class InlinePlan:
 
 
 def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:
-    ufunc = getattr(np, op.spec.ufunc)
+    ufunc = _UFUNCS[op]
     if rows.dtype.itemsize != 2 and type(result) is np.ndarray and result.flags.c_contiguous:
         acc = result.reshape(-1)
         if rows.shape[0] == 2:
@@ -376,3 +376,7 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
     cls = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
     message = f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint
     return cls(message, kind=kind, ranks=everyone, differences=differences)
+
+
+# Looked up once: this is the small-message path, where every attribute access shows.
+_UFUNCS = {op: getattr(np, op.spec.ufunc) for op in ReduceOp}

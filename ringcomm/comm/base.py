@@ -68,6 +68,7 @@ class Communicator:
         if inline < 0 or inline % 8:
             raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
         self._transport = transport
+        self._stats = transport.stats  # read on every call: one attribute, not two
         self._closed = False
         self._agreement = agree.Agreement(transport, check=bool(consistency_check),
                                           inline_bytes=inline,
@@ -112,7 +113,7 @@ class Communicator:
     @property
     def stats(self) -> CommStats:
         """Bytes on the wire and calls since creation or ``stats.reset()``."""
-        return self._transport.stats
+        return self._stats
 
     @property
     def consistency_check(self) -> bool:
@@ -193,10 +194,10 @@ class Communicator:
         if compression is None and feedback is None:
             prepared = self._plans.get(x, out, op)
             if prepared is not None and not self._closed:
-                self.stats.calls += 1
-                if prepared.inline is not None:
-                    return prepared.inline.run(x, out)
-                return self._execute(prepared, x, out)
+                self._stats.calls += 1
+                inline = prepared.inline
+                return inline.run(x, out) if inline is not None else self._execute(
+                    prepared, x, out)
         self._ensure_open()
         plan = self._plan_allreduce(x, out, op, compression, feedback, name)
         self.stats.calls += 1
