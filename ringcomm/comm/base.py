@@ -21,7 +21,6 @@ from ringcomm.comm.types import (
     CommStats,
     ReduceOp,
     Transport,
-    check_dtype,
     check_op,
 )
 from ringcomm.compress import algorithms
@@ -321,7 +320,10 @@ class Communicator:
         if compression is not None:
             if isinstance(compression, str) and compression == "auto":
                 compression = self._auto()
-            compression, feedback = self._resolve_auto(compression, x, op, feedback, name)
+            if isinstance(compression, Auto):
+                compression, feedback = compression.choose_early(
+                    self._transport, self._auto_figures, x, op, feedback, name,
+                    self.inline_bytes)
         spec = agree.CallSpec("allreduce")
         try:
             rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
@@ -357,29 +359,6 @@ class Communicator:
         if not direct:
             result[...] = flat_out.reshape(x.shape)
         return result
-
-    def _resolve_auto(self, compression: Any, x: Any, op: Any, feedback: Any,
-                      name: Any) -> tuple[Any, Any]:
-        """Replace an Auto whose figures are known by its choice for ``x``, before the agreement
-        (every rank chooses alike from the same figures, and a choice that differs because the
-        arguments differ is caught there). A dense choice needs no feedback unless a residual
-        is pending, which the compressed path then sends in full."""
-        if not isinstance(compression, Auto):
-            return compression, feedback
-        try:
-            # Any argument error must take the checked path, which raises it on every rank.
-            check_compressed_call(compression, x, ReduceOp.parse(op), feedback, name)
-            check_dtype(x.dtype)
-            if not compression.ready(self._auto_figures, x):
-                return compression, feedback  # first call: agree first, then measure together
-            choice = compression.resolve(self._transport, self._auto_figures, x,
-                                         self.inline_bytes)
-        except (AttributeError, TypeError, ValueError):
-            return compression, feedback
-        if choice is None and feedback is not None and name is not None and (
-                feedback.residual(name) is not None):
-            return compression, feedback  # resolves to dense after the agreement
-        return choice, (None if choice is None else feedback)
 
     def _auto(self) -> Auto:
         if self._default_auto is None:

@@ -29,8 +29,8 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
-from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress.base import Compressor, Wire
+from ringcomm.comm.types import ReduceOp, Transport, check_dtype
+from ringcomm.compress.base import Compressor, Wire, check_compressed_call
 from ringcomm.compress.cast import FP16
 from ringcomm.compress.int8 import Int8
 
@@ -171,6 +171,30 @@ class Auto(Compressor):
             figures.choices.clear()
         figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own
         return choice
+
+    def choose_early(self, t: Transport, figures: AutoFigures, x: Any, op: Any, feedback: Any,
+                     name: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, Any]:
+        """The (compression, feedback) to agree on for ``x``: the choice itself when the
+        figures are known, so that it is agreed on (every rank chooses alike from the same
+        figures, and a choice that differs because the arguments differ is caught there);
+        else this Auto, resolved after the agreement (the first call measures, together).
+
+        A dense choice needs no feedback unless a residual is pending, which the compressed
+        path then sends in full. Never raises: invalid arguments keep this Auto, so that the
+        checked path raises their error on every rank.
+        """
+        try:
+            check_compressed_call(self, x, ReduceOp.parse(op), feedback, name)
+            check_dtype(x.dtype)
+            if not self.ready(figures, x):
+                return self, feedback
+            choice = self.resolve(t, figures, x, inline_bytes)
+        except (AttributeError, TypeError, ValueError):
+            return self, feedback
+        if choice is None and feedback is not None and name is not None and (
+                feedback.residual(name) is not None):
+            return self, feedback  # resolves to dense after the agreement
+        return choice, (None if choice is None else feedback)
 
     @property
     def allreduce_algorithm(self) -> str:
