@@ -190,6 +190,7 @@ class Communicator:
                 ranks (raised on every rank).
             RuntimeError: the communicator is closed.
         """
+        self._transport.operation = "allreduce"
         if compression is None and feedback is None:
             prepared = self._plans.get(x, out, op)
             if prepared is not None and not self._closed:
@@ -208,6 +209,7 @@ class Communicator:
         Rank r gets elements ``[r * L // size, (r + 1) * L // size)`` of the L reduced elements.
         """
         self._ensure_open()
+        self._transport.operation = "reduce_scatter"
         spec = agree.CallSpec("reduce_scatter")
         try:
             self._transport.check_arrays(x)
@@ -236,6 +238,7 @@ class Communicator:
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         self._ensure_open()
+        self._transport.operation = "broadcast"
         spec = agree.CallSpec("broadcast")
         try:
             self._transport.check_arrays(x)
@@ -267,6 +270,7 @@ class Communicator:
         matches a message of a collective in progress.
         """
         self._ensure_open()
+        self._transport.operation = "sendrecv"
         self._check_rank(dest, "dest")
         self._check_rank(source, "source")
         self._transport.check_arrays(send, recv)
@@ -285,6 +289,7 @@ class Communicator:
         another collective meanwhile raises the same error everywhere instead of hanging.
         """
         self._ensure_open()
+        self._transport.operation = "barrier"
         if self.consistency_check:
             self._agreement.agree(agree.CallSpec("barrier"))
         else:
@@ -392,6 +397,7 @@ class Communicator:
 
     def _gather(self, kind: str, x: Any) -> Any:
         self._ensure_open()
+        self._transport.operation = kind
         spec = agree.CallSpec(kind)
         try:
             self._transport.check_arrays(x)

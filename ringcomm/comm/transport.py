@@ -31,6 +31,7 @@ class TransportBase:
         self.local_rank = self.rank if local_rank is None else int(local_rank)
         self.local_size = self.size if local_size is None else int(local_size)
         self.stats = CommStats()
+        self.operation = ""
         self._buffers: dict[tuple[Any, ...], Any] = {}
 
     def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:

@@ -212,6 +212,8 @@ class Transport(Protocol):
         size: the number of processes.
         local_rank: this process's rank among the transport's ranks on its host.
         local_size: how many of the transport's ranks run on this host.
+        operation: the collective in progress ("allreduce", ...), set by the Communicator
+            before it calls the transport, for error messages (a timeout names it).
         stats: bytes on the wire; the algorithms add what they send and receive.
     """
 
@@ -220,6 +222,7 @@ class Transport(Protocol):
     size: int
     local_rank: int
     local_size: int
+    operation: str
     stats: CommStats
 
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
