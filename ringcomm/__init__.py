@@ -2,7 +2,7 @@
 
 A chunked, pipelined ring allreduce that can compress what it sends (int8 block quantization,
 top-k sparsification, fp16/bf16 casts) with error feedback, behind one ``Communicator`` interface
-with an MPI and an NCCL backend.
+with MPI, NCCL and (under torchrun) torch.distributed gloo backends.
 
 Example::
 
@@ -16,13 +16,23 @@ Example::
 
 from __future__ import annotations
 
+import datetime
+import inspect
+import logging
+import math
 import os
-from typing import Any
+import re
+import sys
+from typing import Any, NamedTuple
 
+import numpy as np
+
+from ringcomm.comm import log as _log
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
 from ringcomm.comm.types import (
+    DEFAULT_TIMEOUT_S,
     ArgumentMismatchError,
     CollectiveError,
     CommStats,
@@ -60,18 +70,109 @@ __all__ = [
     "nccl_available",
 ]
 
-_BACKENDS = ("auto", "mpi", "nccl")
+
+_BACKENDS = ("auto", "mpi", "nccl", "gloo")
+_LOG = _log.get_logger("init")
+
+# "1048576", "512K", "2M", "1G", "2MiB" (case-insensitive): KiB, MiB, GiB multiples.
+_BYTES = re.compile(r"\s*([0-9]+)\s*(?:([KMG])(?:iB)?)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class _Options(NamedTuple):
+    """init()'s options, checked, with the environment's values filled in."""
+
+    consistency_check: bool
+    segment_bytes: int | None
+    inline_bytes: int | None
+    timeout: float
+
+
+def _env(name: str) -> str | None:
+    """The variable's value, or None when it is unset or blank."""
+    raw = os.environ.get(name)
+    return raw if raw is not None and raw.strip() else None
 
 
 def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    raw = _env(name)
+    if raw is None:
         return default
-    if raw.lower() in ("1", "true", "yes", "on"):
+    if raw.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    if raw.lower() in ("0", "false", "no", "off"):
+    if raw.strip().lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    raise ValueError(f"{name} must be 0 or 1 (or true/false, yes/no, on/off), got {raw!r}")
+
+
+def _env_bytes(name: str) -> int | None:
+    raw = _env(name)
+    if raw is None:
+        return None
+    match = _BYTES.fullmatch(raw)
+    if match is None:
+        raise ValueError(f"{name} must be a byte count such as 1048576, 512K, 2M or 1G "
+                         f"(K, M, G: KiB, MiB, GiB), got {raw!r}")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+
+
+def _byte_option(value: Any, name: str, minimum: int, multiple: int) -> int | None:
+    """``value`` (or, when None, its environment variable) as an int, its range checked."""
+    variable = f"RINGCOMM_{name.upper()}"
+    if value is None:
+        value, source = _env_bytes(variable), variable
+        if value is None:
+            return None
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (a number of bytes), "
+                        f"got {type(value).__name__} {value!r}")
+    else:
+        value, source = int(value), name
+    if value < minimum or value % multiple:
+        rule = f"a multiple of {multiple} >= {minimum}" if multiple > 1 else f">= {minimum}"
+        raise ValueError(f"{source} must be {rule}, got {value}")
+    return value
+
+
+def _timeout_option(timeout: Any) -> float:
+    """``timeout`` (or ``RINGCOMM_TIMEOUT``, or the default) in seconds."""
+    if timeout is None:
+        raw = _env("RINGCOMM_TIMEOUT")
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError("RINGCOMM_TIMEOUT must be a positive number of seconds, such as "
+                             f"600 or 1800, got {raw!r}")
+        return seconds
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif (isinstance(timeout, (int, float, np.integer, np.floating))
+          and not isinstance(timeout, (bool, np.bool_))):
+        seconds = float(timeout)
+    else:
+        raise TypeError("timeout must be a datetime.timedelta or a number of seconds, "
+                        f"got {type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a positive, finite time, got {timeout!r}")
+    return seconds
+
+
+def _options(consistency_check: Any, segment_bytes: Any, inline_bytes: Any,
+             timeout: Any) -> _Options:
+    """Check init()'s options and read the unset ones from the environment."""
+    if consistency_check is None:
+        consistency_check = _env_flag("RINGCOMM_CONSISTENCY_CHECK", True)
+    elif not isinstance(consistency_check, (bool, np.bool_)):
+        raise TypeError("consistency_check must be True, False or None, "
+                        f"got {type(consistency_check).__name__} {consistency_check!r}")
+    return _Options(bool(consistency_check),
+                    _byte_option(segment_bytes, "segment_bytes", 64, 1),
+                    _byte_option(inline_bytes, "inline_bytes", 0, 8),
+                    _timeout_option(timeout))
 
 
 def nccl_available() -> bool:
@@ -81,67 +182,238 @@ def nccl_available() -> bool:
     return nccl.usable()
 
 
-def _auto_backend(mpi_comm: Any) -> str:
-    """NCCL where every rank can run it (a GPU of its own and NCCL), else MPI; the same
-    answer on every rank (a collective when the job has several processes)."""
+def _mpi_world_size() -> int | None:
+    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one), or None
+    without mpi4py."""
+    try:
+        from ringcomm.comm.mpi import import_mpi
+
+        return int(import_mpi().COMM_WORLD.Get_size())
+    except RuntimeError:
+        return None
+
+
+def _mpi_world_text(world: int | None) -> str:
+    return ("mpi4py is not installed" if world is None
+            else f"MPI.COMM_WORLD has {world} process{'es' if world != 1 else ''}")
+
+
+def _require_torch(info: LaunchInfo, world: int | None) -> None:
+    """Raise if PyTorch, which connects torchrun's processes, is missing."""
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            f"{info.describe()} but {_mpi_world_text(world)}; ringcomm connects torchrun's "
+            "processes over torch.distributed (gloo, or NCCL over its store), and PyTorch is "
+            f"not installed: pip install 'ringcomm[torch]', or launch with mpiexec -n "
+            f"{info.size} ({err})") from err
+
+
+def _auto_backend(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
+    """The backend "auto" picks, and why; the same answer on every rank (a collective when
+    the job has several processes).
+
+    Under torchrun (with no MPI world of the job's size): NCCL where every rank can run it,
+    else gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
+    """
     from ringcomm.comm import nccl
 
-    if mpi_comm is not None or launch_info().size > 1:
-        return "nccl" if nccl.usable_everywhere(mpi_comm) else "mpi"
-    return "nccl" if nccl.usable() else "mpi"
+    if info.launcher == "torchrun" and mpi_comm is None:
+        world = _mpi_world_size()
+        if world != info.size:
+            _require_torch(info, world)
+            why = f"torchrun's processes are no MPI job ({_mpi_world_text(world)})"
+            if nccl.usable_everywhere(None):
+                return "nccl", f"{why}; every rank has a GPU of its own and NCCL"
+            return "gloo", f"{why}; not every rank has a GPU of its own and NCCL"
+    if mpi_comm is not None or info.size > 1:
+        if nccl.usable_everywhere(mpi_comm):
+            return "nccl", "every rank has a GPU of its own and NCCL"
+        return "mpi", "not every rank has a GPU of its own and NCCL"
+    if nccl.usable():
+        return "nccl", "one process, with a GPU and NCCL"
+    return "mpi", "one process, without a GPU or NCCL"
+
+
+def _with_timeout(cls: Any, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
+    # Shim, to be removed once MPICommunicator, NCCLCommunicator and TorchDistCommunicator all
+    # take ``timeout`` (MPI's is being added): pass it only where the constructor accepts it.
+    if "timeout" in inspect.signature(cls).parameters:
+        return {**kwargs, "timeout": timeout}
+    return kwargs
+
+
+def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
+    """Initialize torch.distributed's default group from torchrun's environment, if need be.
+
+    Raises:
+        RuntimeError: PyTorch is missing, or torch.distributed is not initialized and cannot
+            be from the environment.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError as err:
+        raise RuntimeError("backend 'gloo' runs over torch.distributed, which needs PyTorch: "
+                           f"pip install 'ringcomm[torch]' ({err})") from err
+    if dist.is_initialized():
+        return
+    if info.launcher != "torchrun":
+        raise RuntimeError(
+            "backend 'gloo' runs over torch.distributed, which is not initialized, and this "
+            "process has no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; "
+            f"found {info.describe()}): launch with torchrun, or call "
+            "torch.distributed.init_process_group() first (under mpiexec: "
+            "ringcomm.torch.process_group.init_process_group_from_mpi())")
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    except (ValueError, RuntimeError) as err:
+        where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
+        raise RuntimeError(f"{info.describe()}, but torch.distributed could not start from "
+                           f"torchrun's environment ({where}): {err}") from err
+
+
+def _build(backend: str, mpi_comm: Any, options: _Options, info: LaunchInfo) -> Communicator:
+    """Construct the chosen backend's Communicator."""
+    kwargs: dict[str, Any] = {"consistency_check": options.consistency_check,
+                              "segment_bytes": options.segment_bytes,
+                              "inline_bytes": options.inline_bytes}
+    if backend == "nccl":
+        from ringcomm.comm.nccl import NCCLCommunicator
+
+        return NCCLCommunicator(mpi_comm=mpi_comm,
+                                **_with_timeout(NCCLCommunicator, kwargs, options.timeout))
+    if backend == "gloo":
+        _start_torch_distributed(info, options.timeout)
+        from ringcomm.torch._dist_backend import TorchDistCommunicator
+
+        return TorchDistCommunicator(**_with_timeout(TorchDistCommunicator, kwargs,
+                                                     options.timeout))
+    from ringcomm.comm.mpi import MPICommunicator
+
+    return MPICommunicator(mpi_comm, **_with_timeout(MPICommunicator, kwargs, options.timeout))
+
+
+_GROUP = {"mpi": "MPI.COMM_WORLD", "nccl": "the NCCL communicator",
+          "gloo": "torch.distributed's default group"}
+
+
+def _size_hint(info: LaunchInfo, backend: str) -> str:
+    """How to make the communicator span what the launcher started."""
+    if info.launcher == "torchrun":
+        if backend == "gloo":
+            return ("initialize torch.distributed from torchrun's environment "
+                    "(init_process_group() without rank or world_size), or let ringcomm.init do it")
+        return (f"launch with mpiexec -n {info.size}, or use backend='auto' or 'gloo' under "
+                "torchrun")
+    if info.launcher == "slurm":
+        return ("srun's PMI does not reach mpi4py's MPI library: pick the matching plugin "
+                "(srun --mpi=pmix or --mpi=pmi2; srun --mpi=list shows them), or start the ranks "
+                "with that MPI's mpiexec inside the allocation")
+    return ("each process is an MPI world of its own, so mpi4py's MPI library is not the one "
+            "whose launcher started the job: launch with the mpiexec of mpi4py's MPI "
+            "(.venv/bin/mpiexec for the mpich wheel), or install mpi4py against the launcher's MPI")
+
+
+def _check_spans_job(comm: Communicator, info: LaunchInfo, mpi_comm: Any) -> None:
+    """Raise (the same on every rank) when ``comm`` does not span what the launcher says.
+
+    A communicator on a given ``mpi_comm`` other than MPI.COMM_WORLD may span part of the job;
+    it is not checked.
+    """
+    if info.launcher == "none" or comm.size == info.size:
+        return
+    if mpi_comm is not None:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is None or mpi_comm != mpi.COMM_WORLD:
+            return
+    size, backend = comm.size, comm.backend
+    comm.close()
+    group = _GROUP.get(backend, f"the {backend} communicator")
+    raise RuntimeError(f"{info.describe()} but {group} has {size} "
+                       f"process{'es' if size != 1 else ''}: {_size_hint(info, backend)}")
+
+
+def _log_init(comm: Communicator, why: str, info: LaunchInfo, options: _Options) -> None:
+    _log.set_rank(comm.rank, comm.size)
+    if not _LOG.isEnabledFor(logging.INFO):
+        return
+    launcher = info.launcher
+    if launcher != "none":
+        launcher += f" ({info.size_variable}={info.size})"
+    _LOG.info("backend %s (%s); launcher %s; rank %d of %d, %d rank%s on this node; "
+              "segment_bytes %d, inline_bytes %d, consistency check %s, timeout %g s",
+              comm.backend, why, launcher, comm.rank, comm.size, comm.local_size,
+              "s" if comm.local_size != 1 else "", comm.segment_bytes, comm.inline_bytes,
+              "on" if comm.consistency_check else "off", options.timeout)
 
 
 def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool | None = None,
          segment_bytes: int | None = None, inline_bytes: int | None = None,
+         timeout: datetime.timedelta | float | None = None,
          abort_on_exception: bool = True) -> Communicator:
     """Create a communicator over the processes of this job.
 
+    Launched by mpiexec/mpirun, srun or torchrun (``python -m torch.distributed.run``), the
+    communicator spans every process the launcher started, or init raises saying which
+    launcher variables give what size and how to fix the launch: a communicator of one process
+    in a job of several is never returned.
+
     Args:
-        backend: "mpi", "nccl", or "auto" (NCCL where every rank has a GPU of its own and NCCL
-            loads, MPI otherwise; the same choice on every rank); ``comm.backend`` tells which
-            was chosen.
+        backend: "mpi", "nccl", "gloo" (torch.distributed; initialized from torchrun's
+            environment if need be), or "auto": NCCL where every rank has a GPU of its own
+            and NCCL loads, otherwise MPI, or gloo under torchrun (whose processes are not an
+            MPI job); the same choice on every rank. ``comm.backend`` tells which was chosen.
         mpi_comm: the mpi4py communicator to run on (or, for NCCL, to exchange its unique id
-            over); ``MPI.COMM_WORLD`` by default.
+            over); ``MPI.COMM_WORLD`` by default. A communicator on part of the job is taken
+            as it is (its size is not checked against the launcher's).
         consistency_check: check before each collective that every rank passed matching
             arguments, raising the same error on every rank instead of hanging. On by default;
             the environment variable ``RINGCOMM_CONSISTENCY_CHECK=0`` turns it off.
-        segment_bytes: ring segment size in bytes (default: the measured
-            ``ringcomm.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``.
+        segment_bytes: ring segment size in bytes, >= 64 (default: the measured
+            ``ringcomm.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``, which
+            takes K, M and G suffixes (KiB, MiB, GiB: "512K", "2M").
         inline_bytes: dense allreduces of up to this many bytes ride inside the per-call
             agreement message (one exchange instead of a ring); that slot is sent with every
-            collective, so 0 suits jobs of many small compressed calls. Default 4096; env
-            ``RINGCOMM_INLINE_BYTES``.
+            collective, so 0 suits jobs of many small compressed calls. A multiple of 8;
+            default 4096; env ``RINGCOMM_INLINE_BYTES`` (suffixes as above).
+        timeout: how long a collective waits for its peers before it fails, as a
+            ``datetime.timedelta`` or seconds; env ``RINGCOMM_TIMEOUT`` (seconds); 30 minutes
+            by default.
         abort_on_exception: make an uncaught exception on any rank abort the whole job
             (``MPI_Abort``) instead of leaving the other ranks waiting forever.
 
     Returns:
-        A Communicator.
+        A Communicator. With ``RINGCOMM_LOG_LEVEL=INFO``, init logs the backend chosen (and
+        why), the launcher, rank and size, and the options to stderr (logger ``ringcomm.init``).
 
     Raises:
-        ValueError: unknown backend, or a bad value for an option.
-        RuntimeError: the chosen backend cannot start here (missing package, no GPU); the
-            message says what to install.
+        ValueError: unknown backend, ``mpi_comm`` with backend "gloo", or a bad value for an
+            option or its environment variable (the message names it, its value and what is
+            expected).
+        TypeError: an option of the wrong type.
+        RuntimeError: the chosen backend cannot start here (missing package, no GPU; the
+            message says what to install), or the communicator would not span the job that
+            the launcher started (the message names the launcher's variables).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(_BACKENDS)}")
-    if consistency_check is None:
-        consistency_check = _env_flag("RINGCOMM_CONSISTENCY_CHECK", True)
-    if segment_bytes is None and os.environ.get("RINGCOMM_SEGMENT_BYTES"):
-        segment_bytes = int(os.environ["RINGCOMM_SEGMENT_BYTES"])
-    if inline_bytes is None and os.environ.get("RINGCOMM_INLINE_BYTES"):
-        inline_bytes = int(os.environ["RINGCOMM_INLINE_BYTES"])
+    if backend == "gloo" and mpi_comm is not None:
+        raise ValueError("mpi_comm is for the mpi and nccl backends; backend 'gloo' runs over "
+                         f"torch.distributed's default group, got mpi_comm={mpi_comm!r}")
+    options = _options(consistency_check, segment_bytes, inline_bytes, timeout)
+    _log.configure_from_env()
+    info = launch_info()
+    _log.set_rank(info.rank, info.size)
     if backend == "auto":
-        backend = _auto_backend(mpi_comm)
-    options = {"consistency_check": consistency_check, "segment_bytes": segment_bytes,
-               "inline_bytes": inline_bytes}
-    if backend == "nccl":
-        from ringcomm.comm.nccl import NCCLCommunicator
-
-        comm: Communicator = NCCLCommunicator(mpi_comm=mpi_comm, **options)
+        backend, why = _auto_backend(mpi_comm, info)
+        why = f"auto: {why}"
     else:
-        from ringcomm.comm.mpi import MPICommunicator
-
-        comm = MPICommunicator(mpi_comm, **options)
+        why = "asked for"
+    _LOG.debug("starting backend %s (%s); launcher %s", backend, why, info.describe())
+    comm = _build(backend, mpi_comm, options, info)
+    _check_spans_job(comm, info, mpi_comm)
+    _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
         from ringcomm.comm.mpi import install_abort_hook
 

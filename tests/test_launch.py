@@ -1,4 +1,4 @@
-"""Rank discovery from launcher environments."""
+"""Rank discovery from launcher environments, and init() against what the launcher says."""
 
 from __future__ import annotations
 
@@ -18,8 +18,18 @@ from ringcomm.comm.launch import LaunchInfo, detect
          LaunchInfo(5, 8, 1, 4, "openmpi")),
         ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
          LaunchInfo(2, 4, 0, 2, "torchrun")),
-        ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+        ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_STEP_ID": "0",
           "SLURM_NTASKS_PER_NODE": "4"}, LaunchInfo(6, 8, 2, 4, "slurm")),
+        # srun in an allocation of 16 tasks starts a step of 8: the step's count is the job's.
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "8",
+          "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"},
+         LaunchInfo(5, 8, 1, 4, "slurm")),
+        # The batch script itself is one process, whatever the allocation's task count.
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"},
+         LaunchInfo(0, 1, 0, 1, "none")),
+        ({"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "6",
+          "MV2_COMM_WORLD_LOCAL_RANK": "0", "MV2_COMM_WORLD_LOCAL_SIZE": "3"},
+         LaunchInfo(3, 6, 0, 3, "mvapich")),
         ({"PMIX_RANK": "1", "PMIX_SIZE": "2"}, LaunchInfo(1, 2, 1, 2, "pmix")),
         # A bare launch without local variables is taken to be one host.
         ({"PMI_RANK": "1", "PMI_SIZE": "3"}, LaunchInfo(1, 3, 1, 3, "mpich")),
@@ -27,6 +37,22 @@ from ringcomm.comm.launch import LaunchInfo, detect
 )
 def test_detect(env, expected):
     assert detect(env) == expected
+
+
+@pytest.mark.parametrize(("env", "variable", "text"), [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "WORLD_SIZE", "WORLD_SIZE=2 (torchrun)"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, "PMI_SIZE", "PMI_SIZE=4 (mpich)"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}, "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_SIZE=3 (openmpi)"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEPID": "1"}, "SLURM_NTASKS",
+     "SLURM_NTASKS=2 (slurm)"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "9", "SLURM_STEP_NUM_TASKS": "3"},
+     "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_TASKS=3 (slurm)"),
+    ({}, "", "no launcher variables (a process started on its own, size 1)"),
+])
+def test_launch_info_names_its_size_variable(env, variable, text):
+    info = detect(env)
+    assert info.size_variable == variable and info.describe() == text
 
 
 def test_torchrun_wins_inside_mpirun():
@@ -60,3 +86,56 @@ def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
                          text=True, timeout=60, env=subprocess_env, check=True).stdout
     rows = sorted(tuple(line.split()) for line in out.strip().splitlines())
     assert rows == [(str(r), "3", str(r), "3", "mpich") for r in range(3)]
+
+
+# One write per line: the ranks' outputs share a pipe, and a print's text and newline can be
+# two writes that another rank's line slips between.
+INIT = ("import sys, numpy as np, ringcomm; c = ringcomm.init(abort_on_exception=False); "
+        "sys.stdout.write(f'{c.rank} {c.size} {c.allreduce(np.ones(3))[0]}\\n'); "
+        "sys.stdout.flush(); c.close()")
+
+
+def test_log_level_info_names_rank_backend_and_launcher(mpiexec, subprocess_env):
+    """Under mpiexec -n 2, RINGCOMM_LOG_LEVEL=INFO makes each rank log its init line."""
+    import subprocess
+    import sys
+
+    env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO"}
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", INIT], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 2.0", "1 2 2.0"], proc.stdout
+    lines = sorted(line for line in proc.stderr.splitlines() if "ringcomm.init" in line)
+    assert len(lines) == 2, proc.stderr
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[ringcomm rank {rank}/2] INFO ringcomm.init: backend "), line
+        assert "(auto: " in line and "launcher mpich (PMI_SIZE=2)" in line, line
+        assert f"rank {rank} of 2, 2 ranks on this node" in line, line
+        assert "consistency check on, timeout 1800 s" in line, line
+
+
+def test_silent_by_default(mpiexec, subprocess_env):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_LOG_LEVEL"}
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", INIT], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
+def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
+    """WORLD_SIZE=2 in a job mpiexec started with one process: backend "mpi" refuses it."""
+    import subprocess
+    import sys
+
+    code = ("import ringcomm\n"
+            "try:\n    ringcomm.init('mpi', abort_on_exception=False)\n"
+            "except RuntimeError as err:\n    print(err)\n")
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    proc = subprocess.run([mpiexec, "-n", "1", sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("WORLD_SIZE=2 (torchrun) but MPI.COMM_WORLD has 1 process: "
+                                  "launch with mpiexec -n 2"), proc.stdout

@@ -1,5 +1,5 @@
-"""Jobs started by torchrun: the communicator runs over gloo, the hook and hvd work as under MPI,
-and the gloo transport splits into sub-groups."""
+"""Jobs started by torchrun: ringcomm.init() spans the job over gloo, the hook and hvd work as
+under MPI, and the gloo transport splits into sub-groups."""
 
 from __future__ import annotations
 
@@ -128,17 +128,66 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(tmp_path: Path, env: dict[str, str], script: str) -> None:
-    """Run ``script`` in 2 processes under torchrun; both must end well and print "ok"."""
+INIT_SCRIPT = r"""
+import numpy as np
+import torch.distributed as dist
+import ringcomm
+
+comm = ringcomm.init()                      # torchrun's environment: gloo, over the whole job
+rank = comm.rank
+assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
+assert dist.is_initialized() and dist.get_world_size() == 2
+for n in (5, 300_000):                      # inline in the agreement, and the pipelined ring
+    got = comm.allreduce(np.arange(n, dtype=np.float64) + 10.0 * rank)
+    assert got.tobytes() == (2 * np.arange(n, dtype=np.float64) + 10.0).tobytes(), n
+try:
+    ringcomm.init("mpi", abort_on_exception=False)
+    raise AssertionError("no error")
+except RuntimeError as err:
+    assert str(err) == ("WORLD_SIZE=2 (torchrun) but MPI.COMM_WORLD has 1 process: launch with "
+                        "mpiexec -n 2, or use backend='auto' or 'gloo' under torchrun"), err
+again = ringcomm.init("gloo", abort_on_exception=False)   # the group is there: reused
+assert again.size == 2 and again.allreduce(np.ones(3))[0] == 2.0
+again.close()
+comm.close()
+print(f"rank {rank} ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
+              module: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in 2 processes under torchrun (``python -m torch.distributed.run`` when
+    ``module``); both must end well and print "ok"."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
+    if module:
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+    elif torchrun.exists():
+        launcher = [str(torchrun)]
+    else:
         pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(script)
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+    proc = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(path)],
                           capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [False, True], ids=["torchrun", "python-m"])
+def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module):
+    """ringcomm.init() under torchrun: a size-2 communicator whose allreduce sums both ranks;
+    backend="mpi" raises on both ranks; RINGCOMM_LOG_LEVEL=INFO says what was chosen."""
+    env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO"}
+    proc = _torchrun(tmp_path, env, INIT_SCRIPT, module=module)
+    lines = sorted(line for line in proc.stderr.splitlines()
+                   if "INFO ringcomm.init: backend gloo (auto:" in line)
+    assert len(lines) == 2, proc.stderr[-3000:]
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[ringcomm rank {rank}/2]"), line
+        assert "launcher torchrun (WORLD_SIZE=2); rank" in line, line
 
 
 @pytest.mark.slow

@@ -1,16 +1,18 @@
 """Rank, size and local rank of this process, read from what the launcher put in the environment.
 
-Launchers covered: MPICH's Hydra (``PMI_RANK``, ``MPI_LOCALRANKID``), Open MPI's mpirun
-(``OMPI_COMM_WORLD_*``), PMIx-based launchers (``PMIX_RANK``), Slurm's srun (``SLURM_*``) and
-torchrun (``RANK``, ``LOCAL_RANK``, ...). The environment is read before any communicator exists,
-so that a process can pick its GPU before NCCL or CUDA start.
+Launchers covered: MPICH's Hydra and Intel MPI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``),
+Open MPI's mpirun (``OMPI_COMM_WORLD_*``), MVAPICH (``MV2_COMM_WORLD_*``), PMIx-based launchers
+(``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``) and
+torchrun / ``python -m torch.distributed.run`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...). The
+environment is read before any communicator exists, so that a process can pick its GPU before
+NCCL or CUDA start, and so that ``ringcomm.init`` can check that its communicator spans the job.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["LaunchInfo", "detect"]
 
@@ -25,7 +27,9 @@ class LaunchInfo:
         local_rank: rank among the processes on this host.
         local_size: number of processes on this host.
         launcher: which launcher's variables were found: "torchrun", "openmpi", "mpich",
-            "pmix", "slurm", or "none" for a process started on its own.
+            "mvapich", "pmix", "slurm", or "none" for a process started on its own.
+        size_variable: the environment variable ``size`` was read from ("WORLD_SIZE",
+            "PMI_SIZE", ...); empty for "none". Not compared by ``==``.
     """
 
     rank: int
@@ -33,6 +37,13 @@ class LaunchInfo:
     local_rank: int
     local_size: int
     launcher: str
+    size_variable: str = field(default="", compare=False)
+
+    def describe(self) -> str:
+        """Say what the launcher's variables say, as in ``"WORLD_SIZE=2 (torchrun)"``."""
+        if self.launcher == "none":
+            return "no launcher variables (a process started on its own, size 1)"
+        return f"{self.size_variable}={self.size} ({self.launcher})"
 
 
 # (launcher, rank, size, local rank, local size); the first launcher whose rank and size
@@ -48,9 +59,20 @@ _SCHEMES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    (
+        "mvapich",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
+
+# Set by srun for each task of a job step, and not in the batch script itself: there
+# SLURM_PROCID is 0 and SLURM_NTASKS counts the tasks that srun *would* start.
+_SLURM_STEP = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -64,7 +86,8 @@ def _int(env: Mapping[str, str], name: str) -> int:
 def _slurm_local_size(env: Mapping[str, str]) -> int | None:
     # SLURM_TASKS_PER_NODE reads like "4(x2),3": the first group is this node's count only when
     # all nodes are alike, so use it only in its simple forms.
-    raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    raw = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+           or env.get("SLURM_TASKS_PER_NODE", ""))
     head = raw.split(",")[0].split("(")[0]
     return int(head) if head.isdigit() and "," not in raw else None
 
@@ -76,7 +99,8 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         env: the environment to read; ``os.environ`` when omitted.
 
     Returns:
-        A LaunchInfo. A process started without a launcher is rank 0 of 1.
+        A LaunchInfo. A process started without a launcher is rank 0 of 1, and so is a Slurm
+        batch script itself (``SLURM_PROCID`` without srun's ``SLURM_STEP_*`` variables).
 
     Raises:
         ValueError: a launcher variable is not an integer, or the values contradict each other
@@ -84,6 +108,11 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """
     env = os.environ if env is None else env
     for launcher, rank_var, size_var, lrank_var, lsize_var in _SCHEMES:
+        if launcher == "slurm":
+            if not any(env.get(name) for name in _SLURM_STEP):
+                continue  # the batch script, not a task that srun started
+            if "SLURM_STEP_NUM_TASKS" in env:
+                size_var = "SLURM_STEP_NUM_TASKS"  # this step's tasks, not the allocation's
         if rank_var not in env or size_var not in env:
             continue
         rank, size = _int(env, rank_var), _int(env, size_var)
@@ -99,7 +128,8 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_rank, local_size = rank, size
         if local_size is None:
             local_size = max(local_rank + 1, 1)
-        return _checked(LaunchInfo(rank, size, local_rank, local_size, launcher), rank_var)
+        info = LaunchInfo(rank, size, local_rank, local_size, launcher, size_var)
+        return _checked(info, rank_var)
     return LaunchInfo(0, 1, 0, 1, "none")
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_INLINE_BYTES",
+    "DEFAULT_TIMEOUT_S",
     "RING",
     "SUPPORTED_DTYPES",
     "USER",
@@ -35,6 +36,9 @@ __all__ = [
 
 #: Dense allreduces of up to this many bytes ride in the agreement message (see comm.agree).
 DEFAULT_INLINE_BYTES = 4096
+
+#: Seconds a collective may wait for its peers before it fails (``ringcomm.init(timeout=)``).
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 class ReduceOp(str, enum.Enum):
