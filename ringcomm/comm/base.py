@@ -73,7 +73,7 @@ class Communicator:
                                           inline_bytes=inline,
                                           segment_bytes=ring.DEFAULT_SEGMENT_BYTES)
         self._plans = PlanCache()
-        self.segment_bytes = int(segment_bytes or ring.DEFAULT_SEGMENT_BYTES)
+        self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self._compressed_calls = 0
         self._auto_figures = AutoFigures()
         self._default_auto: Auto | None = None

@@ -19,6 +19,7 @@ figures are measured once per communicator, on the first call that needs them.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm.log import get_logger
 from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
 from ringcomm.comm.types import ReduceOp, Transport, check_dtype
 from ringcomm.compress.base import Compressor, Wire, check_compressed_call
@@ -36,6 +38,7 @@ from ringcomm.compress.int8 import Int8
 
 __all__ = ["Auto", "AutoFigures", "LinkModel", "measure_link", "measure_throughput"]
 
+_LOG = get_logger("auto")
 _PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20
 _WORK_ELEMS = 1 << 18
 
@@ -167,6 +170,13 @@ class Auto(Compressor):
         nbytes = x.size * 4  # compressed calls compute in float32
         chooser = Auto(self.candidates, link=link, throughput=throughput)
         choice = chooser.choose(nbytes, t.size, inline_bytes, x.nbytes)
+        if _LOG.isEnabledFor(logging.DEBUG):
+            seconds = [predict(c, nbytes, t.size, link, throughput[self.key(c)], inline_bytes,
+                               x.nbytes) for c in self.candidates]
+            costs = ", ".join(f"{self.key(c)} {s:.3g} s"
+                              for c, s in zip(self.candidates, seconds, strict=True))
+            _LOG.debug("%d bytes over %d ranks: %s (predicted %s)", x.nbytes, t.size,
+                       self.key(choice), costs)
         if len(figures.choices) > 4096:
             figures.choices.clear()
         figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own

@@ -127,30 +127,13 @@ def init_process_group(backend: str = "gloo", mpi_comm: Any = None) -> None:
         init_process_group_from_mpi(backend, mpi_comm)
 
 
-def _mpi_world_size() -> int:
-    """Size of MPI's world (1 for a process MPI did not launch), 0 without mpi4py."""
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return 0
-    return MPI.COMM_WORLD.Get_size()
-
-
 def new_communicator(backend: str = "auto", mpi_comm: Any = None) -> Communicator:
     """A ringcomm communicator over this job's processes, however it was launched.
 
-    When torchrun started the job (each process its own one-process MPI world) it runs over a
-    gloo group of torch.distributed, initialized from torchrun's environment if need be;
-    otherwise it is ``ringcomm.init(backend, mpi_comm=mpi_comm)``.
+    ``ringcomm.init(backend, mpi_comm=mpi_comm)``: under torchrun it runs over a gloo group of
+    torch.distributed (initialized from torchrun's environment if need be), and it never
+    returns a communicator smaller than the job.
     """
-    from ringcomm import init, launch_info
+    from ringcomm import init
 
-    info = launch_info()
-    torchrun = info.launcher == "torchrun" and info.size > 1 and mpi_comm is None
-    if torchrun and _mpi_world_size() != info.size:
-        from ringcomm.torch._dist_backend import TorchDistCommunicator
-
-        if not dist.is_initialized():
-            init_process_group_from_env("gloo")
-        return TorchDistCommunicator()
     return init(backend, mpi_comm=mpi_comm)
