@@ -60,3 +60,21 @@ def test_bad_candidates():
         Auto().choose(1 << 20, 2)
     with pytest.raises(NotImplementedError):
         Auto().compress(None)
+
+
+def test_fixed_throughput_must_cover_every_candidate():
+    """A missing figure is refused when the Auto is made, not as a KeyError inside a call on
+    one rank (where the others would wait for it)."""
+    link = LinkModel(1e-5, 1e9)
+    with pytest.raises(ValueError, match=r"no figure for candidates \['Int8"):
+        Auto((None, ringcomm.Int8()), link=link, throughput={"none": 1e9})
+
+
+def test_candidates_must_name_a_known_algorithm():
+    class Unknown(ringcomm.Int8):
+        @property
+        def allreduce_algorithm(self) -> str:
+            return "no-such-algorithm"
+
+    with pytest.raises(ValueError, match="names allreduce algorithm 'no-such-algorithm'"):
+        Auto((None, Unknown()))

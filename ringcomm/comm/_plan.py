@@ -1,7 +1,7 @@
 """Allreduce plans: what a checked call runs, and the one cache of plans for repeated calls.
 
 A training loop reduces the same tensors every step. The first call of a dense allreduce is
-checked in full and its plan kept, keyed by array type, dtype, shape and op; repeats skip the
+checked in full and its plan kept (host arrays: keyed by dtype, shape and op); repeats skip the
 local checks (the cross-rank agreement still runs every call). Small host arrays also get an
 :class:`~ringcomm.comm.agree.InlinePlan`, which finishes the call within the agreement.
 """

@@ -111,7 +111,8 @@ class CallSpec:
     def describe(self) -> dict[str, Any]:
         """A picklable account of the call, exchanged only when the headers disagree."""
         if self.error is not None:
-            return {"error": (type(self.error).__name__, str(self.error))}
+            kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
+            return {"error": (kind, str(self.error))}
         return {
             "dtype": self.dtype.name if self.dtype is not None else None,
             "shape": self.shape,

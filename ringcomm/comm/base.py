@@ -304,10 +304,6 @@ class Communicator:
             self._transport.close()
 
     # ----------------------------------------------------------------------------- helpers
-    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
-        """A reusable buffer of ``n`` elements on ``like``'s device (the transport's)."""
-        return self._transport.scratch(key, like, n, dtype)
-
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
@@ -357,8 +353,8 @@ class Communicator:
             comp = plan.compression
             if isinstance(comp, Auto):
                 comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
-            seed = mix_seed(self._compressed_calls, self.rank)
             self._compressed_calls += 1
+            seed = mix_seed(self._compressed_calls, self.rank)
             algorithms.allreduce(t, _flat(x), flat_out, plan.op, comp, plan.feedback,
                                  plan.name, seed, segment_bytes=self.segment_bytes)
         if not direct:

@@ -31,14 +31,13 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm import _nccl_lib, _nccl_setup
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.transport import TransportBase, agree_split
 from ringcomm.comm.types import RING, ReduceOp, Request
 
 __all__ = ["NCCLCommunicator", "NCCLTransport", "usable", "usable_everywhere"]
 
 _INT32 = _nccl_lib.DTYPES["int32"]
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the pointers say where they live
-_C_INT = range(-(1 << 31), 1 << 31)  # NCCL takes split colors and keys as C ints
 
 
 _usable: list[bool] = []
@@ -295,13 +294,11 @@ class NCCLTransport(TransportBase):
         (NCCL refuses mixed versions), so all take the same path.
 
         Raises:
-            TypeError: color or key is not an integer.
-            ValueError: color is negative, or color or key does not fit a C int.
+            InvalidArgumentError, InvalidTypeError: invalid color or key on some rank (on
+                every rank; see ``agree_split``).
             RuntimeError: NCCL failed (with NCCL's error text).
         """
-        color, key = check_split(color, key)
-        if color not in _C_INT or key not in _C_INT:
-            raise ValueError(f"split color and key must fit a 32-bit int, got {color}, {key}")
+        color, key = agree_split(self, color, key)[self.rank]
         rdv = self._rdv.split(color, key)
         try:
             with self.device:

@@ -12,9 +12,17 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.types import CommStats, ReduceOp
+from ringcomm.comm.types import (
+    CommStats,
+    InvalidArgumentError,
+    InvalidTypeError,
+    ReduceOp,
+    Transport,
+)
 
-__all__ = ["TransportBase", "check_split"]
+__all__ = ["TransportBase", "agree_split", "check_split"]
+
+_C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
 
 
 class TransportBase:
@@ -69,15 +77,47 @@ class TransportBase:
 
 
 def check_split(color: Any, key: Any) -> tuple[int, int]:
-    """Validate the arguments of ``split`` (non-negative integer color, integer key).
+    """Validate the arguments of ``split``: a color in [0, 2**31), an integer key that fits a
+    C int (what MPI_Comm_split and ncclCommSplit take).
 
     Raises:
         TypeError: color or key is not an integer.
-        ValueError: color is negative.
+        ValueError: color is negative, or color or key does not fit a C int.
     """
     for label, v in (("color", color), ("key", key)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"split {label} must be an integer, got {type(v).__name__}")
     if color < 0:
         raise ValueError(f"split color must be >= 0, got {color}")
+    if color not in _C_INT or key not in _C_INT:
+        raise ValueError(f"split color and key must fit a 32-bit int, got {color}, {key}")
     return int(color), int(key)
+
+
+def agree_split(t: Transport, color: Any, key: Any) -> list[tuple[int, int]]:
+    """Check ``split``'s arguments on every rank of ``t`` before any rank splits (collective).
+
+    A split is collective: a rank that refused its arguments alone would leave the others
+    waiting in the library's split forever. Every rank's check travels in one exchange, and
+    all raise the same error when any rank's arguments are invalid.
+
+    Returns:
+        Every rank's (color, key), in rank order.
+
+    Raises:
+        InvalidArgumentError, InvalidTypeError: some rank passed invalid arguments (on every
+            rank, naming the first failing rank's reason).
+    """
+    try:
+        mine: tuple[Any, ...] = check_split(color, key)
+    except (TypeError, ValueError) as err:
+        mine = (type(err).__name__ if isinstance(err, ValueError) else "TypeError", str(err))
+    everyone = t.allgather_object(mine)
+    failed = [r for r, v in enumerate(everyone) if isinstance(v[0], str)]
+    if failed:
+        etype, reason = everyone[failed[0]]
+        cls = InvalidTypeError if etype == "TypeError" else InvalidArgumentError
+        where = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(map(str, failed))
+        raise cls(f"split failed on {where}: {reason}", kind="split", ranks=tuple(failed),
+                  reason=reason)
+    return everyone

@@ -48,7 +48,7 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: Compressor | N
     of stochastic rounding and sampling; it differs per call and rank.
     """
     ops = _ops.get(x)
-    residual = feedback.take(name, x) if feedback is not None and name is not None else None
+    residual = feedback.take(name, x) if feedback is not None else None
     if comp is None:
         # Dense: the input plus the pending residual, in the input's own dtype; the residual
         # is spent.
@@ -67,11 +67,7 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: Compressor | N
         if residual is not None:
             residual[...] = 0
         return
-    algorithm = ALGORITHMS.get(comp.allreduce_algorithm)
-    if algorithm is None:
-        known = ", ".join(sorted(ALGORITHMS))
-        raise NotImplementedError(f"{comp!r} names allreduce algorithm "
-                                  f"{comp.allreduce_algorithm!r}; known: {known}")
+    algorithm = ALGORITHMS[comp.allreduce_algorithm]  # checked before the agreement
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.
     algorithm(t, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)

@@ -32,6 +32,7 @@ from ringcomm import ops as _ops
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
 from ringcomm.comm.types import ReduceOp, Transport, check_dtype
+from ringcomm.compress.algorithms import ALGORITHMS
 from ringcomm.compress.base import Compressor, Wire, check_compressed_call
 from ringcomm.compress.cast import FP16
 from ringcomm.compress.int8 import Int8
@@ -67,7 +68,7 @@ class AutoFigures:
 
     links: dict[str, LinkModel] = field(default_factory=dict)
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
-    choices: dict[tuple[int, str, int], tuple[Auto, Compressor | None]] = field(
+    choices: dict[tuple[int, str, int, int], tuple[Auto, Compressor | None]] = field(
         default_factory=dict)
 
 
@@ -116,9 +117,18 @@ class Auto(Compressor):
         for c in candidates:
             if c is not None and (not isinstance(c, Compressor) or isinstance(c, Auto)):
                 raise TypeError(f"Auto candidates are compressors or None, got {c!r}")
+        for c in candidates:
+            if c is not None and c.allreduce_algorithm not in ALGORITHMS:
+                raise ValueError(f"candidate {c!r} names allreduce algorithm "
+                                 f"{c.allreduce_algorithm!r}; known: {', '.join(ALGORITHMS)}")
         self.candidates = tuple(candidates)
         self.link = link
         self.throughput = dict(throughput) if throughput else None
+        if self.throughput is not None:
+            missing = [self.key(c) for c in self.candidates if self.key(c) not in self.throughput]
+            if missing:
+                raise ValueError(f"throughput has no figure for candidates {missing}; "
+                                 f"expected keys {[self.key(c) for c in self.candidates]}")
 
     @staticmethod
     def key(comp: Compressor | None) -> str:
@@ -151,7 +161,7 @@ class Auto(Compressor):
         """Choose for array ``x``, measuring over ``t`` what ``figures`` lack first
         (collectively, once per communicator and array kind)."""
         kind = _kind(x)
-        key = (id(self), kind, x.size)
+        key = (id(self), kind, x.size, x.nbytes)  # nbytes: whether dense rides inline
         memo = figures.choices.get(key)
         if memo is not None and memo[0] is self:
             return memo[1]
