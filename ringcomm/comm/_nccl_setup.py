@@ -132,6 +132,12 @@ class _StoreRendezvous:
                 "under torchrun the NCCL backend exchanges its unique id over "
                 f"torch.distributed's store, which needs PyTorch ({err})") from err
         if dist.is_initialized():
+            if dist.get_world_size() != info.size:
+                # The store would wait for ranks that are not in this group: fail instead.
+                raise RuntimeError(
+                    f"torch.distributed's default group has {dist.get_world_size()} processes "
+                    f"but the launch says {info.describe()}; initialize the process group "
+                    "from the same launch as ringcomm")
             store = dist.distributed_c10d._get_default_store()
         else:
             try:

@@ -68,6 +68,10 @@ class CallSpec:
         dtype but object."""
         if type(x) is not np.ndarray and not _ops.is_device_array(x):
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
+        if reduced and not x.dtype.isnative:
+            raise TypeError(
+                f"dtype {x.dtype.str} is in non-native byte order ({_endian(x.dtype)}); "
+                "reductions need native numbers: pass x.astype(x.dtype.newbyteorder('='))")
         self.shape = x.shape
         self.dtype = check_dtype(x.dtype) if reduced else check_movable(x.dtype)
         return self.dtype
@@ -113,8 +117,10 @@ class CallSpec:
         if self.error is not None:
             kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
             return {"error": (kind, str(self.error))}
+        dt = self.dtype
         return {
-            "dtype": self.dtype.name if self.dtype is not None else None,
+            "dtype": None if dt is None else dt.name if dt.isnative else
+            f"{dt.name} ({_endian(dt)})",
             "shape": self.shape,
             "op": str(self.op.value) if self.op else "",
             "root": self.root,
@@ -251,13 +257,17 @@ class Agreement:
         raise _build_error(self.transport.allgather_object(mine))
 
 
+def _endian(dt: np.dtype) -> str:
+    return "big-endian" if dt.byteorder == ">" else "little-endian"
+
+
 def _host_bytes(x: Any) -> memoryview:
     if type(x) is not np.ndarray or not x.flags.c_contiguous:
         xp = _ops.get(x)
         x = xp.to_host(xp.ascontiguous(x))
-    if x.dtype.kind == "V":  # bfloat16 (ml_dtypes) has no buffer format of its own
-        x = x.reshape(-1).view(np.uint8)
-    return memoryview(x).cast("B")
+    # 1-d bytes: memoryview cannot cast an n-d view with a zero in its shape (shape (0, 5)),
+    # nor bfloat16 (ml_dtypes), which has no buffer format of its own.
+    return memoryview(x.reshape(-1).view(np.uint8))
 
 
 class InlinePlan:

@@ -42,8 +42,36 @@ def _check_writeable(x: Any, label: str) -> None:
 
 
 def _flat(x: Any) -> Any:
-    """A contiguous 1-d view of ``x`` (a copy only when ``x`` is not contiguous)."""
+    """A contiguous, aligned 1-d view of ``x`` (a copy only when ``x`` is neither).
+
+    Unaligned host arrays (``np.frombuffer(buf, offset=1)``) are copied: MPI cannot send
+    their elements as typed data.
+    """
+    if not getattr(x.flags, "aligned", True):
+        return x.reshape(-1).copy()
     return _ops.get(x).ascontiguous(x).reshape(-1)
+
+
+def _is_subclass(a: Any) -> bool:
+    """Whether ``a`` is a host ndarray subclass (memmap, matrix, ...)."""
+    return (type(a) is not np.ndarray and isinstance(a, np.ndarray)
+            and not _ops.is_device_array(a))
+
+
+def _plain(a: Any) -> Any:
+    """A host ndarray subclass as a plain ndarray view of its memory; anything else as is."""
+    return a.view(np.ndarray) if _is_subclass(a) else a
+
+
+def _check_overlap(x: Any, out: Any) -> None:
+    """Refuse an ``out`` that shares memory with ``x`` other than as the same elements (in
+    place): the ring would read elements it has already overwritten."""
+    if out is x or type(x) is not np.ndarray or not np.may_share_memory(x, out):
+        return
+    if out.ctypes.data == x.ctypes.data and out.strides == x.strides:
+        return  # another view of the very same elements: in place
+    raise ValueError("out overlaps x without being x: the result would overwrite input "
+                     "still to be read; pass out=x to reduce in place, or a separate array")
 
 
 class Communicator:
@@ -198,6 +226,10 @@ class Communicator:
                 inline = prepared.inline
                 return inline.run(x, out) if inline is not None else self._execute(
                     prepared, x, out)
+        if _is_subclass(x) or _is_subclass(out):
+            result = self.allreduce(_plain(x), _plain(out), op=op, compression=compression,
+                                    feedback=feedback, name=name)
+            return result if out is None else out
         self._ensure_open()
         plan = self._plan_allreduce(x, out, op, compression, feedback, name)
         self.stats.calls += 1
@@ -210,6 +242,7 @@ class Communicator:
         """
         self._ensure_open()
         self._transport.operation = "reduce_scatter"
+        x = _plain(x)
         spec = agree.CallSpec("reduce_scatter")
         try:
             self._transport.check_arrays(x)
@@ -239,6 +272,7 @@ class Communicator:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         self._ensure_open()
         self._transport.operation = "broadcast"
+        given, x = x, _plain(x)
         spec = agree.CallSpec("broadcast")
         try:
             self._transport.check_arrays(x)
@@ -250,7 +284,7 @@ class Communicator:
         self._agreement.agree(spec)
         self.stats.calls += 1
         if x.size == 0:
-            return x
+            return given
         if x.flags.c_contiguous:
             self._transport.broadcast(x.reshape(-1), root)
         else:
@@ -260,7 +294,7 @@ class Communicator:
         nbytes = x.nbytes
         self.stats.add(nbytes * (self.size - 1) if self.rank == root else 0,
                        0 if self.rank == root else nbytes)
-        return x
+        return given
 
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``; returns ``recv``.
@@ -345,7 +379,7 @@ class Communicator:
         result = out if out is not None else xp.empty(x.shape, x.dtype)
         if x.size == 0:
             return result
-        direct = result.flags.c_contiguous
+        direct = result.flags.c_contiguous and getattr(result.flags, "aligned", True)
         flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
         if plan.dense:
             ring.allreduce(t, _flat(x), flat_out, plan.op, segment_bytes=self.segment_bytes)
@@ -379,6 +413,7 @@ class Communicator:
             if out.dtype != x.dtype:
                 raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
             _check_writeable(out, "out")
+            _check_overlap(x, out)
         if compression is not None:
             check_compressed_call(compression, x, rop, feedback, name)
             if not isinstance(compression, Auto) and (
@@ -386,7 +421,8 @@ class Communicator:
                 raise ValueError(f"{compression!r} names allreduce algorithm "
                                  f"{compression.allreduce_algorithm!r}; known: "
                                  f"{', '.join(sorted(algorithms.ALGORITHMS))}")
-            spec.extra = f"{compression!r}|{name}"
+            # Feedback on some ranks only would keep residuals on those alone: agree on it too.
+            spec.extra = f"{compression!r}|{name}|feedback={feedback is not None}"
         elif feedback is not None:
             raise ValueError("feedback needs a lossy compression; got compression=None")
         return rop
@@ -394,6 +430,7 @@ class Communicator:
     def _gather(self, kind: str, x: Any) -> Any:
         self._ensure_open()
         self._transport.operation = kind
+        x = _plain(x)
         spec = agree.CallSpec(kind)
         try:
             self._transport.check_arrays(x)

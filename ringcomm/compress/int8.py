@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 from ringcomm import ops as _ops
@@ -30,9 +31,10 @@ class Int8(DenseCompressor):
     wire: ClassVar[Wire] = Wire.REQUANTIZE
 
     def __init__(self, block_size: int = 256, stochastic: bool = False, seed: int = 0) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        if (not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool)
+                or block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.block_size = self.align = block_size
+        self.block_size = self.align = int(block_size)
         self.stochastic = bool(stochastic)
         self.seed = int(seed)
 

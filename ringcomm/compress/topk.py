@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -39,7 +40,8 @@ class TopK(Compressor):
 
     def __init__(self, ratio: float = 0.01, algorithm: str = "ring",
                  approximate: bool = False) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+                or not 0 < float(ratio) <= 1):
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         if algorithm not in _ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected 'ring' or 'allgather'")
