@@ -35,6 +35,7 @@ from ringcomm.comm.types import (
     RING,
     USER,
     ArgumentMismatchError,
+    CollectiveTimeoutError,
     InvalidArgumentError,
     InvalidTypeError,
     ReduceOp,
@@ -502,7 +503,8 @@ def test_receive_timeout_names_the_peer():
             t.isendrecv(None, 0, np.empty(1), 0).wait()
 
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="rank 1: receive from rank 0 on the ring channel"):
+    with pytest.raises(CollectiveTimeoutError,
+                       match="rank 1: receive from rank 0 on the ring channel"):
         run_ranks(2, body, timeout=0.3)
     assert time.monotonic() - start < 5
 
@@ -513,7 +515,8 @@ def test_collective_timeout_names_the_missing_rank():
         if t.rank != 2:
             t.barrier()
 
-    with pytest.raises(TimeoutError, match=r"barrier timed out .* waiting for ranks \[2\]"):
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"barrier timed out .* waiting for ranks \[2\]"):
         run_ranks(3, body, timeout=0.3)
 
 

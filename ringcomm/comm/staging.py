@@ -8,12 +8,19 @@ synchronization guarantees no queued kernel still reads its old contents. A stag
 copied to the device asynchronously after it completes, on the same stream, so the reduction
 that follows it is ordered after the copy without the host waiting: with the ring's window of
 two exchanges, that copy and that reduction overlap the next segment's transfer.
+
+Bounded time: every wait for the peers goes through the ``wait`` the transport passes in
+(``MPITransport.wait_all``: polled until its deadline). Staged collectives use MPI's
+nonblocking forms; a CUDA-aware MPI gets its blocking collective (CUDA-aware Open MPI takes
+device buffers in blocking collectives only), after a bounded barrier that makes sure every
+rank has arrived. Waits for the GPU itself (stream synchronization) are local and unbounded.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -104,22 +111,31 @@ class _Staged:
     """A posted exchange with device buffers; ``wait()`` completes it, queues the copies of
     staged receives to the device and returns a staged send's pinned buffer to the pool."""
 
-    __slots__ = ("_downloads", "_reqs", "_staging", "_uploads")
+    __slots__ = ("_downloads", "_peer", "_reqs", "_staging", "_uploads")
 
-    def __init__(self, staging: DeviceStaging, reqs: list[Any],
+    def __init__(self, staging: DeviceStaging, reqs: list[Any], peer: int,
                  uploads: list[tuple[np.ndarray, Any]], downloads: list[np.ndarray]) -> None:
-        self._staging, self._reqs = staging, reqs
+        self._staging, self._reqs, self._peer = staging, reqs, peer
         self._uploads, self._downloads = uploads, downloads
 
     def wait(self) -> None:
         staging = self._staging
-        try:
-            staging.MPI.Request.Waitall(self._reqs)
-        finally:
-            for host in self._downloads:
-                staging.release(host)
+        # Not in a finally: after a timeout MPI may still read the buffers, which must not
+        # go back to the pool (the timed-out requests keep them alive).
+        staging.wait(self._reqs, self._peer, "device exchange")
+        for host in self._downloads:
+            staging.release(host)
         for host, device in self._uploads:
             staging.upload(host, device)
+
+
+def _unbounded_wait(MPI: Any) -> Callable[[list[Any], int | None, str], None]:
+    """A ``wait`` that blocks in ``MPI_Waitall`` for as long as it takes."""
+
+    def wait(reqs: list[Any], peer: int | None, what: str) -> None:
+        MPI.Request.Waitall(reqs)
+
+    return wait
 
 
 def _counts(message: Any, counts: list[int], displs: list[int]) -> list[Any]:
@@ -135,16 +151,21 @@ class DeviceStaging:
     Args:
         MPI: the ``mpi4py.MPI`` module.
         direct: pass device buffers to MPI as they are (CUDA-aware MPI).
+        wait: ``wait(requests, peer, what)`` completes MPI requests (``peer`` the rank waited
+            for, or None; ``what`` names the step), raising or ending the job when they take
+            too long; ``MPI.Request.Waitall`` (unbounded) when None.
 
     Raises:
         RuntimeError: CuPy or a GPU is missing.
     """
 
-    def __init__(self, MPI: Any, direct: bool) -> None:
+    def __init__(self, MPI: Any, direct: bool, *,
+                 wait: Callable[[list[Any], int | None, str], None] | None = None) -> None:
         from ringcomm.ops import _cuda_runtime
 
         self.MPI = MPI
         self.direct = direct
+        self.wait = wait if wait is not None else _unbounded_wait(MPI)
         self._cupy = _cuda_runtime.cp()
         self._pool = _PinnedPool(self._cupy)
 
@@ -220,7 +241,7 @@ class DeviceStaging:
             reqs.append(comm.Irecv(self.message(rbuf, recv)[0], source, tag))
         if send is not None:
             reqs.append(comm.Isend(self.message(sbuf, send)[0], dest, tag))
-        return _Staged(self, reqs, uploads, downloads)
+        return _Staged(self, reqs, source if recv is not None else dest, uploads, downloads)
 
     def allgatherv(self, comm: Any, x: Any, counts: list[int], displs: list[int],
                    out: Any) -> None:
@@ -230,12 +251,11 @@ class DeviceStaging:
         self._sync()  # the download is complete, and no queued kernel still uses out
         send, scale = self.message(send_buf, x)
         recv = self.message(recv_buf, out)[0]
-        try:
-            comm.Allgatherv(send, _counts(recv, [c * scale for c in counts],
-                                          [d * scale for d in displs]))
-        finally:
-            if send_buf is not x:
-                self.release(send_buf)
+        vector = _counts(recv, [c * scale for c in counts], [d * scale for d in displs])
+        self._collective(comm, "allgatherv", comm.Allgatherv, comm.Iallgatherv, x, out, send,
+                         vector)
+        if send_buf is not x:  # not after a timeout: MPI may still read it (see _Staged)
+            self.release(send_buf)
         if recv_buf is not out:
             self.upload(recv_buf, out)
 
@@ -244,10 +264,21 @@ class DeviceStaging:
         mine = comm.Get_rank() == root
         buf = self._stage(x, not mine)
         self._sync()
-        try:
-            comm.Bcast(self.message(buf, x)[0], root)
-        finally:
-            if buf is not x and mine:
-                self.release(buf)
+        self._collective(comm, "broadcast", comm.Bcast, comm.Ibcast, x, None,
+                         self.message(buf, x)[0], root)
+        if buf is not x and mine:  # not after a timeout: MPI may still read it (see _Staged)
+            self.release(buf)
         if buf is not x and not mine:
             self.upload(buf, x)
+
+    def _collective(self, comm: Any, what: str, blocking: Callable[..., Any],
+                    nonblocking: Callable[..., Any], x: Any, out: Any, *args: Any) -> None:
+        """Run a collective on MPI buffers ``args`` within the timeout: its nonblocking form
+        on host buffers; on device buffers (CUDA-aware MPI), the blocking form after a
+        bounded barrier, since nonblocking collectives may not take device pointers."""
+        device = _ops.is_device_array
+        if self.direct and (device(x) or device(out)):
+            self.wait([comm.Ibarrier()], None, what)
+            blocking(*args)
+        else:
+            self.wait([nonblocking(*args)], None, what)

@@ -4,8 +4,9 @@ A :class:`ThreadWorld` holds what the ranks share: one FIFO mailbox per (channel
 destination) and a rendezvous for the collectives. Sends copy their bytes when posted (MPI's
 buffered semantics: the sender may reuse its buffer after ``wait()``); a receive completes in
 ``wait()`` once a message arrived and was copied into the receive buffer. Every wait has a
-timeout, and a timeout or a failing rank aborts the world, so a bug ends in an error naming
-the operation and the peer, never in a hang. :func:`run_ranks` runs a function on every rank.
+timeout, and a timeout (a :class:`~ringcomm.comm.types.CollectiveTimeoutError`, as on the
+MPI backend) or a failing rank aborts the world, so a bug ends in an error naming the
+operation and the peer, never in a hang. :func:`run_ranks` runs a function on every rank.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm.transport import TransportBase, check_split
-from ringcomm.comm.types import RING, USER
+from ringcomm.comm.types import RING, USER, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
 
-#: Seconds any wait lasts before raising TimeoutError.
+#: Seconds any wait lasts before raising CollectiveTimeoutError.
 DEFAULT_TIMEOUT = 60.0
 _CHANNELS = {RING: "ring", USER: "user"}
+_EXCHANGES = {RING: "ring exchange", USER: "sendrecv"}  # a timeout's kind outside a collective
 _EMPTY = object()  # a rendezvous slot no rank has filled yet
 _WAKE = object()  # put in every mailbox by abort(), to wake a blocked receiver
 
@@ -53,7 +55,8 @@ class ThreadWorld:
 
     Args:
         size: the number of ranks (>= 1).
-        timeout: seconds every wait (receive, collective) lasts before raising TimeoutError.
+        timeout: seconds every wait (receive, collective) lasts before raising
+            CollectiveTimeoutError.
 
     Raises:
         ValueError: ``size`` < 1 or ``timeout`` <= 0.
@@ -95,22 +98,34 @@ class ThreadWorld:
         if self._aborted is not None:
             raise WorldAbortedError(f"rank {rank}: {what} interrupted: {self._aborted}")
 
-    def _timed_out(self, message: str) -> TimeoutError:
+    def _timed_out(self, message: str, kind: str, peer: int | None,
+                   elapsed: float) -> CollectiveTimeoutError:
         self.abort(message)  # the world's state is no longer consistent
-        return TimeoutError(message)
+        return CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
+                                      timeout=self.timeout)
 
     def exchange(self, rank: int, what: str, value: Any,
-                 combine: Callable[[list[Any]], Any] = list) -> Any:
+                 combine: Callable[[list[Any]], Any] = list, *, operation: str = "") -> Any:
         """Deposit ``value`` and return ``combine`` of every rank's values, in rank order.
 
         The last rank to arrive runs ``combine`` once for everyone; a TypeError or ValueError
         it raises is raised on every rank.
 
+        Args:
+            rank: the calling rank.
+            what: the transport's collective ("barrier", "allgather_fixed", ...).
+            value: this rank's contribution.
+            combine: turns every rank's values into the result.
+            operation: the collective in progress ("allreduce", ...; the transport's
+                ``operation``), for a timeout's message and ``kind``; ``what`` when empty.
+
         Raises:
-            TimeoutError: some ranks did not arrive in time (named); the world is aborted.
+            CollectiveTimeoutError: some ranks did not arrive in time (named; ``peer`` is the
+                missing rank when only one is); the world is aborted.
             RuntimeError: the ranks called different collectives (named per rank).
             WorldAbortedError: another rank failed meanwhile.
         """
+        start = time.monotonic()
         with self._cv:
             self._check_alive(rank, what)
             generation = self._generation
@@ -123,8 +138,12 @@ class ThreadWorld:
             elif not self._cv.wait_for(lambda: self._generation != generation
                                        or self._aborted is not None, self.timeout):
                 missing = [r for r, s in enumerate(self._slots) if s is _EMPTY]
-                raise self._timed_out(f"rank {rank}: {what} timed out after {self.timeout:g} s "
-                                     f"waiting for ranks {missing}")
+                kind = operation or what
+                step = what if kind == what else f"{kind}: {what}"
+                raise self._timed_out(f"rank {rank}: {step} timed out after {self.timeout:g} s "
+                                      f"waiting for ranks {missing}", kind,
+                                      missing[0] if len(missing) == 1 else None,
+                                      time.monotonic() - start)
             if self._generation == generation:
                 self._check_alive(rank, what)
             result = self._result
@@ -147,11 +166,12 @@ def _combine(slots: list[Any], combine: Callable[[list[Any]], Any]) -> Any:
 class _Exchange:
     """A posted send (already in the mailbox) and receive (completed by ``wait``)."""
 
-    __slots__ = ("_box", "_rank", "_recv", "_what", "_world")
+    __slots__ = ("_box", "_kind", "_rank", "_recv", "_source", "_t", "_what", "_world")
 
     def __init__(self, t: ThreadTransport, recv: np.ndarray | None, source: int,
                  channel: int) -> None:
-        self._world, self._rank, self._recv = t.world, t.rank, recv
+        self._t, self._world, self._rank, self._recv = t, t.world, t.rank, recv
+        self._source, self._kind = source, _EXCHANGES.get(channel, "sendrecv")
         self._box = None if recv is None else t.world._mailbox(channel, source, t.rank)
         self._what = f"receive from rank {source} on the {_CHANNELS.get(channel, channel)} channel"
 
@@ -161,11 +181,15 @@ class _Exchange:
             return
         box, self._box, world = self._box, None, self._world
         world._check_alive(self._rank, self._what)
+        start = time.monotonic()
         try:
             msg = box.get(timeout=world.timeout)
         except queue.Empty:
-            raise world._timed_out(f"rank {self._rank}: {self._what} timed out after "
-                                  f"{world.timeout:g} s") from None
+            kind = self._t.operation or self._kind
+            step = self._what if not self._t.operation else f"{kind}: {self._what}"
+            raise world._timed_out(f"rank {self._rank}: {step} timed out after "
+                                   f"{world.timeout:g} s", kind, self._source,
+                                   time.monotonic() - start) from None
         if msg is _WAKE:
             world._check_alive(self._rank, self._what)
         dst = _flat_bytes(self._recv, "recv")
@@ -281,7 +305,7 @@ class ThreadTransport(TransportBase):
 
     def _exchange(self, what: str, value: Any,
                   combine: Callable[[list[Any]], Any] = list) -> Any:
-        return self.world.exchange(self.rank, what, value, combine)
+        return self.world.exchange(self.rank, what, value, combine, operation=self.operation)
 
 
 def run_ranks(n: int, fn: Callable[[ThreadTransport], Any], *,

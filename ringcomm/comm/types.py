@@ -20,6 +20,7 @@ __all__ = [
     "USER",
     "ArgumentMismatchError",
     "CollectiveError",
+    "CollectiveTimeoutError",
     "CommStats",
     "DtypeMismatchError",
     "InvalidArgumentError",
@@ -277,7 +278,8 @@ class Transport(Protocol):
 
 
 class CollectiveError(Exception):
-    """A collective refused its arguments on every rank alike; the communicator stays usable.
+    """A collective failed: refused its arguments on every rank alike (the communicator stays
+    usable), or, for CollectiveTimeoutError, waited too long (it is then unusable).
 
     Raised as one of its subclasses, each also a ValueError or TypeError (whichever the
     problem is), so code that catches those keeps working. The fields say what happened
@@ -316,3 +318,27 @@ class ArgumentMismatchError(CollectiveError, ValueError):
 
 class DtypeMismatchError(ArgumentMismatchError, TypeError):
     """The dtype differs between ranks."""
+
+
+class CollectiveTimeoutError(CollectiveError, RuntimeError):
+    """A collective waited longer than the timeout for its peers (dead, stopped or elsewhere).
+
+    Unlike the other CollectiveErrors, this one leaves the communicator unusable: messages of
+    the interrupted collective may still be in flight and would match a later call's, so close
+    it and end the job. The MPI backend ends the job itself (``MPI_Abort``) unless it was built
+    with ``abort_on_timeout=False``.
+
+    Attributes:
+        kind: the collective that timed out (the transport's ``operation``: "allreduce", ...).
+        peer: the rank waited for where one is known (the sender of a receive, such as the
+            ring's left neighbour), or None (a collective waits for every rank).
+        elapsed: seconds waited before giving up.
+        timeout: the timeout in seconds.
+    """
+
+    def __init__(self, message: str, *, kind: str = "", peer: int | None = None,
+                 elapsed: float = 0.0, timeout: float = 0.0) -> None:
+        super().__init__(message, kind=kind)
+        self.peer = peer
+        self.elapsed = float(elapsed)
+        self.timeout = float(timeout)

@@ -1,0 +1,243 @@
+"""Bounded time: a peer that closed, exited or stopped turns a collective into an error.
+
+The MPI jobs run under ``mpiexec -n 2`` with a short timeout. By default a timeout ends the
+job (MPI_Abort): every process must be gone, with a non-zero exit status, within the timeout
+plus a few seconds, and the surviving rank's stderr names the collective, the peer where one
+is known, and the timeout. With ``abort_on_timeout=False`` the error is raised instead, and its
+fields are checked. Every rank writes its pid to a file, so that no process outlives a test
+whatever happens (a stopped rank included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringcomm.comm.base import Communicator
+from ringcomm.comm.threads import run_ranks
+from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+
+TIMEOUT_S = 3.0
+#: How long after the timeout every process must have ended.
+GRACE_S = 10.0
+
+pytestmark = pytest.mark.timeout(120)
+
+# argv: how ("close", "exit", "stop"), the pid directory.
+DEATH = r"""
+import os, signal, sys
+import numpy as np
+import ringcomm
+
+how, piddir = sys.argv[1], sys.argv[2]
+comm = ringcomm.init("mpi")             # the timeout comes from RINGCOMM_TIMEOUT
+with open(os.path.join(piddir, f"rank{comm.rank}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+x = np.ones(1 << 16, dtype=np.float32)  # 256 KiB: past the inline slot, the ring runs
+comm.allreduce(x)                       # everyone is up
+if comm.rank == 1:
+    if how == "close":
+        comm.close()
+        sys.exit(0)                     # MPI_Finalize, then a clean exit
+    if how == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGSTOP)
+comm.allreduce(x)
+print("unreachable", flush=True)
+"""
+
+# argv: the timeout, the pid directory. Prints rank 0's errors as JSON lines.
+NO_ABORT = r"""
+import json, math, os, sys, time
+import numpy as np
+from mpi4py import MPI
+from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+
+timeout, piddir = float(sys.argv[1]), sys.argv[2]
+for bad in (0, -1.0, math.nan):
+    try:
+        MPICommunicator(timeout=bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"timeout={bad!r} accepted")
+p2p = MPICommunicator(timeout=timeout, abort_on_timeout=False)
+coll = MPICommunicator(timeout=timeout, abort_on_timeout=False)
+rank = p2p.rank
+with open(os.path.join(piddir, f"rank{rank}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+small = np.ones(16, np.float32)
+coll.allreduce(small)                   # the first call's one-time exchanges are done
+MPI.COMM_WORLD.Barrier()
+
+
+def fields(err):
+    return {"type": [type(err).__name__, isinstance(err, CollectiveError),
+                     isinstance(err, RuntimeError), isinstance(err, CollectiveTimeoutError)],
+            "kind": err.kind, "peer": err.peer, "elapsed": err.elapsed,
+            "timeout": err.timeout, "message": str(err)}
+
+
+if rank == 0:
+    for call in (lambda: p2p.sendrecv(np.arange(4.0), 1, np.empty(4), 1),
+                 lambda: coll.allreduce(small)):
+        try:
+            call()
+        except CollectiveTimeoutError as err:
+            print(json.dumps(fields(err)), flush=True)
+        else:
+            print(json.dumps({"error": "no timeout"}), flush=True)
+else:
+    # Joins each call only after rank 0 gave up on it, which completes rank 0's requests
+    # that its timeouts left posted, so the job ends cleanly.
+    time.sleep(timeout + 1.5)
+    p2p.sendrecv(np.arange(4.0), 0, np.empty(4), 0)
+    time.sleep(timeout + 1.5)
+    coll.allreduce(small)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+def _alive(pid: int, script: Path) -> bool:
+    """Whether ``pid`` is a live (not zombie) process running ``script``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X") and str(script).encode() in cmdline
+
+
+def _rank_pids(piddir: Path) -> list[int]:
+    pids = []
+    for f in piddir.glob("rank*.pid"):
+        try:
+            pids.append(int(f.read_text()))
+        except ValueError:  # written while read
+            continue
+    return pids
+
+
+def _run_job(launcher: list[str], env: dict[str, str], tmp_path: Path, source: str,
+             *args: str, limit: float) -> tuple[subprocess.CompletedProcess[str], float,
+                                                 list[int]]:
+    """Run ``source`` under ``launcher -n 2``; return the result, its wall time, and the pids
+    of the ranks still alive right after it ended. Kills every process of the job on the
+    way out, whatever happened (a SIGSTOPped rank ignores everything but SIGKILL)."""
+    script, piddir = tmp_path / "job.py", tmp_path / "pids"
+    script.write_text(source)
+    piddir.mkdir()
+    start = time.monotonic()
+    proc = subprocess.Popen([*launcher, "-n", "2", sys.executable, str(script), *args,
+                             str(piddir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"the job still ran after {limit:.0f} s:\n{out}\n{err}")
+        elapsed = time.monotonic() - start
+        # The launcher has exited; give the kernel a moment to reap its ranks.
+        deadline = time.monotonic() + 2.0
+        while (alive := [p for p in _rank_pids(piddir) if _alive(p, script)]) and (
+                time.monotonic() < deadline):
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), elapsed, alive
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _rank_pids(piddir):
+            if _alive(pid, script):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["close", "exit", "stop"])
+def test_lost_peer_ends_the_job(mpiexec, subprocess_env, tmp_path, how):
+    env = dict(subprocess_env, RINGCOMM_TIMEOUT=str(TIMEOUT_S))
+    # A rank that exits before MPI_Finalize makes Hydra kill the others at once (its
+    # "auto-cleanup", test_exit_under_auto_cleanup): switched off, the timeout has to act.
+    launcher = [mpiexec, "-disable-auto-cleanup"] if how == "exit" else [mpiexec]
+    proc, elapsed, alive = _run_job(launcher, env, tmp_path, DEATH, how,
+                                    limit=TIMEOUT_S + GRACE_S + 30)
+    report = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode != 0, report
+    assert not alive, f"ranks {alive} outlived the job\n{report}"
+    assert elapsed < TIMEOUT_S + GRACE_S, f"the job took {elapsed:.1f} s to end\n{report}"
+    assert "unreachable" not in proc.stdout
+    assert "allreduce timed out on rank 0 of 2" in proc.stderr, report
+    assert "waiting for the other ranks" in proc.stderr, report  # a collective: no one peer
+    assert f"The timeout is {TIMEOUT_S:g} s" in proc.stderr, report
+    assert "RINGCOMM_TIMEOUT" in proc.stderr, report
+
+
+def test_exit_under_auto_cleanup(mpiexec, subprocess_env, tmp_path):
+    """With Hydra's default auto-cleanup the survivors are killed as soon as a rank exits
+    before MPI_Finalize. Hydra reports the killed ranks' status as 0 (pmodels/mpich#5930), so
+    the job's status is the exited rank's own, here 0: the launcher's choice, not checked."""
+    env = dict(subprocess_env, RINGCOMM_TIMEOUT=str(TIMEOUT_S))
+    proc, elapsed, alive = _run_job([mpiexec], env, tmp_path, DEATH, "exit",
+                                    limit=TIMEOUT_S + GRACE_S + 30)
+    assert not alive
+    assert elapsed < TIMEOUT_S + GRACE_S
+    assert "unreachable" not in proc.stdout
+
+
+def test_timeout_raises_without_abort(mpiexec, subprocess_env, tmp_path):
+    timeout = 1.0
+    proc, _, alive = _run_job([mpiexec], subprocess_env, tmp_path, NO_ABORT, str(timeout),
+                              limit=60)
+    report = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert not alive
+    p2p, coll = (json.loads(line) for line in proc.stdout.splitlines()
+                 if line.startswith("{"))
+    for err in (p2p, coll):
+        assert err["type"] == ["CollectiveTimeoutError", True, True, True], report
+        assert err["timeout"] == timeout
+        assert timeout <= err["elapsed"] < timeout + 1.0, err
+        assert "ringcomm.init(timeout=...)" in err["message"]
+    assert (p2p["kind"], p2p["peer"]) == ("sendrecv", 1)
+    assert "sendrecv timed out on rank 0 of 2" in p2p["message"]
+    assert "waiting for rank 1" in p2p["message"]
+    assert (coll["kind"], coll["peer"]) == ("allreduce", None)
+    assert "allreduce timed out on rank 0 of 2" in coll["message"]
+
+
+def test_thread_timeout_fields():
+    """The threads backend raises the same error type, with the same fields."""
+    timeout = 0.3
+
+    def collective(t):
+        if t.rank == 1:
+            Communicator(t).allreduce(np.ones(3, np.float32))
+
+    def receive(t):
+        if t.rank == 1:
+            t.operation = "allreduce"
+            t.isendrecv(None, 0, np.empty(1), 0).wait()
+
+    for body, peer, text in ((collective, 0, "timed out after 0.3 s waiting for ranks [0]"),
+                             (receive, 0, "receive from rank 0 on the ring channel")):
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            run_ranks(2, body, timeout=timeout)
+        err = info.value
+        assert isinstance(err, CollectiveError) and isinstance(err, RuntimeError)
+        assert (err.kind, err.peer, err.timeout) == ("allreduce", peer, timeout)
+        assert timeout * 0.9 <= err.elapsed < timeout + 1.0
+        assert math.isfinite(err.elapsed) and time.monotonic() - start < 5
+        assert "rank 1: allreduce: " in str(err) and text in str(err)
