@@ -94,24 +94,30 @@ def check_split(color: Any, key: Any) -> tuple[int, int]:
     return int(color), int(key)
 
 
-def agree_split(t: Transport, color: Any, key: Any) -> list[tuple[int, int]]:
+def agree_split(t: Transport, color: Any, key: Any,
+                extra: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Check ``split``'s arguments on every rank of ``t`` before any rank splits (collective).
 
     A split is collective: a rank that refused its arguments alone would leave the others
     waiting in the library's split forever. Every rank's check travels in one exchange, and
     all raise the same error when any rank's arguments are invalid.
 
+    Args:
+        t: the transport being split.
+        color, key: this rank's arguments.
+        extra: more of this rank's facts to gather in the same exchange (host name, ...).
+
     Returns:
-        Every rank's (color, key), in rank order.
+        Every rank's (color, key, *extra), in rank order.
 
     Raises:
         InvalidArgumentError, InvalidTypeError: some rank passed invalid arguments (on every
             rank, naming the first failing rank's reason).
     """
     try:
-        mine: tuple[Any, ...] = check_split(color, key)
+        mine: tuple[Any, ...] = (*check_split(color, key), *extra)
     except (TypeError, ValueError) as err:
-        mine = (type(err).__name__ if isinstance(err, ValueError) else "TypeError", str(err))
+        mine = ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
     everyone = t.allgather_object(mine)
     failed = [r for r, v in enumerate(everyone) if isinstance(v[0], str)]
     if failed:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import detect
-from ringcomm.comm.transport import TransportBase, check_split
-from ringcomm.comm.types import RING, InvalidArgumentError, InvalidTypeError
+from ringcomm.comm.transport import TransportBase, agree_split
+from ringcomm.comm.types import RING
 
 __all__ = ["TorchDistCommunicator", "TorchDistTransport"]
 
@@ -177,12 +177,9 @@ class TorchDistTransport(TransportBase):
                 groups on ranks that would share a group, so they could not find each other
                 (raised on every rank, before any group is made).
         """
-        try:
-            mine: Any = (*check_split(color, key), socket.gethostname(), _torch_group_count())
-        except (TypeError, ValueError) as err:
-            mine = (type(err).__name__, str(err))
-        everyone = self.allgather_object(mine)
-        _raise_split_errors(everyone)
+        everyone = agree_split(self, color, key, (socket.gethostname(), _torch_group_count()))
+        _check_group_counts(everyone)
+        mine = everyone[self.rank]
         members = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
         order = [r for _, r in members]
         group = dist.new_group(ranks=[dist.get_global_rank(self._group, r) for r in order],
@@ -202,15 +199,9 @@ class TorchDistTransport(TransportBase):
             dist.destroy_process_group(self._group)
 
 
-def _raise_split_errors(everyone: list[tuple[Any, ...]]) -> None:
-    """Raise, on every rank alike, what makes the split gathered in ``everyone`` impossible."""
-    failed = [r for r, v in enumerate(everyone) if isinstance(v[0], str)]
-    if failed:
-        etype, reason = everyone[failed[0]]
-        cls = InvalidTypeError if etype == "TypeError" else InvalidArgumentError
-        where = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(map(str, failed))
-        raise cls(f"split failed on {where}: {reason}", kind="split", ranks=tuple(failed),
-                  reason=reason)
+def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:
+    """Raise, on every rank alike, if ranks that would share a group hold different numbers
+    of torch.distributed groups (their new group would get a different name on each)."""
     counts: dict[int, set[Any]] = {}
     for color, _, _, count in everyone:
         counts.setdefault(color, set()).add(count)
