@@ -83,7 +83,8 @@ class Communicator:
     differ between ranks raise the same error on every rank instead of hanging.
 
     Args:
-        transport: the backend's Transport (``ringcomm.init`` builds it).
+        transport: the backend's Transport (``ringcomm.init`` builds it); the communicator
+            owns it from here on, and closes it also when these options are refused.
         consistency_check: agree on every call's arguments before data moves.
         segment_bytes: ring segment size; the measured default when None.
         inline_bytes: dense allreduces up to this size ride in the agreement message.
@@ -91,6 +92,14 @@ class Communicator:
 
     def __init__(self, transport: Transport, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
+        try:
+            self._setup(transport, consistency_check, segment_bytes, inline_bytes)
+        except BaseException:
+            transport.close()  # a refused option must not leak the backend's resources
+            raise
+
+    def _setup(self, transport: Transport, consistency_check: bool, segment_bytes: int | None,
+               inline_bytes: int | None) -> None:
         inline = agree.INLINE_BYTES if inline_bytes is None else int(inline_bytes)
         if inline < 0 or inline % 8:
             raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")

@@ -384,13 +384,9 @@ class NCCLCommunicator(Communicator):
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
                  device: int | None = None) -> None:
-        transport = NCCLTransport(mpi_comm, device=device)
-        try:
-            super().__init__(transport, consistency_check=consistency_check,
-                             segment_bytes=segment_bytes, inline_bytes=inline_bytes)
-        except BaseException:
-            transport.close()
-            raise
+        super().__init__(NCCLTransport(mpi_comm, device=device),
+                         consistency_check=consistency_check, segment_bytes=segment_bytes,
+                         inline_bytes=inline_bytes)
 
     @property
     def device(self) -> Any:

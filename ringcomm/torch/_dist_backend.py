@@ -236,10 +236,5 @@ class TorchDistCommunicator(Communicator):
 
     def __init__(self, group: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
-        transport = TorchDistTransport(group)
-        try:
-            super().__init__(transport, consistency_check=consistency_check,
-                             segment_bytes=segment_bytes, inline_bytes=inline_bytes)
-        except BaseException:
-            transport.close()  # an invalid option must not leak the new gloo group
-            raise
+        super().__init__(TorchDistTransport(group), consistency_check=consistency_check,
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
