@@ -27,7 +27,7 @@ from ringcomm import ops as _ops
 from ringcomm.comm import staging
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.log import get_logger
-from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.transport import TransportBase, agree_split
 from ringcomm.comm.types import DEFAULT_TIMEOUT_S, RING, USER, CollectiveTimeoutError
 
 __all__ = [
@@ -238,11 +238,16 @@ class MPITransport(TransportBase):
         self._wait_one(self._ctl.Ibarrier(), "barrier")
 
     def split(self, color: int, key: int) -> MPITransport:
-        """``MPI_Comm_split`` of this transport's ranks (collective)."""
-        color, key = check_split(color, key)
-        # MPI_Comm_split has no nonblocking form: a bounded barrier first makes sure every
-        # rank has arrived, so the blocking split cannot wait for a dead one.
-        self._wait_one(self._ctl.Ibarrier(), "split")
+        """``MPI_Comm_split`` of this transport's ranks (collective).
+
+        Raises:
+            InvalidArgumentError, InvalidTypeError: invalid color or key on some rank (on
+                every rank; see ``agree_split``).
+        """
+        # The arguments are agreed on first, in a bounded exchange: a rank refusing its own
+        # alone would leave the others in MPI_Comm_split, which has no nonblocking form; and
+        # once every rank has answered, the blocking split cannot wait for a dead one.
+        color, key = agree_split(self, color, key)[self.rank]
         sub = self._ctl.Split(color, key)
         try:
             return MPITransport(sub, timeout=self.timeout,

@@ -246,3 +246,26 @@ def test_different_collectives_raise_the_same_error(comm):
             comm.allgather(np.ones(3))
     comm.barrier()
     usable(comm)
+
+
+def test_mpi_transport_split(comm):
+    """split over MPI: sub-groups ordered by (key, rank) reduce their own ranks; bad arguments
+    on one rank raise the same error on every rank (they used to leave the others in
+    MPI_Comm_split)."""
+    from ringcomm.comm.base import Communicator
+
+    t = comm.transport
+    sub = Communicator(t.split(t.rank % 2, -t.rank))
+    try:
+        members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+        assert sub.size == len(members) and sub.rank == sorted(members, reverse=True).index(
+            comm.rank)
+        y = sub.allreduce(np.full(100_000, comm.rank + 1.0))
+        assert np.all(y == sum(r + 1.0 for r in members))
+    finally:
+        sub.close()
+    color = -1 if comm.rank == comm.size - 1 else 0
+    with pytest.raises(ringcomm.InvalidArgumentError,
+                       match=f"split failed on rank {comm.size - 1}: split color must be >= 0"):
+        t.split(color, 0)
+    usable(comm)
