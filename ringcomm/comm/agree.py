@@ -10,7 +10,10 @@ allreduce is complete after this one exchange; that slot is sent with every coll
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,12 +32,12 @@ from ringcomm.comm.types import (
     check_movable,
 )
 
-__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan"]
+__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "caller", "calls_as"]
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
-KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT = range(10)
-_WORDS = 10
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT, CALLER = range(11)
+_WORDS = 11
 _HEADER_BYTES = 8 * _WORDS
 _KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
 # Fields a collective lets differ between ranks.
@@ -48,13 +51,41 @@ def _crc(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
+_CALLER = threading.local()
+
+
+def caller() -> str:
+    """Who makes the calls of this thread, as matched across ranks: the thread's name, or the
+    name given by ``calls_as``.
+
+    Calls from several threads are serialized on each rank, and each call's caller is part of
+    its header: two threads whose calls pair up in a different order on another rank raise
+    ArgumentMismatchError on every rank instead of mixing their data.
+    """
+    name = getattr(_CALLER, "name", None)
+    return threading.current_thread().name if name is None else name
+
+
+@contextmanager
+def calls_as(name: str) -> Iterator[None]:
+    """Make this thread's calls, within the block, as ``name`` (for a queue of collectives
+    run by whichever thread is free: its calls keep one caller on every rank)."""
+    before = getattr(_CALLER, "name", None)
+    _CALLER.name = name
+    try:
+        yield
+    finally:
+        _CALLER.name = before
+
+
 class CallSpec:
     """What one rank passed to a collective, as the agreement compares it."""
 
-    __slots__ = ("dtype", "error", "extra", "kind", "op", "root", "shape")
+    __slots__ = ("caller", "dtype", "error", "extra", "kind", "op", "root", "shape")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
+        self.caller = caller()
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
         self.op: str = ""
@@ -87,7 +118,7 @@ class CallSpec:
         exchange messages of different sizes.
         """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, segment_bytes)
+               self.extra, segment_bytes, self.caller)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
@@ -98,6 +129,7 @@ class CallSpec:
     def _words(self, segment_bytes: int) -> np.ndarray:
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
+        h[CALLER] = _crc(self.caller)
         if self.error is not None:
             h[ERROR] = 1
             return h
@@ -116,9 +148,10 @@ class CallSpec:
         """A picklable account of the call, exchanged only when the headers disagree."""
         if self.error is not None:
             kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
-            return {"error": (kind, str(self.error))}
+            return {"error": (kind, str(self.error)), "caller": self.caller}
         dt = self.dtype
         return {
+            "caller": self.caller,
             "dtype": None if dt is None else dt.name if dt.isnative else
             f"{dt.name} ({_endian(dt)})",
             "shape": self.shape,
@@ -305,6 +338,11 @@ class InlinePlan:
                 and out.flags.writeable)
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        name = caller()
+        if name != self.spec.caller:  # another thread repeats the call: its own header
+            self.spec.caller = name
+            self.header = self.spec.header(self.agreement.segment_bytes)
+            self.expected = self.header * self.agreement.transport.size
         send, recv, view = self.buffers
         view[:_HEADER_BYTES] = self.header
         if self.nbytes:
@@ -358,6 +396,14 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
     """The one error every rank raises, built from every rank's description of its call."""
     everyone = tuple(range(len(descriptions)))
     kinds = [d["kind"] for d in descriptions]
+    callers = [d["caller"] for d in descriptions]
+    if len(set(callers)) > 1:
+        return ArgumentMismatchError(
+            f"{'/'.join(dict.fromkeys(kinds))}: the calls that met come from different threads:"
+            f" {_groups([repr(c) for c in callers])}. Calls from several threads are matched by "
+            "thread name: make each collective from the same-named thread on every rank",
+            kind="/".join(dict.fromkeys(kinds)), ranks=everyone,
+            differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
         return ArgumentMismatchError(
             f"collective calls differ between ranks: {_groups(kinds)}", kind="/".join(

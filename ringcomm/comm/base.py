@@ -8,7 +8,10 @@ compressed allreduce (:mod:`ringcomm.compress.algorithms`), or the transport's o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from functools import wraps
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +36,17 @@ if TYPE_CHECKING:
     from ringcomm.compress.feedback import ErrorFeedback
 
 __all__ = ["Communicator"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """Run ``method`` holding the communicator's lock: one call at a time per communicator."""
+    @wraps(method)
+    def locked(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 def _check_writeable(x: Any, label: str) -> None:
@@ -82,6 +96,11 @@ class Communicator:
     order with matching arguments; with the consistency check on (the default), arguments that
     differ between ranks raise the same error on every rank instead of hanging.
 
+    Several threads may share a communicator: their calls run one at a time, and with the
+    consistency check on each call is matched across ranks by the calling thread's name, so
+    calls that pair up across ranks from different threads raise ArgumentMismatchError on
+    every rank instead of mixing their data.
+
     Args:
         transport: the backend's Transport (``ringcomm.init`` builds it); the communicator
             owns it from here on, and closes it also when these options are refused.
@@ -104,6 +123,7 @@ class Communicator:
         if inline < 0 or inline % 8:
             raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
         self._transport = transport
+        self._lock = threading.RLock()  # one call at a time (re-entered by nested calls)
         self._stats = transport.stats  # read on every call: one attribute, not two
         self._closed = False
         self._agreement = agree.Agreement(transport, check=bool(consistency_check),
@@ -227,23 +247,26 @@ class Communicator:
                 ranks (raised on every rank).
             RuntimeError: the communicator is closed.
         """
-        self._transport.operation = "allreduce"
-        if compression is None and feedback is None:
-            prepared = self._plans.get(x, out, op)
-            if prepared is not None and not self._closed:
-                self._stats.calls += 1
-                inline = prepared.inline
-                return inline.run(x, out) if inline is not None else self._execute(
-                    prepared, x, out)
-        if _is_subclass(x) or _is_subclass(out):
-            result = self.allreduce(_plain(x), _plain(out), op=op, compression=compression,
-                                    feedback=feedback, name=name)
-            return result if out is None else out
-        self._ensure_open()
-        plan = self._plan_allreduce(x, out, op, compression, feedback, name)
-        self.stats.calls += 1
-        return self._execute(plan, x, out)
+        with self._lock:
+            self._transport.operation = "allreduce"
+            if compression is None and feedback is None:
+                prepared = self._plans.get(x, out, op)
+                if prepared is not None and not self._closed:
+                    self._stats.calls += 1
+                    if prepared.inline is not None:
+                        return prepared.inline.run(x, out)
+                    prepared.spec.caller = agree.caller()
+                    return self._execute(prepared, x, out)
+            if _is_subclass(x) or _is_subclass(out):
+                result = self.allreduce(_plain(x), _plain(out), op=op, compression=compression,
+                                        feedback=feedback, name=name)
+                return result if out is None else out
+            self._ensure_open()
+            plan = self._plan_allreduce(x, out, op, compression, feedback, name)
+            self.stats.calls += 1
+            return self._execute(plan, x, out)
 
+    @_serialized
     def reduce_scatter(self, x: Any, *, op: str | ReduceOp = "sum") -> Any:
         """Reduce ``x`` over all ranks and return this rank's chunk of the flattened result.
 
@@ -277,6 +300,7 @@ class Communicator:
         """Concatenate ``x`` from every rank along the first axis; first dimensions may differ."""
         return self._gather("allgatherv", x)
 
+    @_serialized
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         self._ensure_open()
@@ -305,12 +329,14 @@ class Communicator:
                        0 if self.rank == root else nbytes)
         return given
 
+    @_serialized
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``; returns ``recv``.
 
         A point-to-point call: only the two peers take part, and sizes are not checked across
-        ranks (a receive buffer smaller than the message is an error of the backend). It never
-        matches a message of a collective in progress.
+        ranks. A message longer than ``recv`` raises InvalidArgumentError on the receiving rank
+        (MPI backend; the sender's call completes). It never matches a message of a collective
+        in progress.
         """
         self._ensure_open()
         self._transport.operation = "sendrecv"
@@ -325,6 +351,7 @@ class Communicator:
         self.stats.add(send.nbytes, recv.nbytes)
         return recv
 
+    @_serialized
     def barrier(self) -> None:
         """Block until every rank has called ``barrier()``.
 
@@ -338,6 +365,7 @@ class Communicator:
         else:
             self._transport.barrier()
 
+    @_serialized
     def close(self) -> None:
         """Release the communicator's resources; later calls raise RuntimeError. Idempotent."""
         if not self._closed:
@@ -436,6 +464,7 @@ class Communicator:
             raise ValueError("feedback needs a lossy compression; got compression=None")
         return rop
 
+    @_serialized
     def _gather(self, kind: str, x: Any) -> Any:
         self._ensure_open()
         self._transport.operation = kind

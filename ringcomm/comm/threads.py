@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.comm.agree import calls_as
 from ringcomm.comm.transport import TransportBase, check_split
 from ringcomm.comm.types import RING, USER, CollectiveTimeoutError
 
@@ -333,7 +334,8 @@ def run_ranks(n: int, fn: Callable[[ThreadTransport], Any], *,
 
     def main(rank: int) -> None:
         try:
-            results[rank] = fn(ThreadTransport(world, rank))
+            with calls_as("MainThread"):  # each rank's thread is that rank's main thread
+                results[rank] = fn(ThreadTransport(world, rank))
         except BaseException as exc:
             with lock:
                 failures.append((rank, exc))

@@ -1,10 +1,11 @@
 """One background thread per communicator that runs its collectives in submission order.
 
-A Communicator is not thread-safe, and every rank must issue its collectives in the same order.
-Asynchronous operations (Horovod's ``*_async``, gradient hooks that overlap backward) are queued
-here and run one at a time, in the order they were submitted, on a single worker thread. A
-synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
-otherwise waits its turn behind the queue.
+A Communicator runs one call at a time, and every rank must issue its collectives in the same
+order. Asynchronous operations (Horovod's ``*_async``, gradient hooks that overlap backward) are
+queued here and run one at a time, in the order they were submitted, on a single worker thread.
+A synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
+otherwise waits its turn behind the queue. Either way the communicator sees one caller (see
+:func:`ringcomm.comm.agree.calls_as`), the same on every rank.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from ringcomm.comm.agree import calls_as
 
 __all__ = ["Engine", "Handle", "engine_for"]
 
@@ -92,7 +95,8 @@ class Engine:
         if not inline:
             return self.submit(fn).wait()
         try:
-            return fn()
+            with calls_as(self._name):
+                return fn()
         finally:
             with self._cv:
                 self._busy = False
@@ -133,7 +137,8 @@ class Engine:
                 fn, handle = self._queue.popleft()
                 self._busy = True
             try:
-                result, error = fn(), None
+                with calls_as(self._name):
+                    result, error = fn(), None
             except BaseException as err:  # handed to whoever waits on the handle
                 result, error = None, err
             with self._cv:
