@@ -28,7 +28,13 @@ from ringcomm.comm import staging
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import TransportBase, agree_split
-from ringcomm.comm.types import DEFAULT_TIMEOUT_S, RING, USER, CollectiveTimeoutError
+from ringcomm.comm.types import (
+    DEFAULT_TIMEOUT_S,
+    RING,
+    USER,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+)
 
 __all__ = [
     "MPICommunicator",
@@ -117,15 +123,34 @@ def _check_timeout(timeout: float | None) -> float:
 
 
 class _Pair:
-    """A send and a receive posted together; ``wait()`` completes both within the timeout."""
+    """A send and a receive posted together; ``wait()`` completes both within the timeout.
 
-    __slots__ = ("_peer", "_reqs", "_t", "_what")
+    ``room``: the receive buffer's size in bytes, named when a longer message arrives.
+    """
 
-    def __init__(self, t: MPITransport, reqs: list[Any], peer: int, what: str) -> None:
-        self._t, self._reqs, self._peer, self._what = t, reqs, peer, what
+    __slots__ = ("_peer", "_reqs", "_room", "_t", "_what")
+
+    def __init__(self, t: MPITransport, reqs: list[Any], peer: int, what: str,
+                 room: int = 0) -> None:
+        self._t, self._reqs, self._peer, self._what, self._room = t, reqs, peer, what, room
 
     def wait(self) -> None:
-        self._t.wait_all(self._reqs, self._peer, self._what)
+        if not self._room:
+            self._t.wait_all(self._reqs, self._peer, self._what)
+            return
+        MPI = self._t._MPI
+        statuses = [MPI.Status() for _ in self._reqs]
+        try:
+            self._t.wait_all(self._reqs, self._peer, self._what, statuses)
+        except MPI.Exception:
+            codes = [MPI.Get_error_class(st.Get_error()) for st in statuses]
+            if MPI.ERR_TRUNCATE not in codes:
+                raise
+            raise InvalidArgumentError(
+                f"{self._what} on rank {self._t.rank}: the message from rank {self._peer} is "
+                f"longer than the receive buffer ({self._room} bytes); the receive buffer must "
+                f"be at least as large as what rank {self._peer} sends",
+                kind=self._what, ranks=(self._t.rank,), reason="message truncated") from None
 
 
 class MPITransport(TransportBase):
@@ -191,7 +216,7 @@ class MPITransport(TransportBase):
         if (type(send) is np.ndarray and type(recv) is np.ndarray
                 and "V" not in (send.dtype.kind, recv.dtype.kind)):  # the common, host case
             return _Pair(self, [comm.Irecv(recv, source, tag), comm.Isend(send, dest, tag)],
-                         source, what)
+                         source, what, recv.nbytes if channel == USER else 0)
         if _ops.is_device_array(send) or _ops.is_device_array(recv):
             return self._device_staging().isendrecv(comm, tag, send, dest, recv, source)
         reqs = []
@@ -199,7 +224,8 @@ class MPITransport(TransportBase):
             reqs.append(comm.Irecv(_as_bytes(recv), source, tag))
         if send is not None:
             reqs.append(comm.Isend(_as_bytes(send), dest, tag))
-        return _Pair(self, reqs, source if recv is not None else dest, what)
+        return _Pair(self, reqs, source if recv is not None else dest, what,
+                     recv.nbytes if channel == USER and recv is not None else 0)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._wait_one(self._ctl.Iallgather(send, recv), "allgather")
@@ -261,19 +287,24 @@ class MPITransport(TransportBase):
             comm.Free()
 
     # ------------------------------------------------------------------------ waiting
-    def wait_all(self, reqs: list[Any], peer: int | None, what: str) -> None:
+    def wait_all(self, reqs: list[Any], peer: int | None, what: str,
+                 statuses: list[Any] | None = None) -> None:
         """Complete the MPI requests ``reqs`` within the timeout.
 
         Args:
             reqs: mpi4py requests of one operation.
             peer: the rank they wait for, where one is known (None for a collective).
             what: the step, for the error message ("ring exchange", "allgather", ...).
+            statuses: MPI.Status objects to fill, one per request, for the caller to inspect
+                when MPI raises.
 
         Raises:
             CollectiveTimeoutError: the timeout passed first (``abort_on_timeout=False``;
                 otherwise the job ends with ``MPI_Abort``).
         """
         testall = self._testall
+        if statuses is not None:
+            testall = functools.partial(testall, statuses=statuses)
         if not testall(reqs):
             self._wait(functools.partial(testall, reqs), reqs, peer, what)
 

@@ -108,3 +108,23 @@ def test_feedback_on_some_ranks_only_raises_everywhere(comm):
         comm.allreduce(np.ones(5000, np.float32), compression=ringcomm.Int8(), feedback=ef,
                        name="w")
     usable(comm)
+
+
+def test_sendrecv_into_a_short_buffer_says_so(comm):
+    """A message longer than the receive buffer: the receiver's error names the sizes and the
+    peer (it was MPI's "See the MPI_ERROR field in MPI_Status")."""
+    if comm.size < 2 or comm.backend != "mpi":
+        pytest.skip("needs 2 MPI ranks")
+    if comm.rank < 2:
+        peer = 1 - comm.rank
+        send = np.ones(100 if comm.rank == 0 else 10, np.float32)
+        recv = np.zeros(10 if comm.rank == 1 else 100, np.float32)
+        if comm.rank == 1:
+            with pytest.raises(ringcomm.InvalidArgumentError,
+                               match=r"sendrecv on rank 1: the message from rank 0 is longer "
+                                     r"than the receive buffer \(40 bytes\)"):
+                comm.sendrecv(send, peer, recv, peer)
+        else:
+            comm.sendrecv(send, peer, recv, peer)
+            np.testing.assert_array_equal(recv[:10], 1)
+    usable(comm)
