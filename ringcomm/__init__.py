@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import datetime
-import inspect
 import logging
 import math
 import os
@@ -238,14 +237,6 @@ def _auto_backend(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
     return "mpi", "one process, without a GPU or NCCL"
 
 
-def _with_timeout(cls: Any, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
-    # Shim, to be removed once MPICommunicator, NCCLCommunicator and TorchDistCommunicator all
-    # take ``timeout`` (MPI's is being added): pass it only where the constructor accepts it.
-    if "timeout" in inspect.signature(cls).parameters:
-        return {**kwargs, "timeout": timeout}
-    return kwargs
-
-
 def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
     """Initialize torch.distributed's default group from torchrun's environment, if need be.
 
@@ -283,17 +274,15 @@ def _build(backend: str, mpi_comm: Any, options: _Options, info: LaunchInfo) -> 
     if backend == "nccl":
         from ringcomm.comm.nccl import NCCLCommunicator
 
-        return NCCLCommunicator(mpi_comm=mpi_comm,
-                                **_with_timeout(NCCLCommunicator, kwargs, options.timeout))
+        return NCCLCommunicator(mpi_comm=mpi_comm, timeout=options.timeout, **kwargs)
     if backend == "gloo":
         _start_torch_distributed(info, options.timeout)
         from ringcomm.torch._dist_backend import TorchDistCommunicator
 
-        return TorchDistCommunicator(**_with_timeout(TorchDistCommunicator, kwargs,
-                                                     options.timeout))
+        return TorchDistCommunicator(timeout=options.timeout, **kwargs)
     from ringcomm.comm.mpi import MPICommunicator
 
-    return MPICommunicator(mpi_comm, **_with_timeout(MPICommunicator, kwargs, options.timeout))
+    return MPICommunicator(mpi_comm, timeout=options.timeout, **kwargs)
 
 
 _GROUP = {"mpi": "MPI.COMM_WORLD", "nccl": "the NCCL communicator",

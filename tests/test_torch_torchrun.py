@@ -3,8 +3,10 @@ under MPI, and the gloo transport splits into sub-groups."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,59 @@ def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env):
 @pytest.mark.slow
 def test_transport_split_under_torchrun(tmp_path, subprocess_env):
     _torchrun(tmp_path, subprocess_env, SPLIT_SCRIPT)
+
+
+TIMEOUT_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import ringcomm
+from ringcomm.comm.types import CollectiveTimeoutError
+from ringcomm.torch._dist_backend import TorchDistCommunicator
+
+comm = ringcomm.init()                      # gloo; RINGCOMM_TIMEOUT from the environment
+raising = TorchDistCommunicator(timeout=2.0, abort_on_timeout=False)
+big = np.ones(300_000, np.float32)          # past the inline slot: the ring runs
+assert raising.allreduce(big)[0] == 2 and comm.allreduce(big)[0] == 2
+if comm.rank == 1:
+    time.sleep(300)                         # stuck: never joins the next collective
+    sys.exit(0)
+start = time.monotonic()
+try:
+    raising.allreduce(big)
+    raise AssertionError("no timeout")
+except CollectiveTimeoutError as err:
+    print(json.dumps({"kind": err.kind, "peer": err.peer, "timeout": err.timeout,
+                      "elapsed": err.elapsed, "wall": time.monotonic() - start,
+                      "message": str(err)}), flush=True)
+comm.allreduce(big)                         # aborts this process: exit status 1
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_timeout_under_torchrun(tmp_path, subprocess_env):
+    """A rank stuck outside the collective: with abort_on_timeout=False the wait raises
+    CollectiveTimeoutError naming the collective and the step after the timeout; by default
+    the process ends (status 1, the reason on stderr), and torchrun ends the job."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(TIMEOUT_SCRIPT)
+    env = {**subprocess_env, "RINGCOMM_TIMEOUT": "3"}
+    start = time.monotonic()
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+                          capture_output=True, text=True, timeout=110, env=env)
+    wall = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "unreachable" not in proc.stdout
+    report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    # The call's first exchange is the agreement's allgather: no one peer to name.
+    assert (report["kind"], report["peer"], report["timeout"]) == ("allreduce", None, 2.0)
+    assert 2.0 <= report["elapsed"] <= report["wall"] < 2.0 + 10, report
+    assert ("allreduce timed out on rank 0 of 2 after 2.0 s waiting for the other ranks "
+            "(allgather)") in report["message"], report
+    assert ("ringcomm: CollectiveTimeoutError: allreduce timed out on rank 0 of 2 after "
+            in proc.stderr), proc.stderr[-3000:]
+    assert "Ending this process (exit status 1)" in proc.stderr
+    assert wall < 2.0 + 3.0 + 40, wall     # start-up, both timeouts, torchrun's clean-up

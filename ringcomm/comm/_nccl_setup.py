@@ -23,9 +23,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ringcomm.comm import _nccl_lib, launch
+from ringcomm.comm.types import DEFAULT_TIMEOUT_S
 
 __all__ = [
-    "STORE_TIMEOUT_S",
     "LocalSetup",
     "Rendezvous",
     "check_distinct_devices",
@@ -38,9 +38,6 @@ __all__ = [
     "startup_exchange",
 ]
 
-# How long a rank waits in the store for the others (torchrun); a rank that died before
-# reaching the rendezvous turns into this timeout instead of a hang.
-STORE_TIMEOUT_S = 300.0
 _GENERATION = itertools.count()
 
 
@@ -66,43 +63,40 @@ class Rendezvous(Protocol):
 
 
 class _MPIRendezvous:
-    """Over a duplicate of an mpi4py communicator; also serves the per-call agreement."""
+    """Over an MPI transport (duplicates of an mpi4py communicator, every wait bounded by the
+    timeout); also serves the per-call agreement."""
 
     kind = "mpi"
 
-    def __init__(self, base: Any) -> None:
-        from ringcomm.comm.mpi import import_mpi
+    def __init__(self, base: Any, timeout: float | None = None) -> None:
+        from ringcomm.comm.mpi import MPITransport
 
-        MPI = import_mpi()
-        if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
-            raise TypeError(f"mpi_comm must be an mpi4py intracommunicator, got {base!r}")
-        self.comm = base.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        # The local rank among this communicator's ranks on this host: right for
-        # subcommunicators and for launchers launch.py does not know.
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
+        self._init(MPITransport(base, timeout=timeout))
+
+    def _init(self, transport: Any) -> None:
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        # Among this communicator's ranks on this host: right for subcommunicators and for
+        # launchers launch.py does not know.
+        self.local_rank, self.local_size = transport.local_rank, transport.local_size
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
+        return self.transport.allgather_object(obj)
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
-        return self.comm.bcast(data, root=root)
+        return self.transport.allgather_object(data if self.rank == root else None)[root]
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> bool:
-        self.comm.Allgather(send, recv)
+        self.transport.allgather_fixed(send, recv)
         return True
 
     def split(self, color: int, key: int) -> _MPIRendezvous:
-        sub = self.comm.Split(color, key)
-        try:
-            return _MPIRendezvous(sub)
-        finally:
-            sub.Free()
+        sub = _MPIRendezvous.__new__(_MPIRendezvous)
+        sub._init(self.transport.split(color, key))
+        return sub
 
     def close(self) -> None:
-        self.comm.Free()
+        self.transport.close()
 
 
 class _StoreRendezvous:
@@ -123,8 +117,10 @@ class _StoreRendezvous:
         self._calls = itertools.count()
 
     @classmethod
-    def launched(cls, info: launch.LaunchInfo) -> _StoreRendezvous:
-        """The rendezvous of a torchrun job, over the store its environment names."""
+    def launched(cls, info: launch.LaunchInfo, timeout: float) -> _StoreRendezvous:
+        """The rendezvous of a torchrun job, over the store its environment names; a rank
+        waits ``timeout`` seconds for the others there (a rank that died before reaching the
+        rendezvous turns into this timeout instead of a hang)."""
         try:
             import torch.distributed as dist
         except ImportError as err:
@@ -142,7 +138,7 @@ class _StoreRendezvous:
         else:
             try:
                 store, _, _ = next(dist.rendezvous(
-                    "env://", timeout=timedelta(seconds=STORE_TIMEOUT_S)))
+                    "env://", timeout=timedelta(seconds=timeout)))
             except (ValueError, RuntimeError) as err:
                 raise RuntimeError(
                     "torchrun-style launch (RANK, WORLD_SIZE set) but torch.distributed's "
@@ -217,12 +213,14 @@ class _LocalRendezvous:
         pass
 
 
-def connect(mpi_comm: Any = None) -> Rendezvous:
+def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     """Open the rendezvous that suits how this process was started.
 
     Args:
         mpi_comm: an mpi4py communicator to use; when None, MPI.COMM_WORLD for MPI launchers
             and a lone process, the torch.distributed store under torchrun.
+        timeout: seconds a rank waits for the others in any exchange (the default of
+            ``ringcomm.init`` when None); over MPI, a wait that passes it ends the job.
 
     Raises:
         RuntimeError: the launcher's channel is unavailable (mpi4py or PyTorch missing, the
@@ -230,10 +228,10 @@ def connect(mpi_comm: Any = None) -> Rendezvous:
         TypeError: ``mpi_comm`` is not an mpi4py communicator.
     """
     if mpi_comm is not None:
-        return _MPIRendezvous(mpi_comm)
+        return _MPIRendezvous(mpi_comm, timeout)
     info = launch.detect()
     if info.launcher == "torchrun":
-        return _StoreRendezvous.launched(info)
+        return _StoreRendezvous.launched(info, DEFAULT_TIMEOUT_S if timeout is None else timeout)
     try:
         from mpi4py import MPI
     except ImportError as err:
@@ -243,7 +241,7 @@ def connect(mpi_comm: Any = None) -> Rendezvous:
             f"this job was started by {info.launcher} with {info.size} processes; the NCCL "
             "backend exchanges its unique id over MPI there, which needs mpi4py: "
             f"pip install 'ringcomm[mpi]' (or launch with torchrun) ({err})") from err
-    return _MPIRendezvous(MPI.COMM_WORLD)
+    return _MPIRendezvous(MPI.COMM_WORLD, timeout)
 
 
 def startup_exchange(rdv: Rendezvous, problem: str | None,

@@ -27,14 +27,14 @@ from ringcomm import ops as _ops
 from ringcomm.comm import staging
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.log import get_logger
-from ringcomm.comm.transport import TransportBase, agree_split
-from ringcomm.comm.types import (
-    DEFAULT_TIMEOUT_S,
-    RING,
-    USER,
-    CollectiveTimeoutError,
-    InvalidArgumentError,
+from ringcomm.comm.transport import (
+    TransportBase,
+    agree_split,
+    check_timeout,
+    timeout_error,
+    write_fatal,
 )
+from ringcomm.comm.types import RING, USER, InvalidArgumentError
 
 __all__ = [
     "MPICommunicator",
@@ -112,16 +112,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _check_timeout(timeout: float | None) -> float:
-    """``timeout`` in seconds (the default when None); ValueError unless positive."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT_S
-    seconds = float(timeout)
-    if not seconds > 0:  # NaN included
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return seconds
-
-
 class _Pair:
     """A send and a receive posted together; ``wait()`` completes both within the timeout.
 
@@ -189,7 +179,7 @@ class MPITransport(TransportBase):
             raise TypeError(f"mpi_comm must be an mpi4py intracommunicator, got {base!r}")
         super().__init__(base.Get_rank(), base.Get_size())
         self._MPI, self._testall = MPI, MPI.Request.Testall
-        self.timeout = _check_timeout(timeout)
+        self.timeout = check_timeout(timeout)
         self.abort_on_timeout = bool(abort_on_timeout)
         # More ranks than cores: spin the whole wait, yielding the core (see _SPIN_S).
         self._yield = False
@@ -335,23 +325,10 @@ class MPITransport(TransportBase):
                  elapsed: float) -> NoReturn:
         """Log the timeout, then end the job (MPI_Abort) or raise CollectiveTimeoutError."""
         self._stranded.extend(reqs)  # MPI may still write into their buffers: keep them
-        kind = self.operation or what
-        waited = "the other ranks" if peer is None else f"rank {peer}"
-        step = "" if what == kind else f" ({what})"
-        culprit = "a rank" if peer is None else f"rank {peer}"
-        message = (f"{kind} timed out on rank {self.rank} of {self.size} after {elapsed:.1f} s "
-                   f"waiting for {waited}{step}: {culprit} may have exited, stopped, or be in "
-                   f"another call. The timeout is {self.timeout:g} s: change it with "
-                   "ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT")
-        error = CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
-                                       timeout=self.timeout)
-        _LOG.error("%s", message)
+        error = timeout_error(self, what, peer, elapsed, self.timeout)
+        _LOG.error("%s", error)
         if self.abort_on_timeout:
-            # The log may go nowhere (no handler configured): the job's stderr must say why.
-            sys.stdout.flush()
-            sys.stderr.write(f"ringcomm: CollectiveTimeoutError: {message}. "
-                             "Ending the job (MPI_Abort).\n")
-            sys.stderr.flush()
+            write_fatal(error, "Ending the job (MPI_Abort).")
             self._ctl.Abort(1)
         raise error
 

@@ -131,6 +131,8 @@ class NCCLTransport(TransportBase):
             default); it carries the unique id and the host collectives. Under torchrun
             without it, torch.distributed's store carries the unique id.
         device: CUDA device to use instead of the one the local rank picks.
+        timeout: seconds a rank waits for the others in a host-side exchange (the rendezvous
+            and the per-call agreement over MPI or the store); 30 minutes when None.
 
     Raises:
         RuntimeError: CuPy, NCCL or a GPU is missing (naming what to install), two ranks
@@ -139,8 +141,9 @@ class NCCLTransport(TransportBase):
 
     backend = "nccl"
 
-    def __init__(self, mpi_comm: Any = None, *, device: int | None = None) -> None:
-        rdv = _nccl_setup.connect(mpi_comm)
+    def __init__(self, mpi_comm: Any = None, *, device: int | None = None,
+                 timeout: float | None = None) -> None:
+        rdv = _nccl_setup.connect(mpi_comm, timeout)
         try:
             setup, uid = _checked_setup(rdv, device)
             gpu = setup.cupy.cuda.Device(setup.device)
@@ -374,6 +377,7 @@ class NCCLCommunicator(Communicator):
         segment_bytes: ring segment size for the ring paths; the measured default when None.
         inline_bytes: see ``ringcomm.init``.
         device: CUDA device to use instead of the one the local rank picks.
+        timeout: as for :func:`ringcomm.init` (host-side exchanges; see NCCLTransport).
 
     Raises:
         RuntimeError: CuPy, NCCL or a GPU is missing (naming what to install), two ranks
@@ -383,8 +387,8 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
-                 device: int | None = None) -> None:
-        super().__init__(NCCLTransport(mpi_comm, device=device),
+                 device: int | None = None, timeout: float | None = None) -> None:
+        super().__init__(NCCLTransport(mpi_comm, device=device, timeout=timeout),
                          consistency_check=consistency_check, segment_bytes=segment_bytes,
                          inline_bytes=inline_bytes)
 

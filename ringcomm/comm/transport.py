@@ -7,12 +7,15 @@ collectives, ``split``); the defaults here say "no native collective, every arra
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.types import (
+    DEFAULT_TIMEOUT_S,
+    CollectiveTimeoutError,
     CommStats,
     InvalidArgumentError,
     InvalidTypeError,
@@ -20,9 +23,48 @@ from ringcomm.comm.types import (
     Transport,
 )
 
-__all__ = ["TransportBase", "agree_split", "check_split"]
+__all__ = ["TransportBase", "agree_split", "check_split", "check_timeout", "timeout_error",
+           "write_fatal"]
 
 _C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
+
+
+def check_timeout(timeout: float | None) -> float:
+    """``timeout`` in seconds (``DEFAULT_TIMEOUT_S`` when None; ``math.inf`` waits forever).
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    seconds = float(timeout)
+    if not seconds > 0:  # NaN included
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return seconds
+
+
+def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
+                  timeout: float) -> CollectiveTimeoutError:
+    """The error of a wait of transport ``t`` that passed ``timeout``: the collective (``t``'s
+    ``operation``), the step ``what``, the rank waited for where one is known, the time."""
+    kind = t.operation or what
+    waited = "the other ranks" if peer is None else f"rank {peer}"
+    step = "" if what == kind else f" ({what})"
+    culprit = "a rank" if peer is None else f"rank {peer}"
+    message = (f"{kind} timed out on rank {t.rank} of {t.size} after {elapsed:.1f} s waiting "
+               f"for {waited}{step}: {culprit} may have exited, stopped, or be in another "
+               f"call. The timeout is {timeout:g} s: change it with ringcomm.init(timeout=...) "
+               "or RINGCOMM_TIMEOUT")
+    return CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
+                                  timeout=timeout)
+
+
+def write_fatal(error: Exception, action: str) -> None:
+    """Say on stderr why the job is about to end (a log record may go nowhere: logging is
+    silent unless the application or RINGCOMM_LOG_LEVEL turns it on)."""
+    sys.stdout.flush()
+    sys.stderr.write(f"ringcomm: {type(error).__name__}: {error}. {action}\n")
+    sys.stderr.flush()
 
 
 class TransportBase:

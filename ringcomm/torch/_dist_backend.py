@@ -12,8 +12,14 @@ Communicator over it.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import logging
+import math
+import os
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +29,13 @@ import torch.distributed as dist
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import detect
-from ringcomm.comm.transport import TransportBase, agree_split
+from ringcomm.comm.transport import (
+    TransportBase,
+    agree_split,
+    check_timeout,
+    timeout_error,
+    write_fatal,
+)
 from ringcomm.comm.types import RING
 
 __all__ = ["TorchDistCommunicator", "TorchDistTransport"]
@@ -32,19 +44,29 @@ _RING_TAG = 7
 _P2P_TAG = 11
 # torch renamed all_gather_into_tensor (deprecated in newer releases) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# What "forever" is for gloo, which takes a finite duration (ten years).
+_FOREVER = datetime.timedelta(days=3650)
+_LOG = logging.getLogger(__name__)
+
+
+def _duration(seconds: float) -> datetime.timedelta:
+    return _FOREVER if math.isinf(seconds) else datetime.timedelta(seconds=seconds)
 
 
 class _Pair:
-    """A send and a receive posted together; ``wait()`` completes both."""
+    """A send and a receive posted together; ``wait()`` completes both within the group's
+    timeout."""
 
-    __slots__ = ("_after", "_works")
+    __slots__ = ("_after", "_peer", "_t", "_what", "_works")
 
-    def __init__(self, works: list[Any], after: Any = None) -> None:
-        self._works, self._after = works, after
+    def __init__(self, t: TorchDistTransport, works: list[Any], peer: int, what: str,
+                 after: Any = None) -> None:
+        self._t, self._works, self._peer, self._what = t, works, peer, what
+        self._after = after
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            self._t.bounded(self._what, self._peer, work.wait)
         if self._after is not None:
             self._after()
 
@@ -92,26 +114,54 @@ class TorchDistTransport(TransportBase):
         group: the gloo process group to run on; a new one over the default group's ranks
             when None (so that ringcomm's messages never match the application's), made by
             every process of the job and destroyed by ``close()``.
+        timeout: seconds a wait for the other ranks may last, in the group made here (a
+            given ``group`` keeps its own); ``DEFAULT_TIMEOUT_S`` when None.
+        abort_on_timeout: on a timeout, end this process (exit status 1; torchrun then ends
+            the job's other processes), or raise CollectiveTimeoutError (False).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
+        ValueError: ``timeout`` is not a positive number.
     """
 
     backend = "gloo"
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, timeout: float | None = None,
+                 abort_on_timeout: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group() (torchrun sets its environment)")
         info = detect()
+        seconds = check_timeout(timeout)
         owned = group is None
-        self._setup(dist.new_group(backend="gloo") if owned else group, owned,
-                    info.local_rank, info.local_size)
+        if owned:
+            group = dist.new_group(backend="gloo", timeout=_duration(seconds))
+        self._setup(group, owned, info.local_rank, info.local_size, seconds,
+                    bool(abort_on_timeout))
 
-    def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int) -> None:
+    def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int,
+               timeout: float, abort_on_timeout: bool) -> None:
         self._group, self._owns_group = group, owned
+        self.timeout, self.abort_on_timeout = timeout, abort_on_timeout
         super().__init__(dist.get_rank(group), dist.get_world_size(group),
                          local_rank=local_rank, local_size=local_size)
+
+    def bounded(self, what: str, peer: int | None, fn: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        """Run the gloo operation ``fn(*args, **kwargs)``; gloo's timeout becomes a
+        CollectiveTimeoutError naming the collective, the step and the peer."""
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower():
+                raise
+            error = timeout_error(self, what, peer, time.monotonic() - start, self.timeout)
+        _LOG.error("%s", error)
+        if self.abort_on_timeout:
+            write_fatal(error, "Ending this process (exit status 1).")
+            os._exit(1)
+        raise error
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
@@ -119,7 +169,8 @@ class TorchDistTransport(TransportBase):
         if dest == source == self.rank and send is not None and recv is not None:
             return self._to_self(send, recv)
         tag = _RING_TAG if channel == RING else _P2P_TAG
-        works, after = [], None
+        works: list[Any] = []
+        after = None
         if recv is not None:
             host_recv, after = _staged(recv)
             works.append(dist.irecv(_bytes(host_recv), group=self._group, group_src=source,
@@ -127,18 +178,19 @@ class TorchDistTransport(TransportBase):
         if send is not None:
             works.append(dist.isend(_bytes(_host(send)), group=self._group, group_dst=dest,
                                     tag=tag))
-        return _Pair(works, after)
+        return _Pair(self, works, source if recv is not None else dest,
+                     "ring exchange" if channel == RING else "sendrecv", after)
 
-    @staticmethod
-    def _to_self(send: Any, recv: Any) -> _Pair:
+    def _to_self(self, send: Any, recv: Any) -> _Pair:
         # gloo connects no pair from a rank to itself (MPI does): the message is a copy.
         host_recv, after = _staged(recv)
         data = _flat_bytes(_host(send))
         _flat_bytes(host_recv)[: data.size] = data
-        return _Pair([], after)
+        return _Pair(self, [], self.rank, "", after)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
-        _all_gather(_bytes(recv), _bytes(send), group=self._group)
+        self.bounded("allgather", None, _all_gather, _bytes(recv), _bytes(send),
+                     group=self._group)
 
     def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
@@ -146,24 +198,26 @@ class TorchDistTransport(TransportBase):
         rows = np.zeros((self.size, max(counts) * item), dtype=np.uint8)
         mine = _flat_bytes(_host(x))
         rows[self.rank, : mine.size] = mine
-        _all_gather(torch.from_numpy(rows).view(-1), torch.from_numpy(rows[self.rank].copy()),
-                    group=self._group)
+        self.bounded("allgatherv", None, _all_gather, torch.from_numpy(rows).view(-1),
+                     torch.from_numpy(rows[self.rank].copy()), group=self._group)
         flat = np.concatenate([rows[r, : counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))
 
     def broadcast(self, x: Any, root: int) -> None:
         host = _host(x)
-        dist.broadcast(_bytes(host), group=self._group, group_src=root)
+        self.bounded("broadcast", root, dist.broadcast, _bytes(host), group=self._group,
+                     group_src=root)
         if host is not x:
             _ops.get(x).copy_from_host(x, host)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self._group)
+        self.bounded("allgather of objects", None, dist.all_gather_object, out, obj,
+                     group=self._group)
         return out
 
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        self.bounded("barrier", None, dist.barrier, group=self._group)
 
     def split(self, color: int, key: int) -> TorchDistTransport:
         """A transport over the ranks that pass the same ``color``, ordered by (key, rank).
@@ -184,13 +238,13 @@ class TorchDistTransport(TransportBase):
         order = [r for _, r in members]
         group = dist.new_group(ranks=[dist.get_global_rank(self._group, r) for r in order],
                                backend="gloo", use_local_synchronization=True,
-                               sort_ranks=False)
+                               sort_ranks=False, timeout=_duration(self.timeout))
         # The launcher's local rank describes the whole job; a sub-group counts its own.
         hosts = [everyone[r][2] for r in order]
         new_rank = order.index(self.rank)
         sub = TorchDistTransport.__new__(TorchDistTransport)
         sub._setup(group, True, hosts[:new_rank].count(hosts[new_rank]),
-                   hosts.count(hosts[new_rank]))
+                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout)
         return sub
 
     def close(self) -> None:
@@ -223,6 +277,7 @@ class TorchDistCommunicator(Communicator):
         consistency_check: as for :func:`ringcomm.init`.
         segment_bytes: ring segment size; the measured default when None.
         inline_bytes: see ``ringcomm.init``.
+        timeout, abort_on_timeout: see TorchDistTransport.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -235,6 +290,9 @@ class TorchDistCommunicator(Communicator):
     """
 
     def __init__(self, group: Any = None, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
-        super().__init__(TorchDistTransport(group), consistency_check=consistency_check,
+                 segment_bytes: int | None = None, inline_bytes: int | None = None,
+                 timeout: float | None = None, abort_on_timeout: bool = True) -> None:
+        super().__init__(TorchDistTransport(group, timeout=timeout,
+                                            abort_on_timeout=abort_on_timeout),
+                         consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes)
