@@ -51,7 +51,11 @@ def _crc(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-_CALLER = threading.local()
+class _Caller(threading.local):
+    name: str | None = None  # set by calls_as; a class default, so reading it never raises
+
+
+_CALLER = _Caller()
 
 
 def caller() -> str:
@@ -62,7 +66,7 @@ def caller() -> str:
     its header: two threads whose calls pair up in a different order on another rank raise
     ArgumentMismatchError on every rank instead of mixing their data.
     """
-    name = getattr(_CALLER, "name", None)
+    name = _CALLER.name
     return threading.current_thread().name if name is None else name
 
 
@@ -70,7 +74,7 @@ def caller() -> str:
 def calls_as(name: str) -> Iterator[None]:
     """Make this thread's calls, within the block, as ``name`` (for a queue of collectives
     run by whichever thread is free: its calls keep one caller on every rank)."""
-    before = getattr(_CALLER, "name", None)
+    before = _CALLER.name
     _CALLER.name = name
     try:
         yield
