@@ -39,8 +39,10 @@ layers: $(VENV)/.test
 test-unit: $(VENV)/.test
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
 
+# The property-based and thread tests also run at 3 ranks (an odd ring).
 test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
+	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py
 
 # GPU tests and kernel benchmarks (on a machine with a CUDA GPU).
 gpu-test: $(VENV)/.test
