@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import pytest
 
 import ringcomm
+from ringcomm.comm.base import Communicator
+from ringcomm.comm.threads import run_ranks
 from ringcomm.compress.auto import Auto, LinkModel, predict, wire_bytes
 
 INT8, FP16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.TopK(0.01)
@@ -78,3 +83,18 @@ def test_candidates_must_name_a_known_algorithm():
 
     with pytest.raises(ValueError, match="names allreduce algorithm 'no-such-algorithm'"):
         Auto((None, Unknown()))
+
+
+def test_auto_choice_is_logged_at_debug(caplog):
+    """RINGCOMM_LOG_LEVEL=DEBUG (here: the logger's level) shows each choice of auto with the
+    predicted cost of every candidate."""
+    def job(t):
+        comm = Communicator(t)
+        comm.allreduce(np.ones(200_000, np.float32), compression="auto")
+        return True
+
+    with caplog.at_level(logging.DEBUG, logger="ringcomm.auto"):
+        assert run_ranks(2, job) == [True, True]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ringcomm.auto"]
+    assert lines, "no DEBUG record from ringcomm.auto"
+    assert "800000 bytes over 2 ranks:" in lines[0] and "(predicted none " in lines[0], lines

@@ -216,3 +216,15 @@ def test_broadcast_gradient_reaches_the_root_only(h):
 def test_gathered_helper_agrees_with_allgather(h):
     x = torch.arange(3) + 10 * RANK
     assert torch.equal(gathered(x), h.allgather(x))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0,)])
+def test_zero_size_tensors_are_a_no_op(h, shape):
+    """A zero-size tensor of any shape: the result has its shape, on every rank, and the job
+    goes on (it used to fail before the agreement, leaving the other rank with wrong data)."""
+    x = torch.ones(shape)
+    assert h.allreduce(x, op=h.Sum).shape == shape
+    assert h.synchronize(h.allreduce_async(x, op=h.Average)).shape == shape
+    assert h.allgather(x).shape == (shape[0] * SIZE, *shape[1:])
+    assert h.broadcast(x, root_rank=0).shape == shape
+    usable(h)
