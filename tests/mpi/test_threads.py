@@ -36,6 +36,26 @@ def run_threads(*targets: tuple[str, Callable[[], Any]]) -> dict[str, Any]:
     return outcome
 
 
+def take_turns(calls: int, call: Callable[[int], Any]) -> dict[str, list[Any]]:
+    """Threads "even" and "odd" make calls 0, 1, ..., ``calls - 1`` by turns, each waiting
+    for the other's call before its next; returns each thread's results, in its call order."""
+    turns = [threading.Event() for _ in range(calls + 1)]
+    turns[0].set()
+
+    def player(parity: int) -> list[Any]:
+        got = []
+        for i in range(parity, calls, 2):
+            turns[i].wait(30)
+            got.append(call(i))
+            turns[i + 1].set()
+        return got
+
+    out = run_threads(("even", lambda: player(0)), ("odd", lambda: player(1)))
+    for name in ("even", "odd"):
+        assert not isinstance(out[name], Exception), out[name]
+    return out
+
+
 def value(comm, tag: int, n: int) -> np.ndarray:
     """A rank- and call-specific input whose sum over ranks identifies the call."""
     return np.full(n, tag * 1000 + comm.rank + 1, dtype=np.int64)
@@ -64,21 +84,12 @@ def test_calls_handed_between_threads_work(comm, world, n):
 def test_threads_taking_turns_work(comm):
     """Two threads calling concurrently, in an order the program fixes, both get their own
     results (compressed calls included)."""
-    turns = [threading.Event() for _ in range(41)]
-    turns[0].set()
+    def call(i: int) -> Any:
+        x = value(comm, i, 5_000).astype(np.float32) / 1000
+        return comm.allreduce(x, compression=ringcomm.FP16() if i % 4 else None)
 
-    def player(parity: int) -> list[Any]:
-        got = []
-        for i in range(parity, 40, 2):
-            turns[i].wait(30)
-            x = value(comm, i, 5_000).astype(np.float32) / 1000
-            got.append(comm.allreduce(x, compression=ringcomm.FP16() if i % 4 else None))
-            turns[i + 1].set()
-        return got
-
-    out = run_threads(("even", lambda: player(0)), ("odd", lambda: player(1)))
+    out = take_turns(40, call)
     for parity, name in ((0, "even"), (1, "odd")):
-        assert not isinstance(out[name], Exception), out[name]
         for i, got in zip(range(parity, 40, 2), out[name], strict=True):
             want = expected(comm, i, 5_000).astype(np.float32) / 1000
             np.testing.assert_allclose(got, want, rtol=2e-3)
@@ -147,22 +158,10 @@ def test_unchecked_calls_are_still_serialized(comm):
     (never interleaving their messages); matching them is then the program's task."""
     comm.consistency_check = False
     try:
-        turns = [threading.Event() for _ in range(21)]
-        turns[0].set()
-
-        def player(parity: int) -> list[Any]:
-            got = []
-            for i in range(parity, 20, 2):
-                turns[i].wait(30)
-                got.append(comm.allreduce(value(comm, i, 50_000)))
-                turns[i + 1].set()
-            return got
-
-        out = run_threads(("even", lambda: player(0)), ("odd", lambda: player(1)))
+        out = take_turns(20, lambda i: comm.allreduce(value(comm, i, 50_000)))
     finally:
         comm.consistency_check = True
     for parity, name in ((0, "even"), (1, "odd")):
-        assert not isinstance(out[name], Exception), out[name]
         for i, got in zip(range(parity, 20, 2), out[name], strict=True):
             np.testing.assert_array_equal(got, expected(comm, i, 50_000))
     usable(comm)
