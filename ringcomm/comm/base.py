@@ -17,7 +17,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm import ring
-from ringcomm.comm import agree
+from ringcomm.comm import _arrays, agree
 from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.comm.types import (
     USER,
@@ -47,45 +47,6 @@ def _serialized(method: _F) -> _F:
         with self._lock:
             return method(self, *args, **kwargs)
     return locked  # type: ignore[return-value]
-
-
-def _check_writeable(x: Any, label: str) -> None:
-    flags = getattr(x, "flags", None)
-    if flags is not None and not getattr(flags, "writeable", True):
-        raise ValueError(f"{label} is read-only; the result is written into it")
-
-
-def _flat(x: Any) -> Any:
-    """A contiguous, aligned 1-d view of ``x`` (a copy only when ``x`` is neither).
-
-    Unaligned host arrays (``np.frombuffer(buf, offset=1)``) are copied: MPI cannot send
-    their elements as typed data.
-    """
-    if not getattr(x.flags, "aligned", True):
-        return x.reshape(-1).copy()
-    return _ops.get(x).ascontiguous(x).reshape(-1)
-
-
-def _is_subclass(a: Any) -> bool:
-    """Whether ``a`` is a host ndarray subclass (memmap, matrix, ...)."""
-    return (type(a) is not np.ndarray and isinstance(a, np.ndarray)
-            and not _ops.is_device_array(a))
-
-
-def _plain(a: Any) -> Any:
-    """A host ndarray subclass as a plain ndarray view of its memory; anything else as is."""
-    return a.view(np.ndarray) if _is_subclass(a) else a
-
-
-def _check_overlap(x: Any, out: Any) -> None:
-    """Refuse an ``out`` that shares memory with ``x`` other than as the same elements (in
-    place): the ring would read elements it has already overwritten."""
-    if out is x or type(x) is not np.ndarray or not np.may_share_memory(x, out):
-        return
-    if out.ctypes.data == x.ctypes.data and out.strides == x.strides:
-        return  # another view of the very same elements: in place
-    raise ValueError("out overlaps x without being x: the result would overwrite input "
-                     "still to be read; pass out=x to reduce in place, or a separate array")
 
 
 class Communicator:
@@ -257,9 +218,9 @@ class Communicator:
                         return prepared.inline.run(x, out)
                     prepared.spec.caller = agree.caller()
                     return self._execute(prepared, x, out)
-            if _is_subclass(x) or _is_subclass(out):
-                result = self.allreduce(_plain(x), _plain(out), op=op, compression=compression,
-                                        feedback=feedback, name=name)
+            if _arrays.is_subclass(x) or _arrays.is_subclass(out):
+                result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,
+                                        compression=compression, feedback=feedback, name=name)
                 return result if out is None else out
             self._ensure_open()
             plan = self._plan_allreduce(x, out, op, compression, feedback, name)
@@ -274,7 +235,7 @@ class Communicator:
         """
         self._ensure_open()
         self._transport.operation = "reduce_scatter"
-        x = _plain(x)
+        x = _arrays.plain(x)
         spec = agree.CallSpec("reduce_scatter")
         try:
             self._transport.check_arrays(x)
@@ -284,7 +245,7 @@ class Communicator:
             spec.error, rop = err, ReduceOp.SUM
         self._agreement.agree(spec)
         self.stats.calls += 1
-        return ring.reduce_scatter(self._transport, _flat(x), rop,
+        return ring.reduce_scatter(self._transport, _arrays.flat(x), rop,
                                    segment_bytes=self.segment_bytes)
 
     def allgather(self, x: Any) -> Any:
@@ -305,12 +266,12 @@ class Communicator:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         self._ensure_open()
         self._transport.operation = "broadcast"
-        given, x = x, _plain(x)
+        given, x = x, _arrays.plain(x)
         spec = agree.CallSpec("broadcast")
         try:
             self._transport.check_arrays(x)
             spec.set_array(x, reduced=False)
-            _check_writeable(x, "x")
+            _arrays.check_writeable(x, "x")
             spec.root = self._check_rank(root, "root")
         except (TypeError, ValueError) as err:
             spec.error = err
@@ -321,7 +282,7 @@ class Communicator:
         if x.flags.c_contiguous:
             self._transport.broadcast(x.reshape(-1), root)
         else:
-            flat = _flat(x)
+            flat = _arrays.flat(x)
             self._transport.broadcast(flat, root)
             x[...] = flat.reshape(x.shape)
         nbytes = x.nbytes
@@ -419,14 +380,14 @@ class Communicator:
         direct = result.flags.c_contiguous and getattr(result.flags, "aligned", True)
         flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
         if plan.dense:
-            ring.allreduce(t, _flat(x), flat_out, plan.op, segment_bytes=self.segment_bytes)
+            ring.allreduce(t, _arrays.flat(x), flat_out, plan.op, segment_bytes=self.segment_bytes)
         else:
             comp = plan.compression
             if isinstance(comp, Auto):
                 comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
             self._compressed_calls += 1
             seed = mix_seed(self._compressed_calls, self.rank)
-            algorithms.allreduce(t, _flat(x), flat_out, plan.op, comp, plan.feedback,
+            algorithms.allreduce(t, _arrays.flat(x), flat_out, plan.op, comp, plan.feedback,
                                  plan.name, seed, segment_bytes=self.segment_bytes)
         if not direct:
             result[...] = flat_out.reshape(x.shape)
@@ -449,8 +410,8 @@ class Communicator:
                 raise ValueError(f"out has shape {out.shape}, expected {x.shape}")
             if out.dtype != x.dtype:
                 raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
-            _check_writeable(out, "out")
-            _check_overlap(x, out)
+            _arrays.check_writeable(out, "out")
+            _arrays.check_overlap(x, out)
         if compression is not None:
             check_compressed_call(compression, x, rop, feedback, name)
             if not isinstance(compression, Auto) and (
@@ -468,7 +429,7 @@ class Communicator:
     def _gather(self, kind: str, x: Any) -> Any:
         self._ensure_open()
         self._transport.operation = kind
-        x = _plain(x)
+        x = _arrays.plain(x)
         spec = agree.CallSpec(kind)
         try:
             self._transport.check_arrays(x)
@@ -484,7 +445,7 @@ class Communicator:
         counts = [d * row for d in firsts]
         out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
         if out.size:
-            self._transport.allgatherv(_flat(x), counts, out.reshape(-1))
+            self._transport.allgatherv(_arrays.flat(x), counts, out.reshape(-1))
         own = x.nbytes
         self.stats.add(own * (self.size - 1), out.nbytes - own)
         return out
