@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -229,3 +230,14 @@ def test_cuda_tensors_are_viewed_through_dlpack():
     assert Operand(t.to(torch.bfloat16)).widened
     if hvd.size() == 1:
         assert torch.equal(hvd.allreduce(t), t)
+
+
+@pytest.mark.parametrize("call", [lambda: hvd.join(), lambda: parse_op(hvd.Adasum, None),
+                                  lambda: hvd.elastic.run, lambda: hvd.ProcessSet([0])])
+def test_refusals_are_logged(call, caplog):
+    """Every NotImplementedError of an unsupported feature is also a DEBUG record, which
+    tells a test that passed on an unsupported call from one that passed on its merits."""
+    with caplog.at_level(logging.DEBUG, logger="ringcomm.torch.unsupported"):
+        with pytest.raises(NotImplementedError) as info:
+            call()
+    assert [r.getMessage() for r in caplog.records] == [f"not supported: {info.value}"]

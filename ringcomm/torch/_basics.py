@@ -8,6 +8,7 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._engine import Engine, engine_for
+from ringcomm.torch.unsupported import NO_PROCESS_SETS, refusal
 
 __all__ = [
     "Adasum",
@@ -86,8 +87,7 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         print(hvd.rank(), hvd.size(), hvd.local_rank())
     """
     if process_sets is not None or isinstance(comm, (list, tuple)):
-        raise NotImplementedError(
-            "process sets are not supported: ringcomm.torch runs every collective on the whole job")
+        raise refusal(NO_PROCESS_SETS)
     with _LOCK:
         if _STATE.comm is not None and not _STATE.comm.closed:
             return
@@ -186,8 +186,7 @@ class ProcessSet:
     process_set_id = 0
 
     def __init__(self, ranks_or_comm: Any = None) -> None:
-        raise NotImplementedError(
-            "process sets are not supported: ringcomm.torch runs every collective on the whole job")
+        raise refusal(NO_PROCESS_SETS)
 
     @classmethod
     def _global(cls) -> ProcessSet:
@@ -219,8 +218,7 @@ def check_process_set(process_set: Any) -> None:
         NotImplementedError: any other process set.
     """
     if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError(
-            "process sets are not supported: ringcomm.torch runs every collective on the whole job")
+        raise refusal(NO_PROCESS_SETS)
 
 
 # --------------------------------------------------------------- what this build can do

@@ -19,6 +19,7 @@ from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.torch._basics import ReduceOp
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._tensors import Operand
+from ringcomm.torch.unsupported import refusal
 
 __all__ = ["allreduce_tensor", "parse_op", "scale_"]
 
@@ -46,7 +47,7 @@ def parse_op(op: Any, average: bool | None) -> ReduceOp:
         names = ", ".join(f"hvd.{o.name.title()}" for o in ReduceOp if o is not ReduceOp.ADASUM)
         raise ValueError(f"unknown op {op!r}; expected one of {names}") from None
     if op is ReduceOp.ADASUM:
-        raise NotImplementedError(
+        raise refusal(
             "Adasum is not supported: ringcomm reduces with sum/average (use hvd.Average)")
     return op
 

@@ -32,6 +32,7 @@ from ringcomm.torch._fusion import Bucket, Reduction, fusion_threshold, plan_buc
 from ringcomm.torch._reduce import parse_op
 from ringcomm.torch._residuals import ResidualLayouts
 from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
+from ringcomm.torch.unsupported import refusal
 
 __all__ = ["DistributedOptimizer"]
 
@@ -174,7 +175,7 @@ class _DistributedOptimizer:
             elif p.grad.is_sparse and self._sparse_as_dense:
                 p.grad = p.grad.to_dense()
             elif p.grad.is_sparse:
-                raise NotImplementedError(
+                raise refusal(
                     f"sparse gradient of {self._parameter_names[p]!r}: ringcomm reduces dense "
                     "gradients only (pass sparse_as_dense=True)")
         device = bucket.params[0].device.type

@@ -1,28 +1,43 @@
-"""Horovod features ringcomm.torch does not provide: each raises NotImplementedError saying why."""
+"""Horovod features ringcomm.torch does not provide: each raises NotImplementedError saying why.
+
+Every refusal is also logged at DEBUG on ``ringcomm.torch.unsupported``, so that a test suite
+can tell a test that passed because an unsupported call raised (NotImplementedError is a
+RuntimeError, which Horovod's error tests expect) from one that passed on its merits.
+"""
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
-__all__ = ["SyncBatchNorm", "add_process_set", "alltoall", "alltoall_async", "elastic", "join",
-           "reducescatter", "reducescatter_async", "remove_process_set", "start_timeline",
-           "stop_timeline"]
+from ringcomm.comm.log import get_logger
 
-_PROCESS_SETS = ("process sets are not supported: ringcomm.torch runs every collective on the "
+__all__ = ["NO_PROCESS_SETS", "SyncBatchNorm", "add_process_set", "alltoall", "alltoall_async",
+           "elastic", "join", "reducescatter", "reducescatter_async", "refusal",
+           "remove_process_set", "start_timeline", "stop_timeline"]
+
+_LOG = get_logger("torch.unsupported")
+
+
+def refusal(message: str) -> NotImplementedError:
+    """The NotImplementedError of an unsupported feature (logged at DEBUG); raise it."""
+    _LOG.debug("not supported: %s", message)
+    return NotImplementedError(message)
+
+NO_PROCESS_SETS = ("process sets are not supported: ringcomm.torch runs every collective on the "
                  "whole job")
 
 
 def _unsupported(name: str, reason: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(f"{name}: {reason}")
+        raise refusal(f"{name}: {reason}")
 
     refuse.__name__ = refuse.__qualname__ = name
     refuse.__doc__ = f"Not supported: {reason}."
     return refuse
 
 
-add_process_set = _unsupported("add_process_set", _PROCESS_SETS)
-remove_process_set = _unsupported("remove_process_set", _PROCESS_SETS)
+add_process_set = _unsupported("add_process_set", NO_PROCESS_SETS)
+remove_process_set = _unsupported("remove_process_set", NO_PROCESS_SETS)
 alltoall = _unsupported("alltoall", "ringcomm has no all-to-all collective")
 alltoall_async = _unsupported("alltoall_async", "ringcomm has no all-to-all collective")
 reducescatter = _unsupported("reducescatter",
@@ -41,7 +56,7 @@ class _Elastic:
     def __getattr__(self, name: str) -> NoReturn:
         if name.startswith("__"):  # introspection (copy, pickle, inspect) must see no such name
             raise AttributeError(name)
-        raise NotImplementedError(
+        raise refusal(
             f"elastic.{name}: elastic training is not supported: ringcomm jobs have a fixed set "
             "of ranks (restart the job from a checkpoint instead)")
 
