@@ -241,3 +241,19 @@ def test_refusals_are_logged(call, caplog):
         with pytest.raises(NotImplementedError) as info:
             call()
     assert [r.getMessage() for r in caplog.records] == [f"not supported: {info.value}"]
+
+
+@pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_cast_compressors_compress_as_horovods(name, dtype):
+    """Called directly, fp16/bf16 cast floating tensors (Horovod's compress/decompress), so a
+    compressor of one's own can wrap them; integers pass unchanged."""
+    comp = getattr(hvd.Compression, name)
+    x = torch.linspace(-2, 2, 7, dtype=torch.float32)
+    small, ctx = comp.compress(x)
+    assert small.dtype == dtype and ctx == torch.float32
+    back = comp.decompress(small, ctx)
+    assert back.dtype == torch.float32 and torch.equal(back, x.to(dtype).to(torch.float32))
+    ints = torch.arange(5)
+    same, ctx = comp.compress(ints)
+    assert same is ints and comp.decompress(same, ctx) is ints
+    assert as_compression(getattr(ringcomm, name.upper())()).compress(x)[0].dtype == dtype

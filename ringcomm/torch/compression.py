@@ -2,9 +2,12 @@
 
 Horovod compresses a tensor before the allreduce and decompresses the result (its fp16
 compressor casts). Here the ring itself compresses what it sends (int8 re-quantized per hop,
-sparse top-k, half-precision casts), so these compressors leave the tensor as it is and hand
-their ringcomm compressor to the allreduce. A Horovod-style compressor of your own (a class with
-``compress``/``decompress``) still works: it is applied around an uncompressed allreduce.
+sparse top-k, half-precision casts): passed to an allreduce or DistributedOptimizer, these
+compressors hand their ringcomm compressor to the ring. Called directly, ``fp16`` and ``bf16``
+cast as Horovod's do (``compress(t) -> (t.half(), t.dtype)``), so compressors of your own that
+wrap or chain them work; ``int8`` and ``topk`` have no tensor-level form and pass the tensor
+through. A Horovod-style compressor of your own (a class with ``compress``/``decompress``) is
+applied around an uncompressed allreduce.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import ringcomm
 from ringcomm.compress.base import Compressor as _RingCompressor
 
-__all__ = ["Compression", "Compressor", "RingCompressor", "as_compression"]
+__all__ = ["CastCompressor", "Compression", "Compressor", "RingCompressor", "as_compression"]
 
 
 class Compressor:
@@ -67,6 +70,34 @@ class RingCompressor(NoneCompressor):
         return f"RingCompressor({self.ring!r}, error_feedback={self.error_feedback})"
 
 
+class CastCompressor(RingCompressor):
+    """A half-precision cast: in the ring when passed to a collective, and as Horovod's fp16
+    compressor when called (floating tensors cast to ``dtype``, others unchanged).
+
+    Args:
+        ring: ``ringcomm.FP16()`` or ``ringcomm.BF16()``.
+        dtype: the torch dtype it casts to.
+    """
+
+    def __init__(self, ring: _RingCompressor, dtype: torch.dtype) -> None:
+        super().__init__(ring, error_feedback=False)
+        self.dtype = dtype
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        """``(tensor cast to dtype, its dtype)``; non-floating tensors pass unchanged."""
+        cast = tensor.to(self.dtype) if tensor.dtype.is_floating_point else tensor
+        return cast, tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        """``tensor`` back in the dtype ``compress`` saw (``ctx``)."""
+        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
+
+
+def _cast(ring: _RingCompressor) -> CastCompressor:
+    return CastCompressor(ring, torch.float16 if isinstance(ring, ringcomm.FP16)
+                          else torch.bfloat16)
+
+
 def _topk(ratio: float = 0.01, algorithm: str = "ring") -> RingCompressor:
     """Top-k sparsification with error feedback: send the ``ratio`` largest-magnitude entries.
 
@@ -93,8 +124,8 @@ class Compression:
     """
 
     none = NoneCompressor()
-    fp16 = RingCompressor(ringcomm.FP16(), error_feedback=False)
-    bf16 = RingCompressor(ringcomm.BF16(), error_feedback=False)
+    fp16 = _cast(ringcomm.FP16())
+    bf16 = _cast(ringcomm.BF16())
     int8 = RingCompressor(ringcomm.Int8(), error_feedback=True)
     topk = staticmethod(_topk)
 
@@ -110,9 +141,10 @@ def as_compression(compression: Any) -> Any:
     """
     if compression is None:
         return Compression.none
+    if isinstance(compression, (ringcomm.FP16, ringcomm.BF16)):
+        return _cast(compression)
     if isinstance(compression, _RingCompressor):
-        cast = isinstance(compression, (ringcomm.FP16, ringcomm.BF16))
-        return RingCompressor(compression, error_feedback=not cast)
+        return RingCompressor(compression, error_feedback=True)
     if callable(getattr(compression, "compress", None)) and callable(
             getattr(compression, "decompress", None)):
         return compression

@@ -109,16 +109,16 @@ class _DistributedOptimizer:
         self._warned = False
         self._lock = threading.Lock()
         if self._comm.size > 1:  # one process reduces nothing: no hooks (as Horovod)
-            active = [p for p in reversed(self._params()) if p.requires_grad]
+            active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
             self._plan(active, tuple(id(p) for p in active))
 
     # ---------------------------------------------------------------------- planning
-    def _params(self) -> list[Any]:
+    def _all_parameters(self) -> list[Any]:
         return [p for g in self.param_groups for p in g["params"]]
 
     def _begin_round(self) -> None:
         """Start counting gradients of a new step; re-plan if ``requires_grad`` changed."""
-        active = [p for p in reversed(self._params()) if p.requires_grad]
+        active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
         key = tuple(id(p) for p in active)
         if key != self._planned:
             self._plan(active, key)

@@ -273,3 +273,27 @@ def test_digits_through_optimizer_int8_within_one_point(digits_accuracy):
 def test_digits_through_optimizer_topk_within_two_points(digits_accuracy):
     # No dense warm-up here (the optimizer compresses from the first step): a harder setting.
     assert digits_accuracy["topk"] >= digits_accuracy["none"] - 0.02
+
+
+TORCH_OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam",
+                    "RAdam", "RMSprop", "Rprop", "LBFGS"]
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_every_torch_optimizer_can_be_wrapped(h, name):
+    """DistributedOptimizer over each of torch.optim's optimizers: its own attributes (LBFGS
+    keeps a list in ``_params``) never clash with the wrapper's, and steps leave identical
+    parameters on every rank. LBFGS runs one iteration per step on the gradients reduced
+    before it (its closure returns the loss already computed: a closure that ran backward
+    again would start a second reduction inside the step)."""
+    model = Net()
+    extra = {"max_iter": 1} if name == "LBFGS" else {}
+    opt = h.DistributedOptimizer(getattr(torch.optim, name)(model.parameters(), lr=0.01, **extra),
+                                 named_parameters=model.named_parameters())
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step((lambda loss=loss: loss) if name == "LBFGS" else None)
+    assert same_on_all_ranks(flat_params(model))
