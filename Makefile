@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi layers gpu-test gpu-bench bench-ddp lint clean
+.PHONY: demo test test-unit test-mpi test-horovod layers gpu-test gpu-bench bench-ddp lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-unit: $(VENV)/.test
 test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py
+
+# Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test;
+# needs HOROVOD_SOURCE=<a checkout of github.com/horovod/horovod> (skipped, saying so, without).
+test-horovod: $(VENV)/.test
+	$(BIN)/python tests/upstream/run_horovod.py --json logs/horovod_test_torch.json
 
 # GPU tests and kernel benchmarks (on a machine with a CUDA GPU).
 gpu-test: $(VENV)/.test

@@ -1,0 +1,1 @@
+"""The part of ``horovod.runner`` that Horovod's test utilities import."""

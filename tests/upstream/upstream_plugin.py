@@ -1,0 +1,49 @@
+"""pytest plugin for the upstream runner: what each rank saw of one test.
+
+Writes ``<RINGCOMM_UPSTREAM_OUT>/rank<r>.json`` with the test's outcome, the skip or failure
+reason, and every refusal ringcomm.torch logged (an unsupported feature's NotImplementedError)
+while the test ran: a test that passes because such an error was expected has not passed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_REFUSALS: list[str] = []
+_RESULT: dict[str, Any] = {"outcome": "not run", "reason": "", "refusals": _REFUSALS}
+
+
+class _Refusals(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _REFUSALS.append(record.getMessage())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logger = logging.getLogger("ringcomm.torch.unsupported")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(_Refusals())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or report.outcome != "passed":
+        if _RESULT["outcome"] in ("not run", "passed"):
+            _RESULT["outcome"] = report.outcome
+            if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+                _RESULT["reason"] = str(report.longrepr[2])
+            elif report.outcome == "failed":
+                lines = report.longreprtext.strip().splitlines()
+                errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+                _RESULT["reason"] = (errors[0] if errors else lines[-1])[:300]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get("RINGCOMM_UPSTREAM_OUT")
+    if out:
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(_RESULT))
