@@ -51,7 +51,9 @@ def _mpiexec() -> str:
 def run_one(path: Path, name: str, n: int, timeout: float) -> dict[str, object]:
     """Run one test under ``mpiexec -n n``; its outcome as every rank saw it."""
     with tempfile.TemporaryDirectory() as out:
+        # A rank left waiting (its peer raised alone, or never calls) ends after a minute.
         env = dict(os.environ, RINGCOMM_UPSTREAM_OUT=out, PYTHONUNBUFFERED="1",
+                   RINGCOMM_TIMEOUT=os.environ.get("RINGCOMM_TIMEOUT", "60"),
                    PYTHONPATH=os.pathsep.join([str(HERE / "horovod_shim"), str(HERE),
                                                str(ROOT), os.environ.get("PYTHONPATH", "")]))
         cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "pytest", "-q",
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=int, default=2, help="ranks per test (Horovod's suite: 2)")
     p.add_argument("-k", default="", help="run only tests whose name contains this")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per test")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("--json", help="write every test's outcome here")
     p.add_argument("--allow", default="", help="comma list of tests allowed to fail")
     args = p.parse_args(argv)
