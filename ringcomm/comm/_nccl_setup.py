@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ringcomm.comm import _nccl_lib, launch
-from ringcomm.comm.types import DEFAULT_TIMEOUT_S
+from ringcomm.comm.transport import check_timeout
 
 __all__ = [
     "LocalSetup",
@@ -231,7 +231,7 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
         return _MPIRendezvous(mpi_comm, timeout)
     info = launch.detect()
     if info.launcher == "torchrun":
-        return _StoreRendezvous.launched(info, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        return _StoreRendezvous.launched(info, check_timeout(timeout))
     try:
         from mpi4py import MPI
     except ImportError as err:

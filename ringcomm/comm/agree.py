@@ -400,18 +400,18 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
     """The one error every rank raises, built from every rank's description of its call."""
     everyone = tuple(range(len(descriptions)))
     kinds = [d["kind"] for d in descriptions]
+    called = "/".join(dict.fromkeys(kinds))
     callers = [d["caller"] for d in descriptions]
     if len(set(callers)) > 1:
         return ArgumentMismatchError(
-            f"{'/'.join(dict.fromkeys(kinds))}: the calls that met come from different threads:"
+            f"{called}: the calls that met come from different threads:"
             f" {_groups([repr(c) for c in callers])}. Calls from several threads are matched by "
             "thread name: make each collective from the same-named thread on every rank",
-            kind="/".join(dict.fromkeys(kinds)), ranks=everyone,
-            differences={"caller": tuple(callers)})
+            kind=called, ranks=everyone, differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
         return ArgumentMismatchError(
-            f"collective calls differ between ranks: {_groups(kinds)}", kind="/".join(
-                dict.fromkeys(kinds)), ranks=everyone, differences={"kind": tuple(kinds)})
+            f"collective calls differ between ranks: {_groups(kinds)}", kind=called,
+            ranks=everyone, differences={"kind": tuple(kinds)})
     kind = kinds[0]
     errors: dict[tuple[str, str], list[int]] = {}
     for r, d in enumerate(descriptions):

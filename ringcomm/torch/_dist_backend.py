@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import logging
 import math
 import os
 import socket
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import detect
+from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import (
     TransportBase,
     agree_split,
@@ -46,7 +46,7 @@ _P2P_TAG = 11
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
-_LOG = logging.getLogger(__name__)
+_LOG = get_logger("gloo")
 
 
 def _duration(seconds: float) -> datetime.timedelta:

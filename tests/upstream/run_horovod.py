@@ -69,9 +69,9 @@ def run_one(path: Path, name: str, n: int, timeout: float) -> dict[str, object]:
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     seconds = round(time.monotonic() - start, 1)
     if len(ranks) < n:
+        last = tail.strip().splitlines()[-1][:300] if tail.strip() else "no output"
         return {"test": name, "outcome": "failed", "seconds": seconds,
-                "reason": f"{len(ranks)} of {n} ranks reported (exit {proc.returncode}): "
-                          + tail.strip().splitlines()[-1][:300] if tail.strip() else ""}
+                "reason": f"{len(ranks)} of {n} ranks reported (exit {proc.returncode}): {last}"}
     outcomes = {r["outcome"] for r in ranks}
     refusals = sorted({m for r in ranks for m in r["refusals"]})
     first = next((r for r in ranks if r["outcome"] != "passed"), ranks[0])
