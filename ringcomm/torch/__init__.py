@@ -85,7 +85,9 @@ from ringcomm.torch.functions import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    join,
     poll,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
@@ -96,7 +98,6 @@ from ringcomm.torch.unsupported import (
     alltoall,
     alltoall_async,
     elastic,
-    join,
     reducescatter,
     reducescatter_async,
     remove_process_set,
@@ -170,6 +171,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

@@ -98,11 +98,22 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 
             _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
         _STATE.engine = engine_for(_STATE.comm)
+        from ringcomm.torch._negotiate import coordinator_for
+
+        coordinator_for(_STATE.comm)  # collective: its control channel is split here
 
 
 def shutdown() -> None:
-    """Finish queued operations and release the communicator (if ``init`` created it)."""
+    """Shut down on every rank: operations still pending fail; release the communicator.
+
+    As in Horovod, one rank's shutdown is the job's: every rank's background thread stops in
+    the same negotiation cycle, and operations submitted afterwards raise RuntimeError.
+    """
+    from ringcomm.torch._negotiate import forget
+
     with _LOCK:
+        if _STATE.comm is not None:
+            forget(_STATE.comm)
         if _STATE.engine is not None:
             _STATE.engine.close()
         if _STATE.comm is not None and _STATE.owned:

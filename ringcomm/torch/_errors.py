@@ -10,7 +10,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.comm.types import ArgumentMismatchError
 from ringcomm.torch._objects import allgather_objects
 
-__all__ = ["HorovodInternalError", "collective_error"]
+__all__ = ["HorovodInternalError", "StalledOperationError", "collective_error", "differs"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -20,13 +20,24 @@ class HorovodInternalError(RuntimeError):
     """
 
 
+class StalledOperationError(HorovodInternalError):
+    """An operation submitted by some ranks only was never matched within the stall limit."""
+
+
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _differs(field: str, values: list[Any]) -> str | None:
+def differs(field: str, values: list[Any], ranks: list[int] | None = None) -> str | None:
+    """"<field> differs between ranks: <value> on ranks ...; ..." or None when all agree.
+
+    Args:
+        field: what is compared ("dtype", "shape", ...).
+        values: one value per rank of ``ranks``.
+        ranks: the ranks the values come from (0, 1, ... when None).
+    """
     groups: dict[Any, list[int]] = {}
-    for r, v in enumerate(values):
+    for r, v in zip(range(len(values)) if ranks is None else ranks, values, strict=True):
         groups.setdefault(v, []).append(r)
     if len(groups) < 2:
         return None
@@ -57,11 +68,11 @@ def collective_error(comm: Communicator, err: Exception, kind: str,
     # the exchange below; a mismatch of the collectives themselves has nothing to re-describe.
     if tensor is not None and isinstance(err, ArgumentMismatchError) and err.kind == kind:
         described = allgather_objects(comm, (str(tensor.dtype), tuple(tensor.shape)))
-        dtypes = _differs("dtype", [d for d, _ in described])
+        dtypes = differs("dtype", [d for d, _ in described])
         if kind == "allgatherv":
-            shapes = _differs("shape after the first dimension", [s[1:] for _, s in described])
+            shapes = differs("shape after the first dimension", [s[1:] for _, s in described])
         else:
-            shapes = _differs("shape", [s for _, s in described])
+            shapes = differs("shape", [s for _, s in described])
         if dtypes or shapes:
             message = f"{kind}: " + "; ".join(p for p in (dtypes, shapes) if p)
     return HorovodInternalError(message)

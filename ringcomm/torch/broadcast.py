@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ringcomm.torch import _objects
-from ringcomm.torch._basics import check_process_set, context, global_process_set
-from ringcomm.torch.functions import broadcast_async_, synchronize
+from ringcomm.torch._basics import Min, check_process_set, global_process_set, rank
+from ringcomm.torch._negotiate import execute
+from ringcomm.torch._ops import Op
+from ringcomm.torch.functions import allreduce, broadcast_async_, synchronize
+from ringcomm.torch.optimizer import base_step
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters"]
@@ -55,9 +57,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
         epoch = hvd.broadcast_object(epoch, root_rank=0)
     """
-    check_process_set(process_set)
-    comm, engine = context()
-    return engine.run(lambda: _objects.broadcast_object(comm, obj, root_rank))
+    return execute(Op("broadcast_object", name, {"root": root_rank},
+                      lambda comm: _objects.broadcast_object(comm, obj, root_rank),
+                      process_set=process_set))
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -68,9 +70,9 @@ def allgather_object(obj: Any, name: str | None = None,
 
         counts = hvd.allgather_object(len(local_dataset))
     """
-    check_process_set(process_set)
-    comm, engine = context()
-    return engine.run(lambda: _objects.allgather_objects(comm, obj))
+    return execute(Op("allgather_object", name, {},
+                      lambda comm: _objects.allgather_objects(comm, obj),
+                      process_set=process_set))
 
 
 # ------------------------------------------------------------------------ optimizer state
@@ -134,18 +136,50 @@ def _root_view(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> 
     return options, states, shapes, [len(g["params"]) for g in optimizer.param_groups]
 
 
+def _initialize_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Create the state of an optimizer that has none yet, as Horovod does: zero gradients
+    for the parameters that require one, then one step of the optimizer itself (not the
+    DistributedOptimizer's, which would reduce). Sparse zeros for SparseAdam, and for SGD on
+    the parameters of ``model``'s sparse embeddings. The parameters are restored afterwards:
+    a step on zero gradients still moves them (weight decay), by as much as each rank's
+    options say, which would leave the ranks' models different."""
+    if optimizer.state or isinstance(optimizer, torch.optim.LBFGS):  # LBFGS needs a closure
+        return
+    sparse = set()
+    if model is not None:
+        sparse = {id(p) for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+        base_step(optimizer)
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None,
                               process_set: Any = global_process_set) -> None:
     """Give every rank root's optimizer state and options (learning rate, betas, ...).
 
-    Works for every optimizer in torch.optim (LBFGS included) and for state root has not
-    created yet: afterwards every rank holds exactly root's state (none where root has none)
-    and root's param-group options with their types (floats stay floats, tuples tuples, None
-    None). Tensors travel by broadcast, in place where this rank's own state already has them.
+    An optimizer without state yet gets it first, as in Horovod: zero gradients for the
+    parameters that require one and one step of the optimizer (LBFGS, which steps with a
+    closure, is left as it is). Works for every optimizer in torch.optim: afterwards every rank
+    holds exactly root's state and root's param-group options with their types (floats stay
+    floats, tuples tuples, None None). Tensors travel by broadcast, in place where this rank's
+    own state already has them.
 
     Args:
         optimizer: a torch.optim optimizer, or a DistributedOptimizer.
         root_rank: the rank whose state everyone gets.
+        model: the model, whose sparse embeddings get sparse zero gradients (SGD).
         process_set: the global process set only.
 
     Raises:
@@ -158,15 +192,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
     check_process_set(process_set)
-    comm, _ = context()
+    _initialize_state(optimizer, model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mine = _root_view(optimizer, params)
     options, states, shapes, groups = broadcast_object(mine, root_rank)
     fits = [tuple(p.shape) for p in params] == shapes and mine[3] == groups
-    ok = np.array([int(fits)], dtype=np.int64)
-    context()[1].run(lambda: comm.allreduce(ok, out=ok, op="min"))
+    ok = allreduce(torch.tensor([int(fits)]), op=Min)
+    me = rank()
     if not ok[0]:
-        here = "" if fits else (f"; rank {comm.rank} has {mine[3]} with shapes "
+        here = "" if fits else (f"; rank {me} has {mine[3]} with shapes "
                                 f"{[tuple(p.shape) for p in params]}")
         raise ValueError(f"optimizer parameters differ between ranks: rank {root_rank} has "
                          f"{groups} parameters per group with shapes {shapes}{here}")
@@ -177,7 +211,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         _flatten(dict(optimizer.state.get(params[i], {})), own)
         new_state[params[i]] = _fill(skeleton, params[i], own, received)
     broadcast_parameters(received, root_rank)
-    if comm.rank != root_rank:
+    if me != root_rank:
         optimizer.state.clear()
         optimizer.state.update(new_state)
         for group, opts in zip(optimizer.param_groups, options, strict=True):

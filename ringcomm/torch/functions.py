@@ -1,9 +1,9 @@
-"""Horovod's collectives on torch tensors: allreduce, allgather, broadcast; sync and async.
+"""Horovod's collectives on torch tensors: allreduce, allgather, broadcast, barrier, join.
 
-Asynchronous calls return a handle for :func:`poll` and :func:`synchronize`; they run in
-submission order on one background thread, so every rank must submit the same operations in
-the same order (Horovod matches them by name instead; name them anyway, for the error
-messages). The out-of-place forms are differentiable and their gradients are Horovod's: the
+Every call becomes a named operation that ranks match by name (see ringcomm.torch._negotiate):
+named operations may be submitted in any order on different ranks and from several threads.
+Asynchronous calls return a handle for :func:`poll` and :func:`synchronize`. The out-of-place
+forms are differentiable and their gradients are Horovod's: the
 gradient of an allreduce is the allreduce (same op) of the output gradients, allgather's hands
 each rank the average of the output gradients over its own rows, and broadcast's hands the
 average to the root and zeros to every other rank.
@@ -16,17 +16,12 @@ from typing import Any
 
 import torch
 
-from ringcomm.torch._basics import (
-    Average,
-    ReduceOp,
-    check_process_set,
-    context,
-    global_process_set,
-    rank,
-)
+from ringcomm.torch._basics import Average, ReduceOp, Sum, global_process_set, rank, size
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import collective_error
-from ringcomm.torch._reduce import allreduce_tensor, parse_op
+from ringcomm.torch._negotiate import enqueue, execute, reduce_fused
+from ringcomm.torch._ops import Op, ReduceSpec, describe
+from ringcomm.torch._reduce import parse_op
 from ringcomm.torch._tensors import Operand
 from ringcomm.torch.compression import Compression, RingCompressor, as_compression
 
@@ -46,24 +41,29 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "join",
     "poll",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
 
 # ----------------------------------------------------------------------------- the operations
-def _reduce_task(tensor: torch.Tensor, out: torch.Tensor | None, op: ReduceOp, pre: float,
-                 post: float, ring: Any) -> Any:
-    comm, _ = context()
+def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None, op: ReduceOp,
+               pre: float, post: float, ring: Any, process_set: Any) -> Op:
+    meta = describe(tensor)
+    meta.update(op=op.name, prescale=float(pre), postscale=float(post),
+                compression=None if ring is None else type(ring).__name__)
     dst = torch.empty_like(tensor, memory_format=torch.contiguous_format) if out is None else out
-    return lambda: allreduce_tensor(comm, tensor, dst, op=op, prescale=pre, postscale=post,
-                                    compression=ring)
+    return Op("allreduce", name, meta, reduce=ReduceSpec(tensor, dst, op, pre, post, ring),
+              nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 
 
-def _gather_task(tensor: torch.Tensor) -> Any:
-    comm, _ = context()
+def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:
+    meta = describe(tensor, trailing=True)
+    meta["dim"] = tensor.dim()
 
-    def run() -> torch.Tensor:
+    def run(comm: Any) -> torch.Tensor:
         x = Operand(tensor)
         # A 0-d tensor goes as it is, so that the communicator refuses it on every rank.
         array = x.array.reshape(()) if tensor.dim() == 0 else x.array
@@ -72,13 +72,16 @@ def _gather_task(tensor: torch.Tensor) -> Any:
         except (ValueError, TypeError) as err:
             raise collective_error(comm, err, "allgatherv", tensor) from err
         return x.result(gathered)
-    return run
+    return Op("allgather", name, meta, run, nbytes=tensor.numel() * tensor.element_size(),
+              process_set=process_set)
 
 
-def _broadcast_task(tensor: torch.Tensor, out: torch.Tensor | None, root: int) -> Any:
-    comm, _ = context()
+def _broadcast_op(tensor: torch.Tensor, out: torch.Tensor | None, root: int, name: str | None,
+                  process_set: Any) -> Op:
+    meta = describe(tensor)
+    meta["root"] = root
 
-    def run() -> torch.Tensor:
+    def run(comm: Any) -> torch.Tensor:
         dst = tensor if out is None else out
         if dst is not tensor:
             with torch.no_grad():
@@ -90,15 +93,8 @@ def _broadcast_task(tensor: torch.Tensor, out: torch.Tensor | None, root: int) -
             raise collective_error(comm, err, "broadcast", tensor) from err
         x.write_back()
         return dst
-    return run
-
-
-def _submit(task: Any) -> Handle:
-    return context()[1].submit(task)
-
-
-def _run(task: Any) -> Any:
-    return context()[1].run(task)
+    return Op("broadcast", name, meta, run, nbytes=tensor.numel() * tensor.element_size(),
+              process_set=process_set)
 
 
 def _ring(compression: Any) -> Any:
@@ -129,7 +125,9 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     Args:
         tensor: the tensor to reduce (same shape and dtype on every rank).
         average: deprecated; use ``op``.
-        name: a name for the operation (Horovod's key; used in messages here).
+        name: the operation's name: operations are matched across ranks by name, so ranks
+            may submit named operations in different orders. Unnamed ones are matched in
+            submission order (per thread).
         op: hvd.Average (default), hvd.Sum, hvd.Min, hvd.Max or hvd.Product.
         prescale_factor: multiply the input by this before reducing.
         postscale_factor: multiply the result by this (Average divides by size on top).
@@ -139,7 +137,9 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         A handle for :func:`poll` and :func:`synchronize`.
 
     Raises:
-        ValueError: both ``op`` and ``average``, or an unknown op.
+        ValueError: both ``op`` and ``average``, an unknown op, or an operation of the same
+            name still in flight.
+        TypeError: ``tensor`` is not a tensor.
         NotImplementedError: hvd.Adasum, or a process set other than the global one.
 
     Example::
@@ -149,8 +149,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         avg = hvd.synchronize(h)
     """
     rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _submit(_reduce_task(tensor, None, rop, prescale_factor, postscale_factor, None))
+    return enqueue(_reduce_op(tensor, None, name, rop, prescale_factor, postscale_factor, None,
+                              process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -158,8 +158,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      process_set: Any = global_process_set) -> Handle:
     """Start an in-place allreduce of ``tensor`` (see :func:`allreduce_async`)."""
     rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _submit(_reduce_task(tensor, tensor, rop, prescale_factor, postscale_factor, None))
+    return enqueue(_reduce_op(tensor, tensor, name, rop, prescale_factor, postscale_factor,
+                              None, process_set))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -171,23 +171,23 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
         hvd.allreduce_(metric, op=hvd.Sum)
     """
-    rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _run(_reduce_task(tensor, tensor, rop, prescale_factor, postscale_factor, None))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, average: Any, op: ReduceOp, pre: float,
-                post: float, ring: Any) -> torch.Tensor:
-        ctx.args = (average, op, pre, post)
-        return _run(_reduce_task(tensor, None, op, pre, post, ring))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
+                post: float, ring: Any, process_set: Any) -> torch.Tensor:
+        ctx.args = (op, pre, post, process_set)
+        return execute(_reduce_op(tensor, None, name, op, pre, post, ring, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        _, op, pre, post = ctx.args
-        out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post)
-        return out, None, None, None, None, None
+        op, pre, post, process_set = ctx.args
+        out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post,
+                        process_set=process_set)
+        return out, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -199,7 +199,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Args:
         tensor: the tensor to reduce (same shape and dtype on every rank); not modified.
         average: deprecated; use ``op``.
-        name: a name for the operation.
+        name: the operation's name (see :func:`allreduce_async`).
         compression: ``hvd.Compression.<name>``, a ringcomm compressor, or a Horovod-style
             compressor; applies to floating tensors reduced with Average or Sum.
         op: hvd.Average (default), hvd.Sum, hvd.Min, hvd.Max or hvd.Product.
@@ -213,6 +213,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
     Raises:
         HorovodInternalError: shape or dtype differ between ranks (on every rank).
+        TypeError: ``tensor`` is not a tensor.
 
     Example::
 
@@ -221,82 +222,132 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         mean_loss = hvd.allreduce(loss.detach(), name="loss")
     """
     rop = parse_op(op, average)
-    check_process_set(process_set)
+    _check_tensor(tensor)
     comp = as_compression(compression)
     if isinstance(comp, RingCompressor) or comp is Compression.none:
-        return _Allreduce.apply(tensor, average, rop, prescale_factor, postscale_factor,
-                                _ring(comp))
+        return _Allreduce.apply(tensor, name, rop, prescale_factor, postscale_factor,
+                                _ring(comp), process_set)
     compressed, ctx = comp.compress(tensor)
-    out = _Allreduce.apply(compressed, average, rop, prescale_factor, postscale_factor, None)
+    out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, None,
+                           process_set)
     return comp.decompress(out, ctx)
 
 
+def _check_tensor(tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+
+
 # ----------------------------------------------------------------------- grouped allreduce
-def _grouped_task(tensors: Sequence[torch.Tensor], in_place: bool, op: ReduceOp, pre: float,
-                  post: float) -> Any:
-    tasks = [_reduce_task(t, t if in_place else None, op, pre, post, None) for t in tensors]
-    return lambda: [task() for task in tasks]
+def _check_tensors(tensors: Any) -> None:
+    if isinstance(tensors, torch.Tensor) or not all(
+            isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"expected a list of torch.Tensor, got {type(tensors).__name__}")
+
+
+def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | None,
+                op: ReduceOp, pre: float, post: float, process_set: Any) -> Op:
+    _check_tensors(tensors)
+    specs = [_reduce_op(t, t if in_place else None, None, op, pre, post, None,
+                        process_set).reduce for t in tensors]
+    meta = {"tensors": tuple((str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors),
+            "op": op.name, "prescale": float(pre), "postscale": float(post)}
+    return Op("grouped_allreduce", name, meta, lambda comm: reduce_fused(comm, specs),
+              nbytes=sum(t.numel() * t.element_size() for t in tensors),
+              process_set=process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = global_process_set) -> Handle:
-    """Start allreduces of a list of tensors; ``synchronize`` returns the list of results."""
+    """Start allreducing a list of tensors as one operation (negotiated and fused together);
+    ``synchronize`` returns the list of results."""
     rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _submit(_grouped_task(tensors, False, rop, prescale_factor, postscale_factor))
+    return enqueue(_grouped_op(tensors, False, name, rop, prescale_factor, postscale_factor,
+                               process_set))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> Handle:
-    """Start in-place allreduces of a list of tensors."""
+    """Start allreducing a list of tensors in place, as one operation."""
     rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _submit(_grouped_task(tensors, True, rop, prescale_factor, postscale_factor))
+    return enqueue(_grouped_op(tensors, True, name, rop, prescale_factor, postscale_factor,
+                               process_set))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """Allreduce a list of tensors in place; return them."""
-    rop = parse_op(op, average)
-    check_process_set(process_set)
-    return _run(_grouped_task(tensors, True, rop, prescale_factor, postscale_factor))
+    """Allreduce a list of tensors in place, as one operation; return them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float,
+                process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, pre, post, process_set)
+        return tuple(execute(_grouped_op(tensors, False, name, op, pre, post, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, process_set = ctx.args
+        out = grouped_allreduce(list(grads), op=op, prescale_factor=pre, postscale_factor=post,
+                                process_set=process_set)
+        return (None, None, None, None, None, *out)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """Return the allreduce of each tensor of a list (see :func:`allreduce`); differentiable."""
-    return [allreduce(t, average, name, compression, op, prescale_factor, postscale_factor,
-                      process_set) for t in tensors]
+    """Return the allreduce of each tensor of a list, as one operation; differentiable.
+
+    The tensors are negotiated together and reduced in one fused buffer per dtype.
+    Compression other than none applies tensor by tensor (see :func:`allreduce`).
+
+    Example::
+
+        means = hvd.grouped_allreduce([loss, accuracy], name="metrics")
+    """
+    rop = parse_op(op, average)
+    comp = as_compression(compression)
+    if comp is not Compression.none:
+        return [allreduce(t, None, None if name is None else f"{name}.{i}", comp, rop,
+                          prescale_factor, postscale_factor, process_set)
+                for i, t in enumerate(tensors)]
+    _check_tensors(tensors)
+    return list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
+                                        process_set, *tensors))
 
 
 # ----------------------------------------------------------------------------- allgather
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start concatenating ``tensor`` from every rank along dimension 0 (sizes may differ)."""
-    check_process_set(process_set)
-    return _submit(_gather_task(tensor))
+    return enqueue(_gather_op(tensor, name, process_set))
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
+                process_set: Any) -> torch.Tensor:
         ctx.dim = tensor.shape[0] if tensor.dim() else 1
-        return _run(_gather_task(tensor))
+        ctx.process_set = process_set
+        return execute(_gather_op(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce(grad, op=Average)
-        dims = _run(_gather_task(torch.tensor([ctx.dim], dtype=torch.int64)))
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        dims = execute(_gather_op(torch.tensor([ctx.dim], dtype=torch.int64), None,
+                                  ctx.process_set))
         offset = int(dims[: rank()].sum())
-        return (reduced.narrow(0, offset, ctx.dim),)
+        return reduced.narrow(0, offset, ctx.dim), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -316,24 +367,23 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
         preds = hvd.allgather(local_preds)       # every rank's rows, rank 0's first
     """
-    check_process_set(process_set)
-    return _Allgather.apply(tensor)
+    _check_tensor(tensor)
+    return _Allgather.apply(tensor, name, process_set)
 
 
 # ----------------------------------------------------------------------------- broadcast
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start broadcasting root's ``tensor`` into a new tensor on every rank."""
-    check_process_set(process_set)
+    _check_tensor(tensor)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(_broadcast_task(tensor, out, root_rank))
+    return enqueue(_broadcast_op(tensor, out, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> Handle:
     """Start overwriting ``tensor`` with root's, in place."""
-    check_process_set(process_set)
-    return _submit(_broadcast_task(tensor, None, root_rank))
+    return enqueue(_broadcast_op(tensor, None, root_rank, name, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -344,23 +394,23 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
         hvd.broadcast_(model.weight.data, root_rank=0)
     """
-    check_process_set(process_set)
-    return _run(_broadcast_task(tensor, None, root_rank))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        ctx.root = root
+    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None,
+                process_set: Any) -> torch.Tensor:
+        ctx.root, ctx.process_set = root, process_set
         out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return _run(_broadcast_task(tensor, out, root))
+        return execute(_broadcast_op(tensor, out, root, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce(grad, op=Average)
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         if rank() != ctx.root:
             reduced = torch.zeros_like(reduced)
-        return reduced, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -373,17 +423,90 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
     Raises:
         HorovodInternalError: shape, dtype or root differ between ranks (on every rank).
+        TypeError: ``tensor`` is not a tensor.
 
     Example::
 
         w0 = hvd.broadcast(w, root_rank=0)
     """
-    check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    _check_tensor(tensor)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
+# ------------------------------------------------------------------- sparse allreduce
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = None,
+                           process_set: Any = global_process_set) -> Any:
+    """Start reducing a sparse COO tensor: every rank's indices and values, gathered.
+
+    The result is a sparse tensor holding every rank's entries (duplicates not summed until
+    it is coalesced), values divided by the size for Average: its dense form is the
+    allreduce of the dense tensors.
+
+    Returns:
+        A callable: calling it waits and returns the sparse result (Horovod's handle).
+
+    Example::
+
+        handle = hvd.sparse_allreduce_async(emb.weight.grad, name="emb", op=hvd.Average)
+        grad = handle()
+    """
+    rop = parse_op(op, None)
+    if not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
+        raise TypeError(f"expected a sparse COO tensor, got {type(tensor).__name__}"
+                        + (f" with layout {tensor.layout}" if isinstance(tensor, torch.Tensor)
+                           else ""))
+    if rop not in (Average, Sum):
+        raise ValueError(f"sparse allreduce supports hvd.Average and hvd.Sum, got {rop.name}")
+    t = tensor
+    indices = t._indices().transpose(0, 1).contiguous()
+    values = t._values().contiguous()
+    meta = {"dtype": str(t.dtype), "size": tuple(t.shape), "sparse dims": t.sparse_dim(),
+            "op": rop.name}
+
+    def run(comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_op(indices, None, None).run(comm), _gather_op(values, None, None).run(comm)
+
+    handle = enqueue(Op("sparse_allreduce", name, meta, run,
+                        nbytes=indices.numel() * 8 + values.numel() * values.element_size(),
+                        process_set=process_set))
+
+    def result() -> torch.Tensor:
+        all_indices, all_values = synchronize(handle)
+        if rop is Average:
+            all_values = all_values / size()
+        return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, t.shape)
+    return result
+
+
+# ----------------------------------------------------------------------- barrier and join
 def barrier(process_set: Any = global_process_set) -> None:
-    """Block until every rank has reached the barrier (after its queued operations)."""
-    check_process_set(process_set)
-    comm, engine = context()
-    engine.run(comm.barrier)
+    """Block until every rank has reached the barrier.
+
+    Operations submitted before it on this rank are not waited for (synchronize them).
+    """
+    execute(Op("barrier", None, {}, lambda comm: comm.barrier(), process_set=process_set))
+
+
+def join(device: int = -1, process_set: Any = global_process_set) -> int:
+    """Wait until every rank has called join; meanwhile take part in others' allreduces.
+
+    For uneven inputs: a rank that runs out of data calls ``join()``; until every rank has,
+    the allreduces the others submit run with zeros from the joined ranks (Average still
+    divides by the whole job's size). Other collectives submitted while a rank has joined
+    fail on the ranks that submitted them.
+
+    Args:
+        device: accepted for compatibility (Horovod's GPU for the zeros); unused.
+        process_set: the global process set only.
+
+    Returns:
+        The rank that joined last (the same on every rank).
+
+    Example::
+
+        for batch in my_shard:            # shards of different lengths
+            ...
+            opt.step()
+        last = hvd.join()
+    """
+    return int(execute(Op("join", None, {}, process_set=process_set)))

@@ -1,11 +1,13 @@
 """``hvd.DistributedOptimizer``: gradients averaged over ranks while backward is still running.
 
-Each parameter's gradient hook counts it ready; as soon as every gradient of the next fusion
-bucket is ready, that bucket's allreduce starts: on ringcomm's background thread for CUDA
-parameters, overlapping the rest of backward, and inside the hook for CPU parameters (there the
-ring would compete with backward for the same cores). ``step()`` (or ``synchronize()``)
-reduces whatever is left, including parameters for which this rank computed no gradient (as
-zeros, so other ranks do not wait), and waits for everything.
+Each parameter's gradient hook counts it ready; as soon as every gradient of a fusion bucket
+is ready, that bucket's allreduce is submitted under the bucket's name (for CUDA parameters;
+on CPU, where the ring would compete with backward for the same cores, at ``step()``). Buckets
+are matched across ranks by name, so the order in which backward reaches them may differ from
+rank to rank (dynamic graphs). ``step()`` (or ``synchronize()``) submits whatever is left,
+including parameters for which this rank computed no gradient (as zeros, so other ranks do not
+wait), and waits for everything. Sparse gradients are reduced by allgather of their entries,
+unless ``sparse_as_dense``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import threading
 import warnings
 import weakref
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,14 +30,15 @@ from ringcomm.torch._basics import (
     context,
     global_process_set,
 )
-from ringcomm.torch._engine import Handle
 from ringcomm.torch._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
+from ringcomm.torch._negotiate import enqueue
+from ringcomm.torch._ops import Op
 from ringcomm.torch._reduce import parse_op
 from ringcomm.torch._residuals import ResidualLayouts
 from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
-from ringcomm.torch.unsupported import refusal
+from ringcomm.torch.functions import allreduce_async_, sparse_allreduce_async, synchronize
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "base_step"]
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
@@ -89,7 +93,7 @@ class _DistributedOptimizer:
         self._threshold = threshold
         self._sparse_as_dense = bool(sparse_as_dense)
         self._overlap = overlap
-        self._comm, self._engine = context()
+        self._comm = context()[0]
         ring = compression.ring if isinstance(compression, RingCompressor) else None
         feedback = ring is not None and compression.error_feedback
         custom = None if isinstance(compression, NoneCompressor) else compression
@@ -101,8 +105,8 @@ class _DistributedOptimizer:
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[Any, Bucket] = {}
         self._delay: dict[Any, int] = {}
-        self._handles: list[Handle] = []
-        self._next = 0
+        self._handles: list[Any] = []
+        self._submitted: set[int] = set()
         self._fresh = True
         self._synchronized = False
         self._should_synchronize = True
@@ -125,7 +129,7 @@ class _DistributedOptimizer:
         for b in self._buckets:
             b.ready = 0
         self._delay = dict.fromkeys(self._bucket_of, self.backward_passes_per_step)
-        self._handles, self._next, self._fresh = [], 0, False
+        self._handles, self._submitted, self._fresh = [], set(), False
 
     def _plan(self, active: list[Any], key: tuple[int, ...]) -> None:
         custom = self._reduction.compression is not None and self._reduction.ring is None
@@ -163,26 +167,47 @@ class _DistributedOptimizer:
         self._delay[p] -= 1
         if self._delay[p] == 0:
             bucket.ready += 1
-            while (self._next < len(self._buckets)
-                   and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
-                self._submit(self._buckets[self._next])
+            if bucket.ready == len(bucket.params) and self._overlaps(bucket):
+                self._submit(bucket)
+
+    def _overlaps(self, bucket: Bucket) -> bool:
+        """Whether a bucket is submitted as soon as it is ready (else at synchronize)."""
+        if self._overlap is not None:
+            return self._overlap
+        return bucket.params[0].device.type == "cuda"
 
     def _submit(self, bucket: Bucket) -> None:
+        self._submitted.add(id(bucket))
         for p in bucket.params:
             if p.grad is None:
                 # Another rank may have a gradient for it: reduce zeros rather than hang it.
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif p.grad.is_sparse and self._sparse_as_dense:
                 p.grad = p.grad.to_dense()
-            elif p.grad.is_sparse:
-                raise refusal(
-                    f"sparse gradient of {self._parameter_names[p]!r}: ringcomm reduces dense "
-                    "gradients only (pass sparse_as_dense=True)")
-        device = bucket.params[0].device.type
-        overlap = device == "cuda" if self._overlap is None else self._overlap
-        self._handles.append(self._engine.execute(lambda b=bucket: self._reduction(b),
-                                                  overlap=overlap))
-        self._next += 1
+        if any(p.grad.is_sparse for p in bucket.params):
+            self._submit_apart(bucket)
+            return
+        grad = bucket.params[0].grad
+        meta = {"dtype": str(grad.dtype), "device": grad.device.type,
+                "shape": (bucket.numel,), "op": self.op.name,
+                "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
+                "compression": type(self._compression).__name__,
+                "parameters": zlib.crc32(repr(bucket.layout).encode())}
+        op = Op("allreduce", bucket.name, meta, lambda comm, b=bucket: self._reduction(b),
+                nbytes=bucket.numel * grad.element_size())
+        self._handles.append((None, enqueue(op)))
+
+    def _submit_apart(self, bucket: Bucket) -> None:
+        """A bucket holding a sparse gradient: each gradient reduced on its own, the sparse
+        ones by allgather of their entries (Horovod's default for sparse gradients)."""
+        red = self._reduction
+        for p, (name, _, _) in zip(bucket.params, bucket.layout, strict=True):
+            if p.grad.is_sparse:
+                self._handles.append((p, sparse_allreduce_async(p.grad, name, self.op)))
+            else:
+                self._handles.append((None, allreduce_async_(
+                    p.grad, name=name, op=self.op, prescale_factor=red.prescale,
+                    postscale_factor=red.postscale)))
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet); wait for them.
@@ -193,12 +218,16 @@ class _DistributedOptimizer:
         if self._comm.size > 1:
             if self._fresh:
                 self._begin_round()
-            while self._next < len(self._buckets):
-                self._submit(self._buckets[self._next])
+            for bucket in self._buckets:
+                if id(bucket) not in self._submitted:
+                    self._submit(bucket)
             errors = []
-            for handle in self._handles:
+            for p, handle in self._handles:
                 try:
-                    handle.wait()
+                    if p is None:
+                        synchronize(handle)
+                    else:
+                        p.grad = handle()
                 except Exception as err:
                     errors.append(err)
             self._fresh, self._handles = True, []
@@ -252,6 +281,13 @@ class _DistributedOptimizer:
         return super().load_state_dict(state_dict)
 
 
+def base_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """``step()`` of the optimizer itself, without a DistributedOptimizer's reduction."""
+    if isinstance(optimizer, _DistributedOptimizer):
+        return super(_DistributedOptimizer, optimizer).step(closure)
+    return optimizer.step(closure)
+
+
 def _check_passes(passes: Any) -> int:
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
@@ -282,13 +318,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             factor/size after it.
         num_groups: accepted for compatibility (fusion is by size here).
         groups: accepted for compatibility (fusion is by size here).
-        sparse_as_dense: reduce sparse gradients as dense tensors (the gradient stays dense).
+        sparse_as_dense: reduce sparse gradients as dense tensors (the gradient stays dense);
+            by default they are reduced by allgather of their entries (the result is sparse).
         process_set: the global process set only.
         fusion_threshold_bytes: largest fused bucket (default: $HOROVOD_FUSION_THRESHOLD, else
             4 MiB).
-        overlap: reduce on ringcomm's background thread while backward goes on (True), or in
-            the gradient hook itself (False); None: in the background for CUDA parameters only
-            (on CPU the ring competes with backward for the cores).
+        overlap: submit each bucket as soon as its gradients are ready, so that it is reduced
+            while backward goes on (True), or at ``step()`` (False); None: at once for CUDA
+            parameters only (on CPU the ring competes with backward for the cores).
 
     Raises:
         ValueError: duplicate or missing names, named_parameters not (name, tensor) pairs,

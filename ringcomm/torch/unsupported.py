@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from ringcomm.comm.log import get_logger
 
 __all__ = ["NO_PROCESS_SETS", "SyncBatchNorm", "add_process_set", "alltoall", "alltoall_async",
-           "elastic", "join", "reducescatter", "reducescatter_async", "refusal",
+           "elastic", "reducescatter", "reducescatter_async", "refusal",
            "remove_process_set", "start_timeline", "stop_timeline"]
 
 _LOG = get_logger("torch.unsupported")
@@ -44,7 +44,6 @@ reducescatter = _unsupported("reducescatter",
                              "use the communicator's reduce_scatter on flat arrays")
 reducescatter_async = _unsupported("reducescatter_async",
                                    "use the communicator's reduce_scatter on flat arrays")
-join = _unsupported("join", "ranks must run the same number of steps (no uneven-input join)")
 SyncBatchNorm = _unsupported("SyncBatchNorm", "use torch.nn.SyncBatchNorm with DDP")
 start_timeline = _unsupported("start_timeline", "ringcomm has no timeline; use comm.stats")
 stop_timeline = _unsupported("stop_timeline", "ringcomm has no timeline; use comm.stats")

@@ -180,7 +180,11 @@ def test_mismatch_raises_runtime_error_on_every_rank(h, case):
 
 def test_unsupported_dtype_and_bad_root_raise_on_every_rank(h):
     with pytest.raises(RuntimeError, match="unsupported dtype complex64"):
-        h.allreduce(torch.ones(3, dtype=torch.complex64 if RANK == 0 else torch.float32))
+        h.allreduce(torch.ones(3, dtype=torch.complex64))
+    if SIZE > 1:
+        with pytest.raises(RuntimeError, match=r"dtype differs between ranks: torch.complex64 "
+                                                r"on rank 0; torch.float32 on rank"):
+            h.allreduce(torch.ones(3, dtype=torch.complex64 if RANK == 0 else torch.float32))
     with pytest.raises(RuntimeError, match=r"root must be a rank in \[0, "):
         h.broadcast_(torch.ones(3), root_rank=SIZE)
     usable(h)

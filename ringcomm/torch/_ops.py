@@ -1,0 +1,79 @@
+"""What the Horovod-style functions hand to the coordinator: one named operation.
+
+Every collective of ``ringcomm.torch`` becomes an :class:`Op`: its kind, its name (Horovod's
+key: operations are matched across ranks by name, not by order), what must be equal on every
+rank (``meta``), and the data step that runs once every rank has submitted it. The coordinator
+(:mod:`ringcomm.torch._negotiate`) matches, orders, checks and runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringcomm.comm.base import Communicator
+
+__all__ = ["Op", "ReduceSpec", "describe"]
+
+
+@dataclasses.dataclass
+class ReduceSpec:
+    """An allreduce the coordinator may fuse with others, or run with zeros on joined ranks.
+
+    Attributes:
+        tensor: this rank's input.
+        out: where the result goes (may be ``tensor``: in place).
+        op: Horovod's ReduceOp.
+        prescale, postscale: Horovod's scaling factors.
+        ring: a ringcomm compressor for the ring, or None (compressed ops are never fused).
+    """
+
+    tensor: torch.Tensor
+    out: torch.Tensor
+    op: Any
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ring: Any = None
+
+
+@dataclasses.dataclass
+class Op:
+    """One collective as submitted by one rank.
+
+    Attributes:
+        kind: "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
+            "join", "object", ...: the name's prefix, so that kinds never share a name.
+        name: the user's name, or None for Horovod's automatic one.
+        meta: what must be equal on every rank, field by field (picklable, comparable):
+            {"dtype": "torch.float32", "shape": (17, 3), "root": 0, ...}. A field that differs
+            fails the operation on every rank with a message naming the field and the ranks.
+        run: the data step, ``run(comm) -> result``, run on the coordinator's thread once the
+            operation is ready on every rank, in the order every rank agreed on. None for an
+            allreduce given by ``reduce``.
+        reduce: an allreduce the coordinator may fuse (then ``run`` is None).
+        nbytes: this rank's payload size, for the fusion threshold.
+    """
+
+    kind: str
+    name: str | None
+    meta: dict[str, Any]
+    run: Callable[[Communicator], Any] | None = None
+    reduce: ReduceSpec | None = None
+    nbytes: int = 0
+    process_set: Any = None
+
+
+def describe(t: torch.Tensor, *, trailing: bool = False) -> dict[str, Any]:
+    """The ``meta`` of a tensor: dtype, device type and shape (after dim 0 if ``trailing``).
+
+    Raises:
+        TypeError: ``t`` is not a torch tensor (what was given is named).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    shape = tuple(t.shape[1:]) if trailing else tuple(t.shape)
+    return {"dtype": str(t.dtype), "device": t.device.type,
+            "shape after the first dimension" if trailing else "shape": shape}

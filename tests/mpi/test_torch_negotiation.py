@@ -1,0 +1,253 @@
+"""Operations matched by name, as Horovod's coordinator matches them: any order, any thread.
+
+Every result is checked against NumPy over every rank's inputs. The inputs depend on the
+operation's name and the rank only, so any rank can compute every rank's contribution.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import hvd, same_on_all_ranks  # noqa: E402
+
+SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+FUSION = 4 * 1024 * 1024  # the default threshold (bytes)
+
+
+@pytest.fixture(scope="module")
+def h():
+    return hvd()
+
+
+def needs_two() -> None:
+    if SIZE < 2:
+        pytest.skip("needs at least 2 ranks")
+
+
+def data(name: str, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input of the operation ``name``: small integers, exact in any dtype."""
+    gen = np.random.default_rng(zlib.crc32(f"{name}/{rank}".encode()))
+    return torch.from_numpy(gen.integers(-8, 9, n).astype(np.float64)).to(dtype)
+
+
+def reference(name: str, n: int, op: str) -> np.ndarray:
+    values = np.stack([data(name, r, n, torch.float64).numpy() for r in range(SIZE)])
+    return {"sum": values.sum(0), "average": values.sum(0) / SIZE, "max": values.max(0)}[op]
+
+
+OPS = {"sum": "Sum", "average": "Average", "max": "Max"}
+SIZES = [1, 17, 1000, FUSION // 4 + 3]  # the last one is over the fusion threshold alone
+
+
+def plan(seed: int, count: int) -> list[tuple[str, int, torch.dtype, str]]:
+    """``count`` operations (the same on every rank): name, length, dtype, op."""
+    gen = random.Random(seed)
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.float16]
+    return [(f"op{seed}.{i}", gen.choice(SIZES), gen.choice(dtypes), gen.choice(list(OPS)))
+            for i in range(count)]
+
+
+def check(results: dict[str, torch.Tensor], ops: list[tuple[str, int, torch.dtype, str]]):
+    for name, n, dtype, op in ops:
+        got = results[name]
+        assert got.dtype == dtype, name
+        want = reference(name, n, op)
+        if op == "average" and not dtype.is_floating_point:
+            want = np.trunc(want)
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-3 if
+                                   dtype == torch.float16 else 1e-12, err_msg=name)
+        assert same_on_all_ranks(got.double()), name
+
+
+def test_two_named_operations_in_opposite_orders(h):
+    a = torch.full((3,), 1.0 + 100 * RANK)
+    b = torch.full((3,), 10.0 + 1000 * RANK)
+    pairs = [("a", a), ("b", b)] if RANK % 2 == 0 else [("b", b), ("a", a)]
+    handles = {n: h.allreduce_async(t, name=n, op=h.Sum) for n, t in pairs}
+    out = {n: h.synchronize(hd) for n, hd in handles.items()}
+    assert torch.equal(out["a"], torch.full((3,), sum(1.0 + 100 * r for r in range(SIZE))))
+    assert torch.equal(out["b"], torch.full((3,), sum(10.0 + 1000 * r for r in range(SIZE))))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_submission_orders(h, seed):
+    ops = plan(seed, 24)
+    order = list(ops)
+    random.Random(1000 * seed + RANK).shuffle(order)  # a different order on every rank
+    handles = {}
+    for name, n, dtype, op in order:
+        handles[name] = h.allreduce_async(data(name, RANK, n, dtype), name=name,
+                                          op=getattr(h, OPS[op]))
+    check({n: h.synchronize(hd) for n, hd in handles.items()}, ops)
+
+
+def test_random_orders_from_several_threads(h):
+    ops = plan(99, 30)
+    results: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(part: list, seed: int) -> None:
+        try:
+            random.Random(seed).shuffle(part)
+            handles = [(name, h.allreduce_async(data(name, RANK, n, dtype), name=name,
+                                                op=getattr(h, OPS[op])))
+                       for name, n, dtype, op in part]
+            for name, handle in handles:
+                results[name] = h.synchronize(handle)
+        except BaseException as err:
+            errors.append(err)
+
+    # Three threads, each taking a different share of the operations on every rank.
+    shares = [[] for _ in range(3)]
+    for i, item in enumerate(ops):
+        shares[(i + RANK) % 3].append(item)
+    threads = [threading.Thread(target=worker, args=(share, 7 * RANK + k))
+               for k, share in enumerate(shares)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    check(results, ops)
+
+
+def test_unnamed_operations_match_per_thread(h):
+    """Unnamed operations are matched in submission order within each (same-named) thread."""
+    out: dict[int, torch.Tensor] = {}
+
+    def worker(k: int) -> None:
+        out[k] = h.allreduce(torch.full((4,), float(k + 10 * RANK)), op=h.Sum)
+
+    threads = [threading.Thread(target=worker, args=(k,), name=f"worker-{k}") for k in range(3)]
+    for t in threads[::-1 if RANK % 2 else 1]:  # started in different orders on the ranks
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for k in range(3):
+        assert torch.equal(out[k], torch.full((4,), float(SIZE * k + 10 * sum(range(SIZE)))))
+
+
+def test_small_operations_are_fused(h):
+    comm = h.communicator()
+    ops = [(f"fuse.{i}", 10, torch.float32, "sum") for i in range(64)]
+    h.barrier()
+    before = comm.stats.calls
+    handles = {n: h.allreduce_async(data(n, RANK, k, d), name=n, op=h.Sum)
+               for n, k, d, _ in ops}
+    results = {n: h.synchronize(hd) for n, hd in handles.items()}
+    calls = comm.stats.calls - before
+    check(results, ops)
+    assert calls < len(ops), f"{len(ops)} small allreduces took {calls} collectives"
+
+
+def test_grouped_allreduce_is_one_operation(h):
+    tensors = [data(f"g{i}", RANK, 5 + i, torch.float64) for i in range(4)]
+    out = h.grouped_allreduce(tensors, name="group", op=h.Sum)
+    for i, t in enumerate(out):
+        np.testing.assert_array_equal(t.numpy(), reference(f"g{i}", 5 + i, "sum"))
+
+
+def test_duplicate_name_while_other_ranks_wait_in_a_barrier(h):
+    """Horovod's own scenario: one rank's operation waits while the others pass a barrier."""
+    needs_two()
+    t = torch.ones(3)
+    handle = None
+    if RANK == 0:
+        handle = h.allreduce_async(t, name="late", op=h.Sum)
+        for _ in range(3):
+            with pytest.raises(ValueError, match=r"'late'.*already in flight on this rank"):
+                h.allreduce_async(t, name="late", op=h.Sum)
+    h.barrier()
+    if RANK != 0:
+        handle = h.allreduce_async(t, name="late", op=h.Sum)
+    assert torch.equal(h.synchronize(handle), torch.full((3,), float(SIZE)))
+    # Once done, the name is free again.
+    assert torch.equal(h.allreduce(t, name="late", op=h.Sum), torch.full((3,), float(SIZE)))
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype", "op"])
+def test_mismatch_fails_that_operation_on_every_rank(h, what):
+    needs_two()
+    shape = (3 + (RANK if what == "shape" else 0),)
+    dtype = torch.float64 if what == "dtype" and RANK == 1 else torch.float32
+    op = h.Max if what == "op" and RANK == 1 else h.Sum
+    good = h.allreduce_async(torch.ones(2), name="good", op=h.Sum)
+    bad = h.allreduce_async(torch.ones(shape, dtype=dtype), name="bad", op=op)
+    with pytest.raises(h.HorovodInternalError, match=rf"'bad': {what} differs between ranks"):
+        h.synchronize(bad)
+    assert torch.equal(h.synchronize(good), torch.full((2,), float(SIZE)))
+
+
+def test_broadcast_object_with_differing_roots_raises_on_every_rank(h):
+    needs_two()
+    with pytest.raises(RuntimeError, match="root differs between ranks"):
+        h.broadcast_object({"x": 1}, root_rank=RANK)
+    assert h.broadcast_object(RANK, root_rank=1) == 1
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], None, 3.0])
+def test_non_tensors_raise_type_error_naming_what_came(h, bad):
+    with pytest.raises(TypeError, match=f"expected a torch.Tensor, got {type(bad).__name__}"):
+        h.allreduce(bad)
+    with pytest.raises(TypeError, match=f"expected a torch.Tensor, got {type(bad).__name__}"):
+        h.broadcast(bad, root_rank=0)
+    with pytest.raises(TypeError, match=f"expected a torch.Tensor, got {type(bad).__name__}"):
+        h.allgather(bad)
+
+
+def test_a_barrier_never_pairs_with_an_allreduce(h):
+    """Rank 0 reaches its barrier with an allreduce pending that the others submit later:
+    the barrier waits for theirs, the allreduce for theirs, and both run."""
+    needs_two()
+    if RANK != 0:
+        time.sleep(0.3)  # rank 0 is in its barrier by now
+    handle = h.allreduce_async(torch.ones(2), name="r", op=h.Sum)
+    h.barrier()
+    assert torch.equal(h.synchronize(handle), torch.full((2,), float(SIZE)))
+
+
+@pytest.mark.parametrize("first", range(2))
+def test_join_with_uneven_steps(h, first):
+    """Ranks run different numbers of steps; joined ranks contribute zeros."""
+    needs_two()
+    steps = 3 if RANK == first else 5
+    outs = []
+    for step in range(steps):
+        outs.append(h.allreduce(torch.full((4,), float(RANK + 1)), name=f"step{step}",
+                                op=h.Sum))
+    last = h.join()
+    for step, out in enumerate(outs):
+        want = sum(r + 1 for r in range(SIZE) if step < (3 if r == first else 5))
+        assert torch.equal(out, torch.full((4,), float(want))), step
+    assert last != first or SIZE == 1
+    assert same_on_all_ranks(torch.tensor([float(last)]))
+
+
+def test_join_average_divides_by_the_whole_job(h):
+    needs_two()
+    if RANK == 0:
+        last = h.join()
+    else:
+        out = h.allreduce(torch.full((3,), 6.0), name="avg_join")
+        assert torch.allclose(out, torch.full((3,), 6.0 * (SIZE - 1) / SIZE))
+        last = h.join()
+    assert last != 0
+
+
+def test_allgather_with_a_joined_rank_fails_on_the_others(h):
+    needs_two()
+    if RANK == 0:
+        h.join()
+    else:
+        with pytest.raises(RuntimeError, match="joined"):
+            h.allgather(torch.ones(2, 2))
+        h.join()
