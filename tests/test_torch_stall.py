@@ -1,0 +1,126 @@
+"""Operations that some ranks never submit: reported with their names and ranks, never mixed.
+
+Each case is a 2-rank ``mpiexec`` job with a 3-second stall limit
+(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS). Every rank writes what it saw as JSON lines; the test
+checks the errors' types and messages and that the job ended in bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+STALL_S = 3.0
+pytestmark = pytest.mark.timeout(120)
+
+JOB = r"""
+import json, sys, time
+import torch
+import ringcomm.torch as hvd
+
+case = sys.argv[1]
+hvd.init()
+rank = hvd.rank()
+
+
+def report(what, **fields):
+    with open(f"{sys.argv[3]}/rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps(dict(rank=rank, what=what, **fields)) + "\n")
+
+
+def attempt(what, fn):
+    start = time.monotonic()
+    try:
+        fn()
+        report(what, ok=True)
+    except Exception as err:
+        report(what, ok=False, type=type(err).__name__, message=str(err),
+               runtime=isinstance(err, RuntimeError), elapsed=time.monotonic() - start)
+
+
+if case == "crossed":      # each rank submits an operation the other never does
+    name = f"only_on_{rank}"
+    attempt("crossed", lambda: hvd.allreduce(torch.ones(3), name=name))
+    attempt("after", lambda: hvd.allreduce(torch.ones(3), name="after"))
+elif case == "barrier":     # rank 0 in a barrier, rank 1 in an allreduce
+    if rank == 0:
+        attempt("barrier", hvd.barrier)
+    else:
+        attempt("barrier", lambda: hvd.allreduce(torch.ones(3), name="metric"))
+    attempt("after", lambda: hvd.allreduce(torch.ones(3), name="after"))
+elif case == "idle":        # rank 1 submits nothing at all
+    if rank == 0:
+        attempt("idle", lambda: hvd.allreduce(torch.ones(3), name="lonely"))
+    else:
+        time.sleep(2 * float(sys.argv[2]))
+report("end")
+"""
+
+
+def run_case(mpiexec: str, env: dict[str, str], tmp_path: Path, case: str,
+             limit: float = 90.0) -> tuple[list[dict], float, str]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = dict(env, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=str(STALL_S))
+    start = time.monotonic()
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, str(script), case,
+                             str(STALL_S), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not end within {limit} s:\n{out}\n{err}")
+    elapsed = time.monotonic() - start
+    lines = [json.loads(line) for path in sorted(tmp_path.glob("rank*.jsonl"))
+             for line in path.read_text().splitlines()]
+    return lines, elapsed, out + err
+
+
+def by(lines: list[dict], what: str) -> dict[int, dict]:
+    return {d["rank"]: d for d in lines if d["what"] == what}
+
+
+def test_crossed_operations_fail_on_both_ranks_naming_them(mpiexec, subprocess_env, tmp_path):
+    lines, _, err = run_case(mpiexec, subprocess_env, tmp_path, "crossed")
+    crossed = by(lines, "crossed")
+    assert set(crossed) == {0, 1}, err
+    for rank, d in crossed.items():
+        assert not d["ok"] and d["type"] == "StalledOperationError" and d["runtime"]
+        assert f"'only_on_{rank}' was submitted by rank {rank} but not by rank {1 - rank}" \
+            in d["message"]
+        assert STALL_S <= d["elapsed"] < STALL_S + 10
+    # The job goes on: a later operation that both submit runs.
+    assert all(d["ok"] for d in by(lines, "after").values()) and len(by(lines, "after")) == 2
+
+
+def test_barrier_against_an_allreduce_fails_on_both_ranks(mpiexec, subprocess_env, tmp_path):
+    lines, _, err = run_case(mpiexec, subprocess_env, tmp_path, "barrier")
+    seen = by(lines, "barrier")
+    assert set(seen) == {0, 1}, err
+    assert "'barrier' was submitted by rank 0 but not by rank 1" in seen[0]["message"]
+    assert "'metric' was submitted by rank 1 but not by rank 0" in seen[1]["message"]
+    assert all(d["type"] == "StalledOperationError" for d in seen.values())
+    assert len(by(lines, "after")) == 2 and all(d["ok"] for d in by(lines, "after").values())
+
+
+def test_a_rank_that_never_negotiates_is_reported_with_the_waiting_names(
+        mpiexec, subprocess_env, tmp_path):
+    lines, elapsed, err = run_case(mpiexec, subprocess_env, tmp_path, "idle")
+    idle = by(lines, "idle")
+    assert set(idle) == {0}, err
+    d = idle[0]
+    assert d["type"] == "StalledOperationError"
+    assert "while rank 0 waited to run 'lonely'" in d["message"]
+    assert STALL_S <= d["elapsed"] < STALL_S + 10
+    assert elapsed < 4 * STALL_S + 30
