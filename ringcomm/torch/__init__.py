@@ -6,8 +6,9 @@ Two ways into a training job, both on ringcomm's communicator and compressors:
   buckets with ringcomm's ring (zero-copy, in place), optionally compressed with error feedback.
 - Horovod: ``import ringcomm.torch as hvd`` gives the core horovod.torch calls with their names,
   arguments and semantics (init, rank, size, allreduce, allgather, broadcast, Compression,
-  DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state, ...). Adasum, process
-  sets and elastic training raise NotImplementedError.
+  DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state, join, process sets,
+  ...). Operations are matched across ranks by name, as in Horovod. Adasum and elastic
+  training raise NotImplementedError.
 
 Example (``mpiexec -n 4 python train.py``)::
 
@@ -92,15 +93,14 @@ from ringcomm.torch.functions import (
 )
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
 from ringcomm.torch.optimizer import DistributedOptimizer
+from ringcomm.torch.process_sets import add_process_set, remove_process_set
 from ringcomm.torch.unsupported import (
     SyncBatchNorm,
-    add_process_set,
     alltoall,
     alltoall_async,
     elastic,
     reducescatter,
     reducescatter_async,
-    remove_process_set,
     start_timeline,
     stop_timeline,
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._engine import Engine, engine_for
-from ringcomm.torch.unsupported import NO_PROCESS_SETS, refusal
+from ringcomm.torch.unsupported import refusal
 
 __all__ = [
     "Adasum",
@@ -21,6 +21,7 @@ __all__ = [
     "Sum",
     "check_process_set",
     "communicator",
+    "communicator_of",
     "context",
     "cross_rank",
     "cross_size",
@@ -30,8 +31,12 @@ __all__ = [
     "local_rank",
     "local_size",
     "rank",
+    "register_set",
+    "registered_sets",
+    "root_in_set",
     "shutdown",
     "size",
+    "unregister_set",
 ]
 
 
@@ -53,12 +58,14 @@ _NOT_INITIALIZED = "ringcomm.torch has not been initialized; use hvd.init()"
 
 
 class _State:
-    __slots__ = ("comm", "engine", "owned")
+    __slots__ = ("comm", "engine", "next_set", "owned", "sets")
 
     def __init__(self) -> None:
         self.comm: Communicator | None = None
         self.engine: Engine | None = None
         self.owned = False
+        self.sets: dict[int, tuple[ProcessSet, Communicator | None]] = {}
+        self.next_set = 0
 
 
 _STATE = _State()
@@ -74,11 +81,13 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
     Args:
         comm: an mpi4py communicator to run on, or a ringcomm Communicator; the whole job
             when None.
-        process_sets: not supported (raises when given).
+        process_sets: ProcessSets (or lists of ranks) to register, as with
+            ``hvd.add_process_set``; "dynamic" (Horovod's flag) is accepted and does nothing:
+            sets may always be added later.
         backend: "auto", "mpi" or "nccl", as for :func:`ringcomm.init`.
 
     Raises:
-        NotImplementedError: ``process_sets`` given, or ``comm`` is a list of ranks.
+        NotImplementedError: ``comm`` is a list of ranks.
 
     Example::
 
@@ -86,8 +95,9 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         hvd.init()
         print(hvd.rank(), hvd.size(), hvd.local_rank())
     """
-    if process_sets is not None or isinstance(comm, (list, tuple)):
-        raise refusal(NO_PROCESS_SETS)
+    if isinstance(comm, (list, tuple)):
+        raise refusal("init(comm=<list of ranks>): start the job with those ranks, or use "
+                      "hvd.add_process_set for collectives among some of them")
     with _LOCK:
         if _STATE.comm is not None and not _STATE.comm.closed:
             return
@@ -101,6 +111,11 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         from ringcomm.torch._negotiate import coordinator_for
 
         coordinator_for(_STATE.comm)  # collective: its control channel is split here
+    if process_sets is not None and process_sets != "dynamic":
+        from ringcomm.torch.process_sets import add_process_set
+
+        for ps in process_sets:
+            add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -111,6 +126,11 @@ def shutdown() -> None:
     """
     from ringcomm.torch._negotiate import forget
 
+    for ps in registered_sets():
+        sub = unregister_set(ps)
+        if sub is not None:
+            forget(sub)
+            sub.close()
     with _LOCK:
         if _STATE.comm is not None:
             forget(_STATE.comm)
@@ -188,48 +208,136 @@ def cross_rank() -> int:
 
 
 class ProcessSet:
-    """Horovod's process set. Only the global set (every rank) exists here.
+    """A set of ranks that run collectives among themselves (Horovod's process set).
+
+    Made from a list of global ranks, then registered on every rank with
+    ``hvd.add_process_set`` (or ``hvd.init(process_sets=[...])``); pass it as
+    ``process_set=`` to any collective or to DistributedOptimizer. Roots (``root_rank``) stay
+    global ranks.
+
+    Args:
+        ranks_or_comm: the global ranks of the set (any order; kept sorted).
 
     Raises:
-        NotImplementedError: when constructed; use ``hvd.global_process_set``.
+        ValueError: not a list of integers.
+        NotImplementedError: an mpi4py communicator (give its ranks instead).
+
+    Example::
+
+        evens = hvd.add_process_set(range(0, hvd.size(), 2))
+        if evens.included():
+            total = hvd.allreduce(t, op=hvd.Sum, process_set=evens)
     """
 
-    process_set_id = 0
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+    mpi_comm: Any = None
 
-    def __init__(self, ranks_or_comm: Any = None) -> None:
-        raise refusal(NO_PROCESS_SETS)
+    def __init__(self, ranks_or_comm: Any) -> None:
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            if hasattr(ranks_or_comm, "Get_rank"):
+                raise refusal("process sets from an MPI communicator: give the list of its "
+                              "global ranks instead") from None
+            raise ValueError("ProcessSet should be initialized with a list of process ranks, "
+                             f"got {type(ranks_or_comm).__name__}") from None
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(f"ProcessSet ranks must be integers, got {ranks_or_comm!r}")
+        self.ranks = ranks
 
     @classmethod
     def _global(cls) -> ProcessSet:
-        return object.__new__(cls)
+        ps = object.__new__(cls)
+        ps.process_set_id = 0
+        return ps
 
-    def size(self) -> int:
-        """Number of processes in the set (the whole job)."""
-        return size()
+    def size(self) -> int | None:
+        """Number of processes in the set (None if it is not registered)."""
+        if self.process_set_id == 0:
+            return size()
+        return None if self.process_set_id is None else len(self.ranks or ())
 
-    def rank(self) -> int:
-        """This process's rank in the set."""
-        return rank()
+    def rank(self) -> int | None:
+        """This process's rank within the set (None if not registered or not a member)."""
+        if self.process_set_id == 0:
+            return rank()
+        if self.process_set_id is None or not self.included():
+            return None
+        return (self.ranks or []).index(rank())
 
-    def included(self) -> bool:
-        """Whether this process belongs to the set (always)."""
-        return True
+    def included(self) -> bool | None:
+        """Whether this process belongs to the set (None if it has no ranks yet)."""
+        if self.process_set_id == 0:
+            return True
+        return None if self.ranks is None else rank() in self.ranks
 
     def __repr__(self) -> str:
-        return "ProcessSet(global)"
+        if self.process_set_id == 0:
+            return "ProcessSet(global)"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
 global_process_set = ProcessSet._global()
 
 
-def check_process_set(process_set: Any) -> None:
-    """Accept the global process set (or None) only.
+def register_set(ps: ProcessSet, comm: Communicator | None) -> None:
+    """Record a registered process set and its communicator (None on non-members)."""
+    with _LOCK:
+        _STATE.next_set += 1
+        ps.process_set_id = _STATE.next_set
+        _STATE.sets[ps.process_set_id] = (ps, comm)
+
+
+def unregister_set(ps: ProcessSet) -> Communicator | None:
+    """Forget a process set; return its communicator (None on non-members)."""
+    with _LOCK:
+        _, comm = _STATE.sets.pop(ps.process_set_id, (None, None))
+        ps.process_set_id = None
+        return comm
+
+
+def registered_sets() -> list[ProcessSet]:
+    """The process sets registered now (not the global one)."""
+    return [ps for ps, _ in _STATE.sets.values()]
+
+
+def communicator_of(process_set: Any) -> Communicator:
+    """The communicator a collective on ``process_set`` runs on.
 
     Raises:
-        NotImplementedError: any other process set.
+        ValueError: not a registered process set, or this rank is not in it.
     """
-    if process_set is not None and process_set is not global_process_set:
-        raise refusal(NO_PROCESS_SETS)
+    comm = communicator()
+    if process_set is None or process_set is global_process_set:
+        return comm
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
+    entry = _STATE.sets.get(process_set.process_set_id)  # type: ignore[arg-type]
+    if entry is None or entry[0] is not process_set:
+        raise ValueError(f"{process_set} is not registered: use hvd.add_process_set first")
+    if entry[1] is None:
+        raise ValueError(f"rank {comm.rank} is not in {process_set}")
+    return entry[1]
+
+
+def check_process_set(process_set: Any) -> None:
+    """Check that collectives on ``process_set`` can run here (see communicator_of)."""
+    communicator_of(process_set)
+
+
+def root_in_set(process_set: Any, root: int) -> int:
+    """The rank within ``process_set`` of the global rank ``root``.
+
+    Raises:
+        ValueError: ``root`` is not in the set.
+    """
+    if process_set is None or process_set is global_process_set:
+        return root
+    ranks = process_set.ranks or []
+    if root not in ranks:
+        raise ValueError(f"root_rank {root} is not in {process_set}")
+    return ranks.index(root)
 
 
 # --------------------------------------------------------------- what this build can do

@@ -44,7 +44,7 @@ from ringcomm.comm.agree import calls_as
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.types import CollectiveTimeoutError
-from ringcomm.torch._basics import ReduceOp, check_process_set, context
+from ringcomm.torch._basics import ReduceOp, communicator_of
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
 from ringcomm.torch._fusion import fusion_threshold
@@ -507,13 +507,10 @@ def enqueue(op: Op) -> Handle:
     """Submit ``op`` to be matched by name across ranks; return its handle.
 
     Raises:
-        ValueError: ``init()`` has not been called, or an operation of the same name is in
-            flight on this rank.
-        NotImplementedError: a process set other than the global one.
+        ValueError: ``init()`` has not been called, an operation of the same name is in
+            flight on this rank, or the process set is not registered or lacks this rank.
     """
-    check_process_set(op.process_set)
-    comm, _ = context()
-    return coordinator_for(comm).submit(op)
+    return coordinator_for(communicator_of(op.process_set)).submit(op)
 
 
 def execute(op: Op) -> Any:

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 
 from ringcomm.torch import _objects
-from ringcomm.torch._basics import Min, check_process_set, global_process_set, rank
+from ringcomm.torch._basics import (
+    Min,
+    check_process_set,
+    global_process_set,
+    rank,
+    root_in_set,
+)
 from ringcomm.torch._negotiate import execute
 from ringcomm.torch._ops import Op
 from ringcomm.torch.functions import allreduce, broadcast_async_, synchronize
@@ -26,7 +32,7 @@ def broadcast_parameters(params: Any, root_rank: int,
         params: ``model.state_dict()`` (a dict, broadcast in sorted key order), or a list or
             iterable of tensors or of (name, tensor) pairs such as ``model.named_parameters()``.
         root_rank: the rank whose values everyone gets.
-        process_set: the global process set only.
+        process_set: the process set to run on (every rank by default).
 
     Raises:
         ValueError: ``params`` is neither a dict nor an iterable.
@@ -44,7 +50,7 @@ def broadcast_parameters(params: Any, root_rank: int,
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
     handles = [broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
-                                name) for name, p in items]
+                                name, process_set) for name, p in items]
     for handle in handles:
         synchronize(handle)
 
@@ -57,8 +63,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
         epoch = hvd.broadcast_object(epoch, root_rank=0)
     """
+    local_root = root_in_set(process_set, root_rank)
     return execute(Op("broadcast_object", name, {"root": root_rank},
-                      lambda comm: _objects.broadcast_object(comm, obj, root_rank),
+                      lambda comm: _objects.broadcast_object(comm, obj, local_root),
                       process_set=process_set))
 
 
@@ -180,7 +187,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer: a torch.optim optimizer, or a DistributedOptimizer.
         root_rank: the rank whose state everyone gets.
         model: the model, whose sparse embeddings get sparse zero gradients (SGD).
-        process_set: the global process set only.
+        process_set: the process set to run on (every rank by default).
 
     Raises:
         ValueError: the optimizers' parameter groups or shapes differ from root's (on every
@@ -195,9 +202,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     _initialize_state(optimizer, model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mine = _root_view(optimizer, params)
-    options, states, shapes, groups = broadcast_object(mine, root_rank)
+    options, states, shapes, groups = broadcast_object(mine, root_rank,
+                                                       process_set=process_set)
     fits = [tuple(p.shape) for p in params] == shapes and mine[3] == groups
-    ok = allreduce(torch.tensor([int(fits)]), op=Min)
+    ok = allreduce(torch.tensor([int(fits)]), op=Min, process_set=process_set)
     me = rank()
     if not ok[0]:
         here = "" if fits else (f"; rank {me} has {mine[3]} with shapes "
@@ -210,7 +218,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         own: list[torch.Tensor] = []
         _flatten(dict(optimizer.state.get(params[i], {})), own)
         new_state[params[i]] = _fill(skeleton, params[i], own, received)
-    broadcast_parameters(received, root_rank)
+    broadcast_parameters(received, root_rank, process_set)
     if me != root_rank:
         optimizer.state.clear()
         optimizer.state.update(new_state)

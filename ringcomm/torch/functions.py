@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from ringcomm.torch._basics import Average, ReduceOp, Sum, global_process_set, rank, size
+from ringcomm.torch._basics import (
+    Average,
+    ReduceOp,
+    Sum,
+    communicator_of,
+    global_process_set,
+    root_in_set,
+)
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._negotiate import enqueue, execute, reduce_fused
@@ -80,6 +87,7 @@ def _broadcast_op(tensor: torch.Tensor, out: torch.Tensor | None, root: int, nam
                   process_set: Any) -> Op:
     meta = describe(tensor)
     meta["root"] = root
+    local_root = root_in_set(process_set, root) if 0 <= root else root
 
     def run(comm: Any) -> torch.Tensor:
         dst = tensor if out is None else out
@@ -88,7 +96,7 @@ def _broadcast_op(tensor: torch.Tensor, out: torch.Tensor | None, root: int, nam
                 dst.copy_(tensor)
         x = Operand(dst)
         try:
-            comm.broadcast(x.array, root)
+            comm.broadcast(x.array, local_root)
         except (ValueError, TypeError) as err:
             raise collective_error(comm, err, "broadcast", tensor) from err
         x.write_back()
@@ -131,7 +139,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         op: hvd.Average (default), hvd.Sum, hvd.Min, hvd.Max or hvd.Product.
         prescale_factor: multiply the input by this before reducing.
         postscale_factor: multiply the result by this (Average divides by size on top).
-        process_set: the global process set only.
+        process_set: the process set to run on (every rank by default).
 
     Returns:
         A handle for :func:`poll` and :func:`synchronize`.
@@ -206,7 +214,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         prescale_factor: multiply the input by this before reducing (integers: in float64,
             truncated; float16: in float32).
         postscale_factor: multiply the result by this, with the same rules.
-        process_set: the global process set only.
+        process_set: the process set to run on (every rank by default).
 
     Returns:
         A new tensor; its gradient is the allreduce (same op) of the output's gradient.
@@ -346,7 +354,7 @@ class _Allgather(torch.autograd.Function):
         reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         dims = execute(_gather_op(torch.tensor([ctx.dim], dtype=torch.int64), None,
                                   ctx.process_set))
-        offset = int(dims[: rank()].sum())
+        offset = int(dims[: communicator_of(ctx.process_set).rank].sum())
         return reduced.narrow(0, offset, ctx.dim), None, None
 
 
@@ -408,7 +416,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
-        if rank() != ctx.root:
+        if communicator_of(ctx.process_set).rank != root_in_set(ctx.process_set, ctx.root):
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
@@ -473,7 +481,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     def result() -> torch.Tensor:
         all_indices, all_values = synchronize(handle)
         if rop is Average:
-            all_values = all_values / size()
+            all_values = all_values / communicator_of(process_set).size
         return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, t.shape)
     return result
 
@@ -497,7 +505,7 @@ def join(device: int = -1, process_set: Any = global_process_set) -> int:
 
     Args:
         device: accepted for compatibility (Horovod's GPU for the zeros); unused.
-        process_set: the global process set only.
+        process_set: the process set to run on (every rank by default).
 
     Returns:
         The rank that joined last (the same on every rank).

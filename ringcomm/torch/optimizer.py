@@ -26,8 +26,7 @@ from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.torch._basics import (
     Average,
     ReduceOp,
-    check_process_set,
-    context,
+    communicator_of,
     global_process_set,
 )
 from ringcomm.torch._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
@@ -79,7 +78,8 @@ class _DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[Any, str],
                  compression: Any, passes: int, op: ReduceOp, predivide: float,
-                 threshold: int, sparse_as_dense: bool, overlap: bool | None) -> None:
+                 threshold: int, sparse_as_dense: bool, overlap: bool | None,
+                 process_set: Any) -> None:
         try:
             super().__init__(optimizer.param_groups, **optimizer.defaults)
         except TypeError:  # an optimizer whose defaults are not its constructor's arguments
@@ -93,7 +93,10 @@ class _DistributedOptimizer:
         self._threshold = threshold
         self._sparse_as_dense = bool(sparse_as_dense)
         self._overlap = overlap
-        self._comm = context()[0]
+        self._process_set = process_set
+        member = process_set.included() if process_set is not global_process_set else True
+        # A rank outside the process set reduces nothing: it steps on its own gradients.
+        self._comm = communicator_of(process_set) if member else None
         ring = compression.ring if isinstance(compression, RingCompressor) else None
         feedback = ring is not None and compression.error_feedback
         custom = None if isinstance(compression, NoneCompressor) else compression
@@ -112,7 +115,7 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._warned = False
         self._lock = threading.Lock()
-        if self._comm.size > 1:  # one process reduces nothing: no hooks (as Horovod)
+        if self._comm is not None and self._comm.size > 1:  # else no hooks (as Horovod)
             active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
             self._plan(active, tuple(id(p) for p in active))
 
@@ -194,7 +197,7 @@ class _DistributedOptimizer:
                 "compression": type(self._compression).__name__,
                 "parameters": zlib.crc32(repr(bucket.layout).encode())}
         op = Op("allreduce", bucket.name, meta, lambda comm, b=bucket: self._reduction(b),
-                nbytes=bucket.numel * grad.element_size())
+                nbytes=bucket.numel * grad.element_size(), process_set=self._process_set)
         self._handles.append((None, enqueue(op)))
 
     def _submit_apart(self, bucket: Bucket) -> None:
@@ -203,11 +206,12 @@ class _DistributedOptimizer:
         red = self._reduction
         for p, (name, _, _) in zip(bucket.params, bucket.layout, strict=True):
             if p.grad.is_sparse:
-                self._handles.append((p, sparse_allreduce_async(p.grad, name, self.op)))
+                self._handles.append((p, sparse_allreduce_async(
+                    p.grad, name, self.op, process_set=self._process_set)))
             else:
                 self._handles.append((None, allreduce_async_(
                     p.grad, name=name, op=self.op, prescale_factor=red.prescale,
-                    postscale_factor=red.postscale)))
+                    postscale_factor=red.postscale, process_set=self._process_set)))
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet); wait for them.
@@ -215,7 +219,7 @@ class _DistributedOptimizer:
         Raises:
             HorovodInternalError: a reduction failed (on every rank); the others are waited for.
         """
-        if self._comm.size > 1:
+        if self._comm is not None and self._comm.size > 1:
             if self._fresh:
                 self._begin_round()
             for bucket in self._buckets:
@@ -320,7 +324,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         groups: accepted for compatibility (fusion is by size here).
         sparse_as_dense: reduce sparse gradients as dense tensors (the gradient stays dense);
             by default they are reduced by allgather of their entries (the result is sparse).
-        process_set: the global process set only.
+        process_set: reduce over this process set (a rank outside it steps on its own
+            gradients).
         fusion_threshold_bytes: largest fused bucket (default: $HOROVOD_FUSION_THRESHOLD, else
             4 MiB).
         overlap: submit each bucket as soon as its gradients are ready, so that it is reduced
@@ -344,7 +349,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     """
     rop = parse_op(op, None)
-    check_process_set(process_set)
+    if process_set is not global_process_set and process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered: use hvd.add_process_set first")
     if gradient_predivide_factor != 1.0 and rop is not Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if groups is not None and not (isinstance(groups, list) or groups > 0):
@@ -356,4 +362,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     threshold = fusion_threshold(fusion_threshold_bytes)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer, names, comp, passes, rop, float(gradient_predivide_factor), threshold,
-               sparse_as_dense, overlap)
+               sparse_as_dense, overlap, process_set)

@@ -11,9 +11,9 @@ from typing import Any, NoReturn
 
 from ringcomm.comm.log import get_logger
 
-__all__ = ["NO_PROCESS_SETS", "SyncBatchNorm", "add_process_set", "alltoall", "alltoall_async",
+__all__ = ["SyncBatchNorm", "alltoall", "alltoall_async",
            "elastic", "reducescatter", "reducescatter_async", "refusal",
-           "remove_process_set", "start_timeline", "stop_timeline"]
+           "start_timeline", "stop_timeline"]
 
 _LOG = get_logger("torch.unsupported")
 
@@ -23,8 +23,6 @@ def refusal(message: str) -> NotImplementedError:
     _LOG.debug("not supported: %s", message)
     return NotImplementedError(message)
 
-NO_PROCESS_SETS = ("process sets are not supported: ringcomm.torch runs every collective on the "
-                 "whole job")
 
 
 def _unsupported(name: str, reason: str) -> Any:
@@ -36,8 +34,6 @@ def _unsupported(name: str, reason: str) -> Any:
     return refuse
 
 
-add_process_set = _unsupported("add_process_set", NO_PROCESS_SETS)
-remove_process_set = _unsupported("remove_process_set", NO_PROCESS_SETS)
 alltoall = _unsupported("alltoall", "ringcomm has no all-to-all collective")
 alltoall_async = _unsupported("alltoall_async", "ringcomm has no all-to-all collective")
 reducescatter = _unsupported("reducescatter",
