@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm import trace
 from ringcomm.comm.types import ReduceOp, Transport, accumulation_dtype
 
 __all__ = [
@@ -181,42 +182,65 @@ def run(t: Transport, layout: RingLayout, codec: RingCodec, *,
 
     Step t < n - 1 is reduce-scatter step t, later steps are allgather steps. Every rank
     walks the same schedule, so the k-th message a rank sends to its right neighbour is the
-    k-th that neighbour receives from its left.
+    k-th that neighbour receives from its left. The two phases are traced as spans (see
+    :func:`_plan` for where one ends).
     """
     n, r = layout.n, layout.rank
     right, left = (r + 1) % n, (r - 1) % n
-    units = _units(n, r, layout.nseg, allgather)
+    units, phases = _plan(n, r, layout.nseg, allgather)
     total = len(units)
     produced: list[Any] = [None] * total
     pending: list[Any] = [None] * total
     isendrecv = t.isendrecv
     sent = received = 0
     posted = 0
-    for p, unit in enumerate(units):
-        # Post what can go ahead: up to WINDOW exchanges whose messages are ready.
-        while posted < total and posted < p + WINDOW and units[posted].dep < p:
-            u, slot = units[posted], posted % WINDOW
-            if u.dep >= 0:
-                send = produced[u.dep]
-                produced[u.dep] = None
-            else:
-                send = codec.rs_first(u.send_chunk, u.segment, slot)
-            if u.allgather:
-                recv = codec.ag_recv(u.recv_chunk, u.segment)
-            else:
-                recv = codec.rs_recv(u.recv_chunk, u.segment, slot)
-            pending[posted] = (isendrecv(send, right, recv, left), recv)
-            sent += send.nbytes
-            received += recv.nbytes
-            posted += 1
-        request, buf = pending[p]
-        pending[p] = None
-        request.wait()
-        if unit.allgather:
-            produced[p] = codec.ag_done(buf, unit.recv_chunk, unit.segment)
-        else:
-            produced[p] = codec.rs_reduce(buf, unit.recv_chunk, unit.segment, unit.final)
+    for label, first, part in phases:
+        with trace.span(label):
+            for p, unit in enumerate(part, first):
+                # Post what can go ahead: up to WINDOW exchanges whose messages are ready.
+                while posted < total and posted < p + WINDOW and units[posted].dep < p:
+                    u, slot = units[posted], posted % WINDOW
+                    if u.dep >= 0:
+                        send = produced[u.dep]
+                        produced[u.dep] = None
+                    else:
+                        send = codec.rs_first(u.send_chunk, u.segment, slot)
+                    if u.allgather:
+                        recv = codec.ag_recv(u.recv_chunk, u.segment)
+                    else:
+                        recv = codec.rs_recv(u.recv_chunk, u.segment, slot)
+                    pending[posted] = (isendrecv(send, right, recv, left), recv)
+                    sent += send.nbytes
+                    received += recv.nbytes
+                    posted += 1
+                request, buf = pending[p]
+                pending[p] = None
+                request.wait()
+                if unit.allgather:
+                    produced[p] = codec.ag_done(buf, unit.recv_chunk, unit.segment)
+                else:
+                    produced[p] = codec.rs_reduce(buf, unit.recv_chunk, unit.segment,
+                                                  unit.final)
     t.stats.add(sent, received)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(n: int, rank: int, nseg: int, allgather: bool) -> tuple[
+        tuple[_Unit, ...], tuple[tuple[str, int, tuple[_Unit, ...]], ...]]:
+    """The exchanges of the schedule, and its traced phases: (label, position of the first
+    exchange, the exchanges).
+
+    The reduce-scatter span ends with the last reduction; the allgather span holds the
+    exchanges after it. With one segment per chunk the two are exactly the ring's phases; with
+    several, the pipeline already runs the allgather of early segments while later ones are
+    reduced, and those exchanges count in the reduce-scatter span.
+    """
+    units = _units(n, rank, nseg, allgather)
+    split = 1 + max((p for p, u in enumerate(units) if not u.allgather), default=-1)
+    phases = [("RING_REDUCE_SCATTER", 0, units[:split])]
+    if split < len(units):
+        phases.append(("RING_ALLGATHER", split, units[split:]))
+    return units, tuple(phases)
 
 
 def staging(t: Transport, key: str, like: Any, n: int, dtype: Any) -> list[Any]:

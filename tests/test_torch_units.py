@@ -145,21 +145,29 @@ def test_compression_names():
         hvd.Compression.topk(0.0)
 
 
+class _Comm:
+    """Stands for an mpi4py communicator (all ProcessSet looks at)."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+
 def test_unsupported_features_say_why():
-    with pytest.raises(NotImplementedError, match="process sets are not supported"):
-        hvd.init(process_sets=[[0]])
-    with pytest.raises(NotImplementedError, match="process sets are not supported"):
-        hvd.ProcessSet([0])
-    with pytest.raises(NotImplementedError, match="process sets"):
-        hvd.add_process_set([0])
-    with pytest.raises(NotImplementedError, match="process sets"):
-        hvd.allreduce(torch.ones(2), process_set=object())
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
     with pytest.raises(NotImplementedError, match="elastic training is not supported"):
         hvd.elastic.run(lambda: None)
-    with pytest.raises(NotImplementedError, match="all-to-all"):
-        hvd.alltoall(torch.ones(2))
+    with pytest.raises(NotImplementedError, match="give the list of its global ranks"):
+        hvd.ProcessSet(_Comm())
+
+
+def test_process_set_arguments():
+    with pytest.raises(ValueError, match="must be a ProcessSet, got object"):
+        hvd.allreduce(torch.ones(2), process_set=object())
+    with pytest.raises(ValueError, match="ranks must be integers"):
+        hvd.ProcessSet([0, "1"])
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
 
 
 def test_not_initialized_is_horovods_error(subprocess_env):
@@ -232,8 +240,8 @@ def test_cuda_tensors_are_viewed_through_dlpack():
         assert torch.equal(hvd.allreduce(t), t)
 
 
-@pytest.mark.parametrize("call", [lambda: hvd.join(), lambda: parse_op(hvd.Adasum, None),
-                                  lambda: hvd.elastic.run, lambda: hvd.ProcessSet([0])])
+@pytest.mark.parametrize("call", [lambda: parse_op(hvd.Adasum, None), lambda: hvd.elastic.run,
+                                  lambda: hvd.ProcessSet(_Comm())])
 def test_refusals_are_logged(call, caplog):
     """Every NotImplementedError of an unsupported feature is also a DEBUG record, which
     tells a test that passed on an unsupported call from one that passed on its merits."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm import ring
+from ringcomm.comm import trace
 from ringcomm.comm.types import ReduceOp, Transport
 from ringcomm.compress.ring import keep_rounding, mix_seed
 from ringcomm.compress.topk import TopK
@@ -133,23 +134,25 @@ def allgather_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK
     """Gather every rank's k pairs and add them, rank by rank, on every rank (one message:
     ``segment_bytes`` does not apply)."""
     ops = _ops.get(x)
-    work = residual if residual is not None else ops.empty((x.size,), np.float32)
-    ops.compensate(x, residual, work)
     k = comp.k_for(x.size)
-    idx, val = comp.select(work, k, seed=seed)
-    if residual is not None:
-        ops.sparse_residual(work, idx, residual)
-    payload = TopK.pack(idx, val, ops.empty((8 * k,), np.uint8))
+    with trace.span("COMPRESS"):
+        work = residual if residual is not None else ops.empty((x.size,), np.float32)
+        ops.compensate(x, residual, work)
+        idx, val = comp.select(work, k, seed=seed)
+        if residual is not None:
+            ops.sparse_residual(work, idx, residual)
+        payload = TopK.pack(idx, val, ops.empty((8 * k,), np.uint8))
     gathered = ops.empty((t.size * 8 * k,), np.uint8)
     t.allgatherv(payload, [8 * k] * t.size, gathered)
     t.stats.add(payload.nbytes * (t.size - 1), payload.nbytes * (t.size - 1))
-    acc = ops.zeros((x.size,), np.float32)
-    for r in range(t.size):  # rank order: the same float32 sums on every rank
-        ops.scatter_add(acc, *TopK.unpack(gathered[r * 8 * k: (r + 1) * 8 * k]))
-    if op is ReduceOp.AVG:
-        ops.divide(acc, t.size, acc)
-    ops.copy(out, acc)
-    # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
-    lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
-    keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi], out[lo:hi],
-                  op, t.size)
+    with trace.span("DECOMPRESS"):
+        acc = ops.zeros((x.size,), np.float32)
+        for r in range(t.size):  # rank order: the same float32 sums on every rank
+            ops.scatter_add(acc, *TopK.unpack(gathered[r * 8 * k: (r + 1) * 8 * k]))
+        if op is ReduceOp.AVG:
+            ops.divide(acc, t.size, acc)
+        ops.copy(out, acc)
+        # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
+        lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
+        keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi],
+                      out[lo:hi], op, t.size)

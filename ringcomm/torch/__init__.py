@@ -62,7 +62,7 @@ from ringcomm.torch._basics import (
     shutdown,
     size,
 )
-from ringcomm.torch._errors import HorovodInternalError
+from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
 from ringcomm.torch.broadcast import (
     allgather_object,
     broadcast_object,
@@ -70,6 +70,16 @@ from ringcomm.torch.broadcast import (
     broadcast_parameters,
 )
 from ringcomm.torch.compression import Compression, Compressor
+from ringcomm.torch.exchange import (
+    alltoall,
+    alltoall_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from ringcomm.torch.functions import (
     allgather,
     allgather_async,
@@ -94,16 +104,9 @@ from ringcomm.torch.functions import (
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
 from ringcomm.torch.optimizer import DistributedOptimizer
 from ringcomm.torch.process_sets import add_process_set, remove_process_set
-from ringcomm.torch.unsupported import (
-    SyncBatchNorm,
-    alltoall,
-    alltoall_async,
-    elastic,
-    reducescatter,
-    reducescatter_async,
-    start_timeline,
-    stop_timeline,
-)
+from ringcomm.torch.sync_batch_norm import SyncBatchNorm
+from ringcomm.torch.timeline import start_timeline, stop_timeline
+from ringcomm.torch.unsupported import elastic
 
 __all__ = [
     "Adasum",
@@ -118,6 +121,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "RingcommState",
+    "StalledOperationError",
     "Sum",
     "SyncBatchNorm",
     "add_process_set",
@@ -148,10 +152,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",

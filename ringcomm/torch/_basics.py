@@ -111,6 +111,9 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         from ringcomm.torch._negotiate import coordinator_for
 
         coordinator_for(_STATE.comm)  # collective: its control channel is split here
+        from ringcomm.torch.timeline import start_from_env
+
+        start_from_env(_STATE.comm.rank)  # HOROVOD_TIMELINE
     if process_sets is not None and process_sets != "dynamic":
         from ringcomm.torch.process_sets import add_process_set
 
@@ -124,8 +127,11 @@ def shutdown() -> None:
     As in Horovod, one rank's shutdown is the job's: every rank's background thread stops in
     the same negotiation cycle, and operations submitted afterwards raise RuntimeError.
     """
+    from ringcomm.torch import timeline
     from ringcomm.torch._negotiate import forget
 
+    if timeline.active() is not None:
+        timeline.stop_timeline()
     for ps in registered_sets():
         sub = unregister_set(ps)
         if sub is not None:
@@ -234,16 +240,17 @@ class ProcessSet:
     mpi_comm: Any = None
 
     def __init__(self, ranks_or_comm: Any) -> None:
+        if hasattr(ranks_or_comm, "Get_rank"):
+            raise refusal("process sets from an MPI communicator: give the list of its global "
+                          "ranks instead")
         try:
-            ranks = sorted(ranks_or_comm)
+            ranks = list(ranks_or_comm)
         except TypeError:
-            if hasattr(ranks_or_comm, "Get_rank"):
-                raise refusal("process sets from an MPI communicator: give the list of its "
-                              "global ranks instead") from None
             raise ValueError("ProcessSet should be initialized with a list of process ranks, "
                              f"got {type(ranks_or_comm).__name__}") from None
         if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
             raise ValueError(f"ProcessSet ranks must be integers, got {ranks_or_comm!r}")
+        ranks.sort()
         self.ranks = ranks
 
     @classmethod

@@ -44,6 +44,7 @@ from ringcomm.comm.agree import calls_as
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.types import CollectiveTimeoutError
+from ringcomm.torch import timeline as _timeline
 from ringcomm.torch._basics import ReduceOp, communicator_of
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
@@ -159,12 +160,12 @@ class Coordinator:
             mine = _Mine(op, handle, user_name)
             self._mine[name] = mine
             self._commit_name(op)
+            tl = _timeline.active()
+            if tl is not None:  # before the cycle thread can see the operation
+                tl.negotiate_start(name, op.kind)
             self._new.append((name, mine))
             self._start()
             self._cv.notify_all()
-        tl = _active_timeline()
-        if tl is not None:
-            tl.negotiate_start(name, op.kind)
         return handle
 
     def _full_name(self, op: Op) -> tuple[str, str]:
@@ -228,6 +229,9 @@ class Coordinator:
                 self._die(RuntimeError(f"ringcomm.torch's negotiation failed: {err}"))
                 return
             self._cycle += 1
+            tl = _timeline.active()
+            if tl is not None:
+                tl.mark_cycle()
             outcomes = self._absorb(everyone)
             self._progressed = bool(outcomes)
             self._run(outcomes)
@@ -313,13 +317,14 @@ class Coordinator:
 
     # ----------------------------------------------------------------------- execution
     def _run(self, outcomes: list[_Outcome]) -> None:
-        tl = _active_timeline()
+        tl = _timeline.active()
         with self._cv:
             mine = {o.entry.name: self._mine.pop(o.entry.name, None) for o in outcomes}
         if tl is not None:
             for o in outcomes:
                 if mine[o.entry.name] is not None:
                     tl.negotiate_end(o.entry.name)
+                    tl.start(o.entry.name, "QUEUE")
         for group in self._groups(outcomes):
             self._run_group(group, mine, tl)
 
@@ -352,19 +357,27 @@ class Coordinator:
 
     def _run_group(self, group: list[_Outcome], mine: dict[str, _Mine | None],
                    tl: Any) -> None:
-        names = [o.entry.name for o in group]
-        error = group[0].error if len(group) == 1 else None
+        error = group[0].error  # a failed entry is never fused
         result: list[Any] = [None] * len(group)
+        names = [o.entry.name for o in group if mine[o.entry.name] is not None]
+        if tl is not None:
+            args = {"fused": len(group)} if len(group) > 1 else None
+            for n in names:
+                tl.end(n)  # QUEUE
+                tl.start(n, group[0].entry.kind.upper(), args)
         if error is None:
             try:
                 with calls_as(self._name):
                     if tl is None:
                         result = self._execute(group, mine)
                     else:
-                        with tl.executing([n for n in names if mine[n] is not None]):
+                        with tl.executing(names):
                             result = self._execute(group, mine)
             except BaseException as err:  # handed to whoever waits on the handles
                 error = err
+        if tl is not None:
+            for n in names:
+                tl.end(n)
         for o, value in zip(group, result, strict=True):
             m = mine[o.entry.name]
             if m is not None:
@@ -445,14 +458,6 @@ def reduce_fused(comm: Communicator, specs: list[ReduceSpec]) -> list[torch.Tens
                 s.out.copy_(flat[off: off + n].view(s.out.shape))
             off += n
     return [s.out for s in specs]
-
-
-def _active_timeline() -> Any:
-    try:
-        from ringcomm.torch import timeline
-    except ImportError:
-        return None
-    return timeline.active()
 
 
 def _ranks(ranks: list[int]) -> str:

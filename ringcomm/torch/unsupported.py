@@ -11,9 +11,7 @@ from typing import Any, NoReturn
 
 from ringcomm.comm.log import get_logger
 
-__all__ = ["SyncBatchNorm", "alltoall", "alltoall_async",
-           "elastic", "reducescatter", "reducescatter_async", "refusal",
-           "start_timeline", "stop_timeline"]
+__all__ = ["elastic", "refusal"]
 
 _LOG = get_logger("torch.unsupported")
 
@@ -33,16 +31,6 @@ def _unsupported(name: str, reason: str) -> Any:
     refuse.__doc__ = f"Not supported: {reason}."
     return refuse
 
-
-alltoall = _unsupported("alltoall", "ringcomm has no all-to-all collective")
-alltoall_async = _unsupported("alltoall_async", "ringcomm has no all-to-all collective")
-reducescatter = _unsupported("reducescatter",
-                             "use the communicator's reduce_scatter on flat arrays")
-reducescatter_async = _unsupported("reducescatter_async",
-                                   "use the communicator's reduce_scatter on flat arrays")
-SyncBatchNorm = _unsupported("SyncBatchNorm", "use torch.nn.SyncBatchNorm with DDP")
-start_timeline = _unsupported("start_timeline", "ringcomm has no timeline; use comm.stats")
-stop_timeline = _unsupported("stop_timeline", "ringcomm has no timeline; use comm.stats")
 
 
 class _Elastic:

@@ -248,6 +248,7 @@ def test_allgather_with_a_joined_rank_fails_on_the_others(h):
     if RANK == 0:
         h.join()
     else:
+        # Named: an unnamed one would advance this rank's automatic names only.
         with pytest.raises(RuntimeError, match="joined"):
-            h.allgather(torch.ones(2, 2))
+            h.allgather(torch.ones(2, 2), name="while_joined")
         h.join()
