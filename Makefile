@@ -29,7 +29,7 @@ demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/python bench/allreduce_perf.py -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: layers test-unit test-mpi
+test: layers test-unit test-mpi test-horovod
 
 # The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
 # layers below it.
@@ -47,6 +47,7 @@ test-mpi: $(VENV)/.test
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test;
 # needs HOROVOD_SOURCE=<a checkout of github.com/horovod/horovod> (skipped, saying so, without).
 test-horovod: $(VENV)/.test
+	mkdir -p logs
 	$(BIN)/python tests/upstream/run_horovod.py --json logs/horovod_test_torch.json
 
 # GPU tests and kernel benchmarks (on a machine with a CUDA GPU).

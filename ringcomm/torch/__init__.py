@@ -63,6 +63,7 @@ from ringcomm.torch._basics import (
     size,
 )
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
+from ringcomm.torch.alltoall import alltoall, alltoall_async
 from ringcomm.torch.broadcast import (
     allgather_object,
     broadcast_object,
@@ -70,16 +71,6 @@ from ringcomm.torch.broadcast import (
     broadcast_parameters,
 )
 from ringcomm.torch.compression import Compression, Compressor
-from ringcomm.torch.exchange import (
-    alltoall,
-    alltoall_async,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    reducescatter,
-    reducescatter_async,
-)
 from ringcomm.torch.functions import (
     allgather,
     allgather_async,
@@ -101,9 +92,16 @@ from ringcomm.torch.functions import (
     sparse_allreduce_async,
     synchronize,
 )
+from ringcomm.torch.grouped_allgather import grouped_allgather, grouped_allgather_async
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
 from ringcomm.torch.optimizer import DistributedOptimizer
 from ringcomm.torch.process_sets import add_process_set, remove_process_set
+from ringcomm.torch.reducescatter import (
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from ringcomm.torch.sync_batch_norm import SyncBatchNorm
 from ringcomm.torch.timeline import start_timeline, stop_timeline
 from ringcomm.torch.unsupported import elastic

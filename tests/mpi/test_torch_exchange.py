@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch_helpers import hvd  # noqa: E402
 
-from ringcomm.torch import exchange as ex  # noqa: E402
+import ringcomm.torch as ex  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
