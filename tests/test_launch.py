@@ -77,15 +77,19 @@ def test_detect_rejects_bad_values(env, message):
 
 def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
     """Under the mpich wheel's mpiexec, every rank reads its own rank from the environment."""
+    import re
     import subprocess
     import sys
 
-    code = ("from ringcomm.comm.launch import detect; i = detect(); "
-            "print(i.rank, i.size, i.local_rank, i.local_size, i.launcher)")
+    # One bracketed write per rank: the ranks share a pipe, and a print's text and newline can
+    # be two writes that another rank's output slips between.
+    code = ("import os; from ringcomm.comm.launch import detect; i = detect(); "
+            "os.write(1, f'<{i.rank} {i.size} {i.local_rank} {i.local_size} {i.launcher}>'"
+            ".encode())")
     out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", code], capture_output=True,
                          text=True, timeout=60, env=subprocess_env, check=True).stdout
-    rows = sorted(tuple(line.split()) for line in out.strip().splitlines())
-    assert rows == [(str(r), "3", str(r), "3", "mpich") for r in range(3)]
+    rows = sorted(re.findall(r"<(\d+) (\d+) (\d+) (\d+) (\w+)>", out))
+    assert rows == [(str(r), "3", str(r), "3", "mpich") for r in range(3)], out
 
 
 # One write per line: the ranks' outputs share a pipe, and a print's text and newline can be
