@@ -110,6 +110,7 @@ class _DistributedOptimizer:
         self._delay: dict[Any, int] = {}
         self._handles: list[Any] = []
         self._submitted: set[int] = set()
+        self._densified: list[Any] = []  # sparse gradients reduced dense this step
         self._fresh = True
         self._synchronized = False
         self._should_synchronize = True
@@ -186,6 +187,9 @@ class _DistributedOptimizer:
                 # Another rank may have a gradient for it: reduce zeros rather than hang it.
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif p.grad.is_sparse and self._sparse_as_dense:
+                # Reduced dense, handed back sparse (as Horovod): optimizers such as
+                # SparseAdam take sparse gradients only.
+                self._densified.append(p)
                 p.grad = p.grad.to_dense()
         if any(p.grad.is_sparse for p in bucket.params):
             self._submit_apart(bucket)
@@ -234,7 +238,9 @@ class _DistributedOptimizer:
                         p.grad = handle()
                 except Exception as err:
                     errors.append(err)
-            self._fresh, self._handles = True, []
+            for p in self._densified:
+                p.grad = p.grad.to_sparse()
+            self._fresh, self._handles, self._densified = True, [], []
             if errors:
                 raise errors[0]
         self._synchronized = True

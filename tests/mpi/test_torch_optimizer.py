@@ -297,3 +297,46 @@ def test_every_torch_optimizer_can_be_wrapped(h, name):
         loss.backward()
         opt.step((lambda loss=loss: loss) if name == "LBFGS" else None)
     assert same_on_all_ranks(flat_params(model))
+
+
+class Lookup(torch.nn.Module):
+    """A sparse embedding and a dense head: one sparse and one dense gradient per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embedding = torch.nn.Embedding(10, 3, sparse=True)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, idx):
+        return self.head(self.embedding(idx)).sum()
+
+
+def lookup_indices(rank: int) -> torch.Tensor:
+    """Rows this rank looks up: overlapping with other ranks', some repeated, some its own."""
+    return torch.tensor([[1, 2, 4, rank % 10], [4, (rank + 7) % 10, 2, 9]])
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_average_and_stay_sparse(h, sparse_as_dense):
+    """Both ways of reducing a sparse gradient give every rank the average of everyone's
+    gradient, handed back sparse, so SparseAdam (which takes sparse gradients only) steps."""
+    model, ref = Lookup(), Lookup()
+    sparse = [model.embedding.weight]
+    opt = h.DistributedOptimizer(
+        torch.optim.SparseAdam(sparse, lr=0.1), named_parameters=[("embedding.weight", sparse[0])],
+        sparse_as_dense=sparse_as_dense)
+    opt.zero_grad()
+    model(lookup_indices(RANK)).backward()
+    opt.synchronize()
+    grad = model.embedding.weight.grad
+    assert grad.is_sparse
+    expected = torch.zeros(10, 3)
+    for r in range(SIZE):
+        ref.zero_grad()
+        ref(lookup_indices(r)).backward()
+        expected += ref.embedding.weight.grad.to_dense()
+    torch.testing.assert_close(grad.to_dense(), expected / SIZE)
+    with opt.skip_synchronize():
+        opt.step()
+    assert same_on_all_ranks(model.embedding.weight.detach())
