@@ -45,8 +45,9 @@ template <class F> struct CastHopF {
     const Pack<u16, V> w = load<V>(in + i);
     const Pack<float, V> o = load<V>(own + i);
     Pack<float, V> acc;
+    // A NaN sum goes out as the quiet NaN, whatever NaN the hardware's addition returned.
 #pragma unroll
-    for (int j = 0; j < V; ++j) acc.v[j] = fadd(F::decode(w.v[j]), o.v[j]);
+    for (int j = 0; j < V; ++j) acc.v[j] = quiet_nan_of(fadd(F::decode(w.v[j]), o.v[j]));
     round_words<F, V>(acc, out, err, i);
   }
 };
@@ -69,7 +70,8 @@ __global__ void cast_encode_kernel(u16* out, const float* src, float* err, i64 n
   run_elementwise(CastEncodeF<F>{out, src, err}, n, vec);
 }
 
-// out = round(decode(in) + own); err (nullable) = the sum - decode(out). out may be in.
+// out = round(decode(in) + own), a NaN sum as the quiet NaN; err (nullable) = the sum -
+// decode(out). out may be in.
 template <class F>
 __global__ void cast_hop_kernel(u16* out, const u16* in, const float* own, float* err, i64 n,
                                 int vec) {

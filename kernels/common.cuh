@@ -8,7 +8,14 @@
 //
 // The scalar arithmetic also builds as host C++ (without __CUDACC__), and the kernels with a CPU
 // stand-in for CUDA (tests/cuda_emulation.h), so both can be checked against NumPy on a
-// machine without a GPU.
+// machine without a GPU. The stand-in's float32 arithmetic is the GPU's: a NaN result is the
+// canonical NaN 0x7fffffff, and subnormals are flushed when the kernels are built with -ftz=true
+// (ringcomm compiles them with -ftz=false, ops/_kernel_cache.py).
+//
+// NaN payloads: conversions keep them as NumPy does. Arithmetic cannot (the GPU returns its
+// canonical NaN, x86 the operand's payload), so where a NaN sum reaches a payload on the wire
+// (the cast hop's words, an int8 block's scale) both sides write the quiet NaN 0x7fc00000
+// instead; float results (sums, decoded values) are NaN on both, payload unspecified.
 #pragma once
 
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
@@ -59,31 +66,58 @@ RC_FN float rint_f(float x) { return rintf(x); }
 RC_FN float floor_f(float x) { return floorf(x); }
 RC_FN float fmax_f(float a, float b) { return fmaxf(a, b); }
 RC_FN float fmin_f(float a, float b) { return fminf(a, b); }
+RC_FN double f2d(float x) { return (double)x; }
+RC_FN bool fle(float a, float b) { return a <= b; }
+RC_FN bool fge(float a, float b) { return a >= b; }
 #else
 RC_FN u32 fbits(float x) { u32 b; std::memcpy(&b, &x, 4); return b; }
 RC_FN float ffrom(u32 b) { float x; std::memcpy(&x, &b, 4); return x; }
 RC_FN u64 dbits(double x) { u64 b; std::memcpy(&b, &x, 8); return b; }
 RC_FN double dfrom(u64 b) { double x; std::memcpy(&x, &b, 8); return x; }
-RC_FN float fadd(float a, float b) { return a + b; }
-RC_FN float fsub(float a, float b) { return a - b; }
-RC_FN float fmul(float a, float b) { return a * b; }
-RC_FN float fdiv(float a, float b) { return a / b; }
 RC_FN double dadd(double a, double b) { return a + b; }
 RC_FN double dmul(double a, double b) { return a * b; }
 RC_FN double ddiv(double a, double b) { return a / b; }
-RC_FN float d2f(double x) { return (float)x; }
 RC_FN float i2f(int x) { return (float)x; }
 RC_FN float ll2f(i64 x) { return (float)x; }
 RC_FN double ll2d(i64 x) { return (double)x; }
 RC_FN int d2i_rz(double x) { return (int)x; }
 RC_FN i64 d2ll_rz(double x) { return (i64)x; }
+#ifdef RC_EMULATE  // the GPU's float32 arithmetic, from tests/cuda_emulation.h
+RC_FN float fadd(float a, float b) { return rc_emu::f32_add(a, b); }
+RC_FN float fsub(float a, float b) { return rc_emu::f32_sub(a, b); }
+RC_FN float fmul(float a, float b) { return rc_emu::f32_mul(a, b); }
+RC_FN float fdiv(float a, float b) { return rc_emu::f32_div(a, b); }
+RC_FN float d2f(double x) { return rc_emu::f32_from_f64(x); }
+RC_FN double f2d(float x) { return rc_emu::f64_from_f32(x); }
+RC_FN float rint_f(float x) { return rc_emu::f32_rint(x); }
+RC_FN float floor_f(float x) { return rc_emu::f32_floor(x); }
+RC_FN float fmax_f(float a, float b) { return rc_emu::f32_max(a, b); }
+RC_FN float fmin_f(float a, float b) { return rc_emu::f32_min(a, b); }
+RC_FN bool fle(float a, float b) { return rc_emu::f32_le(a, b); }
+RC_FN bool fge(float a, float b) { return rc_emu::f32_le(b, a); }
+#else  // plain host C++ (tests/kernels_host.cpp): IEEE arithmetic, as NumPy's
+RC_FN float fadd(float a, float b) { return a + b; }
+RC_FN float fsub(float a, float b) { return a - b; }
+RC_FN float fmul(float a, float b) { return a * b; }
+RC_FN float fdiv(float a, float b) { return a / b; }
+RC_FN float d2f(double x) { return (float)x; }
+RC_FN double f2d(float x) { return (double)x; }
 RC_FN float rint_f(float x) { return std::rint(x); }
 RC_FN float floor_f(float x) { return std::floor(x); }
 RC_FN float fmax_f(float a, float b) { return std::fmax(a, b); }
 RC_FN float fmin_f(float a, float b) { return std::fmin(a, b); }
+RC_FN bool fle(float a, float b) { return a <= b; }
+RC_FN bool fge(float a, float b) { return a >= b; }
+#endif
 #endif
 
+// The quiet NaN that payload words carry for a NaN computed by arithmetic (see above). An
+// enumerator, so that no variable of it lands in the module.
+enum : u32 { QUIET_NAN = 0x7fc00000u };
+
 RC_FN bool isnan_f(float x) { return (fbits(x) & 0x7fffffffu) > 0x7f800000u; }
+// x, or the quiet NaN when x is a NaN of any payload.
+RC_FN float quiet_nan_of(float x) { return isnan_f(x) ? ffrom(QUIET_NAN) : x; }
 RC_FN bool finite_f(float x) { return (fbits(x) & 0x7f800000u) != 0x7f800000u; }
 RC_FN bool isnan_d(double x) { return (dbits(x) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull; }
 RC_FN bool finite_d(double x) {
@@ -165,7 +199,7 @@ RC_FN double f32_to_f64(float f) {
     return dfrom(((u64)(x & 0x80000000u) << 32) | 0x7ff8000000000000ull |
                  ((u64)(x & 0x7fffffu) << 29));
   }
-  return (double)f;
+  return f2d(f);
 }
 
 RC_FN float f64_to_f32(double d) {
@@ -302,13 +336,13 @@ struct OpProd {
 };
 // NumPy's minimum/maximum: a NaN in either operand propagates.
 struct OpMin {
-  static RC_FN float apply(float a, float b) { return (a <= b || isnan_f(a)) ? a : b; }
+  static RC_FN float apply(float a, float b) { return (fle(a, b) || isnan_f(a)) ? a : b; }
   static RC_FN double apply(double a, double b) { return (a <= b || isnan_d(a)) ? a : b; }
   static RC_FN int apply(int a, int b) { return a <= b ? a : b; }
   static RC_FN i64 apply(i64 a, i64 b) { return a <= b ? a : b; }
 };
 struct OpMax {
-  static RC_FN float apply(float a, float b) { return (a >= b || isnan_f(a)) ? a : b; }
+  static RC_FN float apply(float a, float b) { return (fge(a, b) || isnan_f(a)) ? a : b; }
   static RC_FN double apply(double a, double b) { return (a >= b || isnan_d(a)) ? a : b; }
   static RC_FN int apply(int a, int b) { return a >= b ? a : b; }
   static RC_FN i64 apply(i64 a, i64 b) { return a >= b ? a : b; }
@@ -330,11 +364,13 @@ RC_FN float uniform01(u32 seed, u32 index) {
 // A block's scale (absmax / 127, written to the payload) and the factor its codes are computed
 // with: 127 / absmax, or 0 for a block that cannot be quantized (absmax zero, so small that
 // 127 / absmax overflows, Inf, or NaN); such a block decodes to 0 or, for Inf/NaN, to NaN.
+// A NaN block's scale is the quiet NaN 0x7fc00000 (ops/numpy.py writes the same), not what a
+// division of the NaN gives (the GPU's canonical NaN).
 RC_FN void int8_params(float absmax, float& scale, float& inv) {
   const float qmax = 127.0f;
   const float fmax = 3.40282346638528859812e+38f;
-  scale = fdiv(absmax, qmax);
-  inv = (absmax >= fdiv(qmax, fmax) && absmax <= fmax) ? fdiv(qmax, absmax) : 0.0f;
+  scale = isnan_f(absmax) ? ffrom(QUIET_NAN) : fdiv(absmax, qmax);
+  inv = (fge(absmax, fdiv(qmax, fmax)) && fle(absmax, fmax)) ? fdiv(qmax, absmax) : 0.0f;
 }
 
 // The int8 code of x, as a float: rint(x * inv), or with stochastic rounding

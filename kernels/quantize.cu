@@ -148,7 +148,7 @@ template <class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
       nan |= __shfl_xor_sync(FULL_MASK, nan, o, a.team);
     }
     float scale, inv;
-    int8_params(nan ? ffrom(0x7fc00000u) : amax, scale, inv);
+    int8_params(nan ? ffrom(QUIET_NAN) : amax, scale, inv);
     if (len > 0 && sub == 0) scales[b] = scale;
 #pragma unroll
     for (int j = 0; j < QREGS; ++j) {

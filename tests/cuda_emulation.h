@@ -8,16 +8,30 @@
 // block or warp taking different paths to it) aborts with a message instead of hanging: the
 // emulator checks that every warp-level call is reached by all 32 lanes, as CUDA requires of
 // FULL_MASK calls.
+//
+// Nothing on a GPU orders blocks, or the threads that leave a barrier: the blocks of a launch run
+// in a shuffled order, and the threads of a block are resumed in a fresh shuffled order at every
+// barrier (seeded by configure(), so a failing order can be replayed), so code that counts on an
+// order shows it.
+//
+// float32 arithmetic is the GPU's, not the host's (kernels/common.cuh routes its float32 helpers
+// here): a NaN result is the canonical NaN 0x7fffffff whatever the operands' payloads, and with
+// flush-to-zero (kernels compiled with -ftz=true) subnormal inputs and results of additions,
+// multiplications, divisions, min/max, comparisons, roundings and float/double conversions are
+// zeros of their sign, as in the PTX NVRTC emits then (add.rn.ftz.f32, setp.*.ftz.f32, ...).
+// float64 arithmetic is IEEE on both and is left to the host.
 #pragma once
 
 #include <ucontext.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <vector>
 
 #define __global__
@@ -33,6 +47,61 @@ inline rc_dim3 gridDim, blockDim, blockIdx, threadIdx;
 namespace rc_emu {
 
 constexpr std::size_t STACK = 64 * 1024;
+
+// ------------------------------------------------------------- the GPU's float32 arithmetic
+inline bool ftz = false;  // set by configure(): whether the kernels flush subnormals
+
+inline std::uint32_t f32_bits(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+inline float f32_of(std::uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+// A subnormal as the zero of its sign, when flushing.
+inline float flush(float x) {
+  const std::uint32_t b = f32_bits(x);
+  return ftz && (b & 0x7f800000u) == 0 ? f32_of(b & 0x80000000u) : x;
+}
+// The result of a float32 instruction: NaN is canonical, a subnormal flushed when flushing.
+inline float result(float r) { return std::isnan(r) ? f32_of(0x7fffffffu) : flush(r); }
+
+inline float f32_add(float a, float b) { return result(flush(a) + flush(b)); }
+inline float f32_sub(float a, float b) { return result(flush(a) - flush(b)); }
+inline float f32_mul(float a, float b) { return result(flush(a) * flush(b)); }
+inline float f32_div(float a, float b) { return result(flush(a) / flush(b)); }
+inline float f32_rint(float x) { return result(std::rint(flush(x))); }
+inline float f32_floor(float x) { return result(std::floor(flush(x))); }
+// fmaxf / fminf: a NaN operand yields the other one; two NaNs the canonical NaN.
+inline float f32_max(float a, float b) { return result(std::fmax(flush(a), flush(b))); }
+inline float f32_min(float a, float b) { return result(std::fmin(flush(a), flush(b))); }
+inline bool f32_le(float a, float b) { return flush(a) <= flush(b); }
+inline float f32_from_f64(double x) { return result((float)x); }
+inline double f64_from_f32(float x) { return (double)flush(x); }
+
+// ------------------------------------------------------------------------------ ordering
+inline std::uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+inline bool shuffled = true;
+
+inline std::uint64_t next_random() {  // splitmix64
+  std::uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+inline void shuffle(std::vector<unsigned>& v) {
+  if (!shuffled) return;
+  for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next_random() % i]);
+}
+// Arithmetic mode and the seed of the orders of the launches that follow.
+inline void configure(bool flush_subnormals, std::uint64_t seed, bool shuffle_order) {
+  ftz = flush_subnormals;
+  rng_state = seed;
+  shuffled = shuffle_order;
+}
 
 #if defined(__x86_64__) && defined(__linux__)
 // Switching fibers is most of the emulator's time: swap the callee-saved registers and the
@@ -180,7 +249,11 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
   }
   warp_barriers.assign(block / 32, Barrier{});
   slots.assign(block, 0);
-  for (unsigned b = 0; b < grid; ++b) {
+  std::vector<unsigned> blocks(grid), order(block);
+  std::iota(blocks.begin(), blocks.end(), 0u);
+  std::iota(order.begin(), order.end(), 0u);
+  shuffle(blocks);
+  for (const unsigned b : blocks) {
     blockIdx.x = b;
     block_barrier = Barrier{};
     block_alive = block;
@@ -190,9 +263,10 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
       f.done = false;
     }
     unsigned remaining = block;
-    while (remaining) {
+    while (remaining) {  // one sweep: every live thread runs up to its next barrier
       progress = false;
-      for (unsigned t = 0; t < block; ++t) {
+      shuffle(order);
+      for (const unsigned t : order) {
         if (fibers[t].done) continue;
         current = t;
         threadIdx.x = t;

@@ -9,6 +9,12 @@ CuPy whose arrays are NumPy arrays (``DeviceArray``, reported as CuPy arrays so 
 ``ringcomm.ops.get`` picks the CUDA operations) and whose kernel launches run the emulated
 kernels. What runs is ringcomm's own code, kernels and Python alike; only CuPy and the GPU are
 replaced.
+
+The emulated GPU computes as the real one does (tests/cuda_emulation.h): float32 NaN results are
+the canonical NaN, subnormals are flushed exactly when the kernels are compiled with -ftz=true
+(ringcomm compiles them with ``_cuda_source.OPTIONS``, which say -ftz=false), blocks run in a
+shuffled order and threads leave each barrier in a shuffled order. Every launch is recorded with
+its scalar arguments (``Emulator.launches``), so tests can count passes.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,7 +36,8 @@ from ringcomm.ops import _cuda_runtime, _cuda_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["DeviceArray", "Emulator", "FakeCupy", "build", "cache_dir", "installed"]
+__all__ = ["DeviceArray", "Emulator", "FakeCupy", "Launch", "build", "build_kernels",
+           "cache_dir", "flushes_subnormals", "installed"]
 
 _PREAMBLE = """\
 #include "cuda_emulation.h"
@@ -70,34 +77,78 @@ int emu_signature(int i, unsigned* out) {{ return KERNELS[i].signature(out); }}
 void emu_run(int i, unsigned grid, unsigned block, void** args) {{
   KERNELS[i].run(grid, block, args);
 }}
+void emu_configure(int ftz, unsigned long long seed, int shuffle) {{
+  rc_emu::configure(ftz != 0, seed, shuffle != 0);
+}}
 }}
 """
 _ENTRY = ('  {{"{name}", [](unsigned g, unsigned b, void** a) {{ run(&{name}, g, b, a); }},\n'
           '   [](unsigned* s) {{ return signature(&{name}, s); }}}},')
 
 
-def _source() -> str:
-    includes = "\n".join(f'#include "{s}"' for s in _cuda_source.SOURCES)
-    entries = "\n".join(_ENTRY.format(name=name) for source in _cuda_source.SOURCES
-                        for name in _cuda_source.name_expressions(source))
-    return _PREAMBLE.format(includes=includes, entries=entries)
+def _source(includes: Sequence[str], names: Sequence[str]) -> str:
+    return _PREAMBLE.format(includes="\n".join(f'#include "{i}"' for i in includes),
+                            entries="\n".join(_ENTRY.format(name=name) for name in names))
+
+
+def flushes_subnormals(options: Sequence[str]) -> bool:
+    """Whether NVRTC flushes float32 subnormals to zero in kernels compiled with ``options``
+    (its default is not to; CuPy's RawModule adds -ftz=true to whatever it is given)."""
+    flags = {o.lstrip("-") for o in options}
+    return "ftz=true" in flags
+
+
+class Launch(NamedTuple):
+    """One emulated kernel launch: the kernel, its grid and block sizes, and its arguments
+    (scalars as Python numbers, arrays as ("array", size))."""
+
+    name: str
+    grid: int
+    block: int
+    args: tuple[Any, ...]
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 64-bit seed for launch ``index`` of an emulator seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class Emulator:
-    """The compiled kernels: ``launch(name, grid, block, args)`` runs one on the CPU."""
+    """The compiled kernels: ``launch(name, grid, block, args)`` runs one on the CPU.
 
-    def __init__(self, path: Path) -> None:
+    Args:
+        path: the shared library ``build`` made.
+        options: the NVRTC options the kernels are taken to be compiled with; their -ftz decides
+            whether float32 subnormals are flushed (default: ringcomm's own options).
+        seed: seeds the shuffled block and thread orders (launch i uses a seed mixed from it
+            and i, so a run is replayed by the same seed).
+        shuffle: False runs blocks and threads in index order.
+    """
+
+    def __init__(self, path: Path, *, options: Sequence[str] | None = None, seed: int = 0,
+                 shuffle: bool = True) -> None:
         self._lib = ctypes.CDLL(str(path))
         self._lib.emu_name.restype = ctypes.c_char_p
         self._lib.emu_signature.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
         self._lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
                                       ctypes.POINTER(ctypes.c_void_p)]
+        self._lib.emu_configure.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int]
         self.kernels: dict[str, tuple[int, list[int]]] = {}
         sizes = (ctypes.c_uint * 32)()
         for i in range(self._lib.emu_count()):
             nargs = self._lib.emu_signature(i, sizes)
             self.kernels[self._lib.emu_name(i).decode()] = (i, list(sizes[:nargs]))
-        self.launches: list[str] = []
+        self.options = tuple(_cuda_source.OPTIONS if options is None else options)
+        self.ftz = flushes_subnormals(self.options)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.launches: list[Launch] = []
+
+    def reseed(self, seed: int) -> None:
+        """Seed the orders of the launches that follow (launch indices count from here)."""
+        self.seed = seed
+        self.launches.clear()
 
     def launch(self, name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         """Run kernel ``name`` over ``grid`` blocks of ``block`` threads.
@@ -127,12 +178,35 @@ class Emulator:
                 raise TypeError(f"{name}: argument {pos} is a {type(arg).__name__}; pass "
                                 "NumPy scalars so that their width is explicit")
         pointers = (ctypes.c_void_p * max(1, len(keep)))(*[k.ctypes.data for k in keep])
-        self.launches.append(name)
+        shown = tuple(("array", a.size) if isinstance(a, np.ndarray) else a.item() for a in args)
+        self._lib.emu_configure(int(self.ftz), _mix(self.seed, len(self.launches)),
+                                int(self.shuffle))
+        self.launches.append(Launch(name, grid, block, shown))
         self._lib.emu_run(index, grid, block, pointers)
 
 
-def build(directory: Path) -> Emulator:
-    """Compile the emulated kernels into ``directory`` (reused while the sources are unchanged).
+def build(directory: Path, *, options: Sequence[str] | None = None, seed: int = 0,
+          shuffle: bool = True) -> Emulator:
+    """Compile ringcomm's kernels (every instantiation it launches) for the emulator into
+    ``directory``, reused while the sources are unchanged.
+
+    Args:
+        directory: where the shared library is kept.
+        options, seed, shuffle: as for ``Emulator``.
+
+    Raises:
+        FileNotFoundError: no C++ compiler.
+    """
+    names = [n for source in _cuda_source.SOURCES for n in _cuda_source.name_expressions(source)]
+    return build_kernels(directory, _cuda_source.SOURCES, names, options=options, seed=seed,
+                         shuffle=shuffle)
+
+
+def build_kernels(directory: Path, sources: Sequence[str | Path], names: Sequence[str], *,
+                  options: Sequence[str] | None = None, seed: int = 0,
+                  shuffle: bool = True) -> Emulator:
+    """Compile the kernels ``names`` of ``sources`` (files in kernels/, or paths) for the
+    emulator into ``directory``, reused while the sources are unchanged.
 
     Raises:
         FileNotFoundError: no C++ compiler.
@@ -140,24 +214,31 @@ def build(directory: Path) -> Emulator:
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise FileNotFoundError("no C++ compiler")
-    code = _source()
+    code = _source([str(s) for s in sources], names)
     digest = hashlib.sha256(code.encode())
-    for header in [*sorted((ROOT / "kernels").glob("*.cu*")), ROOT / "tests/cuda_emulation.h"]:
+    extra = [Path(s) for s in sources if Path(s).is_absolute()]
+    for header in [*sorted((ROOT / "kernels").glob("*.cu*")), ROOT / "tests/cuda_emulation.h",
+                   *extra]:
         digest.update(header.read_bytes())
     lib = directory / f"emulated_kernels_{digest.hexdigest()[:16]}.so"
     if not lib.exists():
-        src = directory / "emulated_kernels.cpp"
+        # Names of this process: concurrent builders (MPI ranks) never read or load each
+        # other's partial files.
+        src = directory / f"emulated_kernels.{os.getpid()}.cpp"
         src.write_text(code)
-        tmp = lib.with_suffix(f".{id(code)}.tmp")
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         # -O0: builds in half the time, and the emulated kernels spend theirs switching fibers.
         cmd = [cxx, "-std=c++20", "-O0", "-ffp-contract=off", "-fno-strict-aliasing",
                "-DRC_EMULATE", "-shared", "-fPIC", f"-I{ROOT / 'kernels'}",
                f"-I{ROOT / 'tests'}", str(src), "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        finally:
+            src.unlink(missing_ok=True)
         if done.returncode:
             raise RuntimeError(f"building the emulated kernels failed:\n{done.stderr[-4000:]}")
-        tmp.replace(lib)  # atomic: concurrent builders (MPI ranks) never load a partial file
-    return Emulator(lib)
+        tmp.replace(lib)  # atomic: a loader sees no file or a whole one
+    return Emulator(lib, options=options, seed=seed, shuffle=shuffle)
 
 
 # --------------------------------------------------------------------- the CuPy stand-in

@@ -77,7 +77,7 @@ void int8_quantize_n(const unsigned char* in, const float* own_or_x, unsigned ch
       amax = fmax_f(amax, abs_f(v[j]));
     }
     float scale, inv;
-    int8_params(nan ? ffrom(0x7fc00000u) : amax, scale, inv);
+    int8_params(nan ? ffrom(QUIET_NAN) : amax, scale, inv);
     scales[b] = scale;
     for (i64 j = 0; j < len; ++j) {
       const i64 i = start + j;
@@ -92,7 +92,7 @@ void int8_quantize_n(const unsigned char* in, const float* own_or_x, unsigned ch
 void cast_round_n(int fmt, const u16* in, const float* own_or_x, u16* out, float* err, i64 n) {
   for (i64 i = 0; i < n; ++i) {
     float x = own_or_x[i];
-    if (in) x = fadd(fmt ? bf16_to_f32(in[i]) : f16_to_f32(in[i]), x);
+    if (in) x = quiet_nan_of(fadd(fmt ? bf16_to_f32(in[i]) : f16_to_f32(in[i]), x));
     out[i] = fmt ? f32_to_bf16_wire(x) : f32_to_f16(x);
     if (err) err[i] = finite_or_zero(fsub(x, fmt ? bf16_to_f32(out[i]) : f16_to_f32(out[i])));
   }

@@ -1,9 +1,11 @@
 """Checks that every operation of ringcomm.ops.cuda computes what its NumPy twin computes.
 
-One body per operation, run by tests/test_ops_cuda.py on a GPU (CuPy) and by
-tests/test_ops_emulated.py on the CPU (the same kernels and Python code, with CuPy replaced;
-see tests/gpu_emulator.py). Inputs are fresh random data with NaN/Inf mixed in; every output
-is poisoned with finite garbage first, so an element a kernel forgets to write shows.
+One body per operation, run by tests/test_ops_cuda.py on a GPU (CuPy) and on the CPU emulator
+(the same kernels and Python code, with CuPy replaced; see tests/gpu_emulator.py). Inputs are
+fresh random data with NaN/Inf and subnormals mixed in; every output is poisoned with finite
+garbage first, so an element a kernel forgets to write shows. Payloads (what goes on the wire)
+must match byte for byte, NaN words included; float results value for value (NaN equal to NaN:
+the payload of a NaN that arithmetic made is the hardware's).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Device:
 
 def data(rng: np.random.Generator, n: int, dtype: Any = np.float32, scale: float = 1.0,
          nonfinite: bool = True) -> np.ndarray:
-    """Random values of ``dtype``; with a few NaN and +-Inf when floating and ``nonfinite``."""
+    """Random values of ``dtype``; when floating, a few subnormals of the dtype (n > 8), and with
+    ``nonfinite`` a few NaN and +-Inf."""
     dt = np.dtype(dtype)
     if dt.kind in "iu":
         return rng.integers(-1000, 1000, n).astype(dt)
@@ -62,7 +65,17 @@ def data(rng: np.random.Generator, n: int, dtype: Any = np.float32, scale: float
         for value in (np.nan, np.inf, -np.inf):
             x[rng.integers(0, n)] = value
     with np.errstate(over="ignore", invalid="ignore"):
-        return x.astype(dt)
+        x = x.astype(dt)
+    if n > 8 and dt.kind == "f":  # a GPU built with flush-to-zero would make these zeros
+        tiny = np.finfo(dt).smallest_normal
+        x[rng.choice(n, 2, replace=False)] = [tiny / dt.type(3), -tiny / dt.type(5)]
+    return x
+
+
+def nan_with_payload(sign: int, payload: int) -> np.float32:
+    """A float32 quiet NaN of the given sign and low payload bits (not NumPy's own NaN)."""
+    bits = (sign << 31) | 0x7FC00000 | (payload & 0x3FFFFF)
+    return np.array([bits], np.uint32).view(np.float32)[0]
 
 
 def assert_same(dev: Device, got: Any, want: np.ndarray) -> None:
@@ -83,11 +96,11 @@ def assert_bits(dev: Device, got: Any, want: np.ndarray) -> None:
 
 
 def assert_payload(dev: Device, got: Any, want: np.ndarray, scales: int, used: int) -> None:
-    """Equal payloads: ``scales`` float32 words (NaN equal to NaN), then exact bytes up to
-    ``used`` (padding is nobody's business)."""
+    """Equal payloads, byte for byte up to ``used`` (padding is nobody's business): the
+    ``scales`` float32 words first (NaN scales included), then the codes or words."""
     host = dev.get(got)
-    np.testing.assert_array_equal(host[: 4 * scales].view(np.float32),
-                                  want[: 4 * scales].view(np.float32))
+    np.testing.assert_array_equal(host[: 4 * scales].view(np.uint32),
+                                  want[: 4 * scales].view(np.uint32))
     np.testing.assert_array_equal(host[4 * scales: used], want[4 * scales: used])
 
 
@@ -208,7 +221,9 @@ def check_int8(dev: Device, rng: np.random.Generator, n: int, block: int,
                stochastic: bool) -> None:
     x = data(rng, n, np.float32, 10.0)
     if n > block:
-        x[:block] = 1e-42  # a block too small to quantize
+        x[:block] = 1e-42  # a block too small to quantize (its scale is subnormal)
+    if n > 2 * block + 1:
+        x[block + 1] = nan_with_payload(1, 0x1234)  # its block's scale: the quiet NaN anyway
     own = data(rng, n, np.float32, 3.0, nonfinite=False)
     nb, size = -(-n // block), ref.int8_nbytes(n, block)
     kw = {"stochastic": stochastic, "seed": 99, "base": 2**32 - 2}
@@ -254,6 +269,9 @@ def check_int8_unaligned(dev: Device, rng: np.random.Generator, n: int) -> None:
 def check_cast(dev: Device, rng: np.random.Generator, n: int, fmt: str) -> None:
     x = data(rng, n, np.float32, 3e4)  # float16 overflows past 65504
     own = data(rng, n, np.float32, 3e4, nonfinite=False)
+    if n > 8:  # NaN sums in the hop: a NaN with a payload of its own, and Inf + -Inf
+        x[:2] = [nan_with_payload(1, 0x2345), np.inf]
+        own[1] = -np.inf
     size = ref.cast_nbytes(n)
     want, want_err = np.zeros(size, np.uint8), np.empty(n, np.float32)
     with np.errstate(all="ignore"):
@@ -293,19 +311,34 @@ def check_topk(dev: Device, rng: np.random.Generator, n: int, k: int, approximat
 
 
 def check_topk_ties(dev: Device, rng: np.random.Generator, n: int, k: int) -> None:
-    """Many equal magnitudes: a valid top k, ascending, and ties at the k-th go to the lowest
-    indices (NumPy breaks them arbitrarily)."""
+    """Many equal magnitudes: the top k, ascending, ties at the k-th going to the lowest
+    indices, exactly as NumPy selects them."""
     x = (rng.integers(-8, 9, n) * 0.5).astype(np.float32)
+    k = min(k, n)
     idx, val = gpu.topk(dev.put(x), k)
     idx, val = dev.get(idx), dev.get(val)
-    k = min(k, n)
     assert idx.size == k and np.all(np.diff(idx) > 0) and np.array_equal(val, x[idx])
-    mags = np.abs(x)
-    kth = np.sort(mags)[n - k]
-    assert np.all(mags[idx] >= kth) and np.all(mags[np.setdiff1d(np.arange(n), idx)] <= kth)
-    ties = np.flatnonzero(mags == kth)
-    chosen = np.intersect1d(idx, ties)
-    np.testing.assert_array_equal(chosen, ties[: chosen.size])
+    np.testing.assert_array_equal(idx, lowest_index_topk(x, k))
+    want_idx, want_val = ref.topk(x, k)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_array_equal(val, want_val)
+
+
+def lowest_index_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """The exact top k by a full sort: magnitude keys descending (NaN above Inf, by payload),
+    then index ascending; returned ascending."""
+    keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    order = np.lexsort((np.arange(x.size), -keys.astype(np.int64)))
+    return np.sort(order[:k]).astype(np.int32)
+
+
+def check_topk_gradients(dev: Device, rng: np.random.Generator, n: int, k: int) -> None:
+    """float32 gradient-like values, whose magnitudes repeat at large n: NumPy's selection."""
+    x = (rng.standard_normal(n) * rng.lognormal(0, 1, n)).astype(np.float32)
+    want_idx, want_val = ref.topk(x, k)
+    idx, val = gpu.topk(dev.put(x), k)
+    assert_same(dev, idx, want_idx)
+    assert_same(dev, val, want_val)
 
 
 def check_sample_threshold(dev: Device, rng: np.random.Generator, n: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,8 @@ from ringcomm.ops import numpy as ops
 
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 31))
+    # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED).
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 # ----------------------------------------------------------------------------------- int8
@@ -27,7 +30,8 @@ def test_int8_roundtrip_error_within_half_a_step(rng, n, block):
     pad = -len(x) % block
     absmax = np.abs(np.concatenate([x, np.zeros(pad, np.float32)])).reshape(-1, block).max(1)
     step = np.repeat(absmax / 127, block)[:n]
-    assert np.all(np.abs(dec - x) <= step / 2 * (1 + 1e-6))
+    # Half a step, plus the float32 rounding of q * scale (an ulp or two of x).
+    assert np.all(np.abs(dec - x) <= step / 2 + 2 * np.spacing(np.abs(x)))
     np.testing.assert_array_equal(err, x - dec)
     # The block maximum is represented exactly (q = +-127).
     for b in range(0, n, block):

@@ -1,9 +1,10 @@
-"""Every kernel source compiles with NVRTC, for compute_80 and compute_90, with every name
+"""Every kernel source compiles with NVRTC into cubins for sm_80 and sm_90, with every name
 expression ringcomm.ops.cuda launches, on any machine (no GPU needed).
 
-NVRTC is called through CuPy's low-level binding (cupy_backends.cuda.libs.nvrtc), which loads
-libnvrtc from the nvidia-cuda-nvrtc-cu12 wheel of the test extra, with the exact options and
-sources ringcomm.ops.cuda hands to cupy.RawModule. A syntax or template error fails here.
+The compile is the one ringcomm.ops._cuda_runtime runs on a GPU machine: ops/_kernel_cache.py's
+NVRTC (CuPy's binding, cupy_backends.cuda.libs.nvrtc, which loads libnvrtc from the NVRTC wheel
+of the test extra) with exactly ``_cuda_source.OPTIONS``. A syntax, template or ptxas error
+fails here.
 """
 
 from __future__ import annotations
@@ -11,50 +12,36 @@ from __future__ import annotations
 import pytest
 
 from ringcomm.ops import _cuda_source
+from ringcomm.ops import _kernel_cache as kc
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
-                            reason="needs CuPy (the test extra installs it)")
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                    reason="needs CuPy (the test extra installs it)")
 
-ARCHS = ("compute_80", "compute_90")
-# What cupy.RawModule adds to the options it is given (besides the target architecture).
-CUPY_ADDS = ("--device-as-default-execution-space",)
-
-
-def _compile(source: str, arch: str) -> tuple[dict[str, str], bytes]:
-    """Compile ``source``; return its lowered kernel names and its PTX."""
-    names = _cuda_source.name_expressions(source)
-    prog = nvrtc.createProgram(_cuda_source.read_source(source), source, [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *_cuda_source.OPTIONS,
-                                        *CUPY_ADDS])
-        except nvrtc.NVRTCError as err:
-            pytest.fail(f"{source} ({arch}) does not compile: {err}\n{nvrtc.getProgramLog(prog)}")
-        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return lowered, ptx if isinstance(ptx, bytes) else ptx.encode()
+ARCHS = (80, 90)
 
 
 @pytest.fixture(scope="module")
-def libnvrtc() -> None:
+def nvrtc() -> kc.Nvrtc:
     try:
-        nvrtc.getVersion()
-    except Exception as err:  # the library itself could not be loaded
-        pytest.skip(f"libnvrtc not found ({err}); pip install nvidia-cuda-nvrtc-cu12")
+        return kc.nvrtc()
+    except RuntimeError as err:  # the library itself could not be loaded
+        pytest.skip(f"{err}; pip install nvidia-cuda-nvrtc-cu12")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", _cuda_source.SOURCES)
-def test_source_compiles_with_every_instantiation(libnvrtc, source, arch):
-    lowered, ptx = _compile(source, arch)
+def test_source_compiles_with_every_instantiation(nvrtc, tmp_path, source, arch):
+    try:
+        compiled = kc.load_source(source, kc.Target(arch, "cubin"), compiler=nvrtc,
+                                  directory=tmp_path)
+    except RuntimeError as err:
+        pytest.fail(f"{source} (sm_{arch}) does not compile: {err}")
+    lowered = compiled.lowered
+    assert set(lowered) == set(_cuda_source.name_expressions(source))
     assert len(set(lowered.values())) == len(lowered)  # one kernel per name expression
+    assert compiled.image.startswith(b"\x7fELF")
     for name, symbol in lowered.items():
-        assert f".entry {symbol}(".encode() in ptx, f"{name} ({symbol}) missing from the PTX"
-    assert f".target sm_{arch[-2:]}".encode() in ptx
+        assert f".text.{symbol}\0".encode() in compiled.image, f"{name} ({symbol}) not in the cubin"
 
 
 def test_headers_are_inlined():

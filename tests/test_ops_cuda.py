@@ -2,7 +2,9 @@
 
 The "cuda" runs need CuPy and a CUDA GPU (marker ``gpu``; skipped without one) and use the
 sizes 1, 255, 257 and 2**20 + 7. The "emulated" runs execute the same kernels and the same
-Python code on the CPU (tests/gpu_emulator.py) at sizes 1, 255, 257 and 4099, so they run in CI.
+Python code on the CPU (tests/gpu_emulator.py, with the GPU's float32 arithmetic and shuffled
+block and thread orders) at sizes 1, 255, 257 and 4099, so they run in CI. Each test's data and
+emulated orders are seeded from its name: a failure replays.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import zlib
 
 import numpy as np
 import ops_twins as twins
@@ -55,6 +58,7 @@ def dev(request: pytest.FixtureRequest):
         dtypes = [*_BASE_DTYPES, *([twins.BF16] if twins.BF16 is not None else [])]
         device = twins.Device(fake.asarray, lambda a: a.get(), fake.empty, dtypes)
         device.large, device.sampled = 4099, 12_000
+        device.emulator = emulator
         yield device
 
 
@@ -64,9 +68,14 @@ def n(request: pytest.FixtureRequest, dev: twins.Device) -> int:
 
 
 @pytest.fixture
-def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """Fresh data per test, reproducible from the test's name."""
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 31))
+def rng(request: pytest.FixtureRequest, dev: twins.Device) -> np.random.Generator:
+    """Fresh data per test, and on the emulator fresh block and thread orders, both reproducible
+    from the test's name."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    emulator = getattr(dev, "emulator", None)
+    if emulator is not None:
+        emulator.reseed(seed)
+    return np.random.default_rng(seed)
 
 
 def test_copy(dev, rng, n):
@@ -127,8 +136,16 @@ def test_topk_sampled(dev, rng, ratio, approximate):
     twins.check_topk(dev, rng, n, math.ceil(ratio * n), approximate, nonfinite=True)
 
 
-def test_topk_ties_go_to_the_lowest_indices(dev, rng, n):
-    twins.check_topk_ties(dev, rng, n, max(1, n // 10))
+@pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
+def test_topk_ties_go_to_the_lowest_indices(dev, rng, n, ratio):
+    twins.check_topk_ties(dev, rng, n, max(1, math.ceil(ratio * n)))
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_topk_of_gradients_matches_numpy(dev, rng, ratio):
+    """Arrays large enough for the sampled prefilter, with the repeated magnitudes of real
+    float32 gradients."""
+    twins.check_topk_gradients(dev, rng, dev.sampled, math.ceil(ratio * dev.sampled))
 
 
 def test_sample_threshold(dev, rng, n):

@@ -1,13 +1,17 @@
 """CuPy machinery behind :mod:`ringcomm.ops.cuda`: the lazy import, the compiled kernel modules
-(once per device and source, cached), grid sizes, alignment checks and launches."""
+(compiled once per machine by ops/_kernel_cache.py, loaded once per device and source), grid
+sizes, alignment checks and launches."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ringcomm.ops import _cuda_source as _src
+from ringcomm.ops import _cuda_stack
+from ringcomm.ops import _kernel_cache as _cache
 
 __all__ = ["BLOCK", "NULL", "aligned", "cp", "function", "grid", "launch", "overlap", "u32"]
 
@@ -19,9 +23,11 @@ NULL = np.uint64(0)
 _BLOCKS_PER_SM = 8
 
 _cupy: Any = None
-_modules: dict[tuple[int, str], Any] = {}
+# (device, source) -> the loaded module and the lowered symbol of each name expression
+_modules: dict[tuple[int, str], tuple[Any, Mapping[str, str]]] = {}
 _functions: dict[tuple[int, str], Any] = {}
 _sm_counts: dict[int, int] = {}
+_targets: dict[int, _cache.Target] = {}
 _SOURCE_OF = {name: source for source in _src.SOURCES for name in _src.name_expressions(source)}
 
 
@@ -38,8 +44,7 @@ def cp() -> Any:
         import cupy
     except ImportError as err:
         raise RuntimeError(
-            "CuPy arrays need CuPy and a CUDA GPU: pip install 'ringcomm[cuda12]' "
-            f"(cupy-cuda12x with the NVRTC wheel) ({err})"
+            f"CuPy arrays need CuPy and a CUDA GPU: {_cuda_stack.install_hint()} ({err})"
         ) from err
     try:
         count = cupy.cuda.runtime.getDeviceCount()
@@ -52,23 +57,42 @@ def cp() -> Any:
 
 
 def function(name: str) -> Any:
-    """The kernel named by name expression ``name``, compiled for the current device.
+    """The kernel named by name expression ``name``, loaded on the current device.
 
-    The first kernel of a source compiles the whole source (all its instantiations) with NVRTC;
-    CuPy keeps the binary in its on-disk cache, so later processes only load it.
+    The first kernel of a source loads the whole source (all its instantiations): from
+    ringcomm's kernel cache when this machine compiled it before, else compiled with NVRTC for
+    the device's architecture and stored there (ops/_kernel_cache.py). CuPy's RawModule is not
+    used: it would compile with -ftz=true.
     """
     cupy = _cupy or cp()
     device = cupy.cuda.runtime.getDevice()
     fn = _functions.get((device, name))
     if fn is None:
         source = _SOURCE_OF[name]
-        module = _modules.get((device, source))
-        if module is None:
-            module = cupy.RawModule(code=_src.read_source(source), options=_src.OPTIONS,
-                                    name_expressions=list(_src.name_expressions(source)))
-            _modules[(device, source)] = module
-        fn = _functions[(device, name)] = module.get_function(name)
+        loaded = _modules.get((device, source))
+        if loaded is None:
+            loaded = _modules[(device, source)] = _load(cupy, device, source)
+        module, lowered = loaded
+        fn = _functions[(device, name)] = module.get_function(lowered[name])
     return fn
+
+
+def _target(cupy: Any, device: int) -> _cache.Target:
+    """What to compile for ``device``: its own architecture, as NVRTC can."""
+    target = _targets.get(device)
+    if target is None:
+        capability = int(cupy.cuda.Device(device).compute_capability)
+        target = _targets[device] = _cache.target_for(capability,
+                                                      _cache.nvrtc().supported_archs())
+    return target
+
+
+def _load(cupy: Any, device: int, source: str) -> tuple[Any, Mapping[str, str]]:
+    """Kernel source ``source`` loaded into the current context of ``device``."""
+    compiled = _cache.load_source(source, _target(cupy, device))
+    module = cupy.cuda.function.Module()
+    module.load(compiled.image)
+    return module, compiled.lowered
 
 
 def grid(items: int, per_block: int = BLOCK) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+from importlib.resources.abc import Traversable
+from pathlib import Path
 
 from ringcomm.comm.types import ReduceOp
 
@@ -34,8 +36,10 @@ __all__ = [
 #: Kernel sources, by file name.
 SOURCES = ("elementwise.cu", "quantize.cu", "cast.cu", "topk.cu")
 
-#: NVRTC options: C++17, and no contraction of a * b + c into an FMA, which NumPy never does.
-OPTIONS = ("--std=c++17", "--fmad=false")
+#: NVRTC options: C++17; no contraction of a * b + c into an FMA, and no flush of float32
+#: subnormals to zero, neither of which NumPy does (ops/_kernel_cache.py compiles with exactly
+#: these: CuPy's RawModule would add -ftz=true).
+OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false")
 
 #: The C++ type a NumPy dtype name is stored as in the kernels.
 CTYPES = {
@@ -116,6 +120,18 @@ def name_expressions(source: str) -> tuple[str, ...]:
     return tuple(_NAMES[source]())
 
 
+def _kernel_dir() -> Traversable | Path:
+    """Where the kernel sources are: the installed ``ringcomm._kernels``, else ``kernels/``.
+
+    A checkout put on ``sys.path`` without being installed (a copy of the working tree, as the
+    GPU check runs) has no ``ringcomm._kernels`` package; its sources sit at the root.
+    """
+    try:
+        return importlib.resources.files("ringcomm._kernels")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "kernels"
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -126,7 +142,7 @@ def read_source(name: str) -> str:
     Raises:
         FileNotFoundError: the package ships no such source.
     """
-    root = importlib.resources.files("ringcomm._kernels")
+    root = _kernel_dir()
     seen: set[str] = set()
 
     def expand(file: str) -> str:

@@ -7,8 +7,9 @@ lowest indices. No step waits for the GPU. On large arrays both paths first sele
 threshold of a strided ~1% sample the same way and count, in one pass, the entries reaching it
 and its halvings; after one wait for those counts, the exact path compacts the candidates and
 selects among them, and the approximate path (DGC) writes the non-finite entries and then the
-earliest entries that reach the threshold. Both return what NumPy returns, up to which of
-several entries tied at T (exact) are kept.
+earliest entries that reach the threshold. The exact path aims the sampled threshold at 1.5k,
+as NumPy does (ops/_topk_plan.py), so that the candidates nearly always hold the top k; when
+they do not, it selects from the whole array. Both paths return exactly what NumPy returns.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.comm.log import get_logger
 from ringcomm.ops import _cuda_runtime as _rt
+from ringcomm.ops import _topk_plan as _plan
 
 __all__ = ["sample_threshold", "topk"]
 
@@ -27,7 +30,7 @@ _F32 = np.float32
 _ALL = np.int64(1 << 62)  # "every one of them"
 _HALVINGS = 9  # rows 0..8 of sample_limits: the threshold, halved up to 8 times
 _NONFINITE, _EVERY = 9, 10  # rows of sample_limits: keys >= Inf; every key
-_SMALL = 4096  # NumPy selects smaller arrays exactly, without a sample
+_LOG = get_logger("ops.topk")
 
 
 def _select(x: Any, off: int, stride: int, m: int, k: int) -> Any:
@@ -86,18 +89,10 @@ def _exact(x: Any, ids: Any | None, k: int, idx: Any, val: Any) -> None:
     _write(x, ids, lims, 0, 1, _ALL, 0, state, offsets, idx, val)
 
 
-def _sample(n: int, k: int, seed: int) -> tuple[int, int, int, int]:
-    """(offset, stride, size, want) of ops/numpy.py sample_threshold's strided sample."""
-    stride = max(1, n // max(1024, n // 100))
-    off = seed % stride
-    size = len(range(off, n, stride))
-    return off, stride, size, min(size, max(1, -(-k * size // n)))
-
-
 def _sampled(x: Any, k: int, seed: int) -> tuple[Any, Any, list[int]]:
     """The sampled limits, the per-tile counts of the keys reaching each, and their totals
     (read back: the one wait, as the totals decide what follows and size its buffers)."""
-    off, stride, size, want = _sample(x.size, k, seed)
+    off, stride, size, want = _plan.sample_plan(x.size, k, seed)
     sampled = _select(x, off, stride, size, want)
     lims = _rt.cp().empty(_EVERY + 1, np.uint32)
     _rt.launch("rc::sample_limits", 1, (sampled, lims), threads=32)
@@ -111,6 +106,8 @@ def _prefiltered(x: Any, k: int, idx: Any, val: Any, sampled: tuple[Any, Any, li
     lims, counts, passing = sampled
     count = passing[0]
     if count < k or count == x.size:
+        _LOG.debug("top-k: %d of %d entries reach the sampled threshold, k = %d: selecting "
+                   "from all of them", count, x.size, k)
         _exact(x, None, k, idx, val)
         return
     offsets = _scan(x, counts, 0)
@@ -171,12 +168,12 @@ def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[A
         return cupy.arange(n, dtype=np.int32), x.copy()
     idx = cupy.empty(k, np.int32)
     val = cupy.empty(k, _F32)
-    if n < _SMALL or n <= 4 * k:
+    if not _plan.sampled(n, k):
         _exact(x, None, k, idx, val)
     elif approximate:
         _first_above(k, x, idx, val, _sampled(x, k, seed))
     else:
-        _prefiltered(x, k, idx, val, _sampled(x, k, seed))
+        _prefiltered(x, k, idx, val, _sampled(x, _plan.prefilter_rank(n, k), seed))
     return idx, val
 
 
@@ -197,6 +194,6 @@ def sample_threshold(mag: Any, k: int, seed: int) -> float:
     n = mag.size
     if n == 0:
         raise ValueError("sample_threshold needs a non-empty array")
-    off, stride, size, want = _sample(n, k, seed)
+    off, stride, size, want = _plan.sample_plan(n, k, seed)
     state = _select(_float32(mag).reshape(-1), off, stride, size, want)
     return float(state[:1].get().view(_F32)[0])

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm.types import ReduceOp
+from ringcomm.ops import _topk_plan as _plan
 
 __all__ = [
     "ascontiguous",
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 _UFUNCS = {op: getattr(np, op.spec.ufunc) for op in ReduceOp}
-
 
 
 def empty(shape: Any, dtype: Any) -> np.ndarray:
@@ -152,6 +152,19 @@ def uniform(seed: int, base: int, n: int) -> np.ndarray:
     return (h >> np.uint32(8)).astype(_F32) * _F32(1.0 / (1 << 24))
 
 
+# The NaN a payload word carries for a NaN that arithmetic produced (a sum in a cast hop, an int8
+# block's scale): the quiet NaN, as the kernels write it. The hardware's own NaN differs (x86
+# keeps an operand's payload, a GPU returns 0x7fffffff), so both sides replace it.
+_QUIET_NAN = np.uint32(0x7FC00000)
+
+
+def _quiet_nans(x: np.ndarray) -> None:
+    """Replace every NaN in float32 ``x`` by the quiet NaN 0x7fc00000, in place."""
+    nan = np.isnan(x)
+    if nan.any():
+        x.view(np.uint32)[nan] = _QUIET_NAN
+
+
 def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> None:
     """``error = src - decoded``, with 0 where that is not finite (a NaN/Inf never becomes a
     residual that would poison the following steps; the result already carries it)."""
@@ -197,7 +210,9 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
     + u) clipped to [-127, 127] with counter-based uniforms u when ``stochastic``. A block whose
     absmax is 0, below 127 / FLT_MAX, Inf or NaN gets q = 0: it decodes to 0 (tiny blocks, whose
     values then stay in the residual) or to NaN (q * Inf, q * NaN: a non-finite input never
-    turns finite). ``error``, when given, receives ``src - decode(out)`` (0 where not finite).
+    turns finite); a NaN block's scale is the quiet NaN 0x7fc00000, whatever the input NaN's
+    payload. Subnormal values are kept, never flushed (the kernels are compiled without
+    flush-to-zero). ``error``, when given, receives ``src - decode(out)`` (0 where not finite).
     """
     n = src.size
     scales, q = _int8_views(out, n, block)
@@ -208,6 +223,8 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
         np.divide(absmax, _Q, out=scales)
         good = (absmax >= _TINY) & (absmax <= _HUGE)
         clean = bool(good.all())
+        if not clean:
+            _quiet_nans(scales)
         inv = np.divide(_Q, absmax, out=np.zeros_like(absmax), where=good)
         _per_block(inv, src, block, np.multiply, t)
         if not clean:  # x * 0 is NaN for x = +-Inf or NaN
@@ -284,17 +301,26 @@ def cast_decode(payload: np.ndarray, out: np.ndarray, fmt: str) -> None:
 
 def cast_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, fmt: str, *,
              error: np.ndarray | None = None) -> None:
-    """One reduce-scatter hop of a cast payload: decode, add ``own`` in float32, re-round."""
+    """One reduce-scatter hop of a cast payload: decode, add ``own`` in float32, re-round.
+
+    A NaN sum is sent as the quiet NaN (0x7e00 in f16, 0x7fc0 in bf16), whatever the payloads
+    of the NaNs it came from: the GPU's addition would not keep them.
+    """
     acc = np.empty(own.size, _F32)
     cast_decode(payload, acc, fmt)
     np.add(acc, own, out=acc)
+    _quiet_nans(acc)
     cast_encode(acc, out, fmt, error=error)
 
 
-def _magnitude(x: np.ndarray) -> np.ndarray:
-    """|x| in a reused buffer. NaN stays NaN: partitions and the ``_at_least`` test rank it
-    above every number, so a NaN is always selected and propagates."""
-    return np.abs(x, out=_scratch("topk.mag", x.size))
+_MAG_BITS = np.uint32(0x7FFFFFFF)
+
+
+def _keys(x: np.ndarray) -> np.ndarray:
+    """|x|'s float32 bits in a reused buffer: the keys the GPU's select ranks (ops/_topk_plan.py).
+    Viewed as float32 they are the magnitudes, NaN (positive) included."""
+    bits = np.ascontiguousarray(x, dtype=_F32).reshape(-1).view(np.uint32)
+    return np.bitwise_and(bits, _MAG_BITS, out=_scratch("topk.keys", bits.size, np.uint32))
 
 
 def _at_least(mag: np.ndarray, thr: float) -> np.ndarray:
@@ -304,17 +330,26 @@ def _at_least(mag: np.ndarray, thr: float) -> np.ndarray:
     return np.flatnonzero(below)
 
 
-def _top(mag: np.ndarray, k: int) -> np.ndarray:
-    return np.argpartition(mag, mag.size - k)[mag.size - k:]
+def _top(keys: np.ndarray, k: int) -> np.ndarray:
+    """Indices, ascending, of the ``k`` largest keys; of the entries tied at the k-th largest,
+    those with the lowest indices (as the GPU's radix select takes them)."""
+    n = keys.size
+    if k >= n:
+        return np.arange(n)
+    kth = np.partition(keys, n - k)[n - k]
+    cand = np.flatnonzero(keys >= kth)
+    if cand.size > k:  # more ties at the k-th than fit: drop the last ones
+        tie = keys[cand] == kth
+        kept_ties = np.count_nonzero(tie) - (cand.size - k)
+        cand = cand[~tie | (np.cumsum(tie) <= kept_ties)]
+    return cand
 
 
 def sample_threshold(mag: np.ndarray, k: int, seed: int) -> float:
     """DGC's estimate of the k-th largest magnitude from a strided sample of about 1%."""
-    n = mag.size
-    stride = max(1, n // max(1024, n // 100))
-    sample = mag[seed % stride:: stride]
-    want = min(sample.size, max(1, -(-k * sample.size // n)))
-    return float(np.partition(sample, sample.size - want)[sample.size - want])
+    off, stride, size, want = _plan.sample_plan(mag.size, k, seed)
+    sample = mag[off::stride]
+    return float(np.partition(sample, size - want)[size - want])
 
 
 def _first_above(mag: np.ndarray, k: int, thr: float) -> np.ndarray:
@@ -340,29 +375,29 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     """``k`` entries of float32 ``x`` as (int32 indices ascending, float32 values).
 
     NaN ranks above Inf, and Inf above every number, so non-finite entries are always sent.
-    Exact: the ``k`` largest magnitudes (ties broken arbitrarily). On large arrays the entries
-    are first filtered with a threshold estimated from a 1% strided sample (Deep Gradient
-    Compression) and only those are partitioned: exact whenever at least ``k`` pass, else the
-    whole array is partitioned. Approximate (DGC): the earliest entries whose magnitude reaches
-    the sampled threshold (halved while fewer than ``k`` do), without any partition: large
-    entries, not necessarily the largest; what is skipped stays in the residual.
+    Exact: the ``k`` largest magnitudes; of the entries tied at the k-th largest, those with the
+    lowest indices (so the GPU selects the same ones). On large arrays the entries are first
+    filtered with a threshold estimated from a 1% strided sample (Deep Gradient Compression),
+    aimed at 1.5k, and only those are selected from: exact whenever at least ``k`` pass, else
+    the whole array is selected from. Approximate (DGC): the earliest entries whose magnitude
+    reaches the sampled threshold (halved while fewer than ``k`` do), without any partition:
+    large entries, not necessarily the largest; what is skipped stays in the residual.
     """
     n = x.size
     k = min(k, n)
     if k <= 0:
         return np.empty(0, np.int32), np.empty(0, _F32)
-    mag = _magnitude(x)
-    if n < 4096 or n <= 4 * k:
-        idx = _top(mag, k)
+    keys = _keys(x)
+    mag = keys.view(_F32)
+    if not _plan.sampled(n, k):
+        idx = _top(keys, k)
+    elif approximate:
+        idx = np.sort(_first_above(mag, k, sample_threshold(mag, k, seed)))
     else:
-        if approximate:
-            idx = _first_above(mag, k, sample_threshold(mag, k, seed))
-        else:
-            # Aim the estimate at 1.5k: a candidate set short of k costs a full partition.
-            cand = _at_least(mag, sample_threshold(mag, min(n, k + k // 2 + 8), seed))
-            idx = cand[_top(mag[cand], k)] if cand.size >= k else _top(mag, k)
-    idx = np.sort(idx).astype(np.int32)
-    return idx, x[idx].astype(_F32)
+        cand = _at_least(mag, sample_threshold(mag, _plan.prefilter_rank(n, k), seed))
+        idx = cand[_top(keys[cand], k)] if cand.size >= k else _top(keys, k)
+    idx = idx.astype(np.int32)
+    return idx, x.reshape(-1)[idx].astype(_F32)
 
 
 def scatter_add(out: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
