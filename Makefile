@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi test-horovod layers gpu-test gpu-bench bench-ddp lint clean
+.PHONY: demo test test-unit test-mpi test-horovod layers gpu-test gpu-bench gpu-check bench-ddp \
+	lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +45,13 @@ test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py
 
-# Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test;
+# Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
+# then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched;
 # needs HOROVOD_SOURCE=<a checkout of github.com/horovod/horovod> (skipped, saying so, without).
 test-horovod: $(VENV)/.test
 	mkdir -p logs
 	$(BIN)/python tests/upstream/run_horovod.py --json logs/horovod_test_torch.json
+	$(BIN)/python tests/upstream/run_horovod_examples.py --json logs/horovod_examples.json
 
 # GPU tests and kernel benchmarks (on a machine with a CUDA GPU).
 gpu-test: $(VENV)/.test
@@ -57,6 +60,16 @@ gpu-test: $(VENV)/.test
 
 gpu-bench: $(VENV)/.test
 	$(BIN)/python bench/kernels_perf.py --json bench/results/kernels_perf.json
+
+# The one-command GPU check (bench/GPU.md), with the Python already on the GPU machine: nothing
+# is installed from the network and nothing is built (ringcomm runs from this tree). Wheels in
+# .whl/ (the mpich wheel, for the MPI steps) are installed with --no-index. The report goes to
+# bench/results/gpu/, or to GPU_CHECK_OUT.
+GPU_PYTHON ?= python3
+WHEELS ?= $(wildcard .whl)
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) \
+		$(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT)) $(GPU_CHECK_ARGS)
 
 bench-ddp: $(VENV)/.test
 	$(BIN)/mpiexec -n 2 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n2.md

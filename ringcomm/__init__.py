@@ -355,6 +355,11 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             environment if need be), or "auto": NCCL where every rank has a GPU of its own
             and NCCL loads, otherwise MPI, or gloo under torchrun (whose processes are not an
             MPI job); the same choice on every rank. ``comm.backend`` tells which was chosen.
+            Every backend takes NumPy and CuPy arrays: the NCCL communicator moves CuPy
+            arrays over NCCL and NumPy arrays over its host transport (MPI, or NCCL through
+            device buffers where MPI did not launch the job), so host code runs unchanged
+            on a machine where "auto" picks NCCL. Device work runs on the rank's GPU,
+            ``local_rank % device_count`` (``comm.cuda_device``).
         mpi_comm: the mpi4py communicator to run on (or, for NCCL, to exchange its unique id
             over); ``MPI.COMM_WORLD`` by default. A communicator on part of the job is taken
             as it is (its size is not checked against the launcher's).
@@ -370,7 +375,9 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             default 4096; env ``RINGCOMM_INLINE_BYTES`` (suffixes as above).
         timeout: how long a collective waits for its peers before it fails, as a
             ``datetime.timedelta`` or seconds; env ``RINGCOMM_TIMEOUT`` (seconds); 30 minutes
-            by default.
+            by default. On the NCCL backend it also bounds every host wait for the GPU: at
+            the timeout, or on an asynchronous NCCL error, the NCCL communicator is aborted
+            (``ncclCommAbort``) and the job ends with an error naming the collective.
         abort_on_exception: make an uncaught exception on any rank abort the whole job
             (``MPI_Abort``) instead of leaving the other ranks waiting forever.
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,14 +19,38 @@ import pytest
 
 import ringcomm
 from ringcomm.comm import _nccl_lib, _nccl_setup, nccl
+from ringcomm.ops import _cuda_stack
+
+# What the messages of a missing CuPy, NCCL or GPU tell to install: the extra of this machine's
+# CUDA major version.
+HINT = re.escape(_cuda_stack.install_hint())
+
+
+# The NCCL wheel of each CUDA major version; both install nvidia/nccl/lib/libnccl.so.2.
+NCCL_WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+
+
+def nccl_wheel() -> tuple[str, str] | None:
+    """The installed NCCL wheel and its version, or None; the first of NCCL_WHEELS found."""
+    for dist in NCCL_WHEELS:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 @pytest.fixture(scope="module")
-def lib() -> _nccl_lib.NCCLLibrary:
-    try:
-        importlib.metadata.version("nvidia-nccl-cu12")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("nvidia-nccl-cu12 is not installed (pip install 'ringcomm[cuda12]')")
+def wheel() -> tuple[str, str]:
+    found = nccl_wheel()
+    if found is None:
+        pytest.skip(f"no NCCL wheel is installed (looked for {' and '.join(NCCL_WHEELS)}: "
+                    "pip install 'ringcomm[cuda12]' or 'ringcomm[cuda13]')")
+    return found
+
+
+@pytest.fixture(scope="module")
+def lib(wheel: tuple[str, str]) -> _nccl_lib.NCCLLibrary:
     return _nccl_lib.load()
 
 
@@ -45,10 +71,37 @@ def test_library_loads_from_the_wheel(lib):
     assert _nccl_lib.load() is lib  # loaded once per process
 
 
-def test_version_matches_the_wheel(lib):
+def test_version_matches_the_wheel(lib, wheel):
     assert lib.version >= _nccl_lib.MIN_VERSION
-    wheel = importlib.metadata.version("nvidia-nccl-cu12")
-    assert wheel.startswith(lib.version_string), (wheel, lib.version_string)
+    dist, version = wheel
+    assert version.startswith(lib.version_string), (dist, version, lib.version_string)
+
+
+def test_the_wheels_library_comes_first(wheel):
+    """Discovery puts the installed wheel's libnccl.so.2 before the loader's own search."""
+    dist, _ = wheel
+    files = importlib.metadata.files(dist) or []
+    shipped = [str(f.locate()) for f in files if str(f).endswith("nccl/lib/libnccl.so.2")]
+    assert shipped, f"{dist} lists no nvidia/nccl/lib/libnccl.so.2"
+    paths = _nccl_lib.candidate_paths()
+    assert paths[-1] == "libnccl.so.2"  # the loader's search comes last
+    assert os.path.realpath(paths[0]) == os.path.realpath(shipped[0]), (paths, shipped)
+
+
+@pytest.mark.parametrize("dists, expected", [
+    ({"nvidia-nccl-cu12": "2.32.3"}, ("nvidia-nccl-cu12", "2.32.3")),
+    ({"nvidia-nccl-cu13": "2.28.9"}, ("nvidia-nccl-cu13", "2.28.9")),
+    ({}, None),
+])
+def test_either_nccl_wheel_is_accepted(monkeypatch, dists, expected):
+    """A CUDA 13 machine has nvidia-nccl-cu13 only: the library tests run there too."""
+    def version(dist: str) -> str:
+        if dist not in dists:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return dists[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert nccl_wheel() == expected
 
 
 @pytest.mark.parametrize(("code", "text"), [(23203, "2.32.3"), (21400, "2.14.0"),
@@ -102,7 +155,7 @@ def test_missing_library_names_what_to_install(monkeypatch):
     monkeypatch.setattr(_nccl_lib, "_loaded", [])
     monkeypatch.setattr(_nccl_lib, "candidate_paths", lambda: ["/nonexistent/libnccl.so.2"])
     with pytest.raises(RuntimeError,
-                       match=r"could not load NCCL .*pip install 'ringcomm\[cuda12\]'"):
+                       match=r"could not load NCCL .*" + HINT):
         _nccl_lib.load()
 
 
@@ -140,15 +193,14 @@ def test_auto_picks_mpi_without_gpu(no_gpu, monkeypatch):
 
 
 def test_init_nccl_without_gpu_says_what_to_do(no_gpu):
-    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*pip install 'ringcomm\[cuda12\]'"
-                                           r".*backend='mpi'"):
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*" + HINT + r".*backend='mpi'"):
         ringcomm.init("nccl", abort_on_exception=False)
 
 
 def test_missing_cupy_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes "import cupy" fail
     with pytest.raises(RuntimeError,
-                       match=r"needs CuPy and NCCL: pip install 'ringcomm\[cuda12\]'"):
+                       match=r"needs CuPy and NCCL: " + HINT):
         _nccl_setup.import_cupy()
 
 
@@ -296,7 +348,7 @@ def test_torchrun_ranks_without_gpu_fail_together(no_gpu, subprocess_env):
     outputs = [p.communicate(timeout=100)[0] for p in procs]
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 3, out
-        assert "needs a CUDA GPU" in out and "ringcomm[cuda12]" in out, out
+        assert "needs a CUDA GPU" in out and _cuda_stack.install_hint() in out, out
         assert "mpi4py" not in out
 
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.ops import _cuda_stack
+
 __all__ = [
     "DTYPES",
-    "INSTALL_HINT",
+    "IN_PROGRESS",
     "MIN_VERSION",
     "UINT8",
     "NCCLComm",
@@ -32,10 +34,11 @@ __all__ = [
     "load",
 ]
 
-INSTALL_HINT = "pip install 'ringcomm[cuda12]'"
 # ncclGetLastError and ncclCommFinalize arrived in 2.13/2.14; ncclAvg and bfloat16 in 2.10.
 MIN_VERSION = 21400
 UNIQUE_ID_BYTES = 128
+#: ncclInProgress: what ncclCommGetAsyncError reports while a nonblocking call is under way.
+IN_PROGRESS = 7
 
 # ncclDataType_t, by NumPy dtype name (bfloat16 is ml_dtypes' name for it).
 DTYPES: dict[str, int] = {
@@ -58,6 +61,8 @@ _PROTOTYPES: tuple[tuple[str, list[Any]], ...] = (
     ("ncclCommInitRank", [ctypes.POINTER(_void_p), _int, _UniqueId, _int]),
     ("ncclCommFinalize", [_void_p]),
     ("ncclCommDestroy", [_void_p]),
+    ("ncclCommAbort", [_void_p]),
+    ("ncclCommGetAsyncError", [_void_p, ctypes.POINTER(_int)]),
     ("ncclCommCount", [_void_p, ctypes.POINTER(_int)]),
     ("ncclCommUserRank", [_void_p, ctypes.POINTER(_int)]),
     ("ncclGetErrorString", [_int]),
@@ -151,7 +156,7 @@ class NCCLLibrary:
         if self.version < MIN_VERSION:
             raise RuntimeError(
                 f"{path} is NCCL {format_version(self.version)}; ringcomm needs "
-                f"{format_version(MIN_VERSION)} or newer: {INSTALL_HINT}")
+                f"{format_version(MIN_VERSION)} or newer: {_cuda_stack.install_hint()}")
 
     def _version(self) -> int:
         v = _int()
@@ -309,6 +314,27 @@ class NCCLComm:
         """Finish the communicator's outstanding work and free it."""
         self.lib.destroy(self.handle)
 
+    def async_error(self) -> int:
+        """ncclCommGetAsyncError: 0 while the communicator is healthy, ``IN_PROGRESS`` while a
+        call is still being set up, another ncclResult_t once an operation has failed (a peer
+        died, the network broke). Safe to call from any thread while operations run."""
+        state = _int()
+        code = self.fn["ncclCommGetAsyncError"](self.handle, ctypes.byref(state))
+        return int(code or state.value)
+
+    def describe(self, code: int) -> str:
+        """NCCL's words for result ``code`` of this communicator (error string, last error)."""
+        return self.lib.error_text(code, self.handle)
+
+    def abort(self) -> None:
+        """ncclCommAbort: stop the communicator's outstanding operations (their kernels return)
+        and free it; waits for no peer. The handle is invalid afterwards.
+
+        Raises:
+            NCCLError: NCCL refused.
+        """
+        self.check(self.fn["ncclCommAbort"](self.handle), "ncclCommAbort")
+
     def _send(self, buf: int, nbytes: int, peer: int, stream: int) -> None:
         code = self.fn["ncclSend"](buf, nbytes, UINT8, peer, self.handle, stream)
         if code:
@@ -374,4 +400,4 @@ def load() -> NCCLLibrary:
             except (OSError, AttributeError, RuntimeError) as err:
                 problems.append(f"{path}: {err}")
         raise RuntimeError("the NCCL backend could not load NCCL (" + "; ".join(problems)
-                           + f"); install it with {INSTALL_HINT} (nvidia-nccl-cu12)")
+                           + f"); install it with {_cuda_stack.install_hint()}")

@@ -24,6 +24,7 @@ import numpy as np
 
 from ringcomm.comm import _nccl_lib, launch
 from ringcomm.comm.transport import check_timeout
+from ringcomm.ops import _cuda_stack
 
 __all__ = [
     "LocalSetup",
@@ -313,8 +314,7 @@ def import_cupy() -> Any:
         import cupy
     except ImportError as err:
         raise RuntimeError(
-            f"the NCCL backend needs CuPy and NCCL: {_nccl_lib.INSTALL_HINT} "
-            f"(cupy-cuda12x, nvidia-nccl-cu12) ({err})") from err
+            f"the NCCL backend needs CuPy and NCCL: {_cuda_stack.install_hint()} ({err})") from err
     return cupy
 
 
@@ -355,7 +355,7 @@ def local_setup(local_rank: int, device: int | None, make_uid: bool) -> LocalSet
     if not count:
         raise RuntimeError(
             f"the NCCL backend needs a CUDA GPU, and this process sees none ({reason}); run on "
-            f"a machine with an NVIDIA GPU and driver, with {_nccl_lib.INSTALL_HINT}, or use "
+            f"a machine with an NVIDIA GPU and driver, with {_cuda_stack.install_hint()}, or use "
             "ringcomm.init(backend='mpi')")
     dev = local_rank % count if device is None else int(device)
     if not 0 <= dev < count:

@@ -1,8 +1,9 @@
 """Cross-rank agreement on a collective's arguments, before any data moves.
 
 Every collective starts with one fixed-size allgather of a small header per rank: what the call
-is, the dtype, shape, op, root, compression and name, and whether the arguments were valid on
-that rank. If any rank's arguments were invalid or the headers disagree, every rank raises the same
+is, the kind of array (host or device: on the NCCL backend they take different paths), the
+dtype, shape, op, root, compression and name, and whether the arguments were valid on that
+rank. If any rank's arguments were invalid or the headers disagree, every rank raises the same
 error naming what differs, and the communicator stays usable. Arrays of up to
 ``comm.inline_bytes`` (``INLINE_BYTES`` by default) ride in the same message, so a small
 allreduce is complete after this one exchange; that slot is sent with every collective.
@@ -36,8 +37,11 @@ __all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "caller", "cal
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
-KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT, CALLER = range(11)
-_WORDS = 11
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT, CALLER, ARRAY = range(12)
+_WORDS = 12
+# The ARRAY word: what kind of array a rank passed (a barrier passes none).
+_HOST, _DEVICE = 1, 2
+_ARRAY_NAMES = {0: "none", _HOST: "host (NumPy)", _DEVICE: "device (CuPy)"}
 _HEADER_BYTES = 8 * _WORDS
 _KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
 # Fields a collective lets differ between ranks.
@@ -85,11 +89,12 @@ def calls_as(name: str) -> Iterator[None]:
 class CallSpec:
     """What one rank passed to a collective, as the agreement compares it."""
 
-    __slots__ = ("caller", "dtype", "error", "extra", "kind", "op", "root", "shape")
+    __slots__ = ("array", "caller", "dtype", "error", "extra", "kind", "op", "root", "shape")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.caller = caller()
+        self.array = 0  # _HOST or _DEVICE once set_array has seen the array
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
         self.op: str = ""
@@ -101,7 +106,11 @@ class CallSpec:
         """Record ``x``'s dtype and shape after checking it is a supported array: of a dtype
         ringcomm reduces, or, for collectives that only move bytes (``reduced=False``), of any
         dtype but object."""
-        if type(x) is not np.ndarray and not _ops.is_device_array(x):
+        if type(x) is np.ndarray:
+            self.array = _HOST
+        elif _ops.is_device_array(x):
+            self.array = _DEVICE
+        else:
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
         if reduced and not x.dtype.isnative:
             raise TypeError(
@@ -122,7 +131,7 @@ class CallSpec:
         exchange messages of different sizes.
         """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, segment_bytes, self.caller)
+               self.extra, segment_bytes, self.caller, self.array)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
@@ -134,6 +143,7 @@ class CallSpec:
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
         h[CALLER] = _crc(self.caller)
+        h[ARRAY] = self.array
         if self.error is not None:
             h[ERROR] = 1
             return h
@@ -152,10 +162,12 @@ class CallSpec:
         """A picklable account of the call, exchanged only when the headers disagree."""
         if self.error is not None:
             kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
-            return {"error": (kind, str(self.error)), "caller": self.caller}
+            return {"error": (kind, str(self.error)), "caller": self.caller,
+                    "array": _ARRAY_NAMES[self.array]}
         dt = self.dtype
         return {
             "caller": self.caller,
+            "array": _ARRAY_NAMES[self.array],
             "dtype": None if dt is None else dt.name if dt.isnative else
             f"{dt.name} ({_endian(dt)})",
             "shape": self.shape,
@@ -423,7 +435,8 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
         return cls(f"{kind} failed on {_ranks(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
                    reason=msg)
     parts, differences = [], {}
-    for field in ("dtype", "shape", "op", "root", "compression/name", "segment_bytes"):
+    for field in ("array", "dtype", "shape", "op", "root", "compression/name",
+                  "segment_bytes"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]
             field = "shape after the first dimension"
@@ -434,6 +447,9 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
         differences[field] = tuple(values)
         parts.append(f"{field} differs between ranks: {_groups(values)}")
     hint = " (use allgatherv when the first dimension differs)" if kind == "allgather" else ""
+    if "array" in differences:
+        hint += (" (every rank must pass the same kind of array, host or device: on the NCCL "
+                 "backend they travel different paths)")
     cls = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
     message = f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint
     return cls(message, kind=kind, ranks=everyone, differences=differences)

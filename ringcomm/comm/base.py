@@ -8,6 +8,7 @@ compressed allreduce (:mod:`ringcomm.compress.algorithms`), or the transport's o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from functools import wraps
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["Communicator"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_NO_DEVICE = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def _serialized(method: _F) -> _F:
@@ -52,10 +54,14 @@ def _serialized(method: _F) -> _F:
 class Communicator:
     """Collectives over a fixed group of processes, the same on every backend.
 
-    Arrays are NumPy arrays on the MPI backend and CuPy arrays on the NCCL backend (the MPI
-    backend also takes CuPy arrays). Every collective must be called by all ranks in the same
-    order with matching arguments; with the consistency check on (the default), arguments that
-    differ between ranks raise the same error on every rank instead of hanging.
+    Arrays are NumPy arrays (host) or CuPy arrays (device) on the MPI and NCCL backends: the
+    NCCL backend moves CuPy arrays over NCCL and NumPy arrays over its host transport. Every
+    collective must be called by all ranks in the same order with matching arguments, and the
+    same kind of array; with the consistency check on (the default), arguments that differ
+    between ranks raise the same error on every rank instead of hanging.
+
+    Device work (kernels, scratch buffers, stream waits) runs with the communicator's CUDA
+    device current, whichever thread makes the call (``cuda_device``).
 
     Several threads may share a communicator: their calls run one at a time, and with the
     consistency check on each call is matched across ranks by the calling thread's name, so
@@ -84,6 +90,14 @@ class Communicator:
         if inline < 0 or inline % 8:
             raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
         self._transport = transport
+        # Optional parts of a backend: which transport moves which kind of array (NCCL's
+        # host transport), and a context making its CUDA device current.
+        self._router: Callable[[Any], Transport] | None = getattr(transport, "transport_for",
+                                                                  None)
+        self._device_scope: Callable[[], Any] | None = getattr(transport, "device_scope", None)
+        # A bounded wait for the device's current stream, before copies to the host that
+        # would wait for it without bound (NCCL: a dead peer's kernel can hold it forever).
+        self._wait_gpu: Callable[[str], None] | None = getattr(transport, "wait_gpu", None)
         self._lock = threading.RLock()  # one call at a time (re-entered by nested calls)
         self._stats = transport.stats  # read on every call: one attribute, not two
         self._closed = False
@@ -126,6 +140,13 @@ class Communicator:
     def local_size(self) -> int:
         """How many of the communicator's ranks run on this host."""
         return self._transport.local_size
+
+    @property
+    def cuda_device(self) -> int | None:
+        """The CUDA device this communicator's device work runs on: NCCL's GPU; on the MPI
+        backend the one it selected when first given device arrays; None before that and on
+        backends without one."""
+        return getattr(self._transport, "device_id", None)
 
     @property
     def stats(self) -> CommStats:
@@ -245,8 +266,9 @@ class Communicator:
             spec.error, rop = err, ReduceOp.SUM
         self._agreement.agree(spec)
         self.stats.calls += 1
-        return ring.reduce_scatter(self._transport, _arrays.flat(x), rop,
-                                   segment_bytes=self.segment_bytes)
+        with self._on_device(x):
+            return ring.reduce_scatter(self._route(x), _arrays.flat(x), rop,
+                                       segment_bytes=self.segment_bytes)
 
     def allgather(self, x: Any) -> Any:
         """Concatenate ``x`` from every rank along the first axis, in rank order.
@@ -279,12 +301,14 @@ class Communicator:
         self.stats.calls += 1
         if x.size == 0:
             return given
-        if x.flags.c_contiguous:
-            self._transport.broadcast(x.reshape(-1), root)
-        else:
-            flat = _arrays.flat(x)
-            self._transport.broadcast(flat, root)
-            x[...] = flat.reshape(x.shape)
+        with self._on_device(x):
+            t = self._route(x)
+            if x.flags.c_contiguous:
+                t.broadcast(x.reshape(-1), root)
+            else:
+                flat = _arrays.flat(x)
+                t.broadcast(flat, root)
+                x[...] = flat.reshape(x.shape)
         nbytes = x.nbytes
         self.stats.add(nbytes * (self.size - 1) if self.rank == root else 0,
                        0 if self.rank == root else nbytes)
@@ -307,7 +331,8 @@ class Communicator:
         for label, arr in (("send", send), ("recv", recv)):
             if not hasattr(arr, "flags") or not arr.flags.c_contiguous:
                 raise ValueError(f"{label} must be a contiguous array, got {type(arr).__name__}")
-        self._transport.isendrecv(send, dest, recv, source, channel=USER).wait()
+        with self._on_device(send, recv):
+            self._transport.isendrecv(send, dest, recv, source, channel=USER).wait()
         self.stats.calls += 1
         self.stats.add(send.nbytes, recv.nbytes)
         return recv
@@ -339,6 +364,26 @@ class Communicator:
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
+        failure = getattr(self._transport, "failure", None)
+        if failure is not None:
+            raise RuntimeError(
+                f"the {self.backend} communicator was aborted after an earlier failure and "
+                f"refuses every call: close it and end the job (it failed with "
+                f"{type(failure).__name__}: {failure})")
+
+    def _route(self, x: Any) -> Transport:
+        """The transport that moves arrays like ``x`` (the backend's own, or NCCL's host
+        transport for host arrays)."""
+        router = self._router
+        return self._transport if router is None else router(x)
+
+    def _on_device(self, *arrays: Any) -> Any:
+        """A context making the backend's CUDA device current where any of ``arrays`` is a
+        device array (a no-op context for host arrays, and on backends without a device)."""
+        scope = self._device_scope
+        if scope is None or not any(_ops.is_device_array(a) for a in arrays):
+            return _NO_DEVICE
+        return scope()
 
     def _check_rank(self, r: int, label: str) -> int:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
@@ -355,7 +400,7 @@ class Communicator:
                 compression = self._auto()
             if isinstance(compression, Auto):
                 compression, feedback = compression.choose_early(
-                    self._transport, self._auto_figures, x, op, feedback, name,
+                    self._route(x), self._auto_figures, x, op, feedback, name,
                     self.inline_bytes)
         spec = agree.CallSpec("allreduce")
         try:
@@ -368,11 +413,21 @@ class Communicator:
         return plan
 
     def _execute(self, plan: AllreducePlan, x: Any, out: Any) -> Any:
-        """Agree on the call, then run its algorithm."""
-        spec, t = plan.spec, self._transport
+        """Agree on the call, then run its algorithm (with the device current, for device
+        arrays)."""
+        if type(x) is np.ndarray:  # the host fast path: no device to make current
+            return self._run(plan, x, out)
+        with self._on_device(x):
+            return self._run(plan, x, out)
+
+    def _run(self, plan: AllreducePlan, x: Any, out: Any) -> Any:
+        spec = plan.spec
         if plan.dense and spec.error is None and x.nbytes <= self.inline_bytes:
+            if self._wait_gpu is not None and type(x) is not np.ndarray:
+                self._wait_gpu("allreduce")  # the inline path copies x to the host
             return self._agreement.allreduce_inline(spec, x, out, plan.op)
         self._agreement.agree(spec)
+        t = self._route(x)
         xp = _ops.get(x)
         result = out if out is not None else xp.empty(x.shape, x.dtype)
         if x.size == 0:
@@ -443,9 +498,10 @@ class Communicator:
         firsts = [int(h) for h in headers[:, agree.DIM0]]
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         counts = [d * row for d in firsts]
-        out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
-        if out.size:
-            self._transport.allgatherv(_arrays.flat(x), counts, out.reshape(-1))
+        with self._on_device(x):
+            out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
+            if out.size:
+                self._route(x).allgatherv(_arrays.flat(x), counts, out.reshape(-1))
         own = x.nbytes
         self.stats.add(own * (self.size - 1), out.nbytes - own)
         return out

@@ -1,5 +1,10 @@
 """MPI backend (mpi4py): NumPy arrays, and CuPy arrays through CUDA-aware MPI or host staging.
 
+Device: when first given CuPy arrays, the transport selects CUDA device ``local_rank %
+device_count`` (the rank's position on its host among the job's ranks; ``device=`` picks
+another) and runs all of its device work with that device current, whichever thread calls.
+Device arrays on another device are refused, with the same error on every rank.
+
 :class:`MPITransport` implements the Transport over three duplicates of an MPI communicator
 (the ring's messages, users' point-to-point messages, and the host collectives), so that none
 of ringcomm's messages can match another's or the application's. :class:`MPICommunicator` is
@@ -160,11 +165,13 @@ class MPITransport(TransportBase):
         abort_on_timeout: end the job with ``MPI_Abort`` when a wait times out (True), or
             raise CollectiveTimeoutError on this rank only (False, for tests and for
             applications that end the job themselves).
+        device: the CUDA device for device arrays; ``local_rank % device_count`` when None
+            (selected when the first device array comes).
 
     Raises:
         RuntimeError: mpi4py is missing (saying what to install).
         TypeError: ``mpi_comm`` is not an mpi4py intracommunicator.
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` is not a positive number, or ``device`` is negative.
         CollectiveTimeoutError: with ``abort_on_timeout=False``, some rank did not join the
             construction (collective) in time.
     """
@@ -172,7 +179,7 @@ class MPITransport(TransportBase):
     backend = "mpi"
 
     def __init__(self, mpi_comm: Any = None, *, timeout: float | None = None,
-                 abort_on_timeout: bool = True) -> None:
+                 abort_on_timeout: bool = True, device: int | None = None) -> None:
         MPI = import_mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
@@ -197,6 +204,8 @@ class MPITransport(TransportBase):
         self.operation = ""
         self.cuda_aware = staging.cuda_aware(MPI)
         self._device_stage: staging.DeviceStaging | None = None
+        #: Which CUDA device this rank's device arrays use (selected with the first one).
+        self.device_choice = staging.DeviceChoice(self.local_rank, device)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
@@ -266,15 +275,38 @@ class MPITransport(TransportBase):
         color, key = agree_split(self, color, key)[self.rank]
         sub = self._ctl.Split(color, key)
         try:
-            return MPITransport(sub, timeout=self.timeout,
-                                abort_on_timeout=self.abort_on_timeout)
+            child = MPITransport(sub, timeout=self.timeout,
+                                 abort_on_timeout=self.abort_on_timeout)
         finally:
             sub.Free()
+        child.device_choice = self.device_choice  # one device per process, in every split
+        return child
 
     def close(self) -> None:
         self.release_scratch()
         for comm in (self._ring, self._p2p, self._ctl):
             comm.Free()
+
+    # ------------------------------------------------------------------------- devices
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device of this rank's device arrays (None until the first one comes)."""
+        return self.device_choice.id
+
+    def check_arrays(self, *arrays: Any) -> None:
+        """Accept NumPy arrays, and CuPy arrays on this rank's device (selected with the first
+        one: see :class:`~ringcomm.comm.staging.DeviceChoice`).
+
+        Raises:
+            ValueError: a CuPy array on another device, or no usable GPU.
+        """
+        for a in arrays:
+            if a is not None and type(a) is not np.ndarray and _ops.is_device_array(a):
+                self.device_choice.check(a, self.rank)
+
+    def device_scope(self) -> Any:
+        """A context making this rank's CUDA device current (a no-op before one is selected)."""
+        return self.device_choice.scope()
 
     # ------------------------------------------------------------------------ waiting
     def wait_all(self, reqs: list[Any], peer: int | None, what: str,
@@ -356,12 +388,16 @@ class MPICommunicator(Communicator):
         abort_on_timeout: end the job with ``MPI_Abort`` on a timeout (True), or raise
             CollectiveTimeoutError (False). After a timeout the communicator is unusable:
             close it.
+        device: the CUDA device of device arrays (``local_rank % device_count`` when None,
+            selected with the first device array; see ``cuda_device``).
     """
 
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
-                 timeout: float | None = None, abort_on_timeout: bool = True) -> None:
-        transport = MPITransport(mpi_comm, timeout=timeout, abort_on_timeout=abort_on_timeout)
+                 timeout: float | None = None, abort_on_timeout: bool = True,
+                 device: int | None = None) -> None:
+        transport = MPITransport(mpi_comm, timeout=timeout, abort_on_timeout=abort_on_timeout,
+                                 device=device)
         super().__init__(transport, consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes)
 

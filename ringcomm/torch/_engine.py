@@ -6,6 +6,11 @@ queued here and run one at a time, in the order they were submitted, on a single
 A synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
 otherwise waits its turn behind the queue. Either way the communicator sees one caller (see
 :func:`ringcomm.comm.agree.calls_as`), the same on every rank.
+
+On the worker thread every task runs with the communicator's CUDA device current (not device
+0, where a new thread starts), after the stream of the thread that submitted it: a
+:class:`Handle` records, where it is made (on the submitting thread), a
+:class:`~ringcomm.torch._tensors.StreamFence` that the worker waits for before the task.
 """
 
 from __future__ import annotations
@@ -17,21 +22,33 @@ from collections.abc import Callable
 from typing import Any
 
 from ringcomm.comm.agree import calls_as
+from ringcomm.torch._tensors import StreamFence, device_scope
 
 __all__ = ["Engine", "Handle", "engine_for"]
 
 
 class Handle:
-    """The pending result of a queued operation."""
+    """The pending result of a queued operation.
 
-    __slots__ = ("_done", "_error", "_result", "callback")
+    Made on the thread that submits the operation, it records that thread's current CUDA
+    stream (a :class:`~ringcomm.torch._tensors.StreamFence`, where it is not the default
+    stream), so that the thread running the operation reads the data only after the work
+    already queued on it.
 
-    def __init__(self) -> None:
+    Args:
+        device: the CUDA device of the operation's tensors (the current one when None).
+    """
+
+    __slots__ = ("_done", "_error", "_result", "callback", "fence")
+
+    def __init__(self, device: Any = None) -> None:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         #: Called on the worker thread with the handle once it is done (set before submitting).
         self.callback: Callable[[Handle], None] | None = None
+        #: What the submitting thread's stream had queued (None: nothing to order after).
+        self.fence: StreamFence | None = StreamFence.capture(device)
 
     def done(self) -> bool:
         """Whether the operation has finished (successfully or not); never blocks."""
@@ -56,10 +73,14 @@ class Engine:
 
     Args:
         name: thread name, for stack dumps.
+        device: returns the CUDA device the worker's tasks run under (the communicator's;
+            None: leave the thread's current device as it is).
     """
 
-    def __init__(self, name: str = "ringcomm-engine") -> None:
+    def __init__(self, name: str = "ringcomm-engine",
+                 device: Callable[[], int | None] | None = None) -> None:
         self._name = name
+        self._device = device
         self._queue: collections.deque[tuple[Callable[[], Any], Handle]] = collections.deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -137,7 +158,9 @@ class Engine:
                 fn, handle = self._queue.popleft()
                 self._busy = True
             try:
-                with calls_as(self._name):
+                with calls_as(self._name), device_scope(self._device_of()):
+                    if handle.fence is not None:
+                        handle.fence.wait()
                     result, error = fn(), None
             except BaseException as err:  # handed to whoever waits on the handle
                 result, error = None, err
@@ -146,15 +169,31 @@ class Engine:
                 self._cv.notify_all()
             handle._finish(result, error)
 
+    def _device_of(self) -> int | None:
+        return None if self._device is None else self._device()
+
 
 _ENGINES: weakref.WeakKeyDictionary[Any, Engine] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
+def _device_of(comm: Any) -> Callable[[], int | None]:
+    """The communicator's CUDA device, asked each time (the MPI backend selects its device
+    with the first device array); a weak reference, so the engine does not keep it alive."""
+    ref = weakref.ref(comm)
+
+    def device() -> int | None:
+        c = ref()
+        return None if c is None else getattr(c, "cuda_device", None)
+
+    return device
+
+
 def engine_for(comm: Any) -> Engine:
-    """The engine of ``comm`` (one per communicator, shared by every adapter that uses it)."""
+    """The engine of ``comm`` (one per communicator, shared by every adapter that uses it);
+    its worker runs every task with the communicator's CUDA device current."""
     with _LOCK:
         engine = _ENGINES.get(comm)
         if engine is None or engine.closed:
-            engine = _ENGINES[comm] = Engine()
+            engine = _ENGINES[comm] = Engine(device=_device_of(comm))
         return engine

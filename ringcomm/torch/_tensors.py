@@ -8,15 +8,24 @@ Dtypes the communicator cannot carry (bool, uint8, int8, int16, and bfloat16, wh
 NumPy nor CuPy has) travel as a widened copy (int32, float32) that is written back afterwards.
 The widened array carries its source dtype as trailing unit dimensions, so the communicator's
 cross-rank shape check also tells an int8 tensor from an int32 one.
+
+Devices and streams: a CUDA tensor is handed over with its own device current (the DLPack
+exchange orders CuPy's stream after torch's current stream *of the current device*), and the
+wait for a result is on the result's device. Work handed from one thread to another (the
+collectives' background threads) is ordered after the submitting thread's stream by a
+:class:`StreamFence`: the background threads run on the device's default stream, which the
+fence makes wait for the point the submitter's stream had reached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["Operand", "as_array", "from_array", "sync_device"]
+__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "sync_device"]
 
 # dtype -> (dtype it travels as, number of trailing unit dimensions that tag it)
 _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -40,6 +49,9 @@ def _cupy() -> Any:
 def as_array(t: torch.Tensor) -> Any:
     """Return a NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
 
+    A CUDA tensor is exchanged with its device current, so that the DLPack exchange orders
+    CuPy's current stream after torch's current stream of that device (not of device 0).
+
     Args:
         t: a tensor of a dtype NumPy/CuPy know (not bfloat16); any strides.
 
@@ -53,7 +65,9 @@ def as_array(t: torch.Tensor) -> Any:
     if t.device.type == "cpu":
         return t.numpy()
     if t.device.type == "cuda":
-        return _cupy().from_dlpack(t)
+        cupy = _cupy()
+        with device_scope(t.device.index):
+            return cupy.from_dlpack(t)
     raise TypeError(f"tensors on {t.device.type} are not supported; expected cpu or cuda")
 
 
@@ -65,12 +79,83 @@ def from_array(a: Any) -> torch.Tensor:
 
 
 def sync_device(a: Any) -> None:
-    """Wait for the work queued on a CuPy array's stream (nothing to wait for on the host).
+    """Wait for the work queued on the current CuPy stream of a CuPy array's device (nothing
+    to wait for on the host).
 
-    Torch reads the result on its own stream; CuPy wrote it on the current CuPy stream.
+    Torch reads the result on its own stream; CuPy wrote it on the current CuPy stream. Where
+    NCCL communicators are open on the device, the wait is theirs: polled and bounded by
+    their timeout, so that a dead peer raises instead of hanging (see
+    ``ringcomm.comm.nccl.wait_for_stream``).
     """
-    if type(a).__module__.split(".", 1)[0] == "cupy":
-        _cupy().cuda.get_current_stream().synchronize()
+    if type(a).__module__.split(".", 1)[0] != "cupy":
+        return
+    cupy = _cupy()
+    device = a.device.id
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.get_current_stream()
+        nccl = sys.modules.get("ringcomm.comm.nccl")  # no NCCL communicator without it
+        if nccl is None:
+            stream.synchronize()
+        else:
+            nccl.wait_for_stream(stream, device, "a wait for a result on the GPU")
+
+
+def device_scope(index: int | None) -> Any:
+    """A context making CUDA device ``index`` current for torch and CuPy (fresh contexts: a
+    shared one is not safe across threads); a no-op context for None."""
+    if index is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(index))
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        stack.enter_context(cupy.cuda.Device(index))
+    return stack
+
+
+class StreamFence:
+    """Where a thread's current CUDA stream was when it handed work to another thread.
+
+    Made on the submitting thread (see :meth:`capture`), it orders the background threads'
+    work after the submitter's: backward may run on a side stream, and a collective that read
+    a gradient bucket on another stream without waiting could read it before it is written.
+
+    Attributes:
+        device: the CUDA device.
+        event: recorded on the submitter's stream.
+    """
+
+    __slots__ = ("device", "event")
+
+    def __init__(self, device: torch.device, event: Any) -> None:
+        self.device, self.event = device, event
+
+    @staticmethod
+    def capture(device: Any = None) -> StreamFence | None:
+        """Record the current stream of ``device`` (the current device when None) on this
+        thread, and make the device's default stream, on which background threads run, wait
+        for it; None where nothing needs ordering (CUDA unused, a CPU ``device``, or the
+        current stream is the default stream).
+        """
+        if not torch.cuda.is_initialized():
+            return None
+        if device is not None and torch.device(device).type != "cuda":
+            return None  # host tensors: no stream to order after
+        stream = torch.cuda.current_stream(device)
+        default = torch.cuda.default_stream(stream.device)
+        if stream == default:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        # Enqueued now, so that every thread whose current stream is the default one is
+        # ordered after the submitter (the coordinator's thread as well as the engine's).
+        default.wait_event(event)
+        return StreamFence(stream.device, event)
+
+    def wait(self) -> None:
+        """Make this thread's current stream of the device wait for the fence (the host does
+        not wait)."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 class Operand:

@@ -5,6 +5,10 @@ and the average is written back into it, so no copy of the gradients is made. Co
 at ``state.start_iter`` (dense before, as PowerSGD's warm-up) and skips buckets smaller than
 ``state.min_compress_bytes``. Error feedback is kept per bucket and follows the parameters when
 DDP rebuilds its buckets after the first iteration.
+
+A CUDA bucket is reduced in the background with the communicator's device current, after the
+work that the stream running backward (which may be a side stream) had queued when the hook
+was called.
 """
 
 from __future__ import annotations
@@ -182,7 +186,9 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
             future.set_exception(err)
 
     overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
-    handle = Handle()
+    # Made here, on the thread running backward: it records that thread's stream, which the
+    # background thread waits for before it reads the bucket.
+    handle = Handle(buffer.device)
     handle.callback = settle
     state._engine.execute(task, overlap=overlap, handle=handle)
     return future

@@ -22,15 +22,26 @@ from ringcomm.comm.agree import INLINE_BYTES
 
 
 class Kind:
-    """A kind of device array: how to make one from NumPy and back, and the test sizes."""
+    """A kind of device array: how to make one from NumPy and back, the test sizes, and the
+    CuPy (real or the emulator's) the MPI transport must stage it with."""
 
     def __init__(self, name: str, put: Callable[[np.ndarray], Any],
-                 get: Callable[[Any], np.ndarray], large: int) -> None:
+                 get: Callable[[Any], np.ndarray], large: int, cupy: Any) -> None:
         self.name, self.put, self.get, self.large = name, put, get, large
+        self.cupy = cupy
 
     def lengths(self, size: int) -> list[int]:
         """Empty, tiny, fewer than ranks, uneven, just past the inline limit, multi-segment."""
         return sorted({0, 1, size + 1, 1000, INLINE_BYTES // 4 + 1, self.large})
+
+
+def _forget_device_arrays(comm) -> None:
+    """Make the MPI transport start afresh with device arrays: no staging (it holds the CuPy of
+    the kind that made it, whose buffers and copies another kind must never use) and no device
+    selected yet."""
+    t = comm.transport
+    t._device_stage = None
+    t.device_choice = staging.DeviceChoice(t.local_rank)
 
 
 def _cuda(comm) -> Kind:
@@ -42,14 +53,50 @@ def _cuda(comm) -> Kind:
     if count < 1:
         pytest.skip("no CUDA GPU")
     cupy.cuda.Device(comm.local_rank % count).use()
-    return Kind("cuda", cupy.asarray, cupy.asnumpy, 1_000_003)
+    return Kind("cuda", cupy.asarray, cupy.asnumpy, 1_000_003, cupy)
+
+
+class _EmulatedDevice:
+    """cupy.cuda.Device of the emulator: one device, 0, whose context changes nothing."""
+
+    def __init__(self, device: int | None = None) -> None:
+        self.id = 0 if device is None else int(device)
+
+    def __enter__(self) -> _EmulatedDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def use(self) -> None:
+        pass
+
+
+def _forbid_real_cuda(patch: pytest.MonkeyPatch) -> None:
+    """Make the real CuPy's copies and pinned allocations fail the test (the emulated case
+    passes NumPy pointers: a real cudaMemcpyAsync on them is a bug of the test set-up)."""
+    try:
+        import cupy
+    except ImportError:
+        return
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the emulated case called the real CUDA runtime")
+
+    patch.setattr(cupy.cuda.runtime, "memcpyAsync", forbidden)
+    patch.setattr(cupy.cuda, "alloc_pinned_memory", forbidden)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
 def kind(request, comm, world):
-    """Device arrays of a GPU, or of the CPU emulator (built by rank 0, loaded by all)."""
+    """Device arrays of a GPU, or of the CPU emulator (built by rank 0, loaded by all). Each
+    case starts and ends with no staging and no device selected on the transport."""
+    _forget_device_arrays(comm)
     if request.param == "cuda":
-        yield _cuda(comm)
+        try:
+            yield _cuda(comm)
+        finally:
+            _forget_device_arrays(comm)
         return
     import gpu_emulator
 
@@ -63,9 +110,13 @@ def kind(request, comm, world):
     if missing:
         pytest.skip(f"emulated kernels: {missing}")
     emulator = gpu_emulator.build(gpu_emulator.cache_dir())  # rank 0's build, now cached
-    with gpu_emulator.installed(emulator) as fake:
-        yield Kind("emulated", fake.asarray, lambda a: a.get(), 20_011)
-    comm.__dict__.pop("_device_stage", None)  # its buffers belong to the emulator
+    with gpu_emulator.installed(emulator) as fake, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(fake.cuda), "Device", _EmulatedDevice, raising=False)
+        _forbid_real_cuda(patch)
+        try:
+            yield Kind("emulated", fake.asarray, lambda a: a.get(), 20_011, fake)
+        finally:
+            _forget_device_arrays(comm)
 
 
 def _data(rng: np.random.Generator, n: int, dtype: str, op: str = "sum") -> np.ndarray:
@@ -191,3 +242,16 @@ def test_staging_modes_agree(comm, world, rng, kind, direct):
     finally:
         comm.segment_bytes = saved_seg
         transport._device_stage = saved
+
+
+def test_each_kind_stages_with_its_own_cupy(comm, rng, kind):
+    """The staging and the device of the transport are this kind's: a staging left by the
+    other kind (real CuPy for the emulator, or the emulator's for a GPU) would copy with the
+    wrong runtime; the device is local_rank % device count."""
+    x = rng.standard_normal(4 * INLINE_BYTES).astype(np.float32)  # past the inline limit
+    np.testing.assert_array_equal(kind.get(comm.allreduce(kind.put(x))), comm.allreduce(x))
+    transport = comm.transport
+    assert transport._device_stage is not None
+    assert transport._device_stage._cupy is kind.cupy
+    count = kind.cupy.cuda.runtime.getDeviceCount()
+    assert comm.cuda_device == comm.local_rank % count

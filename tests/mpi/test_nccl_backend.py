@@ -1,7 +1,9 @@
 """NCCL backend under mpiexec: startup errors on every rank, and the collectives on GPUs.
 
 Without a GPU (CI) the startup checks run for real over MPI: a rank that cannot start, or two
-ranks on one GPU, raise the same clear error on every rank. With GPUs (marker ``gpu``):
+ranks on one GPU, raise the same clear error on every rank. (The communicator's own logic on
+stand-ins of CuPy and NCCL: tests/test_nccl_failure.py, tests/test_device_scope.py and
+tests/mpi/test_mixed_arrays.py.) With GPUs (marker ``gpu``):
 
 - every rank builds a one-rank NCCL communicator and runs every collective against the MPI
   backend's results on the same data;
@@ -238,15 +240,19 @@ def test_benchmark_baseline_is_nccl_allreduce(self_pair, rng, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(GPU_TIMEOUT)
-def test_numpy_arrays_are_refused(self_pair):
-    nccl, _ = self_pair
-    x = np.ones(10, np.float32)
-    for call in (lambda: nccl.allreduce(x), lambda: nccl.allgather(x),
-                 lambda: nccl.allgatherv(x), lambda: nccl.broadcast(x),
-                 lambda: nccl.reduce_scatter(x), lambda: nccl.sendrecv(x, 0, x, 0),
-                 lambda: nccl.transport.check_arrays(None, x)):
-        with pytest.raises(TypeError, match=r"NCCL backend takes CuPy arrays, got numpy\.ndarray"):
-            call()
+def test_numpy_arrays_take_the_host_transport(self_pair, rng):
+    """NumPy arrays are reduced over the host transport (MPI here), with the MPI backend's
+    results; other objects are refused with a message naming both kinds taken."""
+    nccl, mpi = self_pair
+    assert nccl.transport.host is nccl.transport._rdv.transport
+    x = rng.standard_normal(10_000).astype(np.float32)
+    np.testing.assert_array_equal(nccl.allreduce(x, op="max"), mpi.allreduce(x, op="max"))
+    np.testing.assert_array_equal(nccl.allgatherv(x), mpi.allgatherv(x))
+    np.testing.assert_array_equal(nccl.broadcast(x.copy()), x)
+    np.testing.assert_array_equal(nccl.reduce_scatter(x), x)
+    np.testing.assert_array_equal(nccl.sendrecv(x, 0, np.empty_like(x), 0), x)
+    with pytest.raises(TypeError, match=r"takes CuPy arrays \(over NCCL\) and NumPy arrays"):
+        nccl.transport.check_arrays(None, [1.0, 2.0])
     nccl.barrier()  # still usable
 
 

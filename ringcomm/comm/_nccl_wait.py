@@ -1,0 +1,247 @@
+"""Bounded host waits for an NCCL communicator's GPU work: polled, never a blocking sync.
+
+A host thread waiting in ``cudaStreamSynchronize`` cannot be interrupted: when a peer dies,
+NCCL's kernels spin and the wait never returns (under torchrun no ``MPI_Abort`` rescues the
+job). The NCCL backend therefore waits by recording a CUDA event and polling it
+(``cudaEventQuery``), asking NCCL between polls whether the communicator has failed
+(``ncclCommGetAsyncError``). On a failure, or once the communicator's timeout has passed, the
+waiter aborts the communicator (``ncclCommAbort``: its kernels return, its peers are not waited
+for) and raises :class:`NCCLAsyncError` or
+:class:`~ringcomm.comm.types.CollectiveTimeoutError` naming the collective, the peer where one
+is known, and NCCL's own words.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn
+
+from ringcomm.comm._nccl_lib import IN_PROGRESS, NCCLError
+from ringcomm.comm.log import get_logger
+from ringcomm.comm.transport import timeout_error, write_fatal
+from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+
+__all__ = ["NCCLAsyncError", "Stall", "Watchdog", "end_job", "failure", "poll",
+           "wait_for_stream"]
+
+_LOG = get_logger("nccl")
+
+# The first polls come quickly (a collective that is nearly done costs little more than a
+# synchronize), then the pause doubles up to 1 ms: a long wait costs no core, and a failure
+# or the timeout is seen within about a millisecond.
+_FIRST_PAUSE_S = 20e-6
+_MAX_PAUSE_S = 1e-3
+
+
+class NCCLAsyncError(CollectiveError, RuntimeError):
+    """NCCL reported that a communicator failed (``ncclCommGetAsyncError``) while this rank
+    waited for its GPU work; the communicator was aborted and refuses further calls.
+
+    Attributes:
+        kind: the collective ("allreduce", "barrier", ...).
+        peer: the rank waited for where one is known, else None.
+        code: NCCL's ncclResult_t (2: system error, 3: internal error, 6: remote error, ...).
+        nccl_error: NCCL's error string and last error.
+    """
+
+    def __init__(self, message: str, *, kind: str = "", peer: int | None = None,
+                 code: int = 0, nccl_error: str = "") -> None:
+        super().__init__(message, kind=kind)
+        self.peer = peer
+        self.code = int(code)
+        self.nccl_error = nccl_error
+
+
+class Stall(NamedTuple):
+    """Why a polled wait gave up."""
+
+    code: int  # the ncclResult_t NCCL reported; 0 when the timeout passed first
+    elapsed: float  # seconds waited
+
+
+def poll(done: Callable[[], bool], async_error: Callable[[], int], timeout: float, *,
+         clock: Callable[[], float] = time.monotonic,
+         sleep: Callable[[float], Any] = time.sleep) -> Stall | None:
+    """Poll ``done()`` until it is true (None) or NCCL reports an error or ``timeout`` passes.
+
+    Args:
+        done: whether the awaited work has completed (``event.done``: cudaEventQuery).
+        async_error: the communicator's ``ncclCommGetAsyncError`` (0 or ``IN_PROGRESS`` while
+            healthy).
+        timeout: seconds to wait at most (``math.inf``: no limit; errors still end the wait).
+        clock, sleep: time sources (tests pass their own).
+
+    Returns:
+        None when the work completed, else the Stall saying why the wait ended.
+    """
+    start = clock()
+    pause = _FIRST_PAUSE_S
+    while not done():
+        code = async_error()
+        if code not in (0, IN_PROGRESS):
+            return Stall(code, clock() - start)
+        elapsed = clock() - start
+        if elapsed >= timeout:
+            return None if done() else Stall(0, elapsed)
+        sleep(min(pause, timeout - elapsed))
+        pause = min(2 * pause, _MAX_PAUSE_S)
+    return None
+
+
+def failure(t: Any, stall: Stall, what: str, peer: int | None, timeout: float,
+            describe: Callable[[int], str]) -> CollectiveError:
+    """The error of a wait of NCCL transport ``t`` that ``stall`` ended.
+
+    Args:
+        t: the transport (its ``operation``, ``rank`` and ``size`` name the call).
+        stall: what ended the wait.
+        what: the step waited for ("barrier", "close", ...).
+        peer: the rank waited for, where one is known.
+        timeout: the communicator's timeout in seconds.
+        describe: NCCL's words for a result code (``NCCLComm.describe``).
+    """
+    kind = t.operation or what
+    aborted = "the NCCL communicator was aborted (ncclCommAbort) and refuses further calls"
+    if stall.code:
+        text = describe(stall.code)
+        waited = "the other ranks" if peer is None else f"rank {peer}"
+        step = "" if what == kind else f" ({what})"
+        culprit = "a rank" if peer is None else f"rank {peer}"
+        return NCCLAsyncError(
+            f"{kind} failed on rank {t.rank} of {t.size} after {stall.elapsed:.1f} s waiting "
+            f"for {waited}{step}: {text}. {culprit} may have exited, or the network failed; "
+            f"{aborted}", kind=kind, peer=peer, code=stall.code, nccl_error=text)
+    base = timeout_error(t, what, peer, stall.elapsed, timeout)
+    return CollectiveTimeoutError(f"{base}. NCCL reported no error meanwhile; {aborted}",
+                                  kind=base.kind, peer=peer, elapsed=stall.elapsed,
+                                  timeout=timeout)
+
+
+class Watchdog:
+    """The failure state of one NCCL transport: its bounded waits, the abort, the refusal.
+
+    Args:
+        t: the transport (``operation``, ``rank``, ``size``, ``timeout``,
+            ``abort_on_timeout`` and ``device_scope()`` are read from it).
+        comm: its NCCLComm (``async_error``, ``describe``, ``abort``).
+        device: its CUDA device.
+        launcher: the rendezvous kind ("mpi", "store", "local"), for ending the job.
+    """
+
+    __slots__ = ("__weakref__", "_lock", "_t", "comm", "device", "failure", "launcher")
+
+    def __init__(self, t: Any, comm: Any, device: int, launcher: str) -> None:
+        self._t, self.comm, self.device, self.launcher = t, comm, device, launcher
+        #: The error that aborted the communicator, or None while it is usable.
+        self.failure: CollectiveError | None = None
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    @property
+    def timeout(self) -> float:
+        return self._t.timeout
+
+    def close(self) -> None:
+        """Stop watching (the transport is closed)."""
+        _LIVE.discard(self)
+
+    def check(self) -> None:
+        """Raise RuntimeError if the communicator was aborted."""
+        failure = self.failure
+        if failure is not None:
+            raise RuntimeError(
+                "the NCCL communicator was aborted after an earlier failure, and refuses "
+                f"every call: close it and end the job (it failed with "
+                f"{type(failure).__name__}: {failure})")
+
+    def wait_stream(self, stream: Any, what: str, peer: int | None = None) -> None:
+        """Block until the work enqueued on CuPy ``stream`` so far is done, polling the stream
+        and NCCL's asynchronous error; abort and raise (or end the job) on an error or after
+        the timeout."""
+        event = stream.record()
+        stall = poll(lambda: event.done, self.comm.async_error, self._t.timeout)
+        if stall is not None:
+            self.fail(stall, what, peer)
+
+    def abort(self, error: CollectiveError) -> None:
+        """``ncclCommAbort`` because of ``error``, once; every later call is refused. Never
+        raises (NCCL refusing the abort is logged)."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = error
+            try:
+                with self._t.device_scope():  # it frees the communicator's device memory
+                    self.comm.abort()
+            except NCCLError as err:
+                _LOG.error("ncclCommAbort failed after %s: %s", error, err)
+
+    def fail(self, stall: Stall, what: str, peer: int | None) -> NoReturn:
+        """Abort because of ``stall``; then end the job (``abort_on_timeout``) or raise."""
+        t = self._t
+        error = failure(t, stall, what, peer, t.timeout, self.comm.describe)
+        self.abort(error)
+        _LOG.error("%s", error)
+        if t.abort_on_timeout:
+            write_fatal(error, "Ending the job.")
+            end_job(self.launcher)
+        raise error
+
+
+# Every open transport's watchdog, for the bounded waits outside the transports.
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+def wait_for_stream(stream: Any, device: int, what: str = "a wait for the GPU") -> None:
+    """Block until the work enqueued on CuPy ``stream`` (of CUDA device ``device``) so far is
+    done: polled where NCCL communicators are open on that device, so that a dead peer ends
+    the wait with an error (as the transports' own waits do) instead of hanging the host.
+
+    Args:
+        stream: a ``cupy.cuda.Stream``.
+        device: its CUDA device.
+        what: the step, for the error message.
+
+    Raises:
+        NCCLAsyncError, CollectiveTimeoutError: an open communicator on ``device`` failed, or
+            the wait outlasted the shortest timeout among them (every one of them is aborted
+            then: which one holds the stream back cannot be told).
+    """
+    live = [w for w in list(_LIVE) if w.device == device and w.failure is None]
+    if not live:
+        stream.synchronize()
+        return
+    event = stream.record()
+    failing: list[Watchdog] = []
+
+    def async_error() -> int:
+        for w in live:
+            code = w.comm.async_error()
+            if code not in (0, IN_PROGRESS):
+                failing.append(w)
+                return code
+        return 0
+
+    timeout = min(w.timeout for w in live)
+    stall = poll(lambda: event.done, async_error, timeout)
+    if stall is None:
+        return
+    if failing:
+        failing[0].fail(stall, what, None)
+    for w in live[1:]:
+        w.abort(failure(w._t, stall, what, None, timeout, w.comm.describe))
+    live[0].fail(stall, what, None)
+
+
+def end_job(launcher: str) -> NoReturn:
+    """End the whole job: ``MPI_Abort`` where MPI launched it; otherwise this process exits
+    with status 1 (torchrun then ends the job's other processes)."""
+    if launcher == "mpi":
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)

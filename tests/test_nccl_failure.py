@@ -1,0 +1,411 @@
+"""NCCL failure handling: polled waits, ncclCommAbort on an error or the timeout, and refusal.
+
+Without a GPU these run on stand-ins of CuPy and NCCL (tests/test_device_standins.py): a
+*stuck* GPU never completes its work, as when a peer died under a spinning NCCL kernel, and a
+blocking synchronize on it fails the test instead of hanging it. The stand-in communicator
+reports scripted asynchronous errors and records ``ncclCommAbort``. What is tested is the
+backend's own logic: it polls instead of blocking, gives up at the timeout or on an error,
+aborts, raises an error naming the collective and NCCL's words, ends the job when asked to,
+and refuses every later call.
+
+With a GPU (marker ``gpu``), the real NCCL at one rank: a wait that cannot complete (a kernel
+that spins for seconds holds the stream) must end at the communicator's timeout with
+``ncclCommAbort``, and a healthy communicator reports no asynchronous error. An asynchronous
+error cannot be provoked at one rank (there is no peer to lose); a job of two processes on two
+GPUs, one of which exits, checks that path where two GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from test_device_standins import FakeCupy, FakeGPU, standin_transport
+
+import ringcomm
+from ringcomm.comm import _nccl_lib, _nccl_setup, _nccl_wait, nccl
+from ringcomm.comm._nccl_wait import NCCLAsyncError, Stall, poll
+from ringcomm.comm.base import Communicator
+from ringcomm.ops import _cuda_runtime
+
+TIMEOUT = 0.3  # the stand-in communicators' timeout, in seconds
+
+
+# ------------------------------------------------------------------------------- poll()
+class _Clock:
+    """A clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_poll_returns_when_the_work_is_done():
+    clock, polls = _Clock(), iter([False, False, True])
+    assert poll(lambda: next(polls), lambda: 0, 10.0, clock=clock, sleep=clock.sleep) is None
+    assert len(clock.sleeps) == 2
+
+
+def test_poll_ends_on_an_asynchronous_error_and_ignores_in_progress():
+    clock, codes = _Clock(), iter([0, _nccl_lib.IN_PROGRESS, 0, 6])
+    stall = poll(lambda: False, lambda: next(codes), math.inf, clock=clock, sleep=clock.sleep)
+    assert stall == Stall(6, clock.now) and len(clock.sleeps) == 3
+
+
+def test_poll_ends_at_the_timeout_with_short_growing_pauses():
+    clock = _Clock()
+    stall = poll(lambda: False, lambda: 0, 2.0, clock=clock, sleep=clock.sleep)
+    assert stall is not None and stall.code == 0 and stall.elapsed == pytest.approx(2.0)
+    assert clock.sleeps[0] == pytest.approx(20e-6)
+    assert clock.sleeps == sorted(clock.sleeps[:-1]) + clock.sleeps[-1:]  # growing, then the rest
+    assert max(clock.sleeps) <= 1e-3  # a failure is seen within a millisecond
+    assert len(clock.sleeps) < 2.0 / 1e-3 + 20  # and a long wait costs no core
+
+
+def test_poll_sees_work_that_completes_at_the_deadline():
+    clock = _Clock()
+    assert poll(lambda: clock.now >= 1.0, lambda: 0, 1.0, clock=clock, sleep=clock.sleep) is None
+
+
+# ------------------------------------------------------------------ the real bindings
+def test_the_real_library_binds_abort_and_async_error():
+    """libnccl.so.2 loads without a GPU: ncclCommGetAsyncError and ncclCommAbort are bound
+    with their prototypes, and answer a null communicator as NCCL does (invalid argument;
+    nothing to abort), so the calls reach the library with the right arguments."""
+    try:
+        lib = _nccl_lib.load()
+    except RuntimeError as err:
+        pytest.skip(f"no NCCL library: {err}")
+    assert "ncclCommAbort" in lib.fn and "ncclCommGetAsyncError" in lib.fn
+    null = _nccl_lib.NCCLComm(lib, None, 0, 1)
+    assert null.async_error() == 4  # ncclInvalidArgument: "comm argument is NULL"
+    null.abort()  # ncclSuccess
+    assert "remote process exited" in null.describe(6)
+
+
+# --------------------------------------------------------------- a transport on stand-ins
+@pytest.fixture
+def gpu():
+    return FakeGPU()
+
+
+@pytest.fixture
+def transport(gpu):
+    t = standin_transport(gpu, _nccl_setup._LocalRendezvous(), device=2, timeout=TIMEOUT)
+    yield t
+    gpu.stuck = False
+    t.close()
+
+
+def _refuses_everything(comm: Communicator) -> None:
+    """Every call raises the RuntimeError of an aborted communicator, at once."""
+    cupy = comm.transport.cupy
+    with cupy.cuda.Device(2):
+        dx = cupy.zeros(4096, np.float32)
+    calls = [lambda: comm.allreduce(np.ones(3, np.float32)),
+             lambda: comm.allreduce(dx), lambda: comm.barrier(),
+             lambda: comm.broadcast(np.ones(3)), lambda: comm.allgather(np.ones(3)),
+             lambda: comm.reduce_scatter(np.ones(4)), lambda: comm.sendrecv(dx, 0, dx, 0),
+             lambda: comm.transport.isendrecv(dx, 0, dx, 0),
+             lambda: comm.transport.split(0, 0)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
+            call()
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_stuck_wait_times_out_aborts_and_the_communicator_refuses_calls(gpu, transport,
+                                                                         check):
+    comm = Communicator(transport, consistency_check=check)
+    comm.barrier()  # healthy: polled, never a blocking synchronize
+    assert gpu.blocking_syncs == 0
+    gpu.stuck = True
+    start = time.monotonic()
+    with pytest.raises(ringcomm.CollectiveTimeoutError) as info:
+        comm.transport.barrier()  # the transport's own barrier waits for the GPU
+    elapsed = time.monotonic() - start
+    assert TIMEOUT <= elapsed < TIMEOUT + 2.0
+    err = info.value
+    assert err.kind == "barrier" and err.timeout == TIMEOUT and err.elapsed >= TIMEOUT
+    assert "ncclCommAbort" in str(err) and "rank 0 of 1" in str(err)
+    fake = transport._nccl
+    assert fake.aborted and fake.calls[-1] == ("abort", 2)  # on the communicator's device
+    assert transport.failure is err
+    _refuses_everything(comm)
+    comm.close()  # quick, and no ncclCommDestroy after the abort
+    assert not fake.destroyed
+
+
+def test_an_asynchronous_error_aborts_and_names_the_collective(gpu, transport):
+    comm = Communicator(transport, consistency_check=False)
+    fake = transport._nccl
+    fake.errors = [0, 0, 6]  # ncclRemoteError on the third poll
+    gpu.stuck = True
+    transport.operation = "allreduce"
+    with pytest.raises(NCCLAsyncError) as info:
+        transport.barrier()
+    err = info.value
+    assert isinstance(err, ringcomm.CollectiveError) and isinstance(err, RuntimeError)
+    assert err.code == 6 and err.kind == "allreduce" and err.peer is None
+    assert "remote process exited" in err.nccl_error and err.nccl_error in str(err)
+    assert "allreduce failed on rank 0 of 1" in str(err) and "(barrier)" in str(err)
+    assert fake.polls == 3 and fake.aborted
+    _refuses_everything(comm)
+
+
+def test_a_small_device_allreduce_waits_bounded_before_its_copy_to_the_host(gpu, transport,
+                                                                          monkeypatch):
+    """The inline path copies a small device array to the host; on a stuck stream that copy
+    would wait forever: a bounded wait comes first."""
+    cupy = transport.cupy
+    monkeypatch.setattr(_cuda_runtime, "_cupy", cupy)
+    comm = Communicator(transport)
+    with cupy.cuda.Device(2):
+        x = cupy.asarray(np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(comm.allreduce(x).get(), np.arange(8))
+    gpu.stuck = True
+    with pytest.raises(ringcomm.CollectiveTimeoutError, match="allreduce timed out"):
+        comm.allreduce(x)
+    assert transport._nccl.aborted
+
+
+def test_close_waits_bounded_and_releases_everything(gpu, transport):
+    gpu.stuck = True
+    with pytest.raises(ringcomm.CollectiveTimeoutError, match=r"close timed out"):
+        transport.close()
+    assert transport._nccl.aborted and not transport._nccl.destroyed
+    assert transport._watch not in _nccl_wait._LIVE
+    transport.close()  # idempotent
+
+
+def test_a_healthy_close_finalizes_on_the_transports_device(gpu, transport):
+    transport.close()
+    assert transport._nccl.destroyed and ("destroy", 2) in transport._nccl.calls
+    assert gpu.blocking_syncs == 0
+
+
+def test_abort_on_timeout_ends_the_job_after_aborting(gpu, monkeypatch, capsys):
+    t = standin_transport(gpu, _nccl_setup._LocalRendezvous(), timeout=TIMEOUT,
+                          abort_on_timeout=True)
+    ended = []
+
+    def end_job(launcher: str) -> None:
+        ended.append((launcher, t._nccl.aborted))
+        raise SystemExit(1)
+
+    monkeypatch.setattr(_nccl_wait, "end_job", end_job)
+    gpu.stuck = True
+    with pytest.raises(SystemExit):
+        t.barrier()
+    assert ended == [("local", True)]  # NCCL was aborted before the job ends
+    assert "ringcomm: CollectiveTimeoutError: barrier timed out" in capsys.readouterr().err
+    gpu.stuck = False
+    t.close()
+
+
+def test_abort_is_idempotent_and_survives_nccl_refusing(gpu, transport):
+    def refuse() -> None:
+        raise _nccl_lib.NCCLError("ncclCommAbort failed: NCCL error 3", 3)
+
+    transport._nccl.abort = refuse
+    first = ringcomm.CollectiveTimeoutError("first")
+    transport.abort(first)
+    transport.abort(ringcomm.CollectiveTimeoutError("second"))
+    assert transport.failure is first
+
+
+# ------------------------------------------------------------ waits outside the transport
+def test_wait_for_stream_is_bounded_where_nccl_is_open(gpu, transport):
+    cupy = transport.cupy
+    with cupy.cuda.Device(2):
+        stream = cupy.cuda.get_current_stream()
+    nccl.wait_for_stream(stream, 2)  # healthy: polled
+    assert gpu.blocking_syncs == 0
+    gpu.stuck = True
+    with pytest.raises(ringcomm.CollectiveTimeoutError, match="a wait for the GPU timed out"):
+        nccl.wait_for_stream(stream, 2)
+    assert transport._nccl.aborted
+
+
+def test_wait_for_stream_blocks_plainly_where_no_nccl_is_open(gpu, transport):
+    cupy = transport.cupy
+    stream = cupy.cuda.get_current_stream()  # device 0: no communicator there
+    nccl.wait_for_stream(stream, 0)
+    assert gpu.blocking_syncs == 1 and transport._nccl.polls == 0
+
+
+def test_wait_for_stream_aborts_the_communicator_that_failed(gpu, transport):
+    other = standin_transport(gpu, _nccl_setup._LocalRendezvous(), device=2, timeout=60)
+    try:
+        other._nccl.errors = [0, 2]  # ncclSystemError
+        gpu.stuck = True
+        with pytest.raises(NCCLAsyncError, match="NCCL error 2"):
+            nccl.wait_for_stream(transport.cupy.cuda.get_current_stream(2), 2)
+        assert other._nccl.aborted and not transport._nccl.aborted
+    finally:
+        gpu.stuck = False
+        other.close()
+
+
+def test_torch_results_wait_on_their_device_and_bounded(gpu, transport, monkeypatch):
+    """ringcomm.torch's wait for a CUDA result: on the result's device (not the thread's),
+    through the NCCL backend's bounded wait."""
+    pytest.importorskip("torch")
+    from ringcomm.torch import _tensors
+
+    cupy = transport.cupy
+    monkeypatch.setattr(_tensors, "_cupy", lambda: cupy)
+    with cupy.cuda.Device(2):
+        a = cupy.zeros(8, np.float32)
+    seen = []
+    real = nccl.wait_for_stream
+    monkeypatch.setattr(nccl, "wait_for_stream", lambda s, d, what: (
+        seen.append((s.device, d, gpu.current())), real(s, d, what)))
+    _tensors.sync_device(a)
+    assert seen == [(2, 2, 2)] and gpu.current() == 0
+    gpu.stuck = True
+    with pytest.raises(ringcomm.CollectiveTimeoutError):
+        _tensors.sync_device(a)
+
+
+# ------------------------------------------------------------------------------ with a GPU
+def _real_gpu() -> None:
+    if not nccl.usable():
+        pytest.skip("needs a CUDA GPU and NCCL")
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def _hold_current_stream(seconds: float) -> None:
+    """Enqueue, on the current (null) stream, work that takes ``seconds`` of wall time."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda._sleep(int(seconds * 2e9))  # cycles, at about 2 GHz or more
+            return
+    except ImportError:
+        pass
+    import cupy
+
+    cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.uint64(seconds * 1e9),))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_real_nccl_wait_that_cannot_complete_is_aborted_at_the_timeout():
+    """One rank on one GPU (the real NCCL and CUDA events): after a barrier, work that holds
+    the stream for seconds makes the bounded wait for the stream (ringcomm.torch's wait for a
+    result) outlast the communicator's timeout (0.5 s): it must end then with ncclCommAbort of
+    the idle communicator, which afterwards refuses calls, and close() must return. (An
+    asynchronous NCCL error needs a peer to lose: see the two-GPU test below.)"""
+    _real_gpu()
+    import cupy
+
+    comm = nccl.NCCLCommunicator(timeout=0.5, abort_on_timeout=False, consistency_check=False)
+    try:
+        assert comm.transport._nccl.async_error() == 0  # healthy
+        comm.barrier()  # NCCL's allreduce, then a polled wait
+        _hold_current_stream(4.0)
+        start = time.monotonic()
+        with pytest.raises(ringcomm.CollectiveTimeoutError, match="ncclCommAbort"):
+            nccl.wait_for_stream(cupy.cuda.get_current_stream(), comm.device.id)
+        assert time.monotonic() - start < 3.0
+        assert comm.transport.failure is not None
+        with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
+            comm.allreduce(cupy.ones(4096, np.float32))
+    finally:
+        comm.close()
+        cupy.cuda.Device().synchronize()  # let the held stream finish
+
+
+_PEER_EXITS = textwrap.dedent("""
+    import os, sys, time
+    import cupy, numpy as np
+    import ringcomm
+    from ringcomm.comm.nccl import NCCLAsyncError, NCCLCommunicator
+
+    comm = NCCLCommunicator(timeout=float(sys.argv[1]), abort_on_timeout=False)
+    x = cupy.ones(1 << 20, np.float32)
+    comm.allreduce(x)
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)  # dies without a word
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            comm.allreduce(x)
+            comm.barrier()
+    except (ringcomm.CollectiveTimeoutError, NCCLAsyncError) as err:
+        print("RAISED", round(time.monotonic() - start, 1), type(err).__name__, err,
+              flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+    os._exit(1)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_real_nccl_peer_that_exits_ends_the_wait(subprocess_env, tmp_path):
+    """Two processes on two GPUs, started as torchrun starts them (no MPI: no launcher kills
+    the survivor, and the per-call agreement itself goes over NCCL); rank 1 exits after a
+    first allreduce. Rank 0's next calls must end with NCCL's asynchronous error or the
+    timeout (20 s), never hang. NCCL refuses two ranks on one GPU, so this needs two."""
+    _real_gpu()
+    pytest.importorskip("torch.distributed")
+    import socket
+
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (NCCL refuses two ranks on one GPU)")
+    script = tmp_path / "peer_exits.py"
+    script.write_text(_PEER_EXITS)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(subprocess_env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script), "20"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        out = procs[0].communicate(timeout=150)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert "RAISED" in out, out
+    assert float(out.split("RAISED", 1)[1].split()[0]) < 25.0
+
+
+def test_the_stand_in_cupy_is_not_left_installed():
+    """Sanity of these tests: no stand-in stays installed as ringcomm's CuPy."""
+    assert not isinstance(_cuda_runtime._cupy, FakeCupy)
+    assert _nccl_wait.poll is poll
