@@ -51,6 +51,7 @@ from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, 
 from ringcomm.torch._fusion import fusion_threshold
 from ringcomm.torch._ops import Op, ReduceSpec
 from ringcomm.torch._reduce import allreduce_tensor
+from ringcomm.torch._tensors import device_scope
 
 __all__ = ["Coordinator", "coordinator_for", "enqueue", "execute", "forget", "reduce_fused"]
 
@@ -367,7 +368,9 @@ class Coordinator:
                 tl.start(n, group[0].entry.kind.upper(), args)
         if error is None:
             try:
-                with calls_as(self._name):
+                # The communicator's device current on this thread, as on the engine's; the
+                # submitters' streams were fenced into the default stream by their Handles.
+                with calls_as(self._name), device_scope(self.comm.cuda_device):
                     if tl is None:
                         result = self._execute(group, mine)
                     else:
