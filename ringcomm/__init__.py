@@ -20,7 +20,6 @@ import datetime
 import logging
 import math
 import os
-import re
 import sys
 from typing import Any, NamedTuple
 
@@ -28,6 +27,9 @@ import numpy as np
 
 from ringcomm.comm import log as _log
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.env import env as _env
+from ringcomm.comm.env import env_bytes as _env_bytes
+from ringcomm.comm.env import env_flag as _env_flag
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
 from ringcomm.comm.types import (
@@ -75,10 +77,6 @@ __all__ = [
 _BACKENDS = ("auto", "mpi", "nccl", "gloo")
 _LOG = _log.get_logger("init")
 
-# "1048576", "512K", "2M", "1G", "2MiB" (case-insensitive): KiB, MiB, GiB multiples.
-_BYTES = re.compile(r"\s*([0-9]+)\s*(?:([KMG])(?:iB)?)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
 
 class _Options(NamedTuple):
     """init()'s options, checked, with the environment's values filled in."""
@@ -87,34 +85,6 @@ class _Options(NamedTuple):
     segment_bytes: int | None
     inline_bytes: int | None
     timeout: float
-
-
-def _env(name: str) -> str | None:
-    """The variable's value, or None when it is unset or blank."""
-    raw = os.environ.get(name)
-    return raw if raw is not None and raw.strip() else None
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    raw = _env(name)
-    if raw is None:
-        return default
-    if raw.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1 (or true/false, yes/no, on/off), got {raw!r}")
-
-
-def _env_bytes(name: str) -> int | None:
-    raw = _env(name)
-    if raw is None:
-        return None
-    match = _BYTES.fullmatch(raw)
-    if match is None:
-        raise ValueError(f"{name} must be a byte count such as 1048576, 512K, 2M or 1G "
-                         f"(K, M, G: KiB, MiB, GiB), got {raw!r}")
-    return int(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
 
 
 def _byte_option(value: Any, name: str, minimum: int, multiple: int) -> int | None:

@@ -1,0 +1,110 @@
+"""Dense host allreduces on the MPI backend: MPI's own allreduce up to a size limit, the ring
+above it; every rank takes the same path and gets the same bits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from test_allreduce import check, make
+
+import ringcomm
+from ringcomm.comm import mpi as mpi_backend
+from ringcomm.comm.mpi import MPICommunicator
+
+LIMIT = 64 << 10  # small, so both sides of it stay quick to test
+
+
+@pytest.fixture
+def paths(comm) -> Iterator[list[bool]]:
+    """Whether each ring allreduce of ``comm`` ran natively (True) or as the ring (False)."""
+    t = comm.transport
+    seen: list[bool] = []
+    native, saved = t.native_allreduce, t.native_allreduce_bytes
+
+    def spy(x, out, op):
+        seen.append(native(x, out, op))
+        return seen[-1]
+
+    t.native_allreduce, t.native_allreduce_bytes = spy, LIMIT
+    try:
+        yield seen
+    finally:
+        t.native_allreduce, t.native_allreduce_bytes = native, saved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+def test_both_sides_of_the_limit(comm, world, rng, paths, dtype, op):
+    if op == "avg" and np.dtype(dtype).kind == "i":
+        pytest.skip("avg is refused for integers")
+    item = np.dtype(dtype).itemsize
+    for nbytes in (8 << 10, LIMIT, LIMIT + item, 3 * LIMIT + 7 * item):
+        x = make(rng, nbytes // item, dtype, op)
+        paths.clear()
+        y = comm.allreduce(x, op=op)
+        check(world, x, y, op)
+        native = nbytes <= LIMIT and dtype != "float16"
+        assert paths == ([] if comm.size == 1 else [native]), (nbytes, paths)  # 1: a copy
+        # In place: the same values, through MPI_IN_PLACE on the native side.
+        z = x.copy()
+        assert comm.allreduce(z, out=z, op=op) is z
+        np.testing.assert_array_equal(z, y)
+
+
+def test_native_results_are_identical_on_every_rank(comm, world, rng, paths):
+    """Sums whose value depends on the order of additions (values of many magnitudes): every
+    rank must still hold the same bits, over many sizes and repeats."""
+    for n in (2049, 5000, 16_383):
+        for _ in range(20):
+            x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+            check(world, x, comm.allreduce(x), "sum")  # identical bits on every rank too
+    assert all(paths)
+
+
+def test_limit_zero_always_takes_the_ring(comm, world, rng, paths):
+    comm.transport.native_allreduce_bytes = 0
+    x = rng.standard_normal(4096).astype(np.float32)
+    check(world, x, comm.allreduce(x), "sum")
+    assert paths == ([] if comm.size == 1 else [False])
+
+
+def _communicator(monkeypatch, value: str | None) -> MPICommunicator:
+    if value is None:
+        monkeypatch.delenv(mpi_backend.NATIVE_BYTES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(mpi_backend.NATIVE_BYTES_ENV, value)
+    from mpi4py import MPI
+
+    return MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=60)
+
+
+def test_limit_from_the_environment(monkeypatch, world):
+    c = _communicator(monkeypatch, "1M")
+    try:
+        assert c.transport.native_allreduce_bytes == 1 << 20
+    finally:
+        c.close()
+    c = _communicator(monkeypatch, None)
+    try:
+        assert c.transport.native_allreduce_bytes == (c.size - 1) * (512 << 10)
+    finally:
+        c.close()
+
+
+def test_limit_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    value = "64K" if world.Get_rank() == 0 else "128K"
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match=r"RINGCOMM_MPI_ALLREDUCE_BYTES differs between ranks"):
+        _communicator(monkeypatch, value)
+    world.Barrier()
+
+
+def test_invalid_limit_fails_everywhere(monkeypatch, world):
+    value = "lots" if world.Get_rank() == world.Get_size() - 1 else "64K"
+    with pytest.raises(ValueError, match=r"RINGCOMM_MPI_ALLREDUCE_BYTES must be a byte count"):
+        _communicator(monkeypatch, value)
+    world.Barrier()
