@@ -8,11 +8,27 @@ through --rotate independent sets of inputs so that no run finds its data in L2;
 bandwidth is (bytes read + bytes written) / time. Top-k at --ratio of the elements is also
 compared with torch.topk (when PyTorch sees the GPU) and a CuPy sort-based selection on the
 same data. Needs CuPy and a CUDA GPU.
+
+What the host does per call is shown next to the operations that are more than one launch
+(in the kernel's name, and as fields of the JSON rows): ``launches`` through ringcomm's
+launcher, ``allocs`` taken from CuPy's memory pool (after warm-up), and ``waits`` (1 when the
+call returned only after the GPU had finished the work queued before it: a host
+synchronization). Rows:
+
+- select_hist, one radix-select histogram pass over all n keys, with warp-aggregated atomics
+  and with plain ones, on gradient-like values and on mostly-zero ones (few distinct bins);
+- top-k, exact (sampled prefilter, and the whole-array fallback on all-equal data) and DGC;
+- sparse_residual in place (the sparse ring's residual) and into another array;
+- the compressed rings' work on one rank (``ring ...``): rank 0 of an --ranks ring alone on
+  the GPU, every message it sends coming back as the one it receives (same sizes: the
+  bench's lengths divide evenly), so it does a ring rank's kernel work without peers (the
+  values are not a reduction). Their bytes are the input read and the output written once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -24,7 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.types import ReduceOp
+import ringcomm
+from ringcomm import ops as array_ops
+from ringcomm.comm.transport import TransportBase
+from ringcomm.comm.types import RING, ReduceOp
+from ringcomm.compress import ring as compressed_ring
+from ringcomm.compress import sparse as sparse_ring
+from ringcomm.ops import _cuda_runtime
 from ringcomm.ops import numpy as host_ops
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -47,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rotate", type=int, default=3, help="independent input sets cycled")
     p.add_argument("--block", type=int, default=256, help="int8 block size")
     p.add_argument("--ratio", type=float, default=0.01, help="top-k fraction")
+    p.add_argument("--ranks", type=int, default=4, help="ring size of the ring rows")
     p.add_argument("--only", default="", help="comma list of kernel names to run")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args(argv)
@@ -76,6 +99,115 @@ class Timer:
         return float(np.median(times))
 
 
+class Work:
+    """What the host does in one call: kernel launches through ringcomm's launcher, blocks
+    taken from CuPy's memory pool, and whether it waited for the GPU.
+
+    The wait is seen by queueing ``busy`` (copies that keep the GPU busy far longer than a
+    call takes to enqueue) before the call: if an event recorded between the two has completed
+    when the call returns, the call waited for the GPU.
+    """
+
+    def __init__(self, cupy: Any, busy: Callable[[], Any] | None = None) -> None:
+        self.cupy, self.busy = cupy, busy
+
+    def count(self, run: Callable[[], Any]) -> dict[str, int]:
+        """{"launches", "allocs", "waits"} of one ``run()`` (waits only with ``busy``)."""
+        launched = [0]
+        launch = _cuda_runtime.launch
+
+        def counting(*a: Any, **kw: Any) -> None:
+            launched[0] += 1
+            launch(*a, **kw)
+
+        hook = _pool_hook(self.cupy)
+        stream = self.cupy.cuda.get_current_stream()
+        if self.busy is not None:
+            self.busy()
+        before = stream.record()
+        _cuda_runtime.launch = counting  # type: ignore[assignment]
+        try:
+            with hook if hook is not None else contextlib.nullcontext():
+                run()
+            waited = bool(before.done) if self.busy is not None else None
+        finally:
+            _cuda_runtime.launch = launch  # type: ignore[assignment]
+        stream.synchronize()
+        work = {"launches": launched[0]}
+        if hook is not None:
+            work["allocs"] = hook.count
+        if waited is not None:
+            work["waits"] = int(waited)
+        return work
+
+
+def _pool_hook(cupy: Any) -> Any:
+    """A CuPy MemoryHook counting the pool's allocations (None where CuPy has none)."""
+    base = getattr(getattr(cupy.cuda, "memory_hook", None), "MemoryHook", None)
+    if base is None:
+        return None
+
+    class Counting(base):  # type: ignore[misc, valid-type]
+        name = "ringcomm-bench-count"
+
+        def __init__(self) -> None:
+            self.count = 0
+
+        def malloc_preprocess(self, **kwargs: Any) -> None:
+            self.count += 1
+
+    return Counting()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class Loopback(TransportBase):
+    """Rank 0 of a ring of ``size`` alone on one GPU: each message it sends comes back as the
+    one it receives (a copy on the current stream), so it does a ring rank's kernel work
+    without peers. The sizes match when the length divides evenly into the segments; the
+    values are not a reduction."""
+
+    backend = "loopback"
+
+    def __init__(self, size: int) -> None:
+        super().__init__(0, size)
+
+    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+                  channel: int = RING) -> _Done:
+        if send is not None and recv is not None:
+            m = min(send.size, recv.size)
+            array_ops.get(recv).copy(recv.reshape(-1)[:m], send.reshape(-1)[:m])
+        return _Done()
+
+
+def ring_rows(cupy: Any, n: int, ranks: int, ratio: float) -> list[tuple[str, int, Callable]]:
+    """(name, bytes, run(i)) of the compressed rings' work on one rank of ``ranks``."""
+    n -= n % (ranks * 4096)  # equal chunks and segments: every looped-back size matches
+    rng = np.random.default_rng(2)
+    x = cupy.asarray(rng.standard_normal(n, dtype=np.float32))
+    h = x.astype(np.float16)
+    out, out16 = cupy.empty_like(x), cupy.empty_like(h)
+    residual = cupy.zeros_like(x)
+    t = Loopback(ranks)
+    int8, fp16 = ringcomm.Int8(), ringcomm.FP16()
+    topk = ringcomm.TopK(ratio)
+    sum_, avg = ReduceOp.SUM, ReduceOp.AVG
+
+    def dense(comp: Any, src: Any, dst: Any, op: ReduceOp, res: Any) -> Callable[[int], None]:
+        return lambda i: compressed_ring.allreduce(t, src, dst, op, comp, res, i)
+
+    return [
+        (f"ring int8 +feedback n={ranks}", 8 * n, dense(int8, x, out, sum_, residual)),
+        (f"ring int8 n={ranks}", 8 * n, dense(int8, x, out, sum_, None)),
+        (f"ring fp16 avg of fp16 n={ranks}", 4 * n, dense(fp16, h, out16, avg, None)),
+        (f"ring topk +feedback n={ranks}", 8 * n,
+         lambda i: sparse_ring.ring_allreduce(t, x, out, sum_, topk, residual, i)),
+    ]
+
+
 def _inputs(cupy: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """--rotate independent sets of every kernel's inputs and outputs."""
     n, block = args.elements, args.block
@@ -94,8 +226,35 @@ def _inputs(cupy: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return sets
 
 
-def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]]) -> list[tuple]:
-    """(name, bytes read + written, run(i)) of each benchmarked operation."""
+def _shaped(cupy: Any, n: int) -> dict[str, Any]:
+    """Inputs whose value distribution matters: gradient-like values (normal, log-normal
+    scales), a mostly-zero array (1% non-zero: a handful of histogram bins), and one of equal
+    magnitudes (top-k's whole-array fallback)."""
+    rng = np.random.default_rng(3)
+    grads = rng.standard_normal(n, dtype=np.float32)
+    grads *= rng.lognormal(0, 1, n).astype(np.float32)
+    sparse = cupy.zeros(n, np.float32)
+    hot = cupy.asarray(rng.choice(n, size=max(1, n // 100), replace=False))
+    sparse[hot] = cupy.asarray(rng.standard_normal(hot.size, dtype=np.float32))
+    return {"grads": cupy.asarray(grads), "sparse": sparse,
+            "equal": cupy.full(n, 0.5, np.float32)}
+
+
+def _hist_pass(cupy: Any, x: Any, aggregate: bool) -> Callable[[int], None]:
+    """One select_hist pass (the first: 11 bits, every key) over x, as top-k launches it."""
+    state = cupy.zeros(8, np.uint32)
+    hist = cupy.zeros(2048, np.uint32)  # left to add up: the counts do not matter here
+    blocks = _cuda_runtime.grid(-(-x.size // 4))
+    null = _cuda_runtime.NULL
+    args = (x, np.int64(0), np.int64(1), np.int64(x.size), null, null, state, np.int32(20),
+            np.int32(11), np.int32(1), hist, np.int32(1), np.int32(aggregate))
+    return lambda i: _cuda_runtime.launch("rc::select_hist", blocks, args)
+
+
+def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
+             shaped: dict[str, Any]) -> list[tuple[str, int, Callable[[int], Any], bool]]:
+    """(name, bytes read + written, run(i), whether to count its host work) of each
+    benchmarked operation."""
     from ringcomm.ops import cuda as ops
 
     n, block = args.elements, args.block
@@ -109,37 +268,56 @@ def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]]) ->
         return sets[i % len(sets)]
 
     stoch = {"stochastic": True, "seed": 7, "base": 0}
-    return [
+    grads, equal = shaped["grads"], shaped["equal"]
+    rows: list[tuple[str, int, Callable[[int], Any], bool]] = [
         ("reduce f32+f32", 12 * n, lambda i: ops.reduce(ReduceOp.SUM, pick(i)["x"],
-                                                         pick(i)["own"], pick(i)["out"])),
+                                                         pick(i)["own"], pick(i)["out"]), False),
         ("reduce f32+f16->f32", 10 * n, lambda i: ops.reduce(ReduceOp.SUM, pick(i)["own"],
-                                                              pick(i)["h"], pick(i)["out"])),
-        ("copy f32->f16", 6 * n, lambda i: ops.copy(pick(i)["h"], pick(i)["x"])),
+                                                              pick(i)["h"], pick(i)["out"]),
+         False),
+        ("copy f32->f16", 6 * n, lambda i: ops.copy(pick(i)["h"], pick(i)["x"]), False),
         ("compensate", 12 * n, lambda i: ops.compensate(pick(i)["x"], pick(i)["own"],
-                                                         pick(i)["out"])),
+                                                         pick(i)["out"]), False),
         ("int8 quantize", 4 * n + q_bytes,
-         lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block)),
+         lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block), False),
         ("int8 quantize+error", 8 * n + q_bytes,
-         lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block, error=pick(i)["err"])),
+         lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block, error=pick(i)["err"]),
+         False),
         ("int8 quantize stoch+error", 8 * n + q_bytes,
          lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block, error=pick(i)["err"],
-                                   **stoch)),
+                                   **stoch), False),
         ("int8 dequantize", q_bytes + 4 * n,
-         lambda i: ops.int8_decode(pick(i)["q"], pick(i)["out"], block)),
+         lambda i: ops.int8_decode(pick(i)["q"], pick(i)["out"], block), False),
         ("int8 fused hop+error", 2 * q_bytes + 8 * n,
          lambda i: ops.int8_hop(pick(i)["q"], pick(i)["own"], pick(i)["q2"], block,
-                                error=pick(i)["err"])),
+                                error=pick(i)["err"]), False),
         ("fp16 encode+error", 10 * n,
-         lambda i: ops.cast_encode(pick(i)["x"], pick(i)["w"], "f16", error=pick(i)["err"])),
+         lambda i: ops.cast_encode(pick(i)["x"], pick(i)["w"], "f16", error=pick(i)["err"]),
+         False),
         ("bf16 hop+error", 12 * n,
          lambda i: ops.cast_hop(pick(i)["w"], pick(i)["own"], pick(i)["w2"], "bf16",
-                                error=pick(i)["err"])),
+                                error=pick(i)["err"]), False),
         (f"scatter_add k={k}", 16 * k,
-         lambda i: ops.scatter_add(pick(i)["out"], idx, pick(i)["own"][:k])),
-        (f"topk exact k={k}", 4 * n + 8 * k, lambda i: ops.topk(pick(i)["x"], k)),
-        (f"topk approximate k={k}", 4 * n + 8 * k,
-         lambda i: ops.topk(pick(i)["x"], k, approximate=True, seed=i)),
+         lambda i: ops.scatter_add(pick(i)["out"], idx, pick(i)["own"][:k]), False),
+        (f"sparse_residual in place k={k}", 4 * n + 8 * k,
+         lambda i: ops.sparse_residual(pick(i)["err"], idx, pick(i)["err"]), True),
+        (f"sparse_residual copy k={k}", 8 * n + 8 * k,
+         lambda i: ops.sparse_residual(pick(i)["x"], idx, pick(i)["err"]), True),
     ]
+    for data in ("grads", "sparse"):
+        for aggregate in (True, False):
+            how = "warp-aggregated" if aggregate else "plain atomics"
+            rows.append((f"select_hist {data} {how}", 4 * n,
+                         _hist_pass(cupy, shaped[data], aggregate), False))
+    rows += [
+        (f"topk exact k={k}", 4 * n + 8 * k, lambda i: ops.topk(pick(i)["x"], k), True),
+        (f"topk exact gradients k={k}", 4 * n + 8 * k, lambda i: ops.topk(grads, k), True),
+        (f"topk exact all-equal (whole-array select) k={k}", 4 * n + 8 * k,
+         lambda i: ops.topk(equal, k), True),
+        (f"topk approximate k={k}", 4 * n + 8 * k,
+         lambda i: ops.topk(pick(i)["x"], k, approximate=True, seed=i), True),
+    ]
+    return rows + [(*row, True) for row in ring_rows(cupy, n, args.ranks, args.ratio)]
 
 
 def _topk_baselines(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
@@ -180,6 +358,12 @@ def _device(cupy: Any) -> dict[str, Any]:
             "host": platform.node()}
 
 
+def _label(name: str, work: dict[str, int] | None) -> str:
+    if not work:
+        return name
+    return f"{name} [" + ", ".join(f"{v} {k}" for k, v in work.items()) + "]"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -202,29 +386,44 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = 8 * n / copy_us / 1e3
     rows = [{"kernel": "d2d copy f32 (ceiling)", "bytes": 8 * n, "us": copy_us,
              "gbps": ceiling, "of_copy": 1.0}]
+    stream = cupy.cuda.get_current_stream()
+
+    def busy() -> None:  # about 50 ms of copies: far longer than enqueueing any call
+        for i in range(max(1, math.ceil(50_000 / copy_us))):
+            s = sets[i % len(sets)]
+            s["out"].data.copy_from_device_async(s["x"].data, 4 * n, stream)
+
+    work = Work(cupy, busy)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    for name, nbytes, run in _kernels(cupy, args, sets):
-        if only and name.split(" k=")[0] not in only:
+    for name, nbytes, run, counted in _kernels(cupy, args, sets, _shaped(cupy, n)):
+        if only and name.split(" k=")[0].split(" n=")[0] not in only:
             continue
         us = timer.median_us(run)
-        rows.append({"kernel": name, "bytes": nbytes, "us": us, "gbps": nbytes / us / 1e3,
-                     "of_copy": nbytes / us / 1e3 / ceiling})
+        row = {"kernel": name, "bytes": nbytes, "us": us, "gbps": nbytes / us / 1e3,
+               "of_copy": nbytes / us / 1e3 / ceiling}
+        if counted:  # after the timed runs: nothing left to compile or to grow
+            row.update(work.count(lambda run=run: run(0)))
+        rows.append(row)
     baselines = [] if only else _topk_baselines(cupy, args, sets, timer)
     for name, us in baselines:
         rows.append({"kernel": name, "bytes": None, "us": us, "gbps": None, "of_copy": None})
+    for row in rows:
+        counts = {k: row[k] for k in ("launches", "allocs", "waits") if k in row}
+        row["kernel"] = _label(row["kernel"], counts)
     device = _device(cupy)
     print(f"# {device['name']} (sm_{''.join(map(str, device['compute_capability']))}), "
           f"{n} float32 elements, median of {args.iters} runs")
-    print(f"{'kernel':<34}{'bytes':>14}{'time (us)':>12}{'GB/s':>9}{'of copy':>9}")
+    width = max(34, 2 + max(len(r["kernel"]) for r in rows))
+    print(f"{'kernel':<{width}}{'bytes':>14}{'time (us)':>12}{'GB/s':>9}{'of copy':>9}")
     for r in rows:
         gbps = f"{r['gbps']:9.1f}" if r["gbps"] is not None else f"{'-':>9}"
         frac = f"{r['of_copy']:9.0%}" if r["of_copy"] is not None else f"{'-':>9}"
         nbytes = f"{r['bytes']:14d}" if r["bytes"] is not None else f"{'-':>14}"
-        print(f"{r['kernel']:<34}{nbytes}{r['us']:12.1f}{gbps}{frac}")
+        print(f"{r['kernel']:<{width}}{nbytes}{r['us']:12.1f}{gbps}{frac}")
     if args.json:
         args.json.write_text(json.dumps({"device": device, "elements": n, "block": args.block,
                                          "ratio": args.ratio, "iters": args.iters,
-                                         "results": rows}, indent=2))
+                                         "ranks": args.ranks, "results": rows}, indent=2))
     return 0
 
 

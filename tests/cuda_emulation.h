@@ -2,8 +2,8 @@
 // kernels themselves on a machine without a GPU (tests/gpu_emulator.py builds them with it).
 //
 // A block's threads are fibers run one at a time by a scheduler in launch(): a
-// thread runs until it reaches a barrier (__syncthreads, or a warp shuffle/ballot, which are
-// barriers of the warp's 32 lanes here) and then yields. Blocks run one after another, so
+// thread runs until it reaches a barrier (__syncthreads, or a warp shuffle, ballot or match,
+// which are barriers of the warp's 32 lanes here) and then yields. Blocks run one after another, so
 // __shared__ variables can simply be static. A barrier that can never complete (threads of a
 // block or warp taking different paths to it) aborts with a message instead of hanging: the
 // emulator checks that every warp-level call is reached by all 32 lanes, as CUDA requires of
@@ -38,6 +38,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 struct rc_dim3 {
   unsigned x = 0, y = 1, z = 1;
@@ -311,6 +312,19 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+
+// The lanes of the warp whose `value` equals this lane's (a barrier of the warp, as a ballot).
+inline unsigned __match_any_sync(unsigned, unsigned value) {
+  const unsigned lane = threadIdx.x & 31;
+  const unsigned first = threadIdx.x - lane;
+  rc_emu::slots[threadIdx.x] = value;
+  rc_emu::wait(rc_emu::warp_barriers[first / 32], first, 32);
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l) bits |= (rc_emu::slots[first + l] == value ? 1u : 0u) << l;
+  rc_emu::wait(rc_emu::warp_barriers[first / 32], first, 32);
+  return bits;
+}
 
 inline void rc_emu_check_aligned(const void* p, std::size_t align) {
   if (reinterpret_cast<std::uintptr_t>(p) % align) {

@@ -54,14 +54,28 @@ class FakeGPU:
             raise RuntimeError(f"invalid device ordinal {device}")
         self._local.device = device
 
+    def streams(self) -> list[Any]:
+        """This thread's stack of streams made current with ``with stream:``."""
+        stack = getattr(self._local, "streams", None)
+        if stack is None:
+            stack = self._local.streams = []
+        return stack
+
 
 class FakeEvent:
+    """A CUDA event: remembers the stream of its last recording and how many it had (a stream's
+    wait captures the recording current when it is made, as cudaStreamWaitEvent does)."""
+
     def __init__(self, gpu: FakeGPU, disable_timing: bool = True) -> None:
         self._gpu = gpu
         self.device = gpu.current()
+        self.stream: Any = None
+        self.recordings = 0
 
     def record(self, stream: Any = None) -> None:
         self.device = stream.device if stream is not None else self._gpu.current()
+        self.stream = stream
+        self.recordings += 1
 
     @property
     def done(self) -> bool:
@@ -84,6 +98,8 @@ class FakeStream:
             ptr = FakeStream._next
         self.ptr = ptr
         self.waited: list[FakeEvent] = []
+        # (event, the recording waited for, the stream it was recorded on), in call order
+        self.waits: list[tuple[FakeEvent, int, Any]] = []
 
     def record(self, event: FakeEvent | None = None) -> FakeEvent:
         event = FakeEvent(self._gpu) if event is None else event
@@ -92,6 +108,15 @@ class FakeStream:
 
     def wait_event(self, event: FakeEvent) -> None:
         self.waited.append(event)
+        self.waits.append((event, event.recordings, event.stream))
+
+    def __enter__(self) -> FakeStream:
+        """Current on this thread (for its device) inside the block, as ``with stream:``."""
+        self._gpu.streams().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._gpu.streams().pop()
 
     @property
     def done(self) -> bool:
@@ -194,6 +219,7 @@ class _Cuda:
         self._gpu = gpu
         self.runtime = _Runtime(gpu)
         self._default: dict[tuple[int, int], FakeStream] = {}
+        self.events_made = 0
 
     def Device(self, device: int | None = None) -> FakeDeviceRef:
         return FakeDeviceRef(self._gpu, self._gpu.current() if device is None else device)
@@ -202,11 +228,16 @@ class _Cuda:
         return FakeStream(self._gpu, non_blocking)
 
     def Event(self, disable_timing: bool = False) -> FakeEvent:
+        self.events_made += 1
         return FakeEvent(self._gpu, disable_timing)
 
     def get_current_stream(self, device: int | None = None) -> FakeStream:
-        """The current stream of the current device (null stream, ptr 0), one per thread."""
+        """The current stream of the current device: the innermost ``with stream:`` of this
+        thread on that device, else its null stream (ptr 0), one per thread."""
         d = self._gpu.current() if device is None else device
+        for stream in reversed(self._gpu.streams()):
+            if stream.device == d:
+                return stream
         key = (threading.get_ident(), d)
         stream = self._default.get(key)
         if stream is None:

@@ -1,22 +1,28 @@
-"""Top-k: the GPU (ringcomm/ops/_cuda_topk.py, on the CPU emulator) and NumPy select the same
-entries, ties included, and the GPU's sampled prefilter spares it the full select.
+"""Top-k: the GPU (ringcomm/ops/_cuda_topk.py, on the CPU emulator and on a GPU) and NumPy select
+the same entries, ties included, the GPU's sampled prefilter spares it the full select, and the
+host never waits for the GPU.
 
 Ties at the k-th largest magnitude go to the lowest indices on both sides (NumPy's argpartition
 used to break them arbitrarily, so exact comparisons at n of about 1M failed now and then). Both
 aim the sampled threshold at 1.5k; aimed at k, as the GPU's was, about half the calls found
-fewer than k candidates and selected from the whole array.
+fewer than k candidates and selected from the whole array. Which of those branches a call takes
+is decided on the GPU (select_scan's plan): the tests read the plan the emulated kernels wrote,
+force every branch, and check that no step of a call reads a device value on the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import gpu_emulator
 import numpy as np
 import ops_twins as twins
 import pytest
 
-from ringcomm.ops import _topk_plan
+from ringcomm.ops import _cuda_runtime as rt
+from ringcomm.ops import _cuda_topk, _topk_plan
 from ringcomm.ops import cuda as gpu
 from ringcomm.ops import numpy as ref
 
@@ -57,8 +63,9 @@ def test_numpy_ties_on_small_arrays():
             np.testing.assert_array_equal(ref.topk(x, k)[0], twins.lowest_index_topk(x, k))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
+    """The emulator, installed for one test (so that the GPU tests below find CuPy's own)."""
     try:
         emulator = gpu_emulator.build(gpu_emulator.cache_dir(), seed=17)
     except FileNotFoundError:
@@ -67,10 +74,39 @@ def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
         yield emulator, fake
 
 
+_SCAN_MODE, _SCAN_PLAN = 6, 10  # select_scan's arguments: mode, and the plan it writes
+
+
+@contextlib.contextmanager
+def decided_plans(emulator: gpu_emulator.Emulator) -> Iterator[list[np.ndarray]]:
+    """Collect the plans select_scan decides on the (emulated) device, as int64[4]: candidates
+    the exact selection goes on with (-1: the whole array), ka, kb, and the rows ja | jb << 32."""
+    plans: list[np.ndarray] = []
+    launch = emulator.launch
+
+    def recording(name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
+        launch(name, grid, block, args)
+        if name == "rc::select_scan" and int(args[_SCAN_MODE]):
+            plans.append(np.array(args[_SCAN_PLAN], np.int64))
+
+    emulator.launch = recording  # type: ignore[method-assign]
+    try:
+        yield plans
+    finally:
+        del emulator.launch
+
+
 def _gradients(seed: int, n: int) -> np.ndarray:
     """Gradient-like float32 values: normal with a log-normal spread of scales."""
     rng = np.random.default_rng(seed)
     return (rng.standard_normal(n) * rng.lognormal(0, 1, n)).astype(np.float32)
+
+
+def _same_as_numpy(fake: gpu_emulator.FakeCupy, x: np.ndarray, k: int, **kw: Any) -> None:
+    idx, val = gpu.topk(fake.asarray(x), k, **kw)
+    want_idx, want_val = ref.topk(x, k, **kw)
+    np.testing.assert_array_equal(idx.get(), want_idx)
+    np.testing.assert_array_equal(val.get().view(np.uint32), want_val.view(np.uint32))
 
 
 def _full_selects(emulated, n: int, ratios: tuple[float, ...], seeds: range) -> tuple[int, int]:
@@ -81,15 +117,10 @@ def _full_selects(emulated, n: int, ratios: tuple[float, ...], seeds: range) -> 
     for ratio in ratios:
         k = int(np.ceil(ratio * n))
         for seed in seeds:
-            x = _gradients(seed, n)
-            emulator.launches.clear()
-            idx, val = gpu.topk(fake.asarray(x), k)
-            want_idx, want_val = ref.topk(x, k)
-            np.testing.assert_array_equal(idx, want_idx)
-            np.testing.assert_array_equal(val, want_val)
-            hist = [launch for launch in emulator.launches if launch.name == "rc::select_hist"]
-            assert len(hist) in (3, 6)  # the sample's select, then the candidates' or all
-            fallbacks += any(launch.args[3] == n for launch in hist)  # m: entries histogrammed
+            with decided_plans(emulator) as plans:
+                _same_as_numpy(fake, _gradients(seed, n), k)
+            assert len(plans) == 1
+            fallbacks += int(plans[0][0] < 0)
             calls += 1
     return fallbacks, calls
 
@@ -114,3 +145,237 @@ def test_gpu_ties_match_numpy(emulated):
         np.testing.assert_array_equal(idx, twins.lowest_index_topk(x, k))
         np.testing.assert_array_equal(idx, ref.topk(x, k)[0])
         np.testing.assert_array_equal(val.view(np.uint32), x[idx].view(np.uint32))
+
+
+# --------------------------------------------------------- the branches the device decides
+N_BRANCH, K_BRANCH = 40_000, 400
+_STRIDE = _topk_plan.sample_plan(N_BRANCH, K_BRANCH, 0)[1]  # the sample: x[0::_STRIDE]
+
+
+def _branch_data(case: str) -> np.ndarray:
+    x = _gradients(0, N_BRANCH)
+    if case == "all equal":  # every entry reaches any threshold
+        x = np.where(np.arange(N_BRANCH) % 2 == 0, 0.5, -0.5).astype(np.float32)
+    if case == "44 reach 100":  # the sample's 2nd largest magnitude
+        x = (_gradients(1, N_BRANCH) * 1e-3).astype(np.float32)
+        x[np.arange(42) * _STRIDE] = 100.0
+        x[[1, 2]] = [np.nan, -np.inf]  # not sampled: 44 entries reach 100
+    return x
+
+
+BRANCHES = {
+    # case: (data, candidates used?, patch)
+    "candidates": ("gradients", True, None),
+    "fewer than k reach": ("gradients", False, ("prefilter_rank", lambda n, k: max(1, k // 8))),
+    "more than the room": ("gradients", False, ("candidate_room", lambda n, k: k)),
+    "all reach": ("all equal", False, None),
+    "exactly k reach": ("44 reach 100", True, ("prefilter_rank", lambda n, k: 44)),
+}
+
+
+@pytest.mark.parametrize("case", list(BRANCHES))
+def test_each_branch_matches_numpy(emulated, monkeypatch, case):
+    """The exact path takes the branch the data calls for, decided on the device, and gives
+    NumPy's selection on every one; the host enqueues the same launches on all of them."""
+    emulator, fake = emulated
+    data, use, patch = BRANCHES[case]
+    if patch is not None:
+        module = _cuda_topk if patch[0] == "candidate_room" else _topk_plan
+        monkeypatch.setattr(module, patch[0], patch[1])
+    x = _branch_data(data)
+    k = 44 if case == "exactly k reach" else K_BRANCH
+    emulator.launches.clear()
+    with decided_plans(emulator) as plans:
+        _same_as_numpy(fake, x, k)
+    assert len(plans) == 1
+    reached = int(plans[0][0])
+    assert (reached >= 0) == use, f"plan {plans[0]}"
+    if case == "exactly k reach":
+        assert reached == k
+    names = [launch.name for launch in emulator.launches]
+    assert names == _EXACT_SAMPLED_LAUNCHES
+
+
+_SELECT = ["rc::select_hist", "rc::select_pick"] * 3
+_EXACT_SAMPLED_LAUNCHES = [
+    *_SELECT, "rc::sample_limits", "rc::select_count", "rc::select_scan", "rc::select_write",
+    *_SELECT, "rc::select_count", "rc::select_scan", "rc::select_write"]
+
+
+@pytest.mark.parametrize("data", ["gradients", "all equal", "44 reach 100"])
+@pytest.mark.parametrize("k", [1, 60, 3000, 7000])
+def test_dgc_plans_match_numpy(emulated, data, k):
+    """DGC's halving and its count of non-finite entries, decided on the device."""
+    emulator, fake = emulated
+    x = _branch_data(data)
+    with decided_plans(emulator) as plans:
+        _same_as_numpy(fake, x, k, approximate=True, seed=k)
+    assert len(plans) == 1
+
+
+class _NoHostRead(gpu_emulator.DeviceArray):
+    """A device array whose values the host may not read: what a real GPU would have to wait
+    for (a copy to the host, a conversion to a Python number, a truth value)."""
+
+    def _refuse(self, *args: Any, **kw: Any) -> Any:
+        raise AssertionError("the host read a device value (a wait for the GPU)")
+
+    get = item = tolist = __int__ = __float__ = __index__ = __bool__ = _refuse
+
+
+@pytest.fixture
+def no_host_reads(emulated, monkeypatch):
+    """Make every array the emulated CuPy creates refuse host reads."""
+    monkeypatch.setattr(gpu_emulator, "_dev", lambda x: x.view(_NoHostRead))
+    return emulated
+
+
+@pytest.mark.parametrize("case", ["small", "candidates", "all reach", "fewer than k reach",
+                                  "dgc"])
+def test_topk_never_waits_for_the_device(no_host_reads, monkeypatch, case):
+    fake = no_host_reads[1]
+    n = 3000 if case == "small" else N_BRANCH
+    x = _branch_data("all equal" if case == "all reach" else "gradients")[:n]
+    if case == "fewer than k reach":
+        monkeypatch.setattr(_topk_plan, "prefilter_rank", lambda n, k: 1)
+    idx, val = gpu.topk(fake.asarray(x), K_BRANCH, approximate=case == "dgc", seed=1)
+    want_idx, want_val = ref.topk(x, K_BRANCH, approximate=case == "dgc", seed=1)
+    np.testing.assert_array_equal(idx.view(np.ndarray), want_idx)
+    np.testing.assert_array_equal(val.view(np.ndarray), want_val)
+    with pytest.raises(AssertionError, match="the host read"):  # the one function that does
+        gpu.sample_threshold(fake.asarray(np.abs(x)), K_BRANCH, 1)
+
+
+def test_one_memset_per_call(emulated, monkeypatch):
+    """The histogram is the only buffer a call zeroes: the radix state needs none (the first
+    pass ignores it), sample_limits zeroes the totals, and the candidates' selection reuses the
+    histogram the sample's selection left zeroed."""
+    fake = emulated[1]
+    zeroed = []
+    zeros = fake.zeros
+    monkeypatch.setattr(fake, "zeros", lambda *a, **kw: zeroed.append(a) or zeros(*a, **kw))
+    for approximate in (False, True):
+        zeroed.clear()
+        _same_as_numpy(fake, _gradients(5, N_BRANCH), K_BRANCH, approximate=approximate)
+        assert len(zeroed) == 1
+
+
+# ------------------------------------------------------------- select_hist, both ways
+def _hist(xp: Any, x: np.ndarray, *, off: int = 0, stride: int = 1, aggregate: bool,
+          prefix: int = 0, mask: int = 0, shift: int = 20, bits: int = 11,
+          cand: np.ndarray | None = None) -> np.ndarray:
+    """One select_hist pass over x[off::stride] (or the candidates, when given) on the device
+    of ``xp`` (the emulator's CuPy, or CuPy); the histogram it adds up."""
+    fake = xp
+    m = len(range(off, x.size, stride))
+    hist = fake.zeros(2048, np.uint32)
+    state = fake.zeros(8, np.uint32)
+    state[0], state[1] = prefix, mask
+    dx = fake.asarray(x)
+    plan = None
+    dc = None
+    if cand is not None:
+        plan = fake.asarray(np.array([cand.size, 0, 0, 0], np.int64))
+        dc = fake.asarray(cand)
+    vec = int(stride == 1 and off == 0) | (2 if cand is not None else 0)
+    rt.launch("rc::select_hist", 5,
+              (dx, np.int64(off), np.int64(stride), np.int64(m), rt.NULL if dc is None else dc,
+               rt.NULL if plan is None else plan, state, np.int32(shift), np.int32(bits),
+               np.int32(mask == 0), hist, np.int32(vec), np.int32(aggregate)))
+    return fake.asnumpy(hist) if hasattr(fake, "asnumpy") else hist.get()
+
+
+def _bincount(x: np.ndarray, prefix: int, mask: int, shift: int, bits: int) -> np.ndarray:
+    keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    keys = keys[(keys & np.uint32(mask)) == prefix]
+    out = np.zeros(2048, np.int64)
+    out[: 1 << bits] = np.bincount((keys >> np.uint32(shift)) & np.uint32((1 << bits) - 1),
+                                   minlength=1 << bits)
+    return out
+
+
+@pytest.mark.parametrize("aggregate", [True, False])
+@pytest.mark.parametrize("data", ["gradients", "zeros", "uniform bits"])
+def test_select_hist_counts_every_key_once(emulated, aggregate, data):
+    """Warp-aggregated atomics (lanes of one digit add once) and plain ones give the same
+    histogram: np.bincount's, over vectorised, strided and candidate entries, a first pass and
+    a later one that counts only the keys matching the decided bits."""
+    _check_hist(emulated[1], aggregate, data)
+
+
+def _check_hist(xp: Any, aggregate: bool, data: str) -> None:
+    rng = np.random.default_rng(11)
+    n = 9_001
+    if data == "gradients":
+        x = _gradients(6, n)
+    elif data == "zeros":
+        x = np.zeros(n, np.float32)
+        x[rng.choice(n, 50, replace=False)] = 1.0
+    else:
+        x = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    np.testing.assert_array_equal(_hist(xp, x, aggregate=aggregate),
+                                  _bincount(x, 0, 0, 20, 11))
+    np.testing.assert_array_equal(_hist(xp, x, off=3, stride=7, aggregate=aggregate),
+                                  _bincount(x[3::7], 0, 0, 20, 11))
+    np.testing.assert_array_equal(_hist(xp, x[:100], cand=x, aggregate=aggregate),
+                                  _bincount(x, 0, 0, 20, 11))
+    top = int(np.bincount((x.view(np.uint32) & 0x7FFFFFFF) >> 20).argmax()) << 20
+    np.testing.assert_array_equal(
+        _hist(xp, x, aggregate=aggregate, prefix=top, mask=0x7FF00000, shift=10, bits=10),
+        _bincount(x, top, 0x7FF00000, 10, 10))
+
+
+# ------------------------------------------------------------------------------ on a GPU
+@pytest.fixture(scope="module")
+def cupy_gpu() -> Any:
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA GPU")
+    except Exception as err:  # no driver
+        pytest.skip(f"no CUDA GPU ({err})")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(BRANCHES))
+def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, case):
+    data, _, patch = BRANCHES[case]
+    if patch is not None:
+        module = _cuda_topk if patch[0] == "candidate_room" else _topk_plan
+        monkeypatch.setattr(module, patch[0], patch[1])
+    x = _branch_data(data)
+    k = 44 if case == "exactly k reach" else K_BRANCH
+    for approximate in (False, True):
+        idx, val = gpu.topk(cupy_gpu.asarray(x), k, approximate=approximate, seed=2)
+        want_idx, want_val = ref.topk(x, k, approximate=approximate, seed=2)
+        np.testing.assert_array_equal(cupy_gpu.asnumpy(idx), want_idx)
+        np.testing.assert_array_equal(cupy_gpu.asnumpy(val).view(np.uint32),
+                                      want_val.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aggregate", [True, False])
+@pytest.mark.parametrize("data", ["gradients", "zeros", "uniform bits"])
+def test_select_hist_counts_every_key_once_on_the_gpu(cupy_gpu, aggregate, data):
+    _check_hist(cupy_gpu, aggregate, data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", [False, True])
+def test_topk_returns_before_the_gpu_is_done(cupy_gpu, approximate):
+    """The host enqueues a whole top-k without waiting: queued behind copies that keep the GPU
+    busy for tens of milliseconds, the call returns while they still run."""
+    x = cupy_gpu.asarray(_gradients(9, 1 << 20))
+    gpu.topk(x, 10_000, approximate=approximate)  # compile and load first
+    big = cupy_gpu.empty(1 << 28, np.float32)  # 1 GiB, copied 50 times
+    other = cupy_gpu.empty_like(big)
+    stream = cupy_gpu.cuda.get_current_stream()
+    for _ in range(50):
+        other.data.copy_from_device_async(big.data, big.nbytes, stream)
+    busy = stream.record()
+    idx, _ = gpu.topk(x, 10_000, approximate=approximate)
+    still_busy = not busy.done
+    stream.synchronize()
+    assert still_busy, "top-k waited for the GPU"
+    assert idx.size == 10_000

@@ -19,6 +19,8 @@ import ops_twins as twins
 import pytest
 
 import ringcomm
+from ringcomm.ops import cuda as gpu
+from ringcomm.ops import numpy as ref
 
 _BASE_DTYPES = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
 
@@ -92,6 +94,29 @@ def test_divide(dev, rng, n):
 
 def test_compensate_and_residuals(dev, rng, n):
     twins.check_compensate_and_residuals(dev, rng, n)
+
+
+@pytest.mark.parametrize("nonfinite", ["few", "more than k"])
+def test_sparse_residual_in_place(dev, rng, n, nonfinite):
+    """The sparse ring's residual is written over the values it was selected from: only the
+    groups holding NaN or Inf are written (no copy), with NumPy's bits, also when the selection
+    is all non-finite and some are left over."""
+    acc = twins.data(rng, n, np.float32)
+    k = max(1, n // 10)
+    if nonfinite == "more than k":
+        acc[rng.choice(n, min(n, k + 2), replace=False)] = np.nan
+    idx = ref.topk(acc, k)[0]
+    want = acc.copy()
+    ref.sparse_residual(want, idx, want)
+    got = dev.put(acc)
+    emulator = getattr(dev, "emulator", None)
+    if emulator is not None:
+        emulator.launches.clear()
+    gpu.sparse_residual(got, dev.put(idx), got)
+    twins.assert_bits(dev, got, want)
+    if emulator is not None:
+        assert [launch.name for launch in emulator.launches] == [
+            "rc::zero_nonfinite_kernel<float>", "rc::scatter_zero_kernel"]
 
 
 def test_uniform(dev, n):

@@ -6,6 +6,7 @@ with the communicator over it; this module holds the transport alone.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,9 @@ class _Transfer:
     wait for it.
 
     It holds the arrays until then: CuPy's pool could otherwise hand their memory to new work
-    on the current stream while the transfer stream still reads or writes it.
+    on the current stream while the transfer stream still reads or writes it. Its event goes
+    back to the transport's pool once waited for (see ``_EventPool``); a second ``wait()`` does
+    nothing more.
     """
 
     __slots__ = ("_arrays", "_event", "_t")
@@ -35,10 +38,58 @@ class _Transfer:
         self._t, self._event, self._arrays = t, event, arrays
 
     def wait(self) -> None:
+        event = self._event
+        if event is None:
+            return
         t = self._t
         with t.device_scope():
-            t._cuda.get_current_stream().wait_event(self._event)
-        self._arrays = None
+            t._cuda.get_current_stream().wait_event(event)
+        self._event = self._arrays = None
+        t._events.give(event)
+
+
+class _EventPool:
+    """CUDA events of the ring's exchanges, reused instead of made two per exchange.
+
+    An event may be recorded again as soon as every ``wait_event`` on its last recording has
+    been enqueued: cudaStreamWaitEvent waits for the recording current when it is called, not
+    for a later one. So the "ready" event is recorded and waited for in one step (under a lock,
+    so that no other thread records it in between), and a "done" event comes back with
+    ``give`` only from ``_Transfer.wait``, after its one wait was enqueued. At most ``keep`` idle
+    events are kept; ``clear()`` drops them (close).
+    """
+
+    __slots__ = ("_cuda", "_idle", "_lock", "_ready", "keep")
+
+    def __init__(self, cuda: Any, keep: int = 8) -> None:
+        self._cuda, self.keep = cuda, keep
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+        self._ready: Any = None
+
+    def order(self, before: Any, after: Any) -> None:
+        """Make stream ``after`` wait for the work enqueued on stream ``before`` so far."""
+        with self._lock:
+            if self._ready is None:
+                self._ready = self._cuda.Event(disable_timing=True)
+            self._ready.record(before)
+            after.wait_event(self._ready)
+
+    def take(self) -> Any:
+        """An event no pending wait refers to (made when none is idle)."""
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._cuda.Event(disable_timing=True)
+
+    def give(self, event: Any) -> None:
+        """Return an event whose waits have all been enqueued."""
+        if len(self._idle) < self.keep:
+            self._idle.append(event)
+
+    def clear(self) -> None:
+        self._idle.clear()
+        self._ready = None
 
 
 class _Enqueued:
@@ -132,6 +183,9 @@ class NCCLTransport(TransportBase):
         #: object: CuPy's Device context is not safe across threads).
         self.device = cupy.cuda.Device(device)
         self._fixed: dict[int, tuple[Any, Any]] = {}
+        self._events = _EventPool(cupy.cuda)
+        # The stream of the last call that took device scratch, and its identity (``scratch``).
+        self._scratch_stream: tuple[Any, tuple[int, int]] | None = None
         with self.device_scope():
             self._p2p_stream = cupy.cuda.Stream(non_blocking=True)
             self._word = cupy.zeros(1, np.int32)
@@ -207,15 +261,31 @@ class NCCLTransport(TransportBase):
             with self.device_scope():
                 self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._stream())
             return _ENQUEUED
-        cuda = self._cuda
         with self.device_scope():
-            ready = cuda.Event(disable_timing=True)
-            ready.record(cuda.get_current_stream())
-            self._p2p_stream.wait_event(ready)
+            self._events.order(self._cuda.get_current_stream(), self._p2p_stream)
             self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._p2p_stream.ptr)
-            done = cuda.Event(disable_timing=True)
+            done = self._events.take()
             done.record(self._p2p_stream)
         return _Transfer(self, done, (send, recv))
+
+    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+        """A reusable buffer (see TransportBase.scratch), ordered after every earlier use.
+
+        A scratch buffer outlives the call that used it, and that call's kernels may still be
+        queued on another stream than this call's (CuPy's pool keeps fresh allocations apart
+        per stream; scratch has no such guard): when the current stream is not the one of the
+        last call that took device scratch, it first waits for the work enqueued on that one.
+        """
+        if _ops.is_device_array(like):
+            with self.device_scope():
+                current = self._cuda.get_current_stream()
+                mine = _stream_identity(current)
+                last = self._scratch_stream
+                if last is not None and last[1] != mine:
+                    self._events.order(last[0], current)
+                # Held, so that its handle is not reused by a new stream meanwhile.
+                self._scratch_stream = (current, mine)
+        return super().scratch(key, like, n, dtype)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._check_usable()
@@ -374,6 +444,8 @@ class NCCLTransport(TransportBase):
         finally:
             self._watch.close()
             self._fixed.clear()
+            self._events.clear()
+            self._scratch_stream = None
             self.release_scratch()
             if self._host is not None and self._host is not getattr(self._rdv, "transport",
                                                                     None):
@@ -446,6 +518,16 @@ class NCCLTransport(TransportBase):
         if isinstance(uid, str):
             raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
         return _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank)
+
+
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream on every thread
+
+
+def _stream_identity(stream: Any) -> tuple[int, int]:
+    """What tells CUDA streams apart: the handle, and for the per-thread default stream the
+    thread as well."""
+    ptr = int(stream.ptr)
+    return ptr, threading.get_ident() if ptr == _PER_THREAD_STREAM else 0
 
 
 def _span(x: Any) -> tuple[int, int] | None:

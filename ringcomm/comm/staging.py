@@ -6,12 +6,19 @@ Which device: :class:`DeviceChoice` selects one per process, with the first devi
 work with it current.
 
 Ordering with the GPU: kernels run asynchronously on the current CuPy stream, and MPI knows
-nothing of it. Before MPI may read a device buffer (CUDA-aware) or the host copy of one, the
-stream is synchronized; before a device buffer is handed over to be written, the same
-synchronization guarantees no queued kernel still reads its old contents. A staged receive is
-copied to the device asynchronously after it completes, on the same stream, so the reduction
-that follows it is ordered after the copy without the host waiting: with the ring's window of
-two exchanges, that copy and that reduction overlap the next segment's transfer.
+nothing of it. The host waits for that stream (one synchronize per call, none where nothing
+needs it) exactly where MPI is about to touch memory that queued GPU work writes or reads:
+
+- a staged send: MPI reads the pinned copy, which the queued download fills;
+- any device buffer handed to a CUDA-aware MPI: MPI reads a send, or writes a receive that a
+  queued kernel may still read.
+
+A staged receive needs no wait: MPI writes a pinned buffer that no queued copy uses (the pool
+lends a buffer only once its last copy's event has completed), and its copy to the device is
+queued on the stream after the receive completes, so the reduction that follows it is ordered
+after the copy without the host waiting: with the ring's window of two exchanges, that copy and
+that reduction overlap the next segment's transfer. A pure receive (a staged broadcast on a
+rank other than the root, an allgather of host data into a device array) does not wait at all.
 
 Bounded time: every wait for the peers goes through the ``wait`` the transport passes in
 (``MPITransport.wait_all``: polled until its deadline). Staged collectives use MPI's
@@ -259,6 +266,15 @@ class DeviceStaging:
     def _sync(self) -> None:
         self._cupy.cuda.get_current_stream().synchronize()
 
+    def _sync_before(self, staged_sends: bool, *arrays: Any) -> None:
+        """Wait for the current stream where MPI is about to read what it produces: a staged
+        send's download, or (CUDA-aware MPI) any of ``arrays`` on the device, which MPI reads
+        or writes while queued kernels may still use it. Not for staged receives (see the
+        module's docstring)."""
+        device = _ops.is_device_array
+        if staged_sends or (self.direct and any(device(a) for a in arrays)):
+            self._sync()
+
     def message(self, buf: Any, like: Any) -> tuple[Any, int]:
         """The MPI buffer of ``like``'s data, and the factor from elements to its items.
 
@@ -320,9 +336,7 @@ class DeviceStaging:
             sbuf = self._stage(send, False)
             if sbuf is not send:
                 downloads.append(sbuf)
-        device = _ops.is_device_array
-        if downloads or (self.direct and (device(send) or device(recv))):
-            self._sync()  # the download is complete; no queued kernel still uses recv
+        self._sync_before(bool(downloads), send, recv)
         if recv is not None:
             reqs.append(comm.Irecv(self.message(rbuf, recv)[0], source, tag))
         if send is not None:
@@ -334,7 +348,7 @@ class DeviceStaging:
         """Allgatherv of ``x`` into ``out`` (counts and displs in elements), either or both on
         the device."""
         send_buf, recv_buf = self._stage(x, False), self._stage(out, True)
-        self._sync()  # the download is complete, and no queued kernel still uses out
+        self._sync_before(send_buf is not x, x, out)
         send, scale = self.message(send_buf, x)
         recv = self.message(recv_buf, out)[0]
         vector = _counts(recv, [c * scale for c in counts], [d * scale for d in displs])
@@ -349,7 +363,7 @@ class DeviceStaging:
         """Broadcast device array ``x`` from ``root`` in place."""
         mine = comm.Get_rank() == root
         buf = self._stage(x, not mine)
-        self._sync()
+        self._sync_before(mine and buf is not x, x)
         self._collective(comm, "broadcast", comm.Bcast, comm.Ibcast, x, None,
                          self.message(buf, x)[0], root)
         if buf is not x and mine:  # not after a timeout: MPI may still read it (see _Staged)

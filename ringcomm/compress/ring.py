@@ -31,7 +31,13 @@ def mix_seed(*values: int) -> int:
 
 
 class CompressedCodec:
-    """Ring codec whose messages are a DenseCompressor's payloads."""
+    """Ring codec whose messages are a DenseCompressor's payloads.
+
+    Every buffer is the transport's scratch, kept between calls (the payloads of the whole array
+    too): a training loop reduces the same sizes every step, and a fresh array would cost an
+    allocation, and on the host the page faults of its first touch, every call. Each is written
+    in a call before that call reads it.
+    """
 
     def __init__(self, t: Transport, x: Any, out: Any, op: ReduceOp,
                  comp: DenseCompressor, residual: Any | None, seed: int,
@@ -42,13 +48,15 @@ class CompressedCodec:
         n = layout.n
         sizes = [comp.nbytes(layout.seg_len(c, j)) for c in range(n) for j in range(layout.nseg)]
         self.offsets = np.cumsum([0, *sizes]).tolist()
-        self.store = self.ops.empty((self.offsets[-1],), np.uint8)
+        self.store = t.scratch("cring.store", x, self.offsets[-1], np.uint8)
         widest = comp.nbytes(layout.max_seg)
         self.staged = ring.staging(t, "cring.send", x, widest, np.uint8)
         self.inbox = ring.staging(t, "cring.recv", x, widest, np.uint8)
-        self.own = t.scratch("cring.own", x, layout.max_seg, np.float32)
-        self.decoded = None if out.dtype == np.float32 else self.ops.empty(
-            (layout.max_seg,), np.float32)
+        # Without a residual, a float32 input is its own compensated value: read in place.
+        self.own = None if residual is None and x.dtype == np.float32 else t.scratch(
+            "cring.own", x, layout.max_seg, np.float32)
+        self.decoded = None if out.dtype == np.float32 else t.scratch(
+            "cring.decoded", x, layout.max_seg, np.float32)
 
     def _slot(self, c: int, j: int) -> Any:
         i = c * self.layout.nseg + j
@@ -63,7 +71,10 @@ class CompressedCodec:
 
     def _own(self, s: slice) -> Any:
         """This rank's input plus residual on ``s``, in float32 (its residual is then free to
-        receive this hop's error)."""
+        receive this hop's error); the input itself when it is float32 without a residual
+        (encode and hop only read it)."""
+        if self.own is None:
+            return self.x[s]
         own = self.own[: s.stop - s.start]
         self.ops.compensate(self.x[s], self._error(s), own)
         return own
@@ -100,7 +111,12 @@ class CompressedCodec:
         out = self.out[s]
         target = out if self.decoded is None else self.decoded[: s.stop - s.start]
         self.comp.decode(msg, target)
-        if self.op is ReduceOp.AVG:
+        avg = self.op is ReduceOp.AVG
+        if avg and not own and out.dtype.itemsize == 2:
+            # The float32 quotient rounded into 16 bits in one pass, as the two below do it.
+            self.ops.divide(target, self.layout.n, out)
+            return
+        if avg:
             self.ops.divide(target, self.layout.n, target)
         if target is not out:
             self.ops.copy(out, target)

@@ -3,13 +3,18 @@
 Exact selection is a radix select on the magnitudes' bits (three histogram passes find the k-th
 largest magnitude T and how many entries equal to T are taken) followed by an order-preserving
 compaction: the output indices come out ascending without a sort, and ties at T go to the
-lowest indices. No step waits for the GPU. On large arrays both paths first select the
-threshold of a strided ~1% sample the same way and count, in one pass, the entries reaching it
-and its halvings; after one wait for those counts, the exact path compacts the candidates and
-selects among them, and the approximate path (DGC) writes the non-finite entries and then the
-earliest entries that reach the threshold. The exact path aims the sampled threshold at 1.5k,
-as NumPy does (ops/_topk_plan.py), so that the candidates nearly always hold the top k; when
-they do not, it selects from the whole array. Both paths return exactly what NumPy returns.
+lowest indices. On large arrays both paths first select the threshold of a strided ~1% sample
+the same way and count, in one pass, the entries reaching it and its halvings. The exact path
+aims that threshold at 1.5k, as NumPy does (ops/_topk_plan.py), compacts the entries reaching it
+into a candidate buffer of bounded size and selects among them; when fewer than k reach it, or
+more than the buffer holds, or all do, it selects from the whole array. The approximate path
+(DGC) writes the non-finite entries and then the earliest entries that reach the threshold or
+the first halving that k entries reach. Both return exactly what NumPy returns.
+
+No step waits for the GPU: which of those branches is taken depends on counts that only the
+GPU knows, so the kernels decide it there (``select_scan`` writes a plan that the kernels after
+it read; kernels/topk.cu), and every buffer is sized by what the host knows in advance (the
+candidates' room below). The host enqueues the same launches whichever branch the data takes.
 """
 
 from __future__ import annotations
@@ -18,116 +23,164 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.log import get_logger
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _topk_plan as _plan
 
-__all__ = ["sample_threshold", "topk"]
+__all__ = ["candidate_room", "sample_threshold", "topk"]
 
 _TILE = 256 * 16  # SEL_TILE of kernels/topk.cu: elements per block of the count/write passes
 _PASSES = ((20, 11), (10, 10), (0, 10))  # (shift, bits) of the digits, most significant first
+_BINS = 2048
 _F32 = np.float32
 _ALL = np.int64(1 << 62)  # "every one of them"
-_HALVINGS = 9  # rows 0..8 of sample_limits: the threshold, halved up to 8 times
-_NONFINITE, _EVERY = 9, 10  # rows of sample_limits: keys >= Inf; every key
-_LOG = get_logger("ops.topk")
+_LIMITS = 11  # rows of sample_limits: the threshold halved 0..8 times, the non-finite, every key
+_SCAN_ROWS, _PLAN_PREFILTER, _PLAN_DGC = 0, 1, 2  # select_scan's modes
+_HIST_VEC_X, _HIST_VEC_CAND = 1, 2  # bits of select_hist's vec
+#: Whether select_hist adds a warp's keys of one digit with one atomic (kernels/topk.cu); the
+#: kernel benchmark compares both.
+AGGREGATE = True
+_NULL = _rt.NULL
 
 
-def _select(x: Any, off: int, stride: int, m: int, k: int) -> Any:
-    """Radix-select the k-th largest key of x[off::stride][:m]; returns the state (uint32[8]:
-    key prefix, mask, ties to take as int64, limits T + 1 and T)."""
-    cupy = _rt.cp()
-    state = cupy.zeros(8, np.uint32)
-    hist = cupy.zeros(2048, np.uint32)
-    vec = int(stride == 1 and off == 0 and x.data.ptr % 16 == 0)
-    blocks = _rt.grid(-(-m // 4) if vec else m)
+def candidate_room(n: int, k: int) -> int:
+    """Entries the exact path's candidate buffer holds: 4x the 1.5k the sampled threshold aims
+    at, plus 64 sample strides (when k is tiny the threshold is the sample's maximum, and about
+    one stride of entries reach it, with an exponential tail); beyond that, the whole array is
+    selected from (a rare, slower path with the same result)."""
+    _, stride, _, _ = _plan.sample_plan(n, k, 0)
+    return min(n, 4 * _plan.prefilter_rank(n, k) + 64 * stride)
+
+
+class _Scratch:
+    """What the selections of one top-k call share: a histogram, zeroed once (each selection
+    leaves it zero for the next). Their radix-select states need no zeroing: the first pass
+    ignores them."""
+
+    __slots__ = ("hist",)
+
+    def __init__(self) -> None:
+        self.hist = _rt.cp().zeros(_BINS, np.uint32)
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def _select(scratch: _Scratch, x: Any, off: int, stride: int, m: int, k: int,
+            cand: Any | None = None, plan: Any | None = None) -> Any:
+    """Radix-select the k-th largest key of x[off::stride][:m], or of the candidates ``cand``
+    when ``plan`` says so; returns the state (uint32[8]: key prefix, mask, ties to take as int64,
+    limits T + 1 and T)."""
+    state = _rt.cp().empty(8, np.uint32)
+    vec = _HIST_VEC_X if stride == 1 and off == 0 and x.data.ptr % 16 == 0 else 0
+    if cand is not None and cand.data.ptr % 16 == 0:
+        vec |= _HIST_VEC_CAND
+    blocks = _rt.grid(-(-m // 4) if vec & _HIST_VEC_X else m)
     for i, (shift, bits) in enumerate(_PASSES):
         _rt.launch("rc::select_hist", blocks,
-                   (x, np.int64(off), np.int64(stride), np.int64(m), state, np.int32(shift),
-                    np.int32(bits), hist, np.int32(vec)))
+                   (x, _i64(off), _i64(stride), _i64(m), _NULL if cand is None else cand,
+                    _NULL if plan is None else plan, state, np.int32(shift), np.int32(bits),
+                    np.int32(i == 0), scratch.hist, np.int32(vec), np.int32(AGGREGATE)))
         _rt.launch("rc::select_pick", 1,
-                   (hist, state, np.int32(shift), np.int32(bits), np.int64(k), np.int32(i == 0)))
+                   (scratch.hist, state, np.int32(shift), np.int32(bits), _i64(k),
+                    np.int32(i == 0)))
     return state
 
 
-def _count(x: Any, lims: Any, nthr: int) -> tuple[Any, Any]:
-    """Per-tile counts of the keys at or above each of the nthr limits, and their totals."""
-    cupy = _rt.cp()
-    ntiles = -(-x.size // _TILE)
-    counts = cupy.empty(nthr * ntiles, np.uint32)
-    totals = cupy.zeros(nthr, np.uint32)
-    _rt.launch("rc::select_count", ntiles,
-               (x, np.int64(x.size), lims, np.int32(nthr), counts, np.int64(ntiles), totals))
-    return counts, totals
+def _tile_blocks(m: int, decided: bool) -> int:
+    """Blocks of the count/write passes over up to m entries: one per tile, or, when the plan
+    decides on the device how many entries there are, a full wave that loops over the tiles."""
+    tiles = max(1, -(-m // _TILE))
+    return _rt.grid(tiles, 1) if decided else tiles
 
 
-def _scan(x: Any, counts: Any, *rows: int) -> Any:
-    """Turn the counts rows a compaction uses into per-tile offsets (one block per row)."""
+def _count(x: Any, lims: Any, nthr: int, totals: Any | None = None, cand: Any | None = None,
+           plan: Any | None = None) -> Any:
+    """Per-tile counts of the keys at or above each of the nthr limits (rows of x.size / tile
+    entries), and their totals into ``totals`` when given."""
     ntiles = -(-x.size // _TILE)
-    _rt.launch("rc::select_scan", len(rows),
-               (counts, np.int64(ntiles), np.int32(rows[0]), np.int32(rows[-1])), threads=1024)
+    counts = _rt.cp().empty(nthr * ntiles, np.uint32)
+    _rt.launch("rc::select_count", _tile_blocks(x.size, plan is not None),
+               (x, _i64(x.size), _NULL if cand is None else cand, _NULL if plan is None else plan,
+                lims, np.int32(nthr), counts, _i64(ntiles), _NULL if totals is None else totals))
     return counts
 
 
-def _write(x: Any, ids: Any | None, lims: Any, ja: int, jb: int, ka: int, kb: int,
-           state: Any | None, offsets: Any, idx: Any, val: Any) -> None:
+def _scan(x: Any, counts: Any, rows: tuple[int, int], *, plan: Any | None = None,
+          mode: int = _SCAN_ROWS, totals: Any | None = None, k: int = 0,
+          room: int = 0) -> None:
+    """Turn the counts rows a compaction uses into per-tile offsets (one block per row); in a
+    PLAN_ mode the rows come from the plan that this launch decides and stores in ``plan``."""
+    ntiles = -(-x.size // _TILE)
+    deciding = mode != _SCAN_ROWS
+    _rt.launch("rc::select_scan", len(rows),
+               (counts, _i64(ntiles), _i64(x.size), _NULL if deciding or plan is None else plan,
+                np.int32(rows[0]), np.int32(rows[-1]), np.int32(mode),
+                _NULL if totals is None else totals, _i64(k), _i64(room),
+                plan if deciding else _NULL), threads=1024)
+
+
+def _write(x: Any, lims: Any, offsets: Any, idx: Any, val: Any, *, ja: int = 0, jb: int = -1,
+           ka: int = _ALL, kb: int = 0, state: Any | None = None,
+           cand: tuple[Any, Any] | None = None, src: Any | None = None,
+           rows: Any | None = None) -> None:
     """Write the first ka entries of class A and kb of class B (select_write in
-    kernels/topk.cu) in index order into idx, val."""
+    kernels/topk.cu) in index order into idx, val: of x, or of the candidates (values, indices)
+    ``cand`` when the plan ``src`` chose them; ``rows`` (a plan) replaces ja, jb, ka, kb."""
     m = x.size
-    ntiles = -(-m // _TILE)
-    _rt.launch("rc::select_write", ntiles,
-               (x, _rt.NULL if ids is None else ids, np.int64(m), lims, np.int32(ja),
-                np.int32(jb), np.int64(ka), np.int64(kb), _rt.NULL if state is None else state,
-                offsets, np.int64(ntiles), idx, val))
+    cval, cidx = cand if cand is not None else (_NULL, _NULL)
+    _rt.launch("rc::select_write", _tile_blocks(m, src is not None),
+               (x, _NULL, _i64(m), cval, cidx, _NULL if src is None else src,
+                _NULL if rows is None else rows, lims, np.int32(ja), np.int32(jb), _i64(ka),
+                _i64(kb), _NULL if state is None else state, offsets, _i64(-(-m // _TILE)), idx,
+                val))
 
 
-def _exact(x: Any, ids: Any | None, k: int, idx: Any, val: Any) -> None:
-    """The top k of x (its entries named by ids, when given) into idx, val; no host wait."""
-    state = _select(x, 0, 1, x.size, k)
+def _exact(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any,
+           cand: tuple[Any, Any] | None = None, plan: Any | None = None) -> None:
+    """The top k of x, or of the candidates (values, indices) when ``plan`` chose them, into
+    idx, val."""
+    cval = None if cand is None else cand[0]
+    state = _select(scratch, x, 0, 1, x.size, k, cval, plan)
     lims = state[4:]  # T + 1, T
-    offsets = _scan(x, _count(x, lims, 2)[0], 0, 1)
-    _write(x, ids, lims, 0, 1, _ALL, 0, state, offsets, idx, val)
+    counts = _count(x, lims, 2, cand=cval, plan=plan)
+    _scan(x, counts, (0, 1), plan=plan)
+    _write(x, lims, counts, idx, val, ja=0, jb=1, state=state, cand=cand, src=plan)
 
 
-def _sampled(x: Any, k: int, seed: int) -> tuple[Any, Any, list[int]]:
-    """The sampled limits, the per-tile counts of the keys reaching each, and their totals
-    (read back: the one wait, as the totals decide what follows and size its buffers)."""
+def _sampled(scratch: _Scratch, x: Any, k: int, seed: int, nthr: int) -> tuple[Any, Any, Any]:
+    """The limits of the sampled threshold (and its halvings), the per-tile counts of the keys
+    reaching the first ``nthr`` of them, and their totals (all on the device)."""
     off, stride, size, want = _plan.sample_plan(x.size, k, seed)
-    sampled = _select(x, off, stride, size, want)
-    lims = _rt.cp().empty(_EVERY + 1, np.uint32)
-    _rt.launch("rc::sample_limits", 1, (sampled, lims), threads=32)
-    counts, totals = _count(x, lims, _EVERY + 1)
-    return lims, counts, [int(t) for t in totals.get()]
-
-
-def _prefiltered(x: Any, k: int, idx: Any, val: Any, sampled: tuple[Any, Any, list[int]]) -> None:
-    """Exact top k, selected among the entries reaching the sampled threshold when at least k
-    do (NumPy's exact path on large arrays: the same entries, ties aside)."""
-    lims, counts, passing = sampled
-    count = passing[0]
-    if count < k or count == x.size:
-        _LOG.debug("top-k: %d of %d entries reach the sampled threshold, k = %d: selecting "
-                   "from all of them", count, x.size, k)
-        _exact(x, None, k, idx, val)
-        return
-    offsets = _scan(x, counts, 0)
-    if count == k:
-        _write(x, None, lims, 0, -1, _ALL, 0, None, offsets, idx, val)
-        return
+    sampled = _select(scratch, x, off, stride, size, want)
     cupy = _rt.cp()
-    cand_idx, cand_val = cupy.empty(count, np.int32), cupy.empty(count, _F32)
-    _write(x, None, lims, 0, -1, _ALL, 0, None, offsets, cand_idx, cand_val)
-    _exact(cand_val, cand_idx, k, idx, val)
+    lims, totals = cupy.empty(_LIMITS, np.uint32), cupy.empty(_LIMITS, np.uint32)
+    _rt.launch("rc::sample_limits", 1, (sampled, lims, totals), threads=32)
+    return lims, _count(x, lims, nthr, totals), totals
 
 
-def _first_above(k: int, x: Any, idx: Any, val: Any, sampled: tuple[Any, Any, list[int]]) -> None:
+def _prefiltered(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: int) -> None:
+    """Exact top k, selected among the entries reaching the sampled threshold when at least k
+    and at most the candidates' room do (NumPy's exact path on large arrays: the same entries,
+    ties aside), else from the whole array; decided on the device."""
+    n = x.size
+    lims, counts, totals = _sampled(scratch, x, _plan.prefilter_rank(n, k), seed, 1)
+    cupy = _rt.cp()
+    room = candidate_room(n, k)
+    plan = cupy.empty(4, np.int64)
+    _scan(x, counts, (0,), plan=plan, mode=_PLAN_PREFILTER, totals=totals, k=k, room=room)
+    cand = (cupy.empty(room, _F32), cupy.empty(room, np.int32))
+    _write(x, lims, counts, cand[1], cand[0], rows=plan)
+    _exact(scratch, x, k, idx, val, cand, plan)
+
+
+def _first_above(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: int) -> None:
     """DGC: every non-finite entry, then the earliest entries reaching the threshold (halved up
     to eight times while fewer than k do; else the earliest of all), k in all."""
-    lims, counts, passing = sampled
-    h = next((j for j in range(_HALVINGS) if passing[j] >= k), _EVERY)
-    bad = min(passing[_NONFINITE], k)
-    offsets = _scan(x, counts, _NONFINITE, h)
-    _write(x, None, lims, _NONFINITE, h, bad, k - bad, None, offsets, idx, val)
+    lims, counts, totals = _sampled(scratch, x, k, seed, _LIMITS)
+    plan = _rt.cp().empty(4, np.int64)
+    _scan(x, counts, (0, 1), plan=plan, mode=_PLAN_DGC, totals=totals, k=k)
+    _write(x, lims, counts, idx, val, rows=plan)
 
 
 def _float32(x: Any) -> Any:
@@ -142,7 +195,8 @@ def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[A
     NaN ranks above Inf and Inf above every number, so non-finite entries are always sent.
     Exact: the k largest magnitudes, ties at the k-th going to the lowest indices. Approximate
     (DGC, on arrays of 4096 elements or more and more than 4k): the non-finite entries, then the
-    earliest entries reaching a threshold sampled from ~1% of the array.
+    earliest entries reaching a threshold sampled from ~1% of the array. The host does not wait
+    for the GPU.
 
     Args:
         x: float32 device array.
@@ -168,12 +222,13 @@ def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[A
         return cupy.arange(n, dtype=np.int32), x.copy()
     idx = cupy.empty(k, np.int32)
     val = cupy.empty(k, _F32)
+    scratch = _Scratch()
     if not _plan.sampled(n, k):
-        _exact(x, None, k, idx, val)
+        _exact(scratch, x, k, idx, val)
     elif approximate:
-        _first_above(k, x, idx, val, _sampled(x, k, seed))
+        _first_above(scratch, x, k, idx, val, seed)
     else:
-        _prefiltered(x, k, idx, val, _sampled(x, _plan.prefilter_rank(n, k), seed))
+        _prefiltered(scratch, x, k, idx, val, seed)
     return idx, val
 
 
@@ -186,7 +241,8 @@ def sample_threshold(mag: Any, k: int, seed: int) -> float:
         seed: picks the sample's offset.
 
     Returns:
-        The sample's ceil(k * size / n)-th largest value, as ops/numpy.py computes it.
+        The sample's ceil(k * size / n)-th largest value, as ops/numpy.py computes it (read
+        back from the GPU: the one function here that waits for it).
 
     Raises:
         ValueError: ``mag`` is empty.
@@ -195,5 +251,5 @@ def sample_threshold(mag: Any, k: int, seed: int) -> float:
     if n == 0:
         raise ValueError("sample_threshold needs a non-empty array")
     off, stride, size, want = _plan.sample_plan(n, k, seed)
-    state = _select(_float32(mag).reshape(-1), off, stride, size, want)
+    state = _select(_Scratch(), _float32(mag).reshape(-1), off, stride, size, want)
     return float(state[:1].get().view(_F32)[0])

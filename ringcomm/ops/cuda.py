@@ -292,7 +292,7 @@ def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
     Args:
         acc: the float32 values the selection was made from.
         idx: the selected indices.
-        error: float32 output of acc's size; NaN and Inf become 0 in it.
+        error: float32 output of acc's size (may be acc itself); NaN and Inf become 0 in it.
     """
     n = error.size
     if n == 0:
@@ -302,7 +302,11 @@ def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
         error[idx] = 0
         zero_nonfinite(error)
         return
-    _elementwise("rc::finite_copy_kernel", n, (error, acc), error, acc)
+    if error.data.ptr == acc.data.ptr and error.size == acc.size:
+        # In place (the sparse ring's residual): only groups holding NaN or Inf are written.
+        zero_nonfinite(error)
+    else:
+        _elementwise("rc::finite_copy_kernel", n, (error, acc), error, acc)
     if idx.size:
         idx, _ = _pairs(idx)
         _rt.launch("rc::scatter_zero_kernel", _rt.grid(idx.size),

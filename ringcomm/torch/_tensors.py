@@ -86,6 +86,14 @@ def sync_device(a: Any) -> None:
     NCCL communicators are open on the device, the wait is theirs: polled and bounded by
     their timeout, so that a dead peer raises instead of hanging (see
     ``ringcomm.comm.nccl.wait_for_stream``).
+
+    Why the host waits, once per result, instead of ordering streams on the device: the
+    collectives run on a background thread (the engine's worker, ringcomm.torch's
+    coordinator), and the result reaches the caller through a handle or a DDP future that
+    carries no CUDA event. The caller then reads it on whatever stream it has current, which
+    nothing on the device orders after CuPy's; only a result that is complete when handed over
+    is safe to read there. (A DLPack exchange orders one consumer stream, on the thread that
+    makes it; it does not reach the caller's.)
     """
     if type(a).__module__.split(".", 1)[0] != "cupy":
         return

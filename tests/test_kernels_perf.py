@@ -1,0 +1,92 @@
+"""bench/kernels_perf.py's pieces that need no GPU, run on the CPU emulator: the loopback ring
+rank that does a ring rank's kernel work alone, and the count of launches per call, which the
+GPU check reports next to each timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gpu_emulator
+import numpy as np
+import pytest
+
+from ringcomm.ops import cuda as gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def perf() -> Any:
+    spec = importlib.util.spec_from_file_location("kernels_perf", ROOT / "bench/kernels_perf.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels_perf"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
+    try:
+        emulator = gpu_emulator.build(gpu_emulator.cache_dir())
+    except FileNotFoundError:
+        pytest.skip("no C++ compiler for the emulated kernels")
+    with gpu_emulator.installed(emulator) as fake:
+        yield emulator, fake
+
+
+def test_work_counts_the_launches_of_a_call(perf, emulated):
+    emulator, fake = emulated
+    x = fake.asarray(np.random.default_rng(1).standard_normal(20_000).astype(np.float32))
+    work = perf.Work(fake)
+    emulator.launches.clear()
+    counted = work.count(lambda: gpu.topk(x, 100))
+    assert counted == {"launches": len(emulator.launches)}  # no pool hook, no busy probe
+    assert counted["launches"] == 19  # 2 selections of 6, sample_limits, 2 x count/scan/write
+
+
+def test_the_loopback_ring_rows_run(perf, emulated):
+    """Every ring row runs on one rank of 4, its messages looped back (the layout here: one
+    segment per chunk, 3 reduce-scatter and 3 allgather exchanges)."""
+    fake = emulated[1]
+    rows = perf.ring_rows(fake, 4 * 4096 * 2 + 5, 4, 0.01)
+    assert [name.split(" n=")[0] for name, _, _ in rows] == [
+        "ring int8 +feedback", "ring int8", "ring fp16 avg of fp16", "ring topk +feedback"]
+    work = perf.Work(fake)
+    launches = {}
+    for name, nbytes, run in rows:
+        assert nbytes > 0
+        run(0)
+        launches[name.split(" n=")[0]] = work.count(lambda run=run: run(1))["launches"]
+    # int8 with feedback: compensate + encode first, compensate + hop at each of the 3 hops,
+    # the owner's decode, a decode per allgather step (3); without feedback no compensation.
+    assert launches["ring int8 +feedback"] == 2 + 6 + 1 + 3
+    assert launches["ring int8"] == 1 + 3 + 1 + 3
+    assert launches["ring topk +feedback"] > launches["ring int8 +feedback"]
+
+
+def test_the_loopback_returns_what_was_sent(perf):
+    t = perf.Loopback(3)
+    send, recv = np.arange(10, dtype=np.float32), np.zeros(8, np.float32)
+    t.isendrecv(send, 1, recv, 2).wait()
+    np.testing.assert_array_equal(recv, np.arange(8))
+
+
+def test_every_row_runs(perf, emulated):
+    """Each benchmarked operation (on the emulator, at a small size) runs, and the counted ones
+    report their launches."""
+    fake = emulated[1]
+    args = perf.parse_args(["-n", "20000", "--rotate", "1", "--ranks", "2"])
+    rows = perf._kernels(fake, args, perf._inputs(fake, args), perf._shaped(fake, 20000))
+    names = [name for name, *_ in rows]
+    assert len(names) == len(set(names))
+    work = perf.Work(fake)
+    for name, nbytes, run, counted in rows:
+        assert nbytes > 0, name
+        run(0)
+        if counted:
+            assert work.count(lambda run=run: run(1))["launches"] >= 2, name
