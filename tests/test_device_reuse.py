@@ -364,3 +364,31 @@ def test_device_ring_matches_numpy_and_launches_less(emulated, comp):
             assert own > 0
             assert names.count("rc::copy_kernel<rc::half_t, float>") == own
             assert names.count("rc::divide_kernel<float, rc::half_t>") == own  # n - 1 = 1
+
+
+def test_mpi_device_scratch_on_another_stream_waits_for_the_last_one(gpu):
+    """The MPI backend's scratch follows the same rule as the NCCL transport's: a call on
+    another stream than the last one's is ordered after that call's queued work."""
+    from mpi4py import MPI
+
+    from ringcomm.comm.mpi import MPITransport
+
+    t = MPITransport(MPI.COMM_SELF, device=DEVICE)
+    try:
+        cupy = _cuda_runtime.cp()
+        cuda = cupy.cuda
+        with cuda.Device(DEVICE):
+            like = cupy.empty(4, np.float32)
+            first = cuda.get_current_stream()
+            side = cuda.Stream()
+            a = t.scratch("k", like, 16, np.float32)
+            assert not first.waits
+            with side:
+                b = t.scratch("k", like, 16, np.float32)
+                t.scratch("j", like, 16, np.float32)  # the same stream again: no new wait
+            assert a.data.ptr == b.data.ptr
+            assert [s for _, _, s in side.waits] == [first]
+            t.scratch("k", like, 16, np.float32)
+            assert [s for _, _, s in first.waits] == [side]
+    finally:
+        t.close()

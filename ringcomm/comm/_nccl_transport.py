@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait
+from ringcomm.comm import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
 from ringcomm.comm.transport import TransportBase, agree_split, check_timeout
 from ringcomm.comm.types import RING, CollectiveError, ReduceOp, Request, Transport
 
@@ -279,7 +279,7 @@ class NCCLTransport(TransportBase):
         if _ops.is_device_array(like):
             with self.device_scope():
                 current = self._cuda.get_current_stream()
-                mine = _stream_identity(current)
+                mine = staging.stream_identity(current)
                 last = self._scratch_stream
                 if last is not None and last[1] != mine:
                     self._events.order(last[0], current)
@@ -518,16 +518,6 @@ class NCCLTransport(TransportBase):
         if isinstance(uid, str):
             raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
         return _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank)
-
-
-_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream on every thread
-
-
-def _stream_identity(stream: Any) -> tuple[int, int]:
-    """What tells CUDA streams apart: the handle, and for the per-thread default stream the
-    thread as well."""
-    ptr = int(stream.ptr)
-    return ptr, threading.get_ident() if ptr == _PER_THREAD_STREAM else 0
 
 
 def _span(x: Any) -> tuple[int, int] | None:

@@ -221,6 +221,7 @@ class MPITransport(TransportBase):
         self._device_stage: staging.DeviceStaging | None = None
         #: Which CUDA device this rank's device arrays use (selected with the first one).
         self.device_choice = staging.DeviceChoice(self.local_rank, device)
+        self._scratch_order = staging.ScratchOrder()
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
@@ -436,6 +437,13 @@ class MPITransport(TransportBase):
         raise error
 
     # --------------------------------------------------------------------------- staging
+    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+        """A reusable buffer (see TransportBase.scratch); device scratch is ordered after the
+        stream of its last use (see staging.ScratchOrder)."""
+        if _ops.is_device_array(like):
+            self._scratch_order.follow(self._device_staging().cuda)
+        return super().scratch(key, like, n, dtype)
+
     def _device_staging(self) -> staging.DeviceStaging:
         """How device arrays travel (created with the first one: it needs CuPy)."""
         if self._device_stage is None:

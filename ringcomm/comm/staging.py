@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm.log import get_logger
 
-__all__ = ["DeviceChoice", "DeviceStaging", "cuda_aware"]
+__all__ = ["DeviceChoice", "DeviceStaging", "ScratchOrder", "cuda_aware", "stream_identity"]
 
 _ENV = "RINGCOMM_MPI_CUDA_AWARE"
 _MIN_PINNED = 1 << 16
@@ -262,6 +263,11 @@ class DeviceStaging:
         self._cupy = _cuda_runtime.cp()
         self._pool = _PinnedPool(self._cupy)
 
+    @property
+    def cuda(self) -> Any:
+        """CuPy's ``cupy.cuda`` (streams, events, devices)."""
+        return self._cupy.cuda
+
     # ------------------------------------------------------------------------ pieces
     def _sync(self) -> None:
         self._cupy.cuda.get_current_stream().synchronize()
@@ -382,3 +388,42 @@ class DeviceStaging:
             blocking(*args)
         else:
             self.wait([nonblocking(*args)], None, what)
+
+
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream on every thread
+
+
+def stream_identity(stream: Any) -> tuple[int, int]:
+    """What tells CUDA streams apart: the handle, and for the per-thread default stream the
+    thread as well."""
+    ptr = int(stream.ptr)
+    return ptr, threading.get_ident() if ptr == _PER_THREAD_STREAM else 0
+
+
+class ScratchOrder:
+    """Orders a transport's device scratch after the stream of its last use.
+
+    A scratch buffer outlives the call that used it, and that call's kernels may still be
+    queued on another stream than this call's (CuPy's pool keeps fresh allocations apart per
+    stream; scratch has no such guard): when the current stream is not the last call's, it
+    first waits (on the device, the host does not) for the work enqueued on that one.
+    """
+
+    __slots__ = ("_event", "_last")
+
+    def __init__(self) -> None:
+        self._event: Any = None
+        # Held, so that its handle is not reused by a new stream meanwhile.
+        self._last: tuple[Any, tuple[int, int]] | None = None
+
+    def follow(self, cuda: Any) -> None:
+        """Order the current stream of ``cuda`` (``cupy.cuda``) after the last one."""
+        current = cuda.get_current_stream()
+        mine = stream_identity(current)
+        last = self._last
+        if last is not None and last[1] != mine:
+            if self._event is None:
+                self._event = cuda.Event(disable_timing=True)
+            self._event.record(last[0])
+            current.wait_event(self._event)  # takes the recording current at this call
+        self._last = (current, mine)
