@@ -103,26 +103,36 @@ def test_restarting_keeps_one_file_and_a_new_file_stops_the_old(tmp_path):
         assert load(second)[0]["ph"] == "M"
 
 
-def test_a_real_allreduce_shows_the_ring_phases(comm, path):
-    timeline.start_timeline(str(path))
-    tl = timeline.active()
-    # Larger than the inline slot of the agreement message, so that the ring runs.
-    x = np.full(10000, RANK + 1, np.float32)
-    if tl is not None:
-        tl.start("allreduce.grad", "ALLREDUCE")
-        with tl.executing(["allreduce.grad"]):
+@pytest.mark.parametrize("native, phases", [
+    (False, ["RING_REDUCE_SCATTER", "RING_ALLGATHER"]),
+    (True, ["MPI_ALLREDUCE"]),
+])
+def test_a_real_allreduce_shows_its_phases(comm, path, native, phases):
+    """40 KB, larger than the inline slot of the agreement message: the ring's two phases, or
+    MPI's own allreduce where it takes arrays of that size."""
+    saved = comm.transport.native_allreduce_bytes
+    comm.transport.native_allreduce_bytes = 1 << 20 if native else 0
+    try:
+        timeline.start_timeline(str(path))
+        tl = timeline.active()
+        x = np.full(10000, RANK + 1, np.float32)
+        if tl is not None:
+            tl.start("allreduce.grad", "ALLREDUCE")
+            with tl.executing(["allreduce.grad"]):
+                y = comm.allreduce(x)
+            tl.end("allreduce.grad")
+        else:
             y = comm.allreduce(x)
-        tl.end("allreduce.grad")
-    else:
-        y = comm.allreduce(x)
-    np.testing.assert_array_equal(y, np.full(10000, comm.size * (comm.size + 1) / 2))
-    timeline.stop_timeline()
+        np.testing.assert_array_equal(y, np.full(10000, comm.size * (comm.size + 1) / 2))
+        timeline.stop_timeline()
+    finally:
+        comm.transport.native_allreduce_bytes = saved
     if RANK == 0:
         labels = row_labels(load(path), "allreduce.grad")
         if comm.size == 1:
             assert labels == ["ALLREDUCE"]  # one rank: nothing travels
         else:
-            assert labels == ["ALLREDUCE", "RING_REDUCE_SCATTER", "RING_ALLGATHER"]
+            assert labels == ["ALLREDUCE", *phases]
 
 
 def test_a_missing_directory_is_named_on_rank_0(tmp_path):
