@@ -13,7 +13,7 @@ from typing import Any
 from ringcomm.comm.nccl import NCCLTransport
 from ringcomm.comm.types import ReduceOp
 
-__all__ = ["allreduce_fn", "transport"]
+__all__ = ["allreduce_fn", "close_all", "transport"]
 
 _transports: list[tuple[Any, NCCLTransport]] = []
 
@@ -33,6 +33,12 @@ def transport(world: Any) -> NCCLTransport:
     t = NCCLTransport(world)
     _transports.append((world, t))
     return t
+
+
+def close_all() -> None:
+    """Close every transport made so far (collective over each one's communicator)."""
+    while _transports:
+        _transports.pop()[1].close()
 
 
 def allreduce_fn(world: Any, x: Any, op: str, out: Any = None) -> Callable[[], bool]:

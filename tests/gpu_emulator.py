@@ -266,6 +266,39 @@ class DeviceArray(np.ndarray):
 DeviceArray.__module__ = "cupy.emulated"  # what ringcomm.ops.is_device_array looks at
 
 
+_F32 = np.dtype(np.float32)
+
+
+def flush_subnormals(x: Any) -> Any:
+    """``x`` with its float32 subnormals made signed zeros, as CuPy's own kernels do: CuPy
+    compiles them with -ftz=true, which flushes float32 inputs and results. Other dtypes and
+    non-arrays pass unchanged."""
+    if not isinstance(x, np.ndarray) or x.dtype != _F32:
+        return x
+    tiny = x.view(np.ndarray)
+    sub = (tiny != 0) & (np.abs(tiny) < np.finfo(np.float32).smallest_normal)
+    if not sub.any():
+        return x
+    out = np.where(sub, np.copysign(np.float32(0), tiny), tiny).astype(np.float32)
+    return out.view(type(x)) if isinstance(x, DeviceArray) else out
+
+
+def _cupy_cast(x: Any, dtype: Any) -> Any:
+    """A cast by one of CuPy's kernels: float32 flushed on the way in and out."""
+    with np.errstate(all="ignore"):
+        return flush_subnormals(np.asarray(flush_subnormals(np.asarray(x))).astype(dtype))
+
+
+def _setitem(self: DeviceArray, key: Any, value: Any) -> None:
+    # An assignment that converts runs a CuPy cast kernel; one of the same dtype moves bytes.
+    if isinstance(value, np.ndarray) and value.dtype != self.dtype:
+        value = _cupy_cast(value, self.dtype)
+    np.ndarray.__setitem__(self, key, value)
+
+
+DeviceArray.__setitem__ = _setitem  # type: ignore[method-assign]
+
+
 def _dev(x: np.ndarray) -> DeviceArray:
     return x.view(DeviceArray)
 
@@ -341,7 +374,9 @@ class FakeCupy:
         return _dev(np.array(x, dtype=dtype, copy=True))
 
     def ascontiguousarray(self, x: Any, dtype: Any = None) -> DeviceArray:
-        return _dev(np.ascontiguousarray(x, dtype=dtype))
+        if dtype is not None and np.dtype(dtype) != np.asarray(x).dtype:
+            return _dev(np.ascontiguousarray(_cupy_cast(x, dtype)))
+        return _dev(np.ascontiguousarray(x))
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return bool(np.may_share_memory(a, b))
@@ -350,8 +385,10 @@ class FakeCupy:
         ufunc = getattr(np, name)
 
         def call(*args: Any, **kw: Any) -> DeviceArray:
+            # CuPy's ufunc kernels flush float32 subnormals (inputs and results).
+            args = tuple(flush_subnormals(a) for a in args)
             with np.errstate(all="ignore"):  # CuPy does not warn either
-                return _dev(np.asarray(ufunc(*args, **kw)))
+                return _dev(flush_subnormals(np.asarray(ufunc(*args, **kw))))
 
         return call
 

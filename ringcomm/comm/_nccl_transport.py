@@ -13,10 +13,13 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
+from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import TransportBase, agree_split, check_timeout
 from ringcomm.comm.types import RING, CollectiveError, ReduceOp, Request, Transport
 
 __all__ = ["NCCLTransport"]
+
+_LOG = get_logger("nccl")
 
 _INT32 = _nccl_lib.DTYPES["int32"]
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the pointers say where they live
@@ -161,11 +164,26 @@ class NCCLTransport(TransportBase):
             setup.cupy.cuda.Device(setup.device).use()
             with setup.cupy.cuda.Device(setup.device):
                 nccl = _nccl_lib.NCCLComm.create(setup.lib, rdv.size, uid, rdv.rank)
-            self._attach(rdv, setup.cupy, setup.lib, setup.device, nccl, seconds,
-                         bool(abort_on_timeout))
+            try:
+                self._attach(rdv, setup.cupy, setup.lib, setup.device, nccl, seconds,
+                             bool(abort_on_timeout))
+            except BaseException:
+                self._discard(setup.cupy, setup.device, nccl)
+                raise
         except BaseException:
             rdv.close()
             raise
+
+    def _discard(self, cupy: Any, device: int, nccl: _nccl_lib.NCCLComm) -> None:
+        """Undo a half-made transport: no watchdog left counting it as open, NCCL freed."""
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.close()
+        try:
+            with cupy.cuda.Device(device):
+                nccl.abort()
+        except _nccl_lib.NCCLError as err:
+            _LOG.error("ncclCommAbort of a communicator that failed to start: %s", err)
 
     def _attach(self, rdv: _nccl_setup.Rendezvous, cupy: Any, lib: _nccl_lib.NCCLLibrary,
                 device: int, nccl: _nccl_lib.NCCLComm, timeout: float,

@@ -169,16 +169,32 @@ class Watchdog:
 
     def abort(self, error: CollectiveError) -> None:
         """``ncclCommAbort`` because of ``error``, once; every later call is refused. Never
-        raises (NCCL refusing the abort is logged)."""
+        raises (NCCL refusing the abort is logged).
+
+        The abort frees the communicator's device memory, which waits for the work already
+        queued on the device: NCCL's own kernels return when aborted, but other work (a kernel
+        of the application's that never ends) would hold the abort, and this thread, for ever.
+        So the abort runs on a thread of its own and is waited for at most the timeout; then
+        the caller goes on (raises, or ends the job) and the abort finishes when it can."""
         with self._lock:
             if self.failure is not None:
                 return
             self.failure = error
-            try:
-                with self._t.device_scope():  # it frees the communicator's device memory
-                    self.comm.abort()
-            except NCCLError as err:
-                _LOG.error("ncclCommAbort failed after %s: %s", error, err)
+        aborting = threading.Thread(target=self._abort_comm, args=(error,), daemon=True,
+                                    name="ringcomm-nccl-abort")
+        aborting.start()
+        aborting.join(self._t.timeout)
+        if aborting.is_alive():
+            _LOG.error("ncclCommAbort has not returned %.3g s after %s: other work queued on "
+                       "CUDA device %d holds it (it frees device memory); going on without "
+                       "it", self._t.timeout, type(error).__name__, self.device)
+
+    def _abort_comm(self, error: CollectiveError) -> None:
+        try:
+            with self._t.device_scope():  # it frees the communicator's device memory
+                self.comm.abort()
+        except NCCLError as err:
+            _LOG.error("ncclCommAbort failed after %s: %s", error, err)
 
     def fail(self, stall: Stall, what: str, peer: int | None) -> NoReturn:
         """Abort because of ``stall``; then end the job (``abort_on_timeout``) or raise."""

@@ -111,6 +111,37 @@ def launch(name: str, blocks: int, args: tuple[Any, ...], threads: int = BLOCK) 
     function(name)((blocks,), (threads,), args)
 
 
+def elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Any) -> None:
+    """Launch a grid-stride elementwise kernel: args, then n and the vector flag of arrays."""
+    vec = aligned(*arrays)
+    launch(name, grid(-(-n // 4) if vec else n), (*args, np.int64(n), np.int32(vec)))
+
+
+_CONVERSIONS = frozenset(_src.COPY_PAIRS)
+
+
+def converted(x: Any, dtype: Any) -> Any:
+    """``x`` as a contiguous array of ``dtype`` (``x`` itself when it already is one).
+
+    The elements are moved by CuPy (a copy, no arithmetic) and converted by ringcomm's copy
+    kernel: CuPy compiles its own kernels with -ftz=true, so its casts and ufuncs flush float32
+    subnormals to zero where NumPy, and so the CPU ranks of a job, keep them. Only a dtype
+    pair without a ringcomm kernel (none of the dtypes the collectives take) is cast by CuPy.
+    """
+    cupy = _cupy or cp()
+    dtype = np.dtype(dtype)
+    if not x.flags.c_contiguous:
+        x = cupy.ascontiguousarray(x)
+    if x.dtype == dtype:
+        return x
+    out = cupy.empty(x.shape, dtype)
+    if (dtype.name, x.dtype.name) not in _CONVERSIONS:
+        out[...] = x
+    elif x.size:
+        elementwise(_src.copy_name(dtype.name, x.dtype.name), x.size, (out, x), out, x)
+    return out
+
+
 def aligned(*arrays: Any) -> int:
     """1 if every array (None skipped) starts where a group of 4 of its elements may move as
     one load (16 bytes, or 4 * itemsize when smaller), else 0."""

@@ -53,8 +53,10 @@ CTYPES = {
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 # The instantiations cover what the ring, the compressors and the feedback use; rarer dtype
-# combinations run on CuPy's own elementwise kernels (ops/cuda.py), with the same values except
-# for casts of NaN or out-of-range floats to integers, which NumPy leaves undefined.
+# combinations and layouts are converted to these (contiguous, the wider dtype) by the copy
+# kernels and run on them (ops/cuda.py), never on CuPy's arithmetic, whose -ftz=true flushes
+# float32 subnormals. Only conversions without a kernel here (float <-> integer, which NumPy
+# leaves undefined for NaN and out-of-range values) are CuPy's.
 #: (dst, src) dtype pairs with a conversion kernel; a same-dtype copy is a memcpy.
 COPY_PAIRS = (
     *((d, s) for d in FLOATS for s in FLOATS if d != s),

@@ -36,9 +36,11 @@ _ALL = np.int64(1 << 62)  # "every one of them"
 _LIMITS = 11  # rows of sample_limits: the threshold halved 0..8 times, the non-finite, every key
 _SCAN_ROWS, _PLAN_PREFILTER, _PLAN_DGC = 0, 1, 2  # select_scan's modes
 _HIST_VEC_X, _HIST_VEC_CAND = 1, 2  # bits of select_hist's vec
-#: Whether select_hist adds a warp's keys of one digit with one atomic (kernels/topk.cu); the
+#: Whether select_hist adds a warp's keys of one digit with one atomic (kernels/topk.cu). Off:
+#: on an H200 (bench/results/gpu/gpu_check.md) plain shared-memory atomics took 74 us per pass
+#: over 64 Mi gradients against 422 us aggregated (96 against 75 us on mostly-zero keys). The
 #: kernel benchmark compares both.
-AGGREGATE = True
+AGGREGATE = False
 _NULL = _rt.NULL
 
 
@@ -184,9 +186,7 @@ def _first_above(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: in
 
 
 def _float32(x: Any) -> Any:
-    if x.dtype == _F32 and x.flags.c_contiguous:
-        return x
-    return _rt.cp().ascontiguousarray(x, dtype=_F32)
+    return _rt.converted(x, _F32)  # not CuPy's cast: it flushes float32 subnormals
 
 
 def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[Any, Any]:

@@ -72,10 +72,7 @@ def _contiguous(*arrays: Any) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 
 
-def _elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Any) -> None:
-    """Launch a grid-stride elementwise kernel: args, then n and the vector flag of arrays."""
-    vec = _rt.aligned(*arrays)
-    _rt.launch(name, _rt.grid(-(-n // 4) if vec else n), (*args, np.int64(n), np.int32(vec)))
+_elementwise = _rt.elementwise
 
 
 def empty(shape: Any, dtype: Any) -> Any:
@@ -148,7 +145,10 @@ def copy(dst: Any, src: Any) -> None:
         return
     name = _COPY.get((dst.dtype.name, src.dtype.name))
     if name is None or not same_layout:
-        dst[...] = src.copy() if cupy.may_share_memory(dst, src) else src
+        # Converted by ringcomm's kernel into a contiguous copy, then moved (CuPy's casts
+        # flush float32 subnormals).
+        src = _rt.converted(src, dst.dtype)
+        dst[...] = (src.copy() if cupy.may_share_memory(dst, src) else src).reshape(dst.shape)
         return
     if _rt.overlap(dst, src):  # elements of different sizes: a write could clobber a read
         src = src.copy()
@@ -177,20 +177,19 @@ def reduce(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
     _elementwise(name, n, (out, a, b), out, a, b)
 
 
-def _as(x: Any, dtype: Any) -> Any:
-    """``x`` converted to ``dtype`` by ``copy`` (NumPy's rounding), or x when it already is."""
-    if x.dtype == dtype:
-        return x
-    out = _rt.cp().empty(x.shape, dtype)
-    copy(out, x)
-    return out
-
-
 def _reduce_fallback(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
-    cupy = _rt.cp()
-    ufunc = getattr(cupy, ReduceOp.parse(op).spec.ufunc)
+    """A dtype mix or layout without a kernel of its own: both operands converted to the wider
+    dtype (contiguous), reduced by its kernel, rounded once into ``out``. Never CuPy's ufuncs
+    where a kernel exists (they flush float32 subnormals)."""
     wide = np.result_type(a.dtype, b.dtype)
-    copy(out, ufunc(_as(a, wide), _as(b, wide)))
+    name = _REDUCE.get((op, wide.name, wide.name, wide.name))
+    a, b = _rt.converted(a, wide), _rt.converted(b, wide)
+    if name is None:
+        copy(out, getattr(_rt.cp(), ReduceOp.parse(op).spec.ufunc)(a, b))
+        return
+    result = _rt.cp().empty(a.shape, wide)
+    _elementwise(name, a.size, (result, a, b), result, a, b)
+    copy(out, result)
 
 
 def divide(x: Any, divisor: int, out: Any) -> None:
@@ -207,7 +206,14 @@ def divide(x: Any, divisor: int, out: Any) -> None:
     name = _DIVIDE.get((x.dtype.name, out.dtype.name))
     if name is None or x.size != n or not _contiguous(x, out):
         dt = np.dtype(_F32) if x.dtype.itemsize == 2 else x.dtype
-        copy(out, _rt.cp().divide(_as(x, dt), dt.type(divisor)))
+        x = _rt.converted(x, dt)
+        quotient = _rt.cp().empty(x.shape, dt)
+        name = _DIVIDE.get((dt.name, dt.name))
+        if name is None:  # an integer dtype (never averaged: AVG refuses integers)
+            copy(out, _rt.cp().divide(x, dt.type(divisor)))
+            return
+        _elementwise(name, x.size, (quotient, x, np.float64(divisor)), quotient, x)
+        copy(out, quotient)
         return
     _elementwise(name, n, (out, x, np.float64(divisor)), out, x)
 
@@ -227,7 +233,10 @@ def compensate(x: Any, residual: Any | None, out: Any) -> None:
     ctype = _src.CTYPES.get(x.dtype.name)
     if n == 0 or x.dtype.name not in _src.FLOATS or not _contiguous(x, residual, out):
         if n:
-            copy(out, _rt.cp().add(_as(x, _F32), residual))
+            total = _rt.cp().empty(n, _F32)
+            reduce(ReduceOp.SUM, _rt.converted(x, _F32).reshape(-1),
+                   _rt.converted(residual, _F32).reshape(-1), total)
+            copy(out, total)
         return
     _elementwise(f"rc::compensate_kernel<{ctype}>", n, (out, x, residual), out, x, residual)
 
@@ -265,7 +274,7 @@ def _pairs(idx: Any, val: Any | None = None) -> tuple[Any, Any]:
     """int32 indices and float32 values, contiguous (payload views already are)."""
     cupy = _rt.cp()
     idx = cupy.ascontiguousarray(idx, dtype=np.int32)
-    return idx, None if val is None else cupy.ascontiguousarray(val, dtype=_F32)
+    return idx, None if val is None else _rt.converted(val, _F32)
 
 
 def scatter_add(out: Any, idx: Any, val: Any) -> None:
