@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -193,6 +194,11 @@ def worker(backends: list[str], device: str) -> int:
             if info.rank == 0:
                 emit(f"{tag} {comm.backend}: {case}", "passed" if ok else "failed", detail)
         comm.close()
+    # The DDP models hold the process group in cycles that only the collector frees: freed
+    # here, while every rank is still up, not during interpreter shutdown. Then every rank
+    # leaves the group together.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return FAILED_CHECK if failed else 0
 
