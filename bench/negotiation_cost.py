@@ -6,15 +6,21 @@ Three measurements, each against a baseline in the same run, medians over iterat
 slowest rank's time per iteration):
 
 1. one synchronous ``hvd.allreduce`` of a tensor against ``comm.allreduce`` of the same array
-   (the negotiation's fixed cost: a control allgather and two thread hand-offs);
+   (the negotiation's fixed cost: one cycle, a fixed-size control allgather that carries the
+   operation as a response-cache slot, run by the calling thread);
 2. ``count`` small named ``hvd.allreduce_async`` calls then ``synchronize`` (fused by the
    coordinator) against ``count`` ``comm.allreduce`` calls one after another;
 3. the same ``count`` operations submitted in a different order on every rank.
+
+Other jobs on the machine change these figures: the table ends with the 1-minute load
+average when the run started (as ``uptime`` shows it; a quiet 2-core machine that just ran
+this benchmark shows about 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    load_at_start = os.getloadavg()[0]
     hvd.init()
     comm = hvd.communicator()
     rows = []
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                   for w, a, b in rows]
         info = machine()
         lines += ["", f"Machine: {info['cpu']}; {info.get('mpi', 'no MPI')}; Python "
-                      f"{info['python']}, torch {torch.__version__}. Command: "
+                      f"{info['python']}, torch {torch.__version__}; load average "
+                      f"{load_at_start:.2f} at the start. Command: "
                       f"`mpiexec -n {comm.size} python bench/negotiation_cost.py "
                       f"{' '.join(argv if argv is not None else sys.argv[1:])}`"]
         text = "\n".join(lines)

@@ -27,6 +27,9 @@ from ringcomm.torch._tensors import StreamFence, device_scope
 __all__ = ["Engine", "Handle", "engine_for"]
 
 
+_HANDLES = threading.Lock()  # guards the lazy creation of a Handle's event
+
+
 class Handle:
     """The pending result of a queued operation.
 
@@ -39,31 +42,56 @@ class Handle:
         device: the CUDA device of the operation's tensors (the current one when None).
     """
 
-    __slots__ = ("_done", "_error", "_result", "callback", "fence")
+    __slots__ = ("_done", "_error", "_event", "_result", "callback", "fence", "on_wait")
 
     def __init__(self, device: Any = None) -> None:
-        self._done = threading.Event()
+        self._done = False
+        # Made only when a thread has to block: most handles are done before anyone waits,
+        # or done by the waiting thread itself (see ``on_wait``).
+        self._event: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
-        #: Called on the worker thread with the handle once it is done (set before submitting).
+        #: Called on the thread that finishes the handle, once it is done (set before
+        #: submitting).
         self.callback: Callable[[Handle], None] | None = None
+        #: Called by ``wait()`` on the waiting thread before it blocks: it may do the work
+        #: itself (negotiation cycles) and return once the handle is done, or return at once.
+        self.on_wait: Callable[[Handle], None] | None = None
         #: What the submitting thread's stream had queued (None: nothing to order after).
         self.fence: StreamFence | None = StreamFence.capture(device)
 
     def done(self) -> bool:
         """Whether the operation has finished (successfully or not); never blocks."""
-        return self._done.is_set()
+        return self._done
 
     def wait(self) -> Any:
         """Block until the operation has finished; return its result or raise its error."""
-        self._done.wait()
+        if not self._done:
+            if self.on_wait is not None:
+                self.on_wait(self)
+            if not self._done:
+                self._blocker().wait()
         if self._error is not None:
             raise self._error
         return self._result
 
+    def _blocker(self) -> threading.Event:
+        # The event is stored before ``_done`` is read, and _finish writes ``_done`` before
+        # reading the event: one of the two sees the other, so the event is always set. The
+        # lock keeps two waiters from making two events.
+        with _HANDLES:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._done:
+                    self._event.set()
+            return self._event
+
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        self._done = True
+        event = self._event
+        if event is not None:
+            event.set()
         if self.callback is not None:
             self.callback(self)
 

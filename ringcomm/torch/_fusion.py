@@ -1,4 +1,7 @@
-"""Fusion buckets of DistributedOptimizer: which gradients travel together, and their allreduce.
+"""Fusion: several allreduces through one flat buffer, and DistributedOptimizer's buckets.
+
+:func:`reduce_fused` runs the allreduces a negotiation cycle found ready together (or a
+grouped allreduce): one collective per dtype, device, op and scaling.
 
 Parameters are taken in a fixed order (the reverse of the optimizer's, which is roughly the
 order backward produces their gradients) and cut into buckets of consecutive parameters of one
@@ -16,16 +19,21 @@ import torch
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._basics import ReduceOp
+from ringcomm.torch._ops import ReduceSpec
 from ringcomm.torch._reduce import allreduce_tensor
 from ringcomm.torch._residuals import Layout, ResidualLayouts
 from ringcomm.torch._tensors import Operand
 
-__all__ = ["DEFAULT_FUSION_BYTES", "Bucket", "Reduction", "fusion_threshold", "plan_buckets"]
+__all__ = ["DEFAULT_FUSION_BYTES", "Bucket", "Reduction", "fusion_threshold", "plan_buckets",
+           "reduce_fused"]
 
 #: Fusion threshold when neither the argument nor HOROVOD_FUSION_THRESHOLD sets one: large
 #: enough to amortize a collective's fixed cost, small enough that the first buckets leave
 #: while backward is still computing the rest.
 DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
+# One call that copies many tensors (a private name of torch's, used by its optimizers; the
+# per-tensor loop stands in where it is missing).
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def fusion_threshold(value: int | None) -> int:
@@ -43,6 +51,51 @@ def fusion_threshold(value: int | None) -> int:
     if value < 0:
         raise ValueError(f"fusion threshold must be >= 0 bytes, got {value}")
     return value
+
+
+def reduce_fused(comm: Communicator, specs: list[ReduceSpec]) -> list[torch.Tensor]:
+    """Run the allreduces ``specs``: one collective per dtype, device, op and scaling, through
+    a flat buffer where there are several; return their outputs (written in place)."""
+    if len(specs) == 1:  # a synchronous call's: no grouping to do
+        s = specs[0]
+        allreduce_tensor(comm, s.tensor, s.out, op=s.op, prescale=s.prescale,
+                         postscale=s.postscale, compression=s.ring)
+        return [s.out]
+    groups: dict[tuple[Any, ...], list[ReduceSpec]] = {}
+    for s in specs:
+        key = (s.tensor.dtype, s.tensor.device, s.op, s.prescale, s.postscale, id(s.ring))
+        groups.setdefault(key, []).append(s)
+    for group in groups.values():
+        first = group[0]
+        if len(group) == 1:
+            allreduce_tensor(comm, first.tensor, first.out, op=first.op, prescale=first.prescale,
+                             postscale=first.postscale, compression=first.ring)
+            continue
+        flat = torch.cat(_flat_views([s.tensor for s in group]))
+        allreduce_tensor(comm, flat, flat, op=first.op, prescale=first.prescale,
+                         postscale=first.postscale, compression=first.ring)
+        _scatter(flat, [s.out for s in group])
+    return [s.out for s in specs]
+
+
+def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # reshape costs a microsecond per call from Python: 1-d tensors go as they are.
+    return [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+
+
+def _scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outs`` (one batched copy where torch has
+    it: the per-tensor copies from Python cost more than the bytes at small sizes)."""
+    # torch.split_with_sizes, not Tensor.split: the method's Python wrapper doubles the cost.
+    pieces = torch.split_with_sizes(flat, [o.numel() for o in outs])
+    if any(o.dim() != 1 for o in outs):
+        pieces = [p.view(o.shape) for p, o in zip(pieces, outs, strict=True)]
+    with torch.no_grad():
+        if _FOREACH_COPY is not None:
+            _FOREACH_COPY(outs, pieces)
+            return
+        for o, p in zip(outs, pieces, strict=True):
+            o.copy_(p)
 
 
 class Bucket:

@@ -1,0 +1,103 @@
+"""Running what a negotiation cycle decided: one group of operations at a time.
+
+A group is one operation, or allreduces fused into one collective (see
+:meth:`ringcomm.torch._table.PendingTable.groups`). It runs on whichever thread runs the cycle
+(see :mod:`ringcomm.torch._negotiate`), in the same surroundings on every thread: as the
+coordinator's caller for the communicator's cross-rank checks, with the communicator's CUDA
+device current, outside inference mode; its outcome goes to the handles of the operations this
+rank submitted, and to the timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ringcomm.comm.agree import calls_as
+from ringcomm.comm.base import Communicator
+from ringcomm.torch._basics import ReduceOp
+from ringcomm.torch._errors import HorovodInternalError
+from ringcomm.torch._fusion import reduce_fused
+from ringcomm.torch._ops import ReduceSpec
+from ringcomm.torch._table import Outcome, meta_dtype
+from ringcomm.torch._tensors import device_scope
+
+__all__ = ["run_group"]
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def run_group(comm: Communicator, caller: str, group: list[Outcome], tl: Any,
+              last_joined: int) -> None:
+    """Run ``group`` (or fail it with its decided error) and finish its handles.
+
+    Args:
+        comm: the communicator the data steps run on.
+        caller: the name the data steps run as (the same on every rank and thread).
+        group: decided outcomes, their ``mine`` set (None where this rank joined).
+        tl: the active timeline, or None.
+        last_joined: the rank that joined last, for a join's result.
+    """
+    error = group[0].error  # a failed entry is never fused
+    result: list[Any] = [None] * len(group)
+    names = [] if tl is None else [o.entry.name for o in group if o.mine is not None]
+    if tl is not None:
+        args = {"fused": len(group)} if len(group) > 1 else None
+        for n in names:
+            tl.end(n)  # QUEUE
+            tl.start(n, group[0].entry.kind.upper(), args)
+    if error is None:
+        try:
+            with calls_as(caller), _surroundings(comm):
+                if tl is None:
+                    result = _execute(comm, group, last_joined)
+                else:
+                    with tl.executing(names):
+                        result = _execute(comm, group, last_joined)
+        except BaseException as err:  # handed to whoever waits on the handles
+            error = err
+    if tl is not None:
+        for n in names:
+            tl.end(n)
+    for o, value in zip(group, result, strict=True):
+        if o.mine is not None:
+            o.mine.handle._finish(value, error)
+
+
+def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list[Any]:
+    if len(group) == 1:
+        entry, m = group[0].entry, group[0].mine
+        if entry.kind == "join":
+            return [last_joined]
+        if entry.kind != "allreduce" and m is None:
+            raise HorovodInternalError(f"{entry.kind} {entry.user_name!r} reached a joined rank")
+        if m is not None and m.op.run is not None:
+            return [m.op.run(comm)]
+    return reduce_fused(comm, [_spec(o) for o in group])
+
+
+def _spec(o: Outcome) -> ReduceSpec:
+    if o.mine is not None and o.mine.op.reduce is not None:
+        return o.mine.op.reduce
+    # This rank joined: it contributes zeros of the agreed dtype and shape.
+    meta = next(iter(o.entry.metas.values()))
+    zeros = torch.zeros(meta["shape"], dtype=meta_dtype(meta["dtype"]))
+    return ReduceSpec(zeros, zeros, ReduceOp[meta["op"]], meta.get("prescale", 1.0),
+                      meta.get("postscale", 1.0))
+
+
+def _surroundings(comm: Communicator) -> Any:
+    """The communicator's CUDA device current, as on the engine's thread (the submitters'
+    streams were fenced into the default stream by their Handles); and outside inference
+    mode, as on a new thread: a waiting thread in inference mode runs other threads'
+    operations too, whose results must not be inference tensors."""
+    device, inference = comm.cuda_device, torch.is_inference_mode_enabled()
+    if device is None and not inference:
+        return _NO_CONTEXT  # a host job's usual case
+    stack = contextlib.ExitStack()
+    stack.enter_context(device_scope(device))
+    if inference:
+        stack.enter_context(torch.inference_mode(False))
+    return stack

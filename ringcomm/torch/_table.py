@@ -1,0 +1,228 @@
+"""The table of pending operations: what a negotiation cycle decides, alike on every rank.
+
+Every rank feeds the same messages (every rank's new requests, see
+:mod:`ringcomm.torch._control`) into its table in the same order, so every rank decides the
+same: which operations are ready (submitted by every rank, or by every rank that has not
+joined), which fail (fields that differ, a kind that cannot run with joined ranks, a stall),
+in which order they run, and which allreduces run fused. Nothing here talks to other ranks
+or runs anything (see :mod:`ringcomm.torch._negotiate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ringcomm.comm.log import get_logger
+from ringcomm.torch._control import Message, Request, ResponseCache
+from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
+
+__all__ = ["Entry", "Outcome", "PendingTable", "meta_dtype", "ranks_text"]
+
+_LOG = get_logger("torch.negotiate")
+_MEMO_LIMIT = 4096  # fusion keys remembered before the memo starts over
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    """A pending operation as every rank knows it (the same on every rank)."""
+
+    name: str
+    kind: str
+    user_name: str
+    metas: dict[int, dict[str, Any]]
+    fusable: dict[int, bool]
+    arrival: tuple[int, int, int]  # (cycle, rank, position): the agreed order
+    first_seen: float  # rank 0's clock when it first appeared
+    request: Request  # the first rank's request
+    uniform: bool = True  # every rank's request so far equals ``request``
+    warned: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """What a cycle decided for one entry: run it, or fail it with ``error``; ``mine`` is
+    what this rank submitted for it (None where it joined instead), set before it runs."""
+
+    entry: Entry
+    error: Exception | None = None
+    mine: Any = None
+
+
+class PendingTable:
+    """The operations some ranks submitted and that have not run yet.
+
+    Args:
+        size: the number of ranks.
+        rank: this rank (only rank 0 logs stall warnings).
+        cache: the response cache, taught what every rank submitted alike.
+        stall_limit: seconds after which an operation pending on some ranks only fails.
+        stall_warning: seconds after which such an operation is logged (rank 0).
+    """
+
+    def __init__(self, size: int, rank: int, cache: ResponseCache, *, stall_limit: float,
+                 stall_warning: float) -> None:
+        self.size, self.rank, self.cache = size, rank, cache
+        self.stall_limit, self.stall_warning = stall_limit, stall_warning
+        #: The rank that joined last, as the last decided join found it.
+        self.last_joined = -1
+        self._entries: dict[str, Entry] = {}
+        self._joined_cycle: dict[int, int] = {}
+        self._memo: dict[int, tuple[dict[str, Any], int, int]] = {}
+        self._keys: dict[tuple[Any, ...], int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def clear(self) -> None:
+        """Forget every pending operation (shutdown)."""
+        self._entries.clear()
+
+    def absorb(self, everyone: list[Message], cycle: int) -> list[Outcome]:
+        """Add every rank's new requests of cycle ``cycle``; return what is decided now, in
+        the order it runs."""
+        now0 = everyone[0][2]
+        table = self._entries
+        for r, (requests, _, _) in enumerate(everyone):
+            for pos, request in enumerate(requests):
+                name, kind = request[0], request[1]
+                entry = table.get(name)
+                if entry is None:
+                    table[name] = Entry(name, kind, request[2], {r: request[3]},
+                                        {r: request[4]}, (cycle, r, pos), now0, request)
+                else:
+                    if entry.uniform and request is not entry.request:
+                        entry.uniform = request == entry.request
+                    entry.metas[r] = request[3]
+                    entry.fusable[r] = request[4]
+                if kind == "join":
+                    self._joined_cycle[r] = cycle
+        joined = set(table["join"].metas) if "join" in table else set()
+        outcomes = []
+        pending = table.values() if len(table) == 1 else sorted(table.values(),
+                                                                 key=_arrival)
+        for entry in pending:
+            outcome = self._decide(entry, joined, now0)
+            if outcome is not None:
+                outcomes.append(outcome)
+                if outcome.error is None and entry.uniform and len(entry.metas) == self.size:
+                    self.cache.learn(entry.request)
+        for o in outcomes:
+            del table[o.entry.name]
+        return outcomes
+
+    def _decide(self, entry: Entry, joined: set[int], now0: float) -> Outcome | None:
+        if len(entry.metas) == self.size:
+            if entry.kind == "join":
+                last = self._joined_cycle
+                self.last_joined = max(last, key=lambda r: (last[r], r))
+                self._joined_cycle.clear()
+            return Outcome(entry, self._mismatch(entry))
+        have = set(entry.metas)
+        if entry.kind != "join" and joined and len(have | joined) == self.size:
+            if entry.kind == "allreduce":
+                return Outcome(entry, self._mismatch(entry))
+            return Outcome(entry, HorovodInternalError(
+                f"{entry.kind} {entry.user_name!r}: {ranks_text(sorted(joined))} joined "
+                "(hvd.join) before submitting it; only allreduce runs with joined ranks"))
+        waited = now0 - entry.first_seen
+        missing = sorted(set(range(self.size)) - have - joined)
+        if waited > self.stall_limit:
+            return Outcome(entry, StalledOperationError(
+                f"{entry.kind} {entry.user_name!r} was submitted by {ranks_text(sorted(have))} "
+                f"but not by {ranks_text(missing)} within {self.stall_limit:g} s; every rank "
+                "must submit every operation (with the same name)"))
+        if waited > self.stall_warning and not entry.warned:
+            entry.warned = True
+            if self.rank == 0:
+                _LOG.warning("%s %r has waited %.0f s for %s (submitted by %s); an operation "
+                             "submitted by some ranks only stalls the job", entry.kind,
+                             entry.user_name, waited, ranks_text(missing),
+                             ranks_text(sorted(have)))
+        return None
+
+    @staticmethod
+    def _mismatch(entry: Entry) -> Exception | None:
+        if entry.uniform:  # every rank sent the same request: nothing can differ
+            return None
+        metas = list(entry.metas.values())
+        if all(m == metas[0] for m in metas[1:]):
+            return None
+        ranks = sorted(entry.metas)
+        fields = sorted({f for m in metas for f in m}, key=str)
+        parts = [d for f in fields
+                 if (d := differs(f, [entry.metas[r].get(f) for r in ranks], ranks))]
+        return HorovodInternalError(f"{entry.kind} {entry.user_name!r}: " + "; ".join(parts))
+
+    # ----------------------------------------------------------------------- fusion
+    def groups(self, outcomes: list[Outcome], threshold: int) -> list[list[Outcome]]:
+        """Cut the decided entries into what runs together (the same on every rank): fusable
+        allreduces whose fields other than the shape are equal, up to ``threshold`` bytes."""
+        if len(outcomes) == 1:
+            return [outcomes]
+        if len(self._memo) >= _MEMO_LIMIT or len(self._keys) >= _MEMO_LIMIT:
+            # Between calls only: within one, equal numbers must mean equal fields.
+            self._memo.clear()
+            self._keys.clear()
+        groups: list[list[Outcome]] = []
+        open_groups: dict[int, tuple[list[Outcome], int]] = {}
+        for o in outcomes:
+            key, nbytes = self._fusion(o)
+            if key is None:
+                groups.append([o])
+                continue
+            group, total = open_groups.get(key, (None, 0))
+            if group is not None and total + nbytes <= threshold:
+                group.append(o)
+                open_groups[key] = (group, total + nbytes)
+            else:
+                group = [o]
+                groups.append(group)
+                open_groups[key] = (group, nbytes)
+        return groups
+
+    def _fusion(self, o: Outcome) -> tuple[int | None, int]:
+        """The fusion key (None: it runs alone) and size of a decided entry; equal keys are
+        equal fields other than the shape."""
+        entry = o.entry
+        if o.error is not None or entry.kind != "allreduce":
+            return None, 0
+        if entry.uniform:  # every rank sent ``request``: its flag and fields are everyone's
+            if not entry.request[4]:
+                return None, 0
+            meta = entry.request[3]
+        elif all(entry.fusable.values()):
+            meta = next(iter(entry.metas.values()))
+        else:
+            return None, 0
+        # Remembered per fields object: a cached request brings the same one every step.
+        known = self._memo.get(id(meta))
+        if known is not None and known[0] is meta:
+            return known[1], known[2]
+        fields = tuple((k, v) for k, v in sorted(meta.items()) if k != "shape")
+        key = self._keys.setdefault(fields, len(self._keys))  # a small int hashes faster
+        nbytes = _nbytes(meta)
+        self._memo[id(meta)] = (meta, key, nbytes)
+        return key, nbytes
+
+
+def _arrival(entry: Entry) -> tuple[int, int, int]:
+    return entry.arrival
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def meta_dtype(name: str) -> torch.dtype:
+    """The torch dtype a ``meta`` names ("torch.float32")."""
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _nbytes(meta: dict[str, Any]) -> int:
+    shape = meta.get("shape", ())
+    return math.prod(shape) * meta_dtype(meta["dtype"]).itemsize if "dtype" in meta else 0
