@@ -1,18 +1,27 @@
 """Array operations the ring and the compressors call, one module per array kind.
 
-``get(x)`` returns :mod:`ringcomm.ops.numpy` for NumPy arrays and :mod:`ringcomm.ops.cuda` for
-CuPy arrays; both expose the same functions, and the NumPy module is the reference the GPU tests
-compare against. Callers never branch on the array kind themselves.
+``get(x)`` returns the CPU operations for NumPy arrays and :mod:`ringcomm.ops.cuda` for CuPy
+arrays; both expose the same functions. On the CPU that is :mod:`ringcomm.ops.cpu` (the codecs
+compiled with Numba, everything else NumPy), or :mod:`ringcomm.ops.numpy` itself when
+``RINGCOMM_CPU_KERNELS=numpy``. :mod:`ringcomm.ops.numpy` is the reference that both the
+compiled CPU codecs and the GPU kernels are tested against. Callers never branch on the array
+kind themselves.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["get", "is_device_array", "numpy_ops"]
+__all__ = ["CPU_KERNELS_VARIABLE", "get", "host_ops", "is_device_array", "numpy_ops"]
+
+#: The environment variable that chooses the CPU operations: "numba" (the default: compiled
+#: codecs, the reference where Numba is unavailable) or "numpy" (the reference only).
+CPU_KERNELS_VARIABLE = "RINGCOMM_CPU_KERNELS"
+_CPU_CHOICES = ("numba", "numpy")
 
 
 def is_device_array(x: Any) -> bool:
@@ -24,7 +33,7 @@ _loaded: dict[str, ModuleType] = {}
 
 
 def numpy_ops() -> ModuleType:
-    """The NumPy operations module."""
+    """The NumPy operations module: the reference implementation."""
     module = _loaded.get("numpy")
     if module is None:
         from ringcomm.ops import numpy as module
@@ -33,10 +42,30 @@ def numpy_ops() -> ModuleType:
     return module
 
 
+def host_ops() -> ModuleType:
+    """The operations module for NumPy arrays, as ``RINGCOMM_CPU_KERNELS`` chooses (read once).
+
+    Raises:
+        ValueError: the variable names neither "numba" nor "numpy".
+    """
+    module = _loaded.get("host")
+    if module is None:
+        raw = os.environ.get(CPU_KERNELS_VARIABLE, "").strip().lower() or "numba"
+        if raw not in _CPU_CHOICES:
+            raise ValueError(f"{CPU_KERNELS_VARIABLE} must be one of {', '.join(_CPU_CHOICES)}, "
+                             f"got {os.environ[CPU_KERNELS_VARIABLE]!r}")
+        if raw == "numpy":
+            module = numpy_ops()
+        else:
+            from ringcomm.ops import cpu as module
+        _loaded["host"] = module
+    return module
+
+
 def get(x: Any) -> ModuleType:
     """The operations module for arrays like ``x``."""
     if type(x) is np.ndarray or not is_device_array(x):
-        return numpy_ops()
+        return _loaded.get("host") or host_ops()
     module = _loaded.get("cuda")
     if module is None:
         from ringcomm.ops import cuda as module
