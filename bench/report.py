@@ -2,7 +2,8 @@
 
     python bench/report.py bench/results/allreduce_n2.json > bench/results/allreduce_n2.md
 
-Dense rows become "ringcomm against MPI's own Allreduce and a memcpy, measured in the same run";
+Dense rows become "ringcomm against MPI's own Allreduce (and gloo's) and a memcpy, measured in the
+same run";
 compressed rows become "what each compressor puts on the wire and what it costs against the
 dense ring".
 """
@@ -37,19 +38,27 @@ def header(meta: dict[str, Any]) -> str:
 
 
 def dense_table(rows: list[dict[str, Any]]) -> str:
-    out = ["| size | ringcomm time | busbw GB/s | MPI Allreduce time | MPI busbw | ringcomm / MPI "
-           "busbw | memcpy GB/s | ringcomm busbw / memcpy | #wrong |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        if r["compression"] != "none":
-            continue
-        mpi = r.get("mpi_busbw")
-        out.append(
-            f"| {_size(r['size'])} | {r['time_us']:.1f} us | {r['busbw']:.2f} | "
-            f"{r.get('mpi_time_us', float('nan')):.1f} us | {mpi or float('nan'):.2f} | "
-            f"{r['busbw'] / mpi if mpi else float('nan'):.2f}x | "
-            f"{r.get('memcpy_GBps', float('nan')):.2f} | "
-            f"{r.get('busbw_vs_memcpy', float('nan')):.2f} | {r.get('wrong', '-')} |")
+    """ringcomm against MPI's Allreduce (and gloo's, when the run had it) and a memcpy; the
+    ratios are times, baseline / ringcomm (above 1: ringcomm faster)."""
+    dense = [r for r in rows if r["compression"] == "none"]
+    gloo = any("gloo_time_us" in r for r in dense)
+    nan = float("nan")
+    head = "| size | ringcomm time | busbw GB/s | MPI Allreduce time | MPI / ringcomm |"
+    rule = "| ---: | ---: | ---: | ---: | ---: |"
+    if gloo:
+        head += " gloo allreduce time | gloo / ringcomm |"
+        rule += " ---: | ---: |"
+    out = [head + " memcpy GB/s | ringcomm busbw / memcpy | #wrong |",
+           rule + " ---: | ---: | ---: |"]
+    for r in dense:
+        line = (f"| {_size(r['size'])} | {r['time_us']:.1f} us | {r['busbw']:.2f} | "
+                f"{r.get('mpi_time_us', nan):.1f} us | "
+                f"{r.get('mpi_time_us', nan) / r['time_us']:.2f}x |")
+        if gloo:
+            line += (f" {r.get('gloo_time_us', nan):.1f} us | "
+                     f"{r.get('gloo_time_us', nan) / r['time_us']:.2f}x |")
+        out.append(line + f" {r.get('memcpy_GBps', nan):.2f} | "
+                   f"{r.get('busbw_vs_memcpy', nan):.2f} | {r.get('wrong', '-')} |")
     return "\n".join(out)
 
 
