@@ -58,6 +58,17 @@ def _mpiexec(n: int) -> list[str]:
             str(ROOT / "bench" / "netns_exec.py")]
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """End an mpiexec job: SIGTERM first, so that mpiexec ends its ranks (SIGKILL would leave
+    them running), SIGKILL if it has not exited 30 s later."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
 def run_in_cluster(cluster: Cluster, args: list[str], timeout: float) -> str:
     """Run ``python args...`` on every rank of ``cluster``; returns rank 0's output."""
     cmd = [*_mpiexec(cluster.n), _python(), *args]
@@ -66,14 +77,11 @@ def run_in_cluster(cluster: Cluster, args: list[str], timeout: float) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # SIGTERM first: mpiexec then ends its ranks, which SIGKILL would leave running.
-        proc.terminate()
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+        _stop(proc)
         raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:.0f} s") from None
+    except BaseException:  # Ctrl-C or SIGTERM (netns.Cluster raises KeyboardInterrupt)
+        _stop(proc)
+        raise
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
     return out

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-__all__ = ["Cluster", "ClusterError", "commands_down", "commands_up", "parse_rate",
-           "preflight", "remove_stale"]
+__all__ = ["Cluster", "ClusterError", "commands_down", "commands_up", "parse_rate", "preflight",
+           "remove_stale", "unavailable"]
 
 SUBNET = "10.213.0"
 PREFIX = "rcbench"
@@ -99,6 +99,15 @@ def preflight() -> None:
     if _run(["ip", "netns", "add", probe], check=False).returncode:
         raise ClusterError("this machine does not allow new network namespaces")
     _run(["ip", "netns", "del", probe], check=False)
+
+
+def unavailable() -> str | None:
+    """Why no cluster can be built here (what ``preflight`` raises), or None when one can."""
+    try:
+        preflight()
+    except ClusterError as err:
+        return str(err)
+    return None
 
 
 def existing(prefix: str = PREFIX) -> list[str]:

@@ -43,15 +43,7 @@ def test_commands_build_shape_and_remove_everything():
     assert all(c[:3] == ["ip", "netns", "add"] or "-n" in c or "netns" in c for c in up)
 
 
-def _why_not() -> str | None:
-    try:
-        netns.preflight()
-    except netns.ClusterError as err:
-        return str(err)
-    return None
-
-
-REASON = _why_not()
+REASON = netns.unavailable()
 needs_root = pytest.mark.skipif(REASON is not None, reason=f"cannot build namespaces: {REASON}")
 
 

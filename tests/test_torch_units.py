@@ -265,3 +265,14 @@ def test_cast_compressors_compress_as_horovods(name, dtype):
     same, ctx = comp.compress(ints)
     assert same is ints and comp.decompress(same, ctx) is ints
     assert as_compression(getattr(ringcomm, name.upper())()).compress(x)[0].dtype == dtype
+
+
+def test_ringcomm_state_takes_auto_as_comm_allreduce_does():
+    """RingcommState(compression="auto") is ringcomm.Auto(); another string is refused, naming
+    what it got and what it takes."""
+    import ringcomm
+    from ringcomm.torch import RingcommState
+
+    assert isinstance(RingcommState(compression="auto").compression, ringcomm.Auto)
+    with pytest.raises(TypeError, match=r"\"auto\" or hvd.Compression.<name>, got 'int8'"):
+        RingcommState(compression="int8")

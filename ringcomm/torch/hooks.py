@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm.comm.base import Communicator
+from ringcomm.compress.auto import Auto
 from ringcomm.compress.base import Compressor as _RingCompressor
 from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.torch._engine import Handle, engine_for
@@ -32,6 +33,8 @@ __all__ = ["RingcommState", "ringcomm_hook"]
 
 
 def _ring_compressor(compression: Any) -> _RingCompressor | None:
+    if isinstance(compression, str) and compression == "auto":  # as comm.allreduce takes it
+        return Auto()
     if isinstance(compression, RingCompressor):
         return compression.ring
     if compression is None or isinstance(compression, NoneCompressor):
@@ -39,8 +42,8 @@ def _ring_compressor(compression: Any) -> _RingCompressor | None:
     if isinstance(compression, _RingCompressor):
         return compression
     raise TypeError(
-        "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...) "
-        f"or hvd.Compression.<name>, got {type(compression).__name__}")
+        "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...), "
+        f"\"auto\" or hvd.Compression.<name>, got {compression!r}")
 
 
 class RingcommState:
@@ -49,7 +52,9 @@ class RingcommState:
     Args:
         comm: the communicator; the one of ``ringcomm.torch.init()`` when None (started here
             if need be: MPI under mpiexec, a gloo group under torchrun).
-        compression: a ringcomm compressor or ``hvd.Compression.<name>``; None sends float32.
+        compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: per bucket, the
+            fastest of none, fp16 and int8 as measured) or ``hvd.Compression.<name>``; None
+            sends float32.
         error_feedback: keep what compression drops, per bucket, and add it to the next step.
         start_iter: iterations reduced uncompressed before compression starts (a warm-up, and
             DDP's bucket rebuild after iteration 0 happens before it).
