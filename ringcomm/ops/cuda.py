@@ -207,12 +207,12 @@ def divide(x: Any, divisor: int, out: Any) -> None:
     if name is None or x.size != n or not _contiguous(x, out):
         dt = np.dtype(_F32) if x.dtype.itemsize == 2 else x.dtype
         x = _rt.converted(x, dt)
-        quotient = _rt.cp().empty(x.shape, dt)
-        name = _DIVIDE.get((dt.name, dt.name))
-        if name is None:  # an integer dtype (never averaged: AVG refuses integers)
+        own = _DIVIDE.get((dt.name, dt.name))
+        if own is None:  # an integer dtype (never averaged: AVG refuses integers)
             copy(out, _rt.cp().divide(x, dt.type(divisor)))
             return
-        _elementwise(name, x.size, (quotient, x, np.float64(divisor)), quotient, x)
+        quotient = _rt.cp().empty(x.shape, dt)
+        _elementwise(own, x.size, (quotient, x, np.float64(divisor)), quotient, x)
         copy(out, quotient)
         return
     _elementwise(name, n, (out, x, np.float64(divisor)), out, x)
