@@ -57,25 +57,27 @@ def reduce_fused(comm: Communicator, specs: list[ReduceSpec]) -> list[torch.Tens
     """Run the allreduces ``specs``: one collective per dtype, device, op and scaling, through
     a flat buffer where there are several; return their outputs (written in place)."""
     if len(specs) == 1:  # a synchronous call's: no grouping to do
-        s = specs[0]
-        allreduce_tensor(comm, s.tensor, s.out, op=s.op, prescale=s.prescale,
-                         postscale=s.postscale, compression=s.ring)
-        return [s.out]
+        _reduce_into(comm, specs[0], specs[0].tensor, specs[0].out)
+        return [specs[0].out]
     groups: dict[tuple[Any, ...], list[ReduceSpec]] = {}
     for s in specs:
         key = (s.tensor.dtype, s.tensor.device, s.op, s.prescale, s.postscale, id(s.ring))
         groups.setdefault(key, []).append(s)
     for group in groups.values():
-        first = group[0]
         if len(group) == 1:
-            allreduce_tensor(comm, first.tensor, first.out, op=first.op, prescale=first.prescale,
-                             postscale=first.postscale, compression=first.ring)
+            _reduce_into(comm, group[0], group[0].tensor, group[0].out)
             continue
         flat = torch.cat(_flat_views([s.tensor for s in group]))
-        allreduce_tensor(comm, flat, flat, op=first.op, prescale=first.prescale,
-                         postscale=first.postscale, compression=first.ring)
+        _reduce_into(comm, group[0], flat, flat)
         _scatter(flat, [s.out for s in group])
     return [s.out for s in specs]
+
+
+def _reduce_into(comm: Communicator, spec: ReduceSpec, src: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+    """``src`` reduced into ``dst`` with ``spec``'s op, scaling and compression."""
+    allreduce_tensor(comm, src, dst, op=spec.op, prescale=spec.prescale,
+                     postscale=spec.postscale, compression=spec.ring)
 
 
 def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
