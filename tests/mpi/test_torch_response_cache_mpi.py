@@ -183,12 +183,20 @@ def test_one_thread_waits_while_others_submit(h):
 
 
 def test_a_duplicate_of_a_cached_name_raises_value_error(h):
+    """Each rank submits its own name first and tries the duplicate while the others have not
+    submitted that name yet (an MPI barrier holds them), so the first is surely in flight."""
     t = ones()
-    h.allreduce(t, name="dup", op=h.Sum)
-    handle = h.allreduce_async(t, name="dup", op=h.Sum)
-    with pytest.raises(ValueError, match=r"'dup'.*already in flight on this rank"):
-        h.allreduce_async(t, name="dup", op=h.Sum)
-    assert torch.equal(h.synchronize(handle), torch.full((3,), RANKS_SUM))
+    names = [f"dup{r}" for r in range(SIZE)]
+    for name in names:  # cached everywhere
+        h.allreduce(t, name=name, op=h.Sum)
+    mine = names[RANK]
+    handles = {mine: h.allreduce_async(t, name=mine, op=h.Sum)}
+    with pytest.raises(ValueError, match=rf"'{mine}'.*already in flight on this rank"):
+        h.allreduce_async(t, name=mine, op=h.Sum)
+    MPI.COMM_WORLD.Barrier()
+    handles.update((n, h.allreduce_async(t, name=n, op=h.Sum)) for n in names if n != mine)
+    for handle in handles.values():
+        assert torch.equal(h.synchronize(handle), torch.full((3,), RANKS_SUM))
 
 
 def test_a_waiting_thread_in_inference_mode_hands_out_ordinary_tensors(h):
