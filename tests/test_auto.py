@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -98,3 +99,80 @@ def test_auto_choice_is_logged_at_debug(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ringcomm.auto"]
     assert lines, "no DEBUG record from ringcomm.auto"
     assert "800000 bytes over 2 ranks:" in lines[0] and "(predicted none " in lines[0], lines
+
+
+class SlowFP16(ringcomm.FP16):
+    """FP16 whose every encoding also waits 20 ms: clearly the slower candidate in a job."""
+
+    def encode(self, src, out, *, seed=0, base=0, error=None):
+        time.sleep(0.02)
+        super().encode(src, out, seed=seed, base=base, error=error)
+
+    def hop(self, payload, own, out, *, seed=0, base=0, error=None):
+        time.sleep(0.02)
+        super().hop(payload, own, out, seed=seed, base=base, error=error)
+
+    def __repr__(self) -> str:
+        return "SlowFP16()"
+
+
+# Link and codecs the model cannot tell apart: every candidate is tried in the job.
+EVEN = {"none": 1e9, "FP16()": 1e9, "SlowFP16()": 1e9}
+
+
+def _trial_job(candidates, calls, length=20_000, feedback=True):
+    """Every rank's choices over ``calls`` allreduces, its results, and the final choice."""
+    choices = Auto(candidates, link=GBIT, throughput=EVEN, trials=2)
+
+    def job(t):
+        comm = Communicator(t)
+        ef = ringcomm.ErrorFeedback() if feedback else None
+        rng = np.random.default_rng(t.rank)
+        results, sent = [], np.zeros(length)
+        for _ in range(calls):
+            g = rng.standard_normal(length).astype(np.float32)
+            sent += g
+            results.append(comm.allreduce(g, compression=choices, feedback=ef,
+                                          name="g" if ef is not None else None))
+        figures = comm.auto_figures
+        key = (id(choices), "host", length, length * 4)
+        left = ef.residual("g") if ef is not None and ef.residual("g") is not None else 0
+        return results, figures.choices.get(key, (None, "undecided"))[1], sent, left
+
+    return run_ranks(2, job)
+
+
+@pytest.mark.parametrize("candidates, expected", [((None, SlowFP16()), None),
+                                                  ((SlowFP16(), FP16), FP16)])
+def test_trials_choose_the_candidate_measured_faster(candidates, expected):
+    """With the model unable to choose, each candidate runs ``trials`` calls in the job and
+    the ranks agree on the one whose slowest rank was fastest."""
+    per_rank = _trial_job(candidates, calls=5)
+    finals = [repr(r[1]) for r in per_rank]
+    assert finals == [repr(expected)] * 2
+    for a, b in zip(per_rank[0][0], per_rank[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)  # bit-identical during and after the trials
+
+
+def test_trials_keep_error_feedback_conserving():
+    """Trial calls switch between dense (which spends the residual) and compressed ones;
+    results plus residuals still equal the inputs."""
+    per_rank = _trial_job((None, FP16), calls=6)
+    total_results = sum(per_rank[0][0])  # every rank holds the same sums
+    inputs = per_rank[0][2] + per_rank[1][2]
+    residuals = per_rank[0][3] + per_rank[1][3]
+    np.testing.assert_allclose(total_results + residuals, inputs, rtol=0, atol=1e-3)
+
+
+def test_trials_undecided_until_every_trial_ran():
+    per_rank = _trial_job((None, FP16), calls=3)  # 2 candidates x 2 trials: 4 trial calls
+    assert [r[1] for r in per_rank] == ["undecided"] * 2
+
+
+def test_trials_argument_checked():
+    with pytest.raises(ValueError, match="trials must be an integer >= 0"):
+        Auto(trials=-1)
+    with pytest.raises(ValueError, match="trials must be an integer >= 0"):
+        Auto(trials=True)
+    assert Auto(link=GBIT, throughput=CPU)._trials_per_candidate() == 0
+    assert Auto()._trials_per_candidate() == 3

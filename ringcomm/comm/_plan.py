@@ -23,13 +23,15 @@ _LIMIT = 4096  # plans kept at most: shapes can be many
 class AllreducePlan:
     """How one allreduce runs: its agreed spec, op, compression and error feedback."""
 
-    __slots__ = ("compression", "feedback", "inline", "name", "op", "spec")
+    __slots__ = ("compression", "feedback", "inline", "name", "op", "spec", "trial")
 
     def __init__(self, spec: agree.CallSpec, op: ReduceOp, compression: Any, feedback: Any,
                  name: Any) -> None:
         self.spec, self.op = spec, op
         self.compression, self.feedback, self.name = compression, feedback, name
         self.inline: agree.InlinePlan | None = None
+        # A call trying one of compression="auto"'s candidates: (trial, candidate key).
+        self.trial: tuple[Any, str] | None = None
 
     @property
     def dense(self) -> bool:

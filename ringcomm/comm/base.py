@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -395,20 +396,25 @@ class Communicator:
                         name: Any) -> AllreducePlan:
         """Check the arguments of an allreduce and decide how it runs (before the agreement;
         an argument error is kept in the plan's spec, to be raised on every rank)."""
+        trial = None
         if compression is not None:
             if isinstance(compression, str) and compression == "auto":
                 compression = self._auto()
             if isinstance(compression, Auto):
+                self._auto_figures.pending = None
                 compression, feedback = compression.choose_early(
                     self._route(x), self._auto_figures, x, op, feedback, name,
                     self.inline_bytes)
+                trial = self._auto_figures.take_pending()  # an Auto is resolved later
         spec = agree.CallSpec("allreduce")
         try:
             rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
         plan = AllreducePlan(spec, rop, compression, feedback, name)
-        if plan.dense and spec.error is None:
+        if not isinstance(compression, Auto):
+            plan.trial = trial
+        if plan.dense and spec.error is None and trial is None:
             self._plans.put(x, op, plan, self._agreement)
         return plan
 
@@ -434,16 +440,26 @@ class Communicator:
             return result
         direct = result.flags.c_contiguous and getattr(result.flags, "aligned", True)
         flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
+        trial = plan.trial
+        start = time.perf_counter()
         if plan.dense:
             ring.allreduce(t, _arrays.flat(x), flat_out, plan.op, segment_bytes=self.segment_bytes)
         else:
             comp = plan.compression
             if isinstance(comp, Auto):
+                self._auto_figures.pending = None
                 comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
+                trial = self._auto_figures.take_pending()
+                start = time.perf_counter()  # after any measuring of the figures
+            comp = comp.bind(x, plan.name)  # per-call parameters (PowerSGD: shapes, name)
             self._compressed_calls += 1
             seed = mix_seed(self._compressed_calls, self.rank)
             algorithms.allreduce(t, _arrays.flat(x), flat_out, plan.op, comp, plan.feedback,
                                  plan.name, seed, segment_bytes=self.segment_bytes)
+        if trial is not None:  # a call trying one of auto's candidates: keep its time
+            if self._wait_gpu is not None and type(x) is not np.ndarray:
+                self._wait_gpu("allreduce")  # the call's device work is done
+            trial[0].record(trial[1], time.perf_counter() - start)
         if not direct:
             result[...] = flat_out.reshape(x.shape)
         return result

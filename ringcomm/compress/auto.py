@@ -15,6 +15,14 @@ neighbour while receiving from its left, as the ring does) at 8 B and 4 MiB; ``t
 from timing candidate c's per-hop work (add, or decode + add + encode) on 1 MiB. Each figure is
 the slowest rank's median, so every rank holds the same model and makes the same choice. The
 figures are measured once per communicator, on the first call that needs them.
+
+The model sees the link and the codecs alone; in a training job they share the cores with
+backward, and DDP's other buckets share the link. So, with measured figures, the model's choice
+is then tried in the job itself: the first calls of each array size run, in turn, every
+candidate the model puts within ``TRY_WITHIN`` of its best (``trials`` calls each), each call's
+time is kept, and once all have run the ranks agree, in one exchange, on the candidate whose
+slowest rank's median was lowest (the same choice on every rank). Small dense calls, which ride
+in the agreement exchange, are not tried.
 """
 
 from __future__ import annotations
@@ -37,11 +45,16 @@ from ringcomm.compress.base import Compressor, Wire, check_compressed_call
 from ringcomm.compress.cast import FP16
 from ringcomm.compress.int8 import Int8
 
-__all__ = ["Auto", "AutoFigures", "LinkModel", "measure_link", "measure_throughput"]
+__all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "LinkModel", "Trial", "measure_link",
+           "measure_throughput"]
 
 _LOG = get_logger("auto")
 _PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20
 _WORK_ELEMS = 1 << 18
+#: Candidates whose modelled time is within this factor of the best are tried in the job.
+TRY_WITHIN = 3.0
+#: Calls per tried candidate when the figures are measured (``Auto(trials=None)``).
+DEFAULT_TRIALS = 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,40 @@ class LinkModel:
 
 
 @dataclass
+class Trial:
+    """The calls of one array size that try candidates in the job: which runs on each call,
+    and the seconds each call took on this rank.
+
+    Attributes:
+        schedule: the candidate of each trial call, in order (the same on every rank).
+        samples: seconds per call, keyed by ``Auto.key`` of the candidate.
+        calls: the trial calls that have run.
+    """
+
+    schedule: tuple[Compressor | None, ...]
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    calls: int = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every trial call has run."""
+        return self.calls >= len(self.schedule)
+
+    def pick(self) -> Compressor | None:
+        """The candidate of the next trial call."""
+        return self.schedule[self.calls]
+
+    def record(self, key: str, seconds: float) -> None:
+        """Keep the time of the call that ran candidate ``key`` (the one ``pick`` named)."""
+        self.samples.setdefault(key, []).append(seconds)
+        self.calls += 1
+
+    def medians(self) -> dict[str, float]:
+        """This rank's median seconds per candidate."""
+        return {k: float(np.median(v)) for k, v in self.samples.items()}
+
+
+@dataclass
 class AutoFigures:
     """What "auto" has measured on one communicator, per array kind ("host", "device").
 
@@ -64,12 +111,23 @@ class AutoFigures:
         links: the ring step's latency and bandwidth.
         throughput: bytes/s of each candidate's hop (keyed by ``Auto.key``).
         choices: the choice made per (Auto, array kind, length), with the Auto kept alive.
+        trials: the calls trying candidates in the job, per (Auto, array kind, length), until
+            a choice is made.
+        pending: the trial of the call being planned and the key of its candidate, taken by
+            the communicator to time the call (``take_pending``).
     """
 
     links: dict[str, LinkModel] = field(default_factory=dict)
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
     choices: dict[tuple[int, str, int, int], tuple[Auto, Compressor | None]] = field(
         default_factory=dict)
+    trials: dict[tuple[int, str, int, int], tuple[Auto, Trial]] = field(default_factory=dict)
+    pending: tuple[Trial, str] | None = None
+
+    def take_pending(self) -> tuple[Trial, str] | None:
+        """The (trial, candidate key) of the call just planned, if it is a trial call; cleared."""
+        pending, self.pending = self.pending, None
+        return pending
 
 
 def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
@@ -103,6 +161,9 @@ class Auto(Compressor):
         link: fixed link figures (for tests or a known network) instead of measuring.
         throughput: fixed per-candidate throughputs (bytes/s, keyed by ``repr`` of the
             candidate, "none" for None) instead of measuring.
+        trials: calls per candidate tried in the job before choosing from their measured
+            times (see the module docstring); 0 chooses from the model alone. None: 3 where
+            the figures are measured, 0 where ``link`` and ``throughput`` are both given.
 
     Every rank must pass an equal Auto; the choice is the same on every rank.
     """
@@ -111,7 +172,7 @@ class Auto(Compressor):
 
     def __init__(self, candidates: tuple[Compressor | None, ...] = (None, FP16(), Int8()), *,
                  link: LinkModel | None = None,
-                 throughput: dict[str, float] | None = None) -> None:
+                 throughput: dict[str, float] | None = None, trials: int | None = None) -> None:
         if not candidates:
             raise ValueError("Auto needs at least one candidate")
         for c in candidates:
@@ -121,7 +182,11 @@ class Auto(Compressor):
             if c is not None and c.allreduce_algorithm not in ALGORITHMS:
                 raise ValueError(f"candidate {c!r} names allreduce algorithm "
                                  f"{c.allreduce_algorithm!r}; known: {', '.join(ALGORITHMS)}")
+        if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
+                                   or trials < 0):
+            raise ValueError(f"trials must be an integer >= 0 or None, got {trials!r}")
         self.candidates = tuple(candidates)
+        self.trials = trials
         self.link = link
         self.throughput = dict(throughput) if throughput else None
         if self.throughput is not None:
@@ -149,19 +214,25 @@ class Auto(Compressor):
         return self.candidates[int(np.argmin(times))]
 
     def ready(self, figures: AutoFigures, x: Any) -> bool:
-        """Whether ``resolve`` can choose for ``x`` without measuring (a collective)."""
+        """Whether ``resolve`` can choose for ``x`` without an exchange (measuring the
+        figures, or deciding after the trial calls: both collective)."""
         kind = _kind(x)
         link = self.link is not None or kind in figures.links
         known = figures.throughput.get(kind, {})
         speed = self.throughput is not None or all(self.key(c) in known for c in self.candidates)
-        return link and speed
+        trial = self._trial(figures, self._key(x))
+        return link and speed and (trial is None or not trial.done)
+
+    def _key(self, x: Any) -> tuple[int, str, int, int]:
+        return (id(self), _kind(x), x.size, x.nbytes)  # nbytes: whether dense rides inline
 
     def resolve(self, t: Transport, figures: AutoFigures, x: Any,
                 inline_bytes: int = INLINE_BYTES) -> Compressor | None:
         """Choose for array ``x``, measuring over ``t`` what ``figures`` lack first
-        (collectively, once per communicator and array kind)."""
-        kind = _kind(x)
-        key = (id(self), kind, x.size, x.nbytes)  # nbytes: whether dense rides inline
+        (collectively, once per communicator and array kind); during the trial calls, the
+        candidate of the next one (``figures.pending`` then names it, for timing)."""
+        key = self._key(x)
+        kind = key[1]
         memo = figures.choices.get(key)
         if memo is not None and memo[0] is self:
             return memo[1]
@@ -177,20 +248,74 @@ class Auto(Compressor):
             if missing:
                 known.update(measure_throughput(t, missing, x))
             throughput = {self.key(c): known[self.key(c)] for c in self.candidates}
+        trial = self._trial(figures, key)
+        if trial is None:
+            trial = self._model_choice(figures, key, t.size, x, link, throughput, inline_bytes)
+            if trial is None:
+                return figures.choices[key][1]
+        if not trial.done:
+            choice = trial.pick()
+            figures.pending = (trial, self.key(choice))
+            return choice
+        return self._decide(t, figures, key, trial)
+
+    def _trial(self, figures: AutoFigures, key: tuple[int, str, int, int]) -> Trial | None:
+        memo = figures.trials.get(key)
+        return memo[1] if memo is not None and memo[0] is self else None
+
+    def _trials_per_candidate(self) -> int:
+        if self.trials is not None:
+            return self.trials
+        return 0 if self.link is not None and self.throughput is not None else DEFAULT_TRIALS
+
+    def _model_choice(self, figures: AutoFigures, key: tuple[int, str, int, int], n: int,
+                      x: Any, link: LinkModel, throughput: dict[str, float],
+                      inline_bytes: int) -> Trial | None:
+        """Choose from the model and keep the choice; or, where the model puts several
+        candidates close, start the trial calls that choose among them (returned)."""
         nbytes = x.size * 4  # compressed calls compute in float32
-        chooser = Auto(self.candidates, link=link, throughput=throughput)
-        choice = chooser.choose(nbytes, t.size, inline_bytes, x.nbytes)
+        seconds = [predict(c, nbytes, n, link, throughput[self.key(c)], inline_bytes,
+                           x.nbytes) for c in self.candidates]
+        best = self.candidates[int(np.argmin(seconds))]
         if _LOG.isEnabledFor(logging.DEBUG):
-            seconds = [predict(c, nbytes, t.size, link, throughput[self.key(c)], inline_bytes,
-                               x.nbytes) for c in self.candidates]
             costs = ", ".join(f"{self.key(c)} {s:.3g} s"
                               for c, s in zip(self.candidates, seconds, strict=True))
-            _LOG.debug("%d bytes over %d ranks: %s (predicted %s)", x.nbytes, t.size,
-                       self.key(choice), costs)
+            _LOG.debug("%d bytes over %d ranks: %s (predicted %s)", x.nbytes, n,
+                       self.key(best), costs)
+        close = [c for c, s in zip(self.candidates, seconds, strict=True)
+                 if s <= TRY_WITHIN * min(seconds)]
+        rounds = self._trials_per_candidate()
+        if rounds == 0 or len(close) < 2 or x.nbytes <= inline_bytes:
+            self._keep(figures, key, best)
+            return None
+        close.sort(key=lambda c: c is not best)  # the model's pick first
+        trial = Trial(tuple(close) * rounds)
+        if len(figures.trials) > 4096:
+            figures.trials.clear()
+        figures.trials[key] = (self, trial)
+        return trial
+
+    def _decide(self, t: Transport, figures: AutoFigures, key: tuple[int, str, int, int],
+                trial: Trial) -> Compressor | None:
+        """Choose, from every rank's trial times (one exchange, collective), the candidate
+        whose slowest rank's median was lowest: the same choice on every rank."""
+        everyone = t.allgather_object(trial.medians())
+        tried = list(dict.fromkeys(trial.schedule))
+        slowest = [max(m[self.key(c)] for m in everyone) for c in tried]
+        choice = tried[int(np.argmin(slowest))]
+        _LOG.info("%d elements over %d ranks: %s, chosen from calls in the job (slowest "
+                  "rank's median: %s)", key[2], t.size, self.key(choice),
+                  ", ".join(f"{self.key(c)} {s:.3g} s"
+                            for c, s in zip(tried, slowest, strict=True)))
+        del figures.trials[key]
+        self._keep(figures, key, choice)
+        return choice
+
+    def _keep(self, figures: AutoFigures, key: tuple[int, str, int, int],
+              choice: Compressor | None) -> None:
         if len(figures.choices) > 4096:
             figures.choices.clear()
         figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own
-        return choice
 
     def choose_early(self, t: Transport, figures: AutoFigures, x: Any, op: Any, feedback: Any,
                      name: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, Any]:
