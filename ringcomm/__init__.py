@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ringcomm.comm import _twolevel
 from ringcomm.comm import log as _log
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.env import env as _env
@@ -32,6 +33,7 @@ from ringcomm.comm.env import env_bytes as _env_bytes
 from ringcomm.comm.env import env_flag as _env_flag
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
+from ringcomm.comm.topology import resolve_topology as _resolve_topology
 from ringcomm.comm.types import (
     DEFAULT_TIMEOUT_S,
     ArgumentMismatchError,
@@ -45,6 +47,7 @@ from ringcomm.comm.types import (
     Transport,
 )
 from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
+from ringcomm.compress.powersgd import PowerSGD
 
 __version__ = "0.1.0"
 
@@ -64,6 +67,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "LaunchInfo",
+    "PowerSGD",
     "ReduceOp",
     "TopK",
     "Transport",
@@ -85,6 +89,8 @@ class _Options(NamedTuple):
     segment_bytes: int | None
     inline_bytes: int | None
     timeout: float
+    algorithm: str
+    topology: str | int
 
 
 def _byte_option(value: Any, name: str, minimum: int, multiple: int) -> int | None:
@@ -133,7 +139,7 @@ def _timeout_option(timeout: Any) -> float:
 
 
 def _options(consistency_check: Any, segment_bytes: Any, inline_bytes: Any,
-             timeout: Any) -> _Options:
+             timeout: Any, algorithm: Any = None, topology: Any = None) -> _Options:
     """Check init()'s options and read the unset ones from the environment."""
     if consistency_check is None:
         consistency_check = _env_flag("RINGCOMM_CONSISTENCY_CHECK", True)
@@ -143,7 +149,9 @@ def _options(consistency_check: Any, segment_bytes: Any, inline_bytes: Any,
     return _Options(bool(consistency_check),
                     _byte_option(segment_bytes, "segment_bytes", 64, 1),
                     _byte_option(inline_bytes, "inline_bytes", 0, 8),
-                    _timeout_option(timeout))
+                    _timeout_option(timeout),
+                    _twolevel.resolve_algorithm(algorithm),
+                    _resolve_topology("auto" if topology is None else topology))
 
 
 def nccl_available() -> bool:
@@ -303,16 +311,19 @@ def _log_init(comm: Communicator, why: str, info: LaunchInfo, options: _Options)
     if launcher != "none":
         launcher += f" ({info.size_variable}={info.size})"
     _LOG.info("backend %s (%s); launcher %s; rank %d of %d, %d rank%s on this node; "
-              "segment_bytes %d, inline_bytes %d, consistency check %s, timeout %g s",
+              "segment_bytes %d, inline_bytes %d, consistency check %s, timeout %g s; "
+              "allreduce algorithm %s, topology %s",
               comm.backend, why, launcher, comm.rank, comm.size, comm.local_size,
               "s" if comm.local_size != 1 else "", comm.segment_bytes, comm.inline_bytes,
-              "on" if comm.consistency_check else "off", options.timeout)
+              "on" if comm.consistency_check else "off", options.timeout, comm.algorithm,
+              comm.topology)
 
 
 def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool | None = None,
          segment_bytes: int | None = None, inline_bytes: int | None = None,
          timeout: datetime.timedelta | float | None = None,
-         abort_on_exception: bool = True) -> Communicator:
+         abort_on_exception: bool = True, algorithm: str | None = None,
+         topology: str | int | None = None) -> Communicator:
     """Create a communicator over the processes of this job.
 
     Launched by mpiexec/mpirun, srun or torchrun (``python -m torch.distributed.run``), the
@@ -350,6 +361,17 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             (``ncclCommAbort``) and the job ends with an error naming the collective.
         abort_on_exception: make an uncaught exception on any rank abort the whole job
             (``MPI_Abort``) instead of leaving the other ranks waiting forever.
+        algorithm: the allreduce algorithm of calls that name none (``comm.algorithm``):
+            "flat" (one ring over every rank), "hierarchical" (within each node, across
+            nodes, within each node; every node must hold the same number of ranks) or
+            "auto" (hierarchical where the job has several nodes of several ranks each, for
+            dense calls of at least 1 MiB, and compressed ones on 64 nodes or more; flat
+            otherwise). Env
+            ``RINGCOMM_ALGORITHM``; "auto" by default.
+        topology: which ranks share a node (``comm.topology``): "auto" (the same host name,
+            as launchers place ranks) or ``k``, consecutive blocks of ``k`` ranks, for
+            clusters where host names say otherwise. Env ``RINGCOMM_RANKS_PER_NODE`` (an int)
+            overrides "auto".
 
     Returns:
         A Communicator. With ``RINGCOMM_LOG_LEVEL=INFO``, init logs the backend chosen (and
@@ -369,7 +391,8 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     if backend == "gloo" and mpi_comm is not None:
         raise ValueError("mpi_comm is for the mpi and nccl backends; backend 'gloo' runs over "
                          f"torch.distributed's default group, got mpi_comm={mpi_comm!r}")
-    options = _options(consistency_check, segment_bytes, inline_bytes, timeout)
+    options = _options(consistency_check, segment_bytes, inline_bytes, timeout, algorithm,
+                       topology)
     _log.configure_from_env()
     info = launch_info()
     _log.set_rank(info.rank, info.size)
@@ -381,6 +404,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     _LOG.debug("starting backend %s (%s); launcher %s", backend, why, info.describe())
     comm = _build(backend, mpi_comm, options, info)
     _check_spans_job(comm, info, mpi_comm)
+    comm.algorithm, comm.topology = options.algorithm, options.topology
     _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
         from ringcomm.comm.mpi import install_abort_hook

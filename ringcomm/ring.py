@@ -354,15 +354,21 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, *,
 
 
 def reduce_scatter(t: Transport, x: Any, op: ReduceOp, *,
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Any:
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, work: Any | None = None) -> Any:
     """Reduce flat ``x`` and return this rank's chunk, ``[r * L // n, (r + 1) * L // n)``
-    (a new array): the transport's own reduce-scatter where it has one, the ring otherwise."""
+    (a new array): the transport's own reduce-scatter where it has one, the ring otherwise.
+
+    ``work``, a flat array of ``x``'s length and dtype (``x`` itself allowed), takes the ring's
+    partial sums instead of a new array, and the chunk returned is then a view of it (the rest
+    of ``work`` is left undefined).
+    """
     if t.size == 1:
         return x.copy()
     native = t.native_reduce_scatter(x, op)
     if native is not None:
         return native
     layout = _layout(t, x, segment_bytes)
-    y = _ops.get(x).empty((x.size,), x.dtype)
+    y = _ops.get(x).empty((x.size,), x.dtype) if work is None else work
     run(t, layout, _codec(t, x, y, op, layout), allgather=False)
-    return y[layout.chunk(t.rank)].copy()
+    chunk = y[layout.chunk(t.rank)]
+    return chunk.copy() if work is None else chunk

@@ -89,7 +89,8 @@ def calls_as(name: str) -> Iterator[None]:
 class CallSpec:
     """What one rank passed to a collective, as the agreement compares it."""
 
-    __slots__ = ("array", "caller", "dtype", "error", "extra", "kind", "op", "root", "shape")
+    __slots__ = ("algorithm", "array", "caller", "dtype", "error", "extra", "kind", "op", "root",
+                 "shape")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -100,6 +101,7 @@ class CallSpec:
         self.op: str = ""
         self.root = 0
         self.extra = ""
+        self.algorithm = ""  # allreduce: "auto", "flat" or "hierarchical"
         self.error: Exception | None = None
 
     def set_array(self, x: Any, *, reduced: bool = True) -> np.dtype:
@@ -131,7 +133,7 @@ class CallSpec:
         exchange messages of different sizes.
         """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, segment_bytes, self.caller, self.array)
+               self.extra, self.algorithm, segment_bytes, self.caller, self.array)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
@@ -154,7 +156,7 @@ class CallSpec:
         h[NDIM] = len(self.shape)
         h[DIM0] = self.shape[0] if self.shape else 1
         h[REST] = _crc(self.shape[1:])
-        h[EXTRA] = _crc(self.extra)
+        h[EXTRA] = _crc((self.extra, self.algorithm) if self.algorithm else self.extra)
         h[SEGMENT] = segment_bytes
         return h
 
@@ -174,6 +176,7 @@ class CallSpec:
             "op": str(self.op.value) if self.op else "",
             "root": self.root,
             "compression/name": self.extra,
+            "algorithm": self.algorithm,
         }
 
 
@@ -455,7 +458,7 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
         return cls(f"{kind} failed on {_ranks(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
                    reason=msg)
     parts, differences = [], {}
-    for field in ("array", "dtype", "shape", "op", "root", "compression/name",
+    for field in ("array", "dtype", "shape", "op", "root", "compression/name", "algorithm",
                   "segment_bytes"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ringcomm import hierarchical, ring
 from ringcomm import ops as _ops
-from ringcomm import ring
-from ringcomm.comm import _arrays, agree
+from ringcomm.comm import _arrays, _twolevel, agree
 from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.comm.types import (
     USER,
@@ -75,12 +75,20 @@ class Communicator:
         consistency_check: agree on every call's arguments before data moves.
         segment_bytes: ring segment size; the measured default when None.
         inline_bytes: dense allreduces up to this size ride in the agreement message.
+        algorithm: the default of ``allreduce(algorithm=None)``: "auto", "flat" or
+            "hierarchical" (env ``RINGCOMM_ALGORITHM``; "auto" when neither is given).
+        topology: which ranks share a node, for the hierarchical allreduce: "auto" (host
+            names; env ``RINGCOMM_RANKS_PER_NODE`` overrides it) or a number of ranks per
+            node (consecutive blocks of ranks).
     """
 
     def __init__(self, transport: Transport, *, consistency_check: bool = True,
-                 segment_bytes: int | None = None, inline_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, inline_bytes: int | None = None,
+                 algorithm: str | None = None, topology: str | int = "auto") -> None:
         try:
             self._setup(transport, consistency_check, segment_bytes, inline_bytes)
+            self._two_level = _twolevel.TwoLevel(
+                transport, _twolevel.resolve_algorithm(algorithm), topology)
         except BaseException:
             transport.close()  # a refused option must not leak the backend's resources
             raise
@@ -182,6 +190,30 @@ class Communicator:
         return self._agreement.inline_bytes
 
     @property
+    def algorithm(self) -> str:
+        """The allreduce algorithm of calls that name none: "auto", "flat" or "hierarchical"
+        (every rank must use the same: it is checked each call)."""
+        return self._two_level.algorithm
+
+    @algorithm.setter
+    def algorithm(self, value: str) -> None:
+        self._two_level.algorithm = _twolevel.check_algorithm(value)
+        self._plans.clear()  # prepared small calls carry the old value in their headers
+
+    @property
+    def topology(self) -> str | int:
+        """Which ranks share a node: "auto" (host names) or a number of ranks per node.
+
+        Setting it is collective (every rank at the same point, between calls): the node-local
+        and cross-node groups are made again by the next call that needs them.
+        """
+        return self._two_level.setting
+
+    @topology.setter
+    def topology(self, value: str | int) -> None:
+        self._two_level.set_topology(value)
+
+    @property
     def auto_figures(self) -> AutoFigures:
         """What ``compression="auto"`` has measured on this communicator (link, codecs)."""
         return self._auto_figures
@@ -204,7 +236,8 @@ class Communicator:
     # ------------------------------------------------------------------------ collectives
     def allreduce(self, x: Any, out: Any | None = None, *, op: str | ReduceOp = "sum",
                   compression: Compressor | str | None = None,
-                  feedback: ErrorFeedback | None = None, name: str | None = None) -> Any:
+                  feedback: ErrorFeedback | None = None, name: str | None = None,
+                  algorithm: str | None = None) -> Any:
         """Reduce ``x`` elementwise over all ranks; every rank gets the bit-identical result.
 
         Args:
@@ -220,6 +253,13 @@ class Communicator:
                 send and adds it to the next call.
             name: the tensor's name; required with ``feedback``, and checked to match across
                 ranks.
+            algorithm: "flat" (one ring over every rank), "hierarchical" (within each node,
+                across nodes, within each node: see :mod:`ringcomm.hierarchical`; nodes must
+                hold the same number of ranks) or "auto" (hierarchical where there are several
+                nodes of several ranks, for dense calls of at least 1 MiB and compressed ones
+                on 64 nodes or more: see :mod:`ringcomm.comm._twolevel`); the
+                communicator's ``algorithm`` when None.
+                Checked to match across ranks.
 
         Returns:
             The reduced array (``out`` when given), with the shape of ``x``.
@@ -232,7 +272,7 @@ class Communicator:
         """
         with self._lock:
             self._transport.operation = "allreduce"
-            if compression is None and feedback is None:
+            if compression is None and feedback is None and algorithm is None:
                 prepared = self._plans.get(x, out, op)
                 if prepared is not None and not self._closed:
                     self._stats.calls += 1
@@ -242,10 +282,11 @@ class Communicator:
                     return self._execute(prepared, x, out)
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):
                 result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,
-                                        compression=compression, feedback=feedback, name=name)
+                                        compression=compression, feedback=feedback, name=name,
+                                        algorithm=algorithm)
                 return result if out is None else out
             self._ensure_open()
-            plan = self._plan_allreduce(x, out, op, compression, feedback, name)
+            plan = self._plan_allreduce(x, out, op, compression, feedback, name, algorithm)
             self.stats.calls += 1
             return self._execute(plan, x, out)
 
@@ -358,6 +399,7 @@ class Communicator:
         if not self._closed:
             self._closed = True
             self._plans.clear()
+            self._two_level.close()
             self._agreement.release()
             self._transport.close()
 
@@ -393,7 +435,7 @@ class Communicator:
 
     # ---------------------------------------------------------------------- allreduce plan
     def _plan_allreduce(self, x: Any, out: Any, op: Any, compression: Any, feedback: Any,
-                        name: Any) -> AllreducePlan:
+                        name: Any, algorithm: Any = None) -> AllreducePlan:
         """Check the arguments of an allreduce and decide how it runs (before the agreement;
         an argument error is kept in the plan's spec, to be raised on every rank)."""
         trial = None
@@ -408,13 +450,14 @@ class Communicator:
                 trial = self._auto_figures.take_pending()  # an Auto is resolved later
         spec = agree.CallSpec("allreduce")
         try:
+            spec.algorithm = self._two_level.call_algorithm(algorithm, compression)
             rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
         plan = AllreducePlan(spec, rop, compression, feedback, name)
         if not isinstance(compression, Auto):
             plan.trial = trial
-        if plan.dense and spec.error is None and trial is None:
+        if plan.dense and spec.error is None and trial is None and algorithm is None:
             self._plans.put(x, op, plan, self._agreement)
         return plan
 
@@ -443,7 +486,7 @@ class Communicator:
         trial = plan.trial
         start = time.perf_counter()
         if plan.dense:
-            ring.allreduce(t, _arrays.flat(x), flat_out, plan.op, segment_bytes=self.segment_bytes)
+            self._reduce(t, plan, _arrays.flat(x), flat_out, None, 0)
         else:
             comp = plan.compression
             if isinstance(comp, Auto):
@@ -451,11 +494,11 @@ class Communicator:
                 comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
                 trial = self._auto_figures.take_pending()
                 start = time.perf_counter()  # after any measuring of the figures
-            comp = comp.bind(x, plan.name)  # per-call parameters (PowerSGD: shapes, name)
+            if comp is not None:  # per-call parameters (PowerSGD: shapes, name)
+                comp = comp.bind(x, plan.name)
             self._compressed_calls += 1
             seed = mix_seed(self._compressed_calls, self.rank)
-            algorithms.allreduce(t, _arrays.flat(x), flat_out, plan.op, comp, plan.feedback,
-                                 plan.name, seed, segment_bytes=self.segment_bytes)
+            self._reduce(t, plan, _arrays.flat(x), flat_out, comp, seed)
         if trial is not None:  # a call trying one of auto's candidates: keep its time
             if self._wait_gpu is not None and type(x) is not np.ndarray:
                 self._wait_gpu("allreduce")  # the call's device work is done
@@ -463,6 +506,25 @@ class Communicator:
         if not direct:
             result[...] = flat_out.reshape(x.shape)
         return result
+
+    def _reduce(self, t: Transport, plan: AllreducePlan, x: Any, out: Any,
+                comp: Compressor | None, seed: int) -> None:
+        """Run an agreed allreduce of flat ``x`` into flat ``out``: the flat ring over ``t``,
+        or the two-level allreduce where the call's algorithm picks it."""
+        groups = self._two_level.groups(plan.spec.algorithm, x, comp)
+        if groups is None:
+            if plan.dense:
+                ring.allreduce(t, x, out, plan.op, segment_bytes=self.segment_bytes)
+            else:
+                algorithms.allreduce(t, x, out, plan.op, comp, plan.feedback, plan.name, seed,
+                                     segment_bytes=self.segment_bytes)
+            return
+        local, cross = (_twolevel.route(g, x) for g in groups)
+        hierarchical.allreduce_with_feedback(local, cross, x, out, plan.op, comp, plan.feedback,
+                                             plan.name, seed, segment_bytes=self.segment_bytes)
+        for sub in (local, cross):  # the groups' traffic is this communicator's
+            self._stats.add(sub.stats.bytes_sent, sub.stats.bytes_received)
+            sub.stats.reset()
 
     def _auto(self) -> Auto:
         if self._default_auto is None:

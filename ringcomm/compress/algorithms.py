@@ -14,7 +14,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm import ring as dense_ring
 from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress import ring, sparse
+from ringcomm.compress import powersgd, ring, sparse
 from ringcomm.compress.base import Compressor
 from ringcomm.compress.feedback import ErrorFeedback
 
@@ -34,6 +34,7 @@ ALGORITHMS: dict[str, AllreduceAlgorithm] = {
     "ring": ring.allreduce,
     "sparse-ring": sparse.ring_allreduce,
     "sparse-allgather": sparse.allgather_allreduce,
+    "powersgd": powersgd.allreduce,
 }
 
 

@@ -66,6 +66,17 @@ class Compressor(abc.ABC):
     def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
         """Rebuild an array of ``x``'s shape and dtype from what ``compress`` returned."""
 
+    def with_shapes(self, shapes: Any) -> Compressor:
+        """This compressor for a flat buffer holding tensors of ``shapes``, in order; those
+        that treat every element alike ignore the shapes and return themselves."""
+        return self
+
+    def bind(self, x: Any, name: str | None) -> Compressor:
+        """The compressor serving one call on array ``x`` under ``name`` (itself, unless it
+        depends on the tensor's shape or name); raises TypeError or ValueError for an ``x`` it
+        cannot serve."""
+        return self
+
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and repr(self) == repr(other)
 
@@ -168,3 +179,4 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
         if not name:
             raise ValueError("feedback needs name=... to key the residual of this tensor")
         feedback.check(name, x)
+    compression.bind(x, name)

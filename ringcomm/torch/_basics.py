@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.env import env, env_flag
 from ringcomm.torch._engine import Engine, engine_for
 from ringcomm.torch.unsupported import refusal
 
@@ -106,7 +107,10 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         else:
             from ringcomm.torch.process_group import new_communicator
 
+            algorithm = _algorithm_from_env()
             _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
+            if algorithm is not None:
+                _STATE.comm.algorithm = algorithm
         _STATE.engine = engine_for(_STATE.comm)
         from ringcomm.torch._negotiate import coordinator_for
 
@@ -119,6 +123,19 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 
         for ps in process_sets:
             add_process_set(ps)
+
+
+def _algorithm_from_env() -> str | None:
+    """The allreduce algorithm Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` asks for:
+    "hierarchical" (within nodes, across them, within them again) for 1, "flat" for 0; None
+    when unset (``ringcomm.init``'s choice stands: ``RINGCOMM_ALGORITHM``, or "auto").
+
+    Raises:
+        ValueError: the variable is not 0 or 1 (or true/false, ...).
+    """
+    if env("HOROVOD_HIERARCHICAL_ALLREDUCE") is None:
+        return None
+    return "hierarchical" if env_flag("HOROVOD_HIERARCHICAL_ALLREDUCE", False) else "flat"
 
 
 def shutdown() -> None:

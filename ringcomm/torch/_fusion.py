@@ -170,8 +170,12 @@ class Reduction:
         if self.residuals is not None:
             name = bucket.name
             self.residuals.align(name, bucket.layout, lambda: Operand(flat).array.reshape(-1))
+        # A compressor working per tensor (PowerSGD) needs the fused gradients' shapes.
+        ring = self.ring
+        if fused and ring is not None:
+            ring = ring.with_shapes([g.shape for g in grads])
         allreduce_tensor(self.comm, flat, flat, op=self.op, prescale=self.prescale,
-                         postscale=self.postscale, compression=self.ring,
+                         postscale=self.postscale, compression=ring,
                          feedback=self.residuals.feedback if name else None, name=name)
         if fused:
             for g, (_, off, n) in zip(grads, bucket.layout, strict=True):

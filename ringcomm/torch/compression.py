@@ -107,6 +107,20 @@ def _topk(ratio: float = 0.01, algorithm: str = "ring") -> RingCompressor:
     return RingCompressor(ringcomm.TopK(ratio=ratio, algorithm=algorithm), error_feedback=True)
 
 
+def _powersgd(rank: int = 1, *, warm_start: bool = True, min_compression_rate: float = 2.0,
+              seed: int = 0) -> RingCompressor:
+    """PowerSGD rank-``rank`` compression of each gradient matrix, with error feedback; 1-D
+    gradients and those it would not shrink go dense. Each call makes a new compressor with its
+    own memory of Q (one per optimizer).
+
+    Raises:
+        ValueError: rank < 1 or min_compression_rate < 0.
+    """
+    return RingCompressor(ringcomm.PowerSGD(rank=rank, warm_start=warm_start,
+                                            min_compression_rate=min_compression_rate,
+                                            seed=seed), error_feedback=True)
+
+
 class Compression:
     """The compression choices, as ``hvd.Compression.<name>``.
 
@@ -116,6 +130,8 @@ class Compression:
         bf16: bfloat16 on the wire (2x fewer bytes, float32's range).
         int8: int8 blocks with per-block scales (3.9x fewer bytes), with error feedback.
         topk: ``topk(ratio=0.01)`` returns top-k sparsification with error feedback.
+        powersgd: ``powersgd(rank=1)`` returns PowerSGD low-rank compression with error
+            feedback (each gradient matrix apart, in fused buckets too).
 
     Example::
 
@@ -128,6 +144,7 @@ class Compression:
     bf16 = _cast(ringcomm.BF16())
     int8 = RingCompressor(ringcomm.Int8(), error_feedback=True)
     topk = staticmethod(_topk)
+    powersgd = staticmethod(_powersgd)
 
 
 def as_compression(compression: Any) -> Any:

@@ -4,7 +4,9 @@ The bucket buffer reaches the ring as a zero-copy view (``.numpy()`` on CPU, DLP
 and the average is written back into it, so no copy of the gradients is made. Compression starts
 at ``state.start_iter`` (dense before, as PowerSGD's warm-up) and skips buckets smaller than
 ``state.min_compress_bytes``. Error feedback is kept per bucket and follows the parameters when
-DDP rebuilds its buckets after the first iteration.
+DDP rebuilds its buckets after the first iteration. The compressor learns the shapes of the
+bucket's gradients (``with_shapes``), which PowerSGD needs: it compresses each matrix apart and
+sends 1-D gradients dense, all in the same call.
 
 A CUDA bucket is reduced in the background with the communicator's device current, after the
 work that the stream running backward (which may be a side stream) had queued when the hook
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.compress.auto import Auto
 from ringcomm.compress.base import Compressor as _RingCompressor
@@ -64,9 +67,13 @@ class RingcommState:
             the background for CUDA buckets only. On CPU the ring needs the cores backward is
             using (MPI waits by polling), and running it inline measured faster
             (bench/results/ddp_perf_n*.md).
+        algorithm: the allreduce algorithm of every bucket: "flat", "hierarchical" (within
+            each node, across nodes, within each node) or "auto"; None: the communicator's
+            (``comm.algorithm``).
 
     Raises:
-        ValueError: ``start_iter`` or ``min_compress_bytes`` negative.
+        ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown
+            ``algorithm``.
         TypeError: ``compression`` is not a compressor.
 
     Example::
@@ -75,19 +82,21 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bucket_params", "_engine", "_residuals", "comm", "compression",
-                 "error_feedback", "feedback", "iter", "min_compress_bytes", "overlap",
-                 "start_iter")
+    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "algorithm", "comm",
+                 "compression", "error_feedback", "feedback", "iter", "min_compress_bytes",
+                 "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
-                 min_compress_bytes: int = 64 * 1024, overlap: bool | None = None) -> None:
+                 min_compress_bytes: int = 64 * 1024, overlap: bool | None = None,
+                 algorithm: str | None = None) -> None:
         if not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
             raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
                              f"{min_compress_bytes!r}")
         self.compression = _ring_compressor(compression)
+        self.algorithm = None if algorithm is None else check_algorithm(algorithm)
         if comm is None:
             from ringcomm.torch import _basics
 
@@ -103,6 +112,7 @@ class RingcommState:
         self._engine = engine_for(comm)
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
+        self._bound: dict[int, tuple[tuple[Any, ...], _RingCompressor]] = {}
 
     def compresses(self, buffer: torch.Tensor) -> bool:
         """Whether the bucket ``buffer`` is sent compressed at the current iteration."""
@@ -134,19 +144,48 @@ class RingcommState:
         self._bucket_params[bucket.index()] = (ids, layout)
         return layout
 
+    def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _RingCompressor:
+        """The compressor for the bucket: ``compression`` told the shapes of its gradients, in
+        buffer order (gaps between them as 1-D pieces); cached per bucket index."""
+        assert self.compression is not None
+        shapes = _bucket_shapes(bucket, buffer)
+        cached = self._bound.get(bucket.index())
+        if cached is not None and cached[0] == shapes:
+            return cached[1]
+        bound = self.compression.with_shapes(shapes)
+        self._bound[bucket.index()] = (shapes, bound)
+        return bound
 
-def _reduce(state: RingcommState, buffer: torch.Tensor, compressed: bool,
+
+def _bucket_shapes(bucket: dist.GradBucket, buffer: torch.Tensor) -> tuple[Any, ...]:
+    base, item = buffer.data_ptr(), buffer.element_size()
+    placed = sorted(((g.data_ptr() - base) // item, tuple(g.shape), g.numel())
+                    for g in bucket.gradients())
+    shapes: list[tuple[int, ...]] = []
+    at = 0
+    for offset, shape, numel in placed:
+        if offset > at:
+            shapes.append((offset - at,))
+        shapes.append(shape)
+        at = offset + numel
+    if buffer.numel() > at:
+        shapes.append((buffer.numel() - at,))
+    return tuple(shapes)
+
+
+def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompressor | None,
             layout: Layout | None, name: str | None) -> torch.Tensor:
     operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
     array = operand.array
-    if name is not None and layout is not None:
+    feedback = layout is not None and name is not None
+    if feedback:
         # Here, on the thread that runs the collectives, so no allreduce is using the residuals
         # while they move.
         state._residuals.align(name, layout, array.reshape(-1))
     try:
-        state.comm.allreduce(array, out=array, op="avg",
-                             compression=state.compression if compressed else None,
-                             feedback=state.feedback if name is not None else None, name=name)
+        state.comm.allreduce(array, out=array, op="avg", compression=compression,
+                             feedback=state.feedback if feedback else None, name=name,
+                             algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
         raise collective_error(state.comm, err, "allreduce", buffer) from err
     operand.write_back()
@@ -174,15 +213,17 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         model.register_comm_hook(RingcommState(compression=ringcomm.Int8()), ringcomm_hook)
     """
     buffer = bucket.buffer()
-    compressed = state.compresses(buffer)
-    name, layout = None, None
-    if compressed and state.error_feedback:
-        name, layout = f"ddp.bucket{bucket.index()}", state.layout(bucket, buffer)
+    compression, name, layout = None, None, None
+    if state.compresses(buffer):
+        # The name keys the residuals and the compressor's own state (PowerSGD's Q).
+        compression, name = state.compressor(bucket, buffer), f"ddp.bucket{bucket.index()}"
+        if state.error_feedback:
+            layout = state.layout(bucket, buffer)
     if bucket.is_last():
         state.iter += 1
     devices = [buffer.device] if buffer.device.type == "cuda" else None
     future: torch.futures.Future = torch.futures.Future(devices=devices)
-    task = functools.partial(_reduce, state, buffer, compressed, layout, name)
+    task = functools.partial(_reduce, state, buffer, compression, layout, name)
 
     def settle(handle: Handle) -> None:
         try:

@@ -201,3 +201,23 @@ def test_digits_through_hook_int8_within_one_point(digits_accuracy):
 @pytest.mark.slow
 def test_digits_through_hook_topk_within_two_points(digits_accuracy):
     assert digits_accuracy["topk"] >= digits_accuracy["none"] - 0.02
+
+
+@pytest.mark.timeout(120)
+def test_hook_hierarchical_algorithm_trains_like_ddp():
+    """RingcommState(algorithm="hierarchical") runs every bucket two-level (nodes of 2 ranks
+    here, or 1 at one rank): training matches DDP's own allreduce, identical on every rank."""
+    comm = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=0,  # no small path
+                         topology=2 if SIZE % 2 == 0 else 1)
+    try:
+        expected = train(DDP(Shuffled(), bucket_cap_mb=0.002), 6)
+        model = DDP(Shuffled(), bucket_cap_mb=0.002)
+        model.register_comm_hook(RingcommState(comm, algorithm="hierarchical"), ringcomm_hook)
+        got = train(model, 6)
+        torch.testing.assert_close(got, expected)
+        assert same_on_all_ranks(got)
+        assert comm._two_level.topology is not None or SIZE == 1  # the groups were made
+        with pytest.raises(ValueError, match="algorithm must be one of"):
+            RingcommState(comm, algorithm="tree")
+    finally:
+        comm.close()

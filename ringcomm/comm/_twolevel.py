@@ -1,0 +1,201 @@
+"""The Communicator's choice between the flat ring and the two-level allreduce, and the
+node-local and cross-node transports the latter runs over.
+
+``algorithm="flat"`` always runs the flat ring; "hierarchical" always runs
+:mod:`ringcomm.hierarchical` (and raises, the same on every rank, where the nodes hold
+different numbers of ranks); "auto" runs it only where it can help: more than one node, more
+than one rank per node, every node the same size, and a dense call of at least
+``HIERARCHICAL_MIN_BYTES`` or a compressed call on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED``
+nodes.
+
+The topology and the two transports are made once, when the first call that may use them
+comes, after that call's cross-rank agreement: every rank then takes the same decision, so
+every rank joins the same collective exchange and splits. Calls that cannot use them (flat,
+small dense calls under "auto") never make them, and cost nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringcomm import hierarchical
+from ringcomm import ops as _ops
+from ringcomm.comm import topology as _topology
+from ringcomm.comm.env import env
+from ringcomm.comm.types import InvalidArgumentError, Transport
+from ringcomm.compress.auto import Auto
+from ringcomm.compress.base import Compressor
+
+__all__ = ["ALGORITHMS", "ALGORITHM_ENV", "HIERARCHICAL_MIN_BYTES",
+           "HIERARCHICAL_MIN_NODES_COMPRESSED", "TwoLevel",
+           "check_algorithm", "resolve_algorithm", "route"]
+
+#: What ``algorithm=`` takes.
+ALGORITHMS = ("auto", "flat", "hierarchical")
+#: The default algorithm of ``ringcomm.init`` when it is given none.
+ALGORITHM_ENV = "RINGCOMM_ALGORITHM"
+#: Dense calls from this size on go two-level under "auto". Below it a call is bound by
+# per-message latency and by the fixed cost of each phase (three schedules instead of one);
+# the smaller cross-node volume of each node pays for those only once transfer time
+# dominates.
+HIERARCHICAL_MIN_BYTES = 1 << 20
+#: Compressed calls go two-level under "auto" on at least this many nodes. The two-level
+# path moves float32 inside each node where the flat ring moves compressed bytes, so it is
+# slower until the flat ring's 2(n - 1) serial steps dominate: measured slower at 2 nodes
+# (bench/results/cluster2/), simulated slower up to 32 nodes of 8 and faster from 64
+# (bench/results/scale_sim/). Its error is lower at any size (nodes - 1 re-quantizations
+# instead of ranks - 1): ask for algorithm="hierarchical" to have that.
+HIERARCHICAL_MIN_NODES_COMPRESSED = 64
+
+
+def check_algorithm(algorithm: Any) -> str:
+    """``algorithm`` if it names an allreduce algorithm ("auto", "flat", "hierarchical").
+
+    Raises:
+        TypeError: not a string.
+        ValueError: an unknown name.
+    """
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
+                        f"got {type(algorithm).__name__} {algorithm!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
+                         f"got {algorithm!r}")
+    return algorithm
+
+
+def resolve_algorithm(algorithm: str | None) -> str:
+    """``algorithm`` checked, or when None ``RINGCOMM_ALGORITHM``'s value, or "auto".
+
+    Raises:
+        TypeError, ValueError: as ``check_algorithm`` (naming the variable for its value).
+    """
+    if algorithm is not None:
+        return check_algorithm(algorithm)
+    raw = env(ALGORITHM_ENV)
+    if raw is None:
+        return "auto"
+    try:
+        return check_algorithm(raw.strip().lower())
+    except ValueError:
+        raise ValueError(f"{ALGORITHM_ENV} must be one of {', '.join(ALGORITHMS)}, "
+                         f"got {raw!r}") from None
+
+
+class TwoLevel:
+    """The two-level setting of one communicator: its default algorithm, its topology
+    setting, and (once made) the topology and the node-local and cross-node transports.
+
+    Args:
+        transport: the communicator's transport, which the groups are split from.
+        algorithm: the default of ``allreduce(algorithm=None)``.
+        topology: "auto" or ranks per node (see :mod:`ringcomm.comm.topology`);
+            ``RINGCOMM_RANKS_PER_NODE`` replaces "auto" when set (read here, so that a bad
+            value fails on its own rank now, not in a later collective).
+    """
+
+    __slots__ = ("_groups", "_topology", "algorithm", "setting", "transport")
+
+    def __init__(self, transport: Transport, algorithm: str, topology: str | int) -> None:
+        self.transport = transport
+        self.algorithm = check_algorithm(algorithm)
+        self.setting = _topology.resolve_topology(topology)
+        self._topology: _topology.Topology | None = None
+        self._groups: tuple[Transport, Transport] | None = None
+
+    @property
+    def topology(self) -> _topology.Topology | None:
+        """The topology, once a call has needed it (None before)."""
+        return self._topology
+
+    def set_topology(self, topology: str | int) -> None:
+        """Change the topology setting: the topology and groups are made again when next
+        needed (a collective change: every rank must make it at the same point)."""
+        self.setting = _topology.resolve_topology(topology)
+        self._topology = None
+        self._close_groups()
+
+    def call_algorithm(self, algorithm: Any, compression: Any) -> str:
+        """The algorithm of one allreduce: ``algorithm`` checked, or the default when None.
+
+        Raises:
+            TypeError, ValueError: an unknown algorithm; "hierarchical" with a compressor that
+                cannot reduce node shards (an ``Auto`` is judged by what it picks, later).
+        """
+        chosen = self.algorithm if algorithm is None else check_algorithm(algorithm)
+        if (chosen == "hierarchical" and isinstance(compression, Compressor)
+                and not isinstance(compression, Auto)):
+            hierarchical.check_compressor(compression)
+        return chosen
+
+    def groups(self, algorithm: str, x: Any,
+               comp: Any | None) -> tuple[Transport, Transport] | None:
+        """The (local, cross) transports for an allreduce of ``x`` under ``algorithm`` through
+        ``comp`` (agreed on every rank already), or None to run the flat ring.
+
+        Raises:
+            InvalidArgumentError: "hierarchical" on nodes of different sizes (on every rank).
+            ArgumentMismatchError: the topology setting differs between ranks (on every rank).
+        """
+        t = self.transport
+        if algorithm == "flat" or t.size == 1:
+            return None
+        if algorithm == "auto" and not _may_help(t, x, comp):
+            return None
+        topo = self._detect()
+        if algorithm == "hierarchical":
+            if not topo.uniform:
+                raise InvalidArgumentError(
+                    f"allreduce: algorithm 'hierarchical' needs the same number of ranks on "
+                    f"every node, got {topo.describe()}; use algorithm='flat' or 'auto', or "
+                    f"pass topology=k (or {_topology.RANKS_PER_NODE_ENV}) for nodes of k ranks",
+                    kind="allreduce", ranks=tuple(range(t.size)),
+                    reason="nodes of different sizes")
+        elif not (topo.uniform and len(topo.nodes) > 1 and topo.local_size > 1):
+            return None
+        elif comp is not None and len(topo.nodes) < HIERARCHICAL_MIN_NODES_COMPRESSED:
+            return None
+        return self._split(topo)
+
+    def close(self) -> None:
+        """Close the node-local and cross-node transports, if made."""
+        self._close_groups()
+
+    def _detect(self) -> _topology.Topology:
+        if self._topology is None:
+            self._topology = _topology.detect(self.transport, self.setting)
+        return self._topology
+
+    def _split(self, topo: _topology.Topology) -> tuple[Transport, Transport]:
+        if self._groups is None:
+            t = self.transport
+            local = t.split(topo.node_of(t.rank), t.rank)
+            try:
+                cross = t.split(topo.local_rank(t.rank), t.rank)
+            except BaseException:
+                local.close()
+                raise
+            self._groups = (local, cross)
+        return self._groups
+
+    def _close_groups(self) -> None:
+        groups, self._groups = self._groups, None
+        for sub in groups or ():
+            sub.close()
+
+
+def route(sub: Transport, x: Any) -> Transport:
+    """The transport of ``sub`` that moves arrays like ``x`` (its host transport for host
+    arrays, on backends that have one)."""
+    router = getattr(sub, "transport_for", None)
+    return sub if router is None else router(x)
+
+
+def _may_help(t: Transport, x: Any, comp: Any | None) -> bool:
+    """Whether "auto" considers the two-level allreduce for ``x`` at all (no exchange)."""
+    if comp is not None:
+        return (comp.allreduce_algorithm in hierarchical.SHARDABLE_ALGORITHMS
+                and t.size >= 2 * HIERARCHICAL_MIN_NODES_COMPRESSED)
+    if t.backend == "nccl" and _ops.is_device_array(x):
+        return False  # NCCL's own allreduce already follows the node structure
+    return x.nbytes >= HIERARCHICAL_MIN_BYTES

@@ -1,0 +1,490 @@
+"""PowerSGD: rank-r compression of gradient matrices, reduced by two dense rings.
+
+For every matrix-shaped tensor of a call (a tensor of shape (n, d1, d2, ...) is the n x m
+matrix with m = d1 * d2 * ...), on every rank:
+
+    M   = input + this rank's error-feedback residual          (n x m, float32)
+    P   = M Q                                                   (n x r), Q: m x r, the same on
+                                                                every rank (see below)
+    P   <- allreduce_sum(P), then orthonormalized               (Gram-Schmidt with epsilon)
+    Q_i = M^T P                                                 this rank's share
+    Q   = allreduce_sum(Q_i)
+    result   = P Q^T                                            ("avg": P (Q / size)^T)
+    residual = M - P Q_i^T                                      what this rank did not send
+
+All tensors' P travel in one ring call (with the tensors that go dense: 1-D ones, and those
+where r (n + m) floats would not save ``min_compression_rate`` times n m), all Q in a second.
+``comm.allreduce`` reduces a 2-D (or higher) array as that one matrix; a flat buffer of several
+tensors needs their shapes (``with_shapes``), which the DDP hook and DistributedOptimizer pass
+for their buckets. Host (NumPy) arrays only.
+
+Conservation. P P^T is the same matrix on every rank, so the sum of the results is
+sum_i P P^T M_i = sum_i (M_i - residual_i'). Hence, per call, with s = 1 for "sum" and s = size
+for "avg":
+
+    sum_i input_i = s * result + sum_i residual_i' - sum_i residual_i
+
+to float32 rounding (the local products, the ring's float32 sums, the division of "avg"), and
+summed over calls the old residuals telescope away. Tensors sent dense leave no residual.
+
+Bit-identical results. Only the reduced P and Q enter the result, and every rank orthonormalizes
+the same P with the same elementwise NumPy operations (no BLAS, whose summation order can follow
+memory alignment) and forms P Q^T as a sum of outer products. Q may even differ between ranks
+(a memory reset on one rank only): the results stay bit-identical, only the approximation is
+worse.
+
+Exactness. If the sum over ranks of M has rank exactly r (r <= n, m) and the start Q is generic
+(the seeded Gaussian one is, almost surely), P spans that sum's column space and the result
+reproduces the sum to float32 rounding on the first call already; warm start keeps it so.
+
+Non-finite values. A rank whose M of a tensor holds NaN or Inf (its float32 sum is not finite)
+puts a NaN into that tensor's P, so the reduced P, the same bits on every rank, is not finite;
+every rank then sends that tensor dense in the second ring call, so that NaN and Inf land
+exactly where the dense allreduce would put them, and its residual is spent. (A finite M whose
+float32 sum overflows goes dense too.) The other tensors' M is finite, so are their residuals.
+
+Where Q lives. A compressor is stateless; the Q of each tensor (for warm start) and the count
+of calls are the state of a :class:`LowRankMemory`, keyed by the call's ``name``, which a
+PowerSGD refers to (and shares with the copies ``with_shapes`` and ``bind`` make) but which
+never travels. Create the compressor once and reuse it: a new one starts from a new memory.
+Q starts from a Gaussian drawn from (``seed``, name, tensor index), the same on every rank;
+without warm start a new one is drawn from the same numbers plus the call count each call.
+A call without a name remembers nothing (every such call starts from the seeded Q).
+
+Dense warm-up. PowerSGD has no warm-up of its own: ``RingcommState(start_iter=...)`` reduces
+DDP's buckets dense for the first iterations, and a direct caller passes ``compression=None``
+for as long as it wants them dense.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm import ring
+from ringcomm.comm import trace
+from ringcomm.comm.types import ReduceOp, Transport
+from ringcomm.compress.base import Compressor, Wire
+from ringcomm.compress.ring import keep_rounding
+
+__all__ = ["LowRankMemory", "PowerSGD", "allreduce", "orthonormalize"]
+
+_F32 = np.float32
+_SHOWN_SHAPES = 8  # longer shape lists appear in repr as a count and a checksum
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One tensor of a call: its place in the flat buffer, its matrix and its rank (0: dense)."""
+
+    offset: int
+    size: int
+    rows: int
+    cols: int
+    rank: int
+
+    @property
+    def span(self) -> slice:
+        return slice(self.offset, self.offset + self.size)
+
+
+class _Entry:
+    __slots__ = ("calls", "qs")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.qs: dict[int, np.ndarray] = {}
+
+
+class LowRankMemory:
+    """The state of PowerSGD per call name: each tensor's last Q and the number of calls."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[str | None, _Entry] = {}
+
+    def entry(self, name: str | None) -> _Entry:
+        """The state kept under ``name`` (created empty)."""
+        found = self._entries.get(name)
+        if found is None:
+            found = self._entries[name] = _Entry()
+        return found
+
+    def calls(self, name: str | None) -> int:
+        """How many calls ``name`` has made."""
+        found = self._entries.get(name)
+        return 0 if found is None else found.calls
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget the state of ``name``, or of every name."""
+        if name is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))
+
+
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD compression with warm start (Vogels et al., 2019).
+
+    Args:
+        rank: the rank r of each matrix's approximation.
+        warm_start: start each call's power iteration from the previous call's Q (of the same
+            name and tensor) instead of a new random one.
+        min_compression_rate: a tensor goes low-rank only where n m > this times r (n + m)
+            (as PyTorch's PowerSGD decides).
+        epsilon: added to each column's norm in Gram-Schmidt, so that a zero column stays zero.
+        seed: seeds the start Q; every rank must pass the same (checked).
+        shapes: the shapes of the tensors a flat buffer holds, in order; None: the array's own
+            shape (a 1-D array then goes dense).
+        memory: where Q and the call counts live; a new one when None.
+
+    Raises:
+        ValueError: rank < 1, min_compression_rate < 0, epsilon < 0, or a negative dimension.
+
+    Example::
+
+        psgd, ef = ringcomm.PowerSGD(rank=2), ringcomm.ErrorFeedback()
+        avg = comm.allreduce(grad_matrix, op="avg", compression=psgd, feedback=ef, name="fc1")
+        flat = comm.allreduce(bucket, op="avg", compression=psgd.with_shapes([(64, 32), (64,)]),
+                              feedback=ef, name="bucket0")
+    """
+
+    wire: ClassVar[Wire] = Wire.SUMMABLE  # P and Q add up elementwise on the dense ring
+
+    def __init__(self, rank: int = 1, *, warm_start: bool = True,
+                 min_compression_rate: float = 2.0, epsilon: float = 1e-8, seed: int = 0,
+                 shapes: Sequence[Sequence[int]] | None = None,
+                 memory: LowRankMemory | None = None) -> None:
+        if not isinstance(rank, (int, np.integer)) or rank < 1:
+            raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+        if not min_compression_rate >= 0:
+            raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+        if not epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+        self.rank = int(rank)
+        self.warm_start = bool(warm_start)
+        self.min_compression_rate = float(min_compression_rate)
+        self.epsilon = float(epsilon)
+        self.seed = int(seed)
+        self.memory = LowRankMemory() if memory is None else memory
+        self.name: str | None = None
+        self._set_shapes(shapes)
+
+    def _set_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
+        self.shapes = None if shapes is None else tuple(tuple(int(d) for d in s) for s in shapes)
+        if self.shapes is not None and any(d < 0 for s in self.shapes for d in s):
+            raise ValueError(f"shapes must have dimensions >= 0, got {self.shapes}")
+        self._parts: tuple[_Part, ...] | None = None
+        self._repr: str | None = None
+
+    # ------------------------------------------------------------------ binding to a call
+    def with_shapes(self, shapes: Sequence[Sequence[int]] | None) -> PowerSGD:
+        """This compressor for a flat buffer holding tensors of ``shapes``, in order (sharing
+        its memory)."""
+        bound = copy.copy(self)
+        bound._set_shapes(shapes)
+        return bound
+
+    def bind(self, x: Any, name: str | None) -> PowerSGD:
+        """The compressor for one call on ``x`` under ``name``: ``x``'s own shape unless shapes
+        were given, and the name that keys Q in the memory.
+
+        Raises:
+            TypeError: ``x`` is a device array (PowerSGD runs on host arrays).
+            ValueError: the shapes hold another number of elements than ``x``.
+        """
+        if _ops.is_device_array(x):
+            raise TypeError("PowerSGD reduces host (NumPy) arrays; got a device array")
+        bound = self if self.shapes is not None else self.with_shapes([tuple(x.shape)])
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in bound.shapes)
+        if total != x.size:
+            raise ValueError(f"PowerSGD shapes hold {total} elements but the array has "
+                             f"{x.size}: {_shapes_text(bound.shapes)}")
+        if bound is self and name == self.name:
+            return self
+        bound = copy.copy(bound) if bound is self else bound
+        bound.name = name
+        return bound
+
+    def parts(self, length: int) -> tuple[_Part, ...]:
+        """The tensors of a flat buffer of ``length`` elements (all of it one dense part when
+        no shapes are known)."""
+        if self.shapes is None:
+            return (_Part(0, length, length, 1, 0),)
+        if self._parts is None:
+            self._parts = tuple(self._plan())
+        if sum(p.size for p in self._parts) != length:
+            raise ValueError(f"PowerSGD shapes hold {sum(p.size for p in self._parts)} elements "
+                             f"but the array has {length}")
+        return self._parts
+
+    def _plan(self) -> list[_Part]:
+        parts, offset = [], 0
+        for shape in self.shapes or ():
+            size = int(np.prod(shape, dtype=np.int64))
+            matrix = _matrix(shape)
+            rows, cols = matrix if matrix is not None else (size, 1)
+            r = min(self.rank, rows, cols)
+            low = matrix is not None and size > 0 and (
+                size > self.min_compression_rate * r * (rows + cols))
+            parts.append(_Part(offset, size, rows, cols, r if low else 0))
+            offset += size
+        return parts
+
+    # ------------------------------------------------------------------- the Compressor
+    @property
+    def allreduce_algorithm(self) -> str:
+        return "powersgd"
+
+    def wire_bytes(self, length: int, n: int) -> int:
+        """Bytes of one ring step: P, the dense tensors and Q, a chunk of each ring."""
+        floats = sum(p.rank * (p.rows + p.cols) if p.rank else p.size
+                     for p in self.parts(length))
+        return 4 * floats // n
+
+    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+        raise NotImplementedError("PowerSGD is no candidate of Auto: its cost depends on the "
+                                  "tensors' shapes, which Auto does not know")
+
+    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+        """One rank's rank-r approximation of ``x`` alone: the payload holds P and Q (and the
+        dense tensors), from the seeded start Q."""
+        comp = self.bind(x, self.name)
+        m = np.array(x, dtype=_F32).reshape(-1)
+        pieces = []
+        for i, p in enumerate(comp.parts(m.size)):
+            mat = m[p.span].reshape(p.rows, p.cols)
+            if not p.rank:
+                pieces.append(mat.reshape(-1))
+                continue
+            pt = (_draw_q(comp, i, p, 0) @ mat.T).astype(_F32)
+            orthonormalize(pt, comp.epsilon)
+            pieces += [pt.reshape(-1), (pt @ mat).reshape(-1)]
+        payload = np.concatenate(pieces) if pieces else np.empty(0, _F32)
+        return payload.view(np.uint8), (x.shape, x.dtype, comp)
+
+    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+        shape, dtype, comp = ctx
+        values = payload.view(_F32)
+        size = int(np.prod(shape, dtype=np.int64))
+        out = np.empty(size, _F32)
+        at = 0
+        for p in comp.parts(size):
+            if not p.rank:
+                out[p.span] = values[at: at + p.size]
+                at += p.size
+                continue
+            pt = values[at: at + p.rank * p.rows].reshape(p.rank, p.rows)
+            at += pt.size
+            qt = values[at: at + p.rank * p.cols].reshape(p.rank, p.cols)
+            at += qt.size
+            outer_sum(pt, qt, out[p.span].reshape(p.rows, p.cols))
+        return out.astype(dtype).reshape(shape)
+
+    def __repr__(self) -> str:
+        if self._repr is None:
+            shapes = "" if self.shapes is None else f", shapes={_shapes_text(self.shapes)}"
+            self._repr = (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
+                          f"min_compression_rate={self.min_compression_rate!r}, "
+                          f"epsilon={self.epsilon!r}, seed={self.seed}{shapes})")
+        return self._repr
+
+
+def _shapes_text(shapes: tuple[tuple[int, ...], ...]) -> str:
+    if len(shapes) <= _SHOWN_SHAPES:
+        return repr(list(shapes))
+    return f"<{len(shapes)} shapes, crc32 {zlib.crc32(repr(shapes).encode()):08x}>"
+
+
+# ------------------------------------------------------------------------- the numerics
+def orthonormalize(pt: np.ndarray, epsilon: float) -> None:
+    """Make the rows of ``pt`` (r x n: P's columns) orthonormal in place, by modified
+    Gram-Schmidt dividing each (scaled to largest magnitude 1) by its norm + ``epsilon``.
+    Elementwise NumPy and pairwise sums only, so equal inputs give equal bits at any memory
+    alignment."""
+    eps = _F32(epsilon)
+    for i in range(pt.shape[0]):
+        col = pt[i]
+        scale = np.max(np.abs(col)) if col.size else _F32(0)
+        if 0 < scale < np.inf:
+            col /= scale  # so that the squares below cannot overflow
+        col /= _F32(math.sqrt(float(np.sum(col * col, dtype=_F32)))) + eps
+        for j in range(i + 1, pt.shape[0]):
+            pt[j] -= np.sum(col * pt[j], dtype=_F32) * col
+
+
+def outer_sum(pt: np.ndarray, qt: np.ndarray, out: np.ndarray) -> None:
+    """``out = P Q^T`` (``pt``: r x n, ``qt``: r x m) as a sum of outer products, elementwise
+    (the same bits on every rank)."""
+    for lo, hi in _row_blocks(out):
+        block = out[lo:hi]
+        np.multiply(pt[0, lo:hi, None], qt[0][None, :], out=block)
+        for k in range(1, pt.shape[0]):
+            block += pt[k, lo:hi, None] * qt[k][None, :]
+
+
+def subtract_outer(mat: np.ndarray, pt: np.ndarray, qt: np.ndarray) -> None:
+    """``mat -= P Q^T`` in place, an outer product and a block of rows at a time (temporaries
+    that stay in cache; BLAS is slower at inner dimension r)."""
+    blocks = _row_blocks(mat)
+    for k in range(pt.shape[0]):
+        for lo, hi in blocks:
+            mat[lo:hi] -= np.multiply.outer(pt[k, lo:hi], qt[k])
+
+
+def _row_blocks(mat: np.ndarray, block_bytes: int = 1 << 18) -> list[tuple[int, int]]:
+    rows = max(1, block_bytes // max(1, 4 * mat.shape[1]))
+    return [(lo, min(lo + rows, mat.shape[0])) for lo in range(0, mat.shape[0], rows)]
+
+
+def _draw_q(comp: PowerSGD, index: int, part: _Part, draw: int) -> np.ndarray:
+    """A Gaussian start Q^T (r x m), the same on every rank for the same arguments."""
+    key = zlib.crc32((comp.name or "").encode())
+    rng = np.random.default_rng([comp.seed & 0xFFFFFFFF, key, index, draw])
+    return rng.standard_normal((part.rank, part.cols), dtype=_F32)
+
+
+def _start_q(comp: PowerSGD, entry: Any, index: int, part: _Part) -> np.ndarray:
+    if comp.warm_start:
+        q = entry.qs.get(index)
+        if q is not None and q.shape == (part.rank, part.cols):
+            return q
+        return _draw_q(comp, index, part, 0)
+    return _draw_q(comp, index, part, entry.calls)
+
+
+# ------------------------------------------------------------------------- the algorithm
+class _Call:
+    """One PowerSGD allreduce: the two ring calls and what happens around them."""
+
+    def __init__(self, t: Transport, x: Any, comp: PowerSGD, residual: Any | None,
+                 segment_bytes: int) -> None:
+        self.t, self.comp, self.segment_bytes = t, comp, segment_bytes
+        self.parts = comp.parts(x.size)
+        self.low = [i for i, p in enumerate(self.parts) if p.rank]
+        # M is built in the residual itself, which then receives what is not sent.
+        self.m = residual if residual is not None else np.empty(x.size, _F32)
+        _ops.get(x).compensate(x, residual, self.m)
+        self.entry = comp.memory.entry(comp.name) if comp.name is not None else _Entry()
+
+    def _mat(self, i: int) -> np.ndarray:
+        p = self.parts[i]
+        return self.m[p.span].reshape(p.rows, p.cols)
+
+    def _ring(self, buf: np.ndarray) -> None:
+        with trace.span("POWERSGD_ALLREDUCE"):
+            ring.allreduce(self.t, buf, buf, ReduceOp.SUM, segment_bytes=self.segment_bytes)
+
+    def first(self) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, slice]]:
+        """P of every low-rank tensor and the dense tensors, summed in one ring call."""
+        sizes = [p.rank * p.rows if p.rank else p.size for p in self.parts]
+        offsets = np.cumsum([0, *sizes]).tolist()
+        buf = np.empty(offsets[-1], _F32)
+        pts, dense = {}, {}
+        for i, p in enumerate(self.parts):
+            s = slice(offsets[i], offsets[i + 1])
+            if p.rank:
+                pts[i] = buf[s].reshape(p.rank, p.rows)
+                mat = self._mat(i)
+                np.matmul(_start_q(self.comp, self.entry, i, p), mat.T, out=pts[i])
+                if not np.isfinite(np.sum(mat, dtype=_F32)):
+                    # Marks the tensor for the dense fallback on every rank, whatever the
+                    # products made of its NaN/Inf (a finite sum that overflows marks it too).
+                    pts[i][0, 0] = np.nan
+            else:
+                dense[i] = s
+                buf[s] = self.m[p.span]
+                self.m[p.span] = 0  # sent in full
+        self._ring(buf)
+        return buf, pts, dense
+
+    def second(self, pts: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray],
+                                                         dict[int, np.ndarray]]:
+        """Q of every tensor whose P is finite, and M of the others (dense), summed in one
+        ring call; the residuals are written before the sum."""
+        finite = {i: bool(np.isfinite(pt).all()) for i, pt in pts.items()}
+        sizes = [self.parts[i].rank * self.parts[i].cols if finite[i] else self.parts[i].size
+                 for i in self.low]
+        offsets = np.cumsum([0, *sizes]).tolist()
+        buf = np.empty(offsets[-1], _F32)
+        qts, dense = {}, {}
+        for k, i in enumerate(self.low):
+            s, p, mat = slice(offsets[k], offsets[k + 1]), self.parts[i], self._mat(i)
+            if finite[i]:
+                orthonormalize(pts[i], self.comp.epsilon)
+                qts[i] = buf[s].reshape(p.rank, p.cols)
+                np.matmul(pts[i], mat, out=qts[i])
+                subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
+            else:
+                dense[i] = buf[s]
+                buf[s] = self.m[p.span]
+                self.m[p.span] = 0
+        self._ring(buf)
+        return qts, dense
+
+    def result(self, acc: np.ndarray, op: ReduceOp, first: np.ndarray,
+               dense1: dict[int, slice], pts: dict[int, np.ndarray], qts: dict[int, np.ndarray],
+               dense2: dict[int, np.ndarray]) -> None:
+        """The result in float32 ``acc`` (the same bits on every rank); for "avg" the dense
+        tensors are divided, and the low-rank ones are P (Q / n)^T."""
+        n = self.t.size
+        for i, p in enumerate(self.parts):
+            dense = first[dense1[i]] if i in dense1 else dense2.get(i)
+            if dense is not None:
+                if op is ReduceOp.AVG:
+                    np.divide(dense, _F32(n), out=acc[p.span])
+                else:
+                    acc[p.span] = dense
+            elif p.size:
+                qt = qts[i] / _F32(n) if op is ReduceOp.AVG else qts[i]
+                outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
+
+    def remember(self, qts: dict[int, np.ndarray]) -> None:
+        if self.comp.name is None:
+            return  # without a name, nothing carries over to the next call
+        if self.comp.warm_start:
+            for i, qt in qts.items():
+                if np.isfinite(qt).all():  # an overflowed Q would send the tensor dense for good
+                    self.entry.qs[i] = qt.copy()
+        self.entry.calls += 1
+
+
+def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
+              residual: Any | None, seed: int, *,
+              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
+    """PowerSGD allreduce of flat ``x`` plus ``residual`` into flat ``out`` (see the module
+    docstring); ``residual`` receives M - P Q_i^T of the low-rank tensors, 0 elsewhere.
+    ``seed`` is unused: the start Q comes from the compressor's seed, the same on every rank."""
+    with trace.span("COMPRESS"):
+        call = _Call(t, x, comp, residual, segment_bytes)
+    first, pts, dense1 = call.first()
+    qts, dense2 = call.second(pts)
+    # x is spent (M holds it), so the result may go straight into out, even where out is x.
+    acc = out if out.dtype == _F32 else np.empty(x.size, _F32)
+    with trace.span("DECOMPRESS"):
+        call.result(acc, op, first, dense1, pts, qts, dense2)
+    if acc is not out:
+        ops = _ops.get(x)
+        ops.copy(out, acc)
+        # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
+        lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
+        keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi],
+                      out[lo:hi], op, t.size)
+    call.remember(qts)

@@ -1,0 +1,191 @@
+"""Two-level allreduce: within each node, then across nodes, then within each node again.
+
+A job of ``C`` nodes with ``L`` ranks each is two sets of groups: ``local`` (the ``L`` ranks of
+one node, fast links) and ``cross`` (the ``C`` ranks with the same local rank, one per node,
+over the network). The allreduce of a flat array runs in three phases:
+
+1. node-local reduce-scatter: the dense ring of :mod:`ringcomm.ring` over ``local``; local rank
+   ``l`` ends with shard ``l`` (chunk ``l`` of ``ring.chunk_bounds(length, L)``) reduced over
+   its node, losslessly (16-bit floats and compressed calls accumulate in float32);
+2. cross-node allreduce of that shard, by all ``L`` local ranks at once, each over its own
+   ``cross`` group: the dense ring, or the compressed algorithm the compressor names
+   (``ringcomm.compress.algorithms.ALGORITHMS``). Only this phase is lossy, so an int8 payload is
+   re-quantized ``C - 1`` times instead of ``C L - 1`` times, and each node's network link
+   carries ``1 / L`` of every local rank's shard traffic;
+3. node-local allgather: the owners' bytes of the finished shards travel around ``local``
+   unchanged, so every rank of the job holds the same bits (the ``cross`` groups already agree
+   bit for bit on every shard).
+
+"avg" divides by the whole job's size, ``C L``, once, in float32 or the dtype. Error feedback:
+the input plus this rank's residual is what gets reduced; afterwards the residual holds what
+this rank's part of the cross-node phase did not send (zero outside its shard), so the sum of
+the results and of every rank's residual equals the sum of the inputs, to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm import ops as _ops
+from ringcomm import ring
+from ringcomm.comm import trace
+from ringcomm.comm.types import ReduceOp, Transport, accumulation_dtype
+from ringcomm.compress.algorithms import ALGORITHMS
+from ringcomm.compress.base import Compressor
+from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.compress.ring import keep_rounding
+
+__all__ = ["SHARDABLE_ALGORITHMS", "allreduce", "allreduce_with_feedback", "check_compressor",
+           "ring_allgather", "shard_bounds"]
+
+#: The compressed allreduces (``ALGORITHMS`` names) whose codecs treat every element alike, so
+#: that one can reduce a node's shard as well as the whole array. PowerSGD, whose payload
+#: depends on the shapes of the tensors in the array, cannot.
+SHARDABLE_ALGORITHMS = frozenset({"ring", "sparse-ring", "sparse-allgather"})
+
+
+def check_compressor(comp: Compressor | None) -> None:
+    """Raise ValueError unless the cross-node phase can reduce shards through ``comp``.
+
+    Raises:
+        ValueError: ``comp`` names an allreduce that does not work on shards of an array.
+    """
+    if comp is not None and comp.allreduce_algorithm not in SHARDABLE_ALGORITHMS:
+        raise ValueError(
+            f"the hierarchical allreduce reduces node shards of the array, which {comp!r} "
+            f"(allreduce {comp.allreduce_algorithm!r}) cannot compress; it takes compressors "
+            f"of the allreduces {', '.join(sorted(SHARDABLE_ALGORITHMS))}: use "
+            "algorithm='flat' with this one")
+
+
+def shard_bounds(length: int, local_size: int) -> list[int]:
+    """The node-local shards of ``length`` elements: ``local_size + 1`` offsets, shard ``l``
+    being ``[b[l], b[l + 1])`` (``ring.chunk_bounds``, the local reduce-scatter's chunks)."""
+    return ring.chunk_bounds(length, local_size)
+
+
+def allreduce(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp,
+              comp: Compressor | None = None, residual: Any | None = None, seed: int = 0, *,
+              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
+    """Allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``) in two
+    levels: within ``local``, across ``cross``, within ``local`` again.
+
+    Every rank of the job calls this with its node's ``local`` transport and its ``cross``
+    transport (the ranks of every node sharing its local rank, one per node, in the same node
+    order in every group). Arguments are taken as checked: the same length, dtype, op and
+    compressor on every rank, ``op`` "sum" or "avg" when compressed.
+
+    Args:
+        local: the ranks of this node; every node has the same number.
+        cross: one rank per node, those with this rank's local rank.
+        x: this rank's input, a flat array of a supported dtype (floating when compressed).
+        out: the result, flat, of ``x``'s length and dtype; bit-identical on every rank.
+        op: the reduction; "avg" divides by ``local.size * cross.size``.
+        comp: the compressor of the cross-node phase, or None (dense everywhere).
+        residual: this rank's float32 error-feedback residual of ``x``'s length, or None. It is
+            added to the input, then overwritten with what the cross-node phase did not send.
+        seed: keys the random numbers of the compressor (stochastic rounding, sampling); it
+            should differ per call and per rank.
+        segment_bytes: the rings' segment size.
+
+    Raises:
+        ValueError: ``comp`` cannot reduce shards (``check_compressor``), on every rank before
+            anything is sent.
+    """
+    check_compressor(comp)
+    if x.size == 0:
+        return
+    ops = _ops.get(x)
+    whole = local.size * cross.size
+    combine = ReduceOp.SUM if op is ReduceOp.AVG else op  # divided once, by the whole job
+    bounds = shard_bounds(x.size, local.size)
+    lo, hi = bounds[local.rank], bounds[local.rank + 1]
+    work = _compensated(ops, x, comp, residual)
+    # Partial sums go into an array of this call's (the widened input, or the result, which
+    # the later phases overwrite), never into the caller's input.
+    shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
+                                work=out if work is x else work)
+    if hi > lo:  # every rank of a cross group has the same shard length: they skip together
+        shard = _cross(cross, shard, combine, comp, _part(residual, lo, hi), seed, segment_bytes)
+        if op is ReduceOp.AVG:
+            ops.divide(shard, whole, shard)
+        ops.copy(out[lo:hi], shard)  # onto itself where the ring reduced into out already
+        if comp is not None:
+            _keep_own_rounding(ops, cross, residual, shard, out, lo, op, whole)
+    with trace.span("LOCAL_ALLGATHER"):
+        ring_allgather(local, out, bounds)
+
+
+def allreduce_with_feedback(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp,
+                            comp: Compressor | None, feedback: ErrorFeedback | None,
+                            name: str | None, seed: int, *,
+                            segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
+    """:func:`allreduce` with the residual kept by ``feedback`` under ``name`` (created as zeros
+    on first use); ``comp`` None sends input plus residual dense, spending the residual."""
+    residual = feedback.take(name, x) if feedback is not None else None
+    allreduce(local, cross, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)
+    if comp is None and feedback is not None:
+        feedback.reset(name)  # spent: later dense calls need not add zeros
+
+
+def ring_allgather(t: Transport, out: Any, bounds: list[int]) -> None:
+    """Pass every rank's chunk ``[bounds[r], bounds[r + 1])`` of flat ``out`` around the ring
+    of ``t`` unchanged, so every rank ends with every owner's bytes (``t.size - 1`` steps)."""
+    n, r = t.size, t.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    sent = received = 0
+    for step in range(n - 1):
+        mine, theirs = (r - step) % n, (r - step - 1) % n
+        send = out[bounds[mine]: bounds[mine + 1]]
+        recv = out[bounds[theirs]: bounds[theirs + 1]]
+        t.isendrecv(send, right, recv, left).wait()
+        sent += send.nbytes
+        received += recv.nbytes
+    t.stats.add(sent, received)
+
+
+def _compensated(ops: Any, x: Any, comp: Compressor | None, residual: Any | None) -> Any:
+    """What the node-local phase reduces: ``x`` plus ``residual`` (then zeroed: it is spent),
+    in float32 for compressed calls and 16-bit floats (lossless partial sums), else in
+    ``x``'s dtype; ``x`` itself when nothing is to be added or widened."""
+    dtype = np.dtype(np.float32) if comp is not None else accumulation_dtype(np.dtype(x.dtype))
+    if residual is None and dtype == x.dtype:
+        return x
+    work = ops.empty((x.size,), dtype)
+    if residual is None:
+        ops.copy(work, x)
+    else:
+        ops.reduce(ReduceOp.SUM, x, residual, work)
+        residual[...] = 0
+    return work
+
+
+def _part(residual: Any | None, lo: int, hi: int) -> Any | None:
+    return None if residual is None else residual[lo:hi]
+
+
+def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
+           residual: Any | None, seed: int, segment_bytes: int) -> Any:
+    """Allreduce this rank's node-reduced ``shard`` over ``cross`` (in place when dense; a new
+    float32 array when compressed); ``residual`` receives what it did not send."""
+    if comp is None or cross.size == 1:  # nothing lossy travels: the residual stays zero
+        ring.allreduce(cross, shard, shard, op, segment_bytes=segment_bytes)
+        return shard
+    reduced = _ops.get(shard).empty((shard.size,), np.float32)
+    algorithm = ALGORITHMS[comp.allreduce_algorithm]
+    algorithm(cross, shard, reduced, op, comp, residual, seed, segment_bytes=segment_bytes)
+    return reduced
+
+
+def _keep_own_rounding(ops: Any, cross: Transport, residual: Any | None, exact: Any, out: Any,
+                       lo: int, op: ReduceOp, whole: int) -> None:
+    """Add to the residual what rounding the float32 shard into a 16-bit ``out`` lost, on this
+    rank's chunk of the shard only (every rank of the cross group holds the same shard: each
+    keeps one chunk of its rounding, so it is counted once)."""
+    if residual is None:
+        return
+    sub = ring.chunk_bounds(exact.size, cross.size)[cross.rank: cross.rank + 2]
+    a, b = lo + sub[0], lo + sub[1]
+    keep_rounding(ops, residual[a:b], exact[sub[0]: sub[1]], out[a:b], op, whole)
