@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=["auto", "mpi", "nccl"])
     p.add_argument("--compression", default="none",
                    help="comma list of none, fp16, bf16, int8[:block], "
-                        "topk:RATIO[:ring|allgather], auto, auto:topk")
+                        "topk:RATIO[:ring|allgather], auto, auto:topk; a suffix @flat or "
+                        "@hier (@hierarchical) picks the allreduce algorithm")
     p.add_argument("--baseline", default=None,
                    help="comma list of mpi, gloo, nccl, none (default: nccl on the NCCL "
                         "backend, mpi otherwise)")
@@ -79,9 +80,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_ALGORITHMS = {"flat": "flat", "hier": "hierarchical", "hierarchical": "hierarchical"}
+
+
+def algorithm_kw(spec: str) -> dict[str, str]:
+    """The allreduce keyword a variant's '@flat' or '@hier' suffix asks for ({} without one)."""
+    _, at, alg = spec.strip().lower().partition("@")
+    if not at:
+        return {}
+    if alg not in _ALGORITHMS:
+        raise ValueError(f"unknown algorithm {alg!r} in {spec!r}; known: {sorted(_ALGORITHMS)}")
+    return {"algorithm": _ALGORITHMS[alg]}
+
+
 def parse_compression(spec: str) -> Any:
-    """'int8', 'int8:128', 'topk:0.01', 'topk:0.01:allgather', 'fp16', 'bf16', 'none'."""
-    name, *params = spec.strip().lower().split(":")
+    """'int8', 'int8:128', 'topk:0.01', 'topk:0.01:allgather', 'fp16', 'bf16', 'none' (an
+    '@flat' or '@hier' suffix is the algorithm's, see ``algorithm_kw``)."""
+    algorithm_kw(spec)  # check it
+    name, *params = spec.strip().lower().partition("@")[0].split(":")
     if name == "none":
         return None
     if name == "auto":
@@ -358,11 +374,12 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
     for label, comp in variants:
         out = x.copy()
         outs[label] = out
+        kw = algorithm_kw(label)
         if comp is None:
-            fns[label] = (lambda o=out: comm.allreduce(x, out=o, op=args.op))
+            fns[label] = (lambda o=out, kw=kw: comm.allreduce(x, out=o, op=args.op, **kw))
         else:
-            fns[label] = (lambda o=out, c=comp, lab=label: comm.allreduce(
-                x, out=o, op=args.op, compression=c, feedback=feedback, name=lab))
+            fns[label] = (lambda o=out, c=comp, lab=label, kw=kw: comm.allreduce(
+                x, out=o, op=args.op, compression=c, feedback=feedback, name=lab, **kw))
     base = baseline_fns(baselines, world, x, args.op)
     if not args.no_memcpy:
         base["memcpy"] = memcpy_fn(nbytes, comm.rank)
@@ -390,7 +407,7 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
                 row["wrong"] = count_wrong(world, x, outs[label], args.op)
             else:
                 feedback.reset()
-                y = comm.allreduce(x, op=args.op, compression=comp)
+                y = comm.allreduce(x, op=args.op, compression=comp, **algorithm_kw(label))
                 row["relerr"] = relative_error(world, x, y, args.op)
         for b in baselines:
             if b in medians:

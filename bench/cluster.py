@@ -52,10 +52,10 @@ def _python() -> str:
     return sys.executable
 
 
-def _mpiexec(n: int) -> list[str]:
+def _mpiexec(n: int, launch: list[str] | None = None) -> list[str]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    return [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(n), _python(),
-            str(ROOT / "bench" / "netns_exec.py")]
+    return [str(mpiexec if mpiexec.exists() else "mpiexec"), *(launch or []), "-n", str(n),
+            _python(), str(ROOT / "bench" / "netns_exec.py")]
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -71,7 +71,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 def run_in_cluster(cluster: Cluster, args: list[str], timeout: float) -> str:
     """Run ``python args...`` on every rank of ``cluster``; returns rank 0's output."""
-    cmd = [*_mpiexec(cluster.n), _python(), *args]
+    cmd = [*_mpiexec(cluster.n, cluster.launch_args()), _python(), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cluster.mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
