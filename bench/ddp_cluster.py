@@ -8,11 +8,12 @@ tc tbf on both ends of every link) and runs one mpiexec job per variant
 (bench/ddp_cluster_worker.py): MPICH and torch.distributed's gloo both talk TCP over the shaped
 links. Each job trains the same wide MLP (about 16.6 MiB of float32 gradients) on scikit-learn's
 digits with the same batches; only DDP's gradient path differs: DDP's own gloo allreduce,
-PyTorch's fp16 and PowerSGD (rank 1) hooks, and ringcomm's hook dense, Int8, TopK(0.01) and
-auto. Reported per variant: the median step time of the slowest rank (after warm-up), the bytes
-each rank's link sent per step, the final test accuracy and test accuracy against cumulative
-training time. A variant that fails or runs past --timeout is reported as failed and the others
-still run. Everything the cluster creates is removed on exit, also on Ctrl-C.
+PyTorch's fp16 and PowerSGD (rank 1) hooks, and ringcomm's hook dense, Int8, TopK(0.01),
+auto and PowerSGD rank 1 (on DDP's default buckets). Reported per variant: the median step
+time of the slowest rank (after warm-up), the bytes each rank's link sent per step, the final
+test accuracy and test accuracy against cumulative training time. A variant that fails or
+runs past --timeout is reported as failed and the others still run. Everything the cluster
+creates is removed on exit, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import run_in_cluster
-from netns import Cluster, ClusterError, parse_rate, preflight
+from netns import PREFIX, Cluster, ClusterError, parse_rate, preflight
 
 __all__ = ["VARIANTS", "main", "markdown_table", "slowest_rank_median", "summarize"]
 
@@ -50,9 +51,12 @@ VARIANTS = {
     "ringcomm-int8": "ringcomm Int8",
     "ringcomm-topk": "ringcomm TopK(0.01)",
     "ringcomm-auto": "ringcomm auto",
+    "ringcomm-powersgd": "ringcomm PowerSGD rank 1 (DDP's buckets)",
+    "ringcomm-powersgd-gloo": "ringcomm PowerSGD rank 1 (DDP's buckets), over gloo",
     "local": "no communication (compute floor)",
 }
-DEFAULT_VARIANTS = "ddp,fp16,powersgd,ringcomm,ringcomm-int8,ringcomm-topk,ringcomm-auto"
+DEFAULT_VARIANTS = ("ddp,fp16,powersgd,ringcomm,ringcomm-int8,ringcomm-topk,ringcomm-auto,"
+                    "ringcomm-powersgd")
 QUICK = {"rates": "10gbit", "variants": "ddp,ringcomm-int8", "steps": 8, "warmup": 3,
          "timeout": 120.0}
 _LOG = logging.getLogger("ddp_cluster")
@@ -74,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "apart) and ringcomm's traced phases; changes the step times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp_cluster"))
+    p.add_argument("--prefix", default=PREFIX,
+                   help="name prefix of the cluster's network namespaces (a cluster removes "
+                        "stale namespaces of its prefix: give concurrent runs different ones)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['rates']}, {QUICK['variants']}, "
                         f"{QUICK['steps']} steps (overrides those flags)")
@@ -258,7 +265,7 @@ def bench_rate(rate: str, variants: Sequence[str], args: argparse.Namespace,
                out: Path) -> dict[str, dict[str, Any]]:
     """Every variant at one link rate, in one cluster."""
     runs: dict[str, dict[str, Any]] = {}
-    with Cluster(args.ranks, None if rate == "none" else rate) as cluster:
+    with Cluster(args.ranks, None if rate == "none" else rate, prefix=args.prefix) as cluster:
         for variant in variants:
             runs[variant] = run_variant(cluster, variant, args, out)
     return runs
@@ -317,6 +324,11 @@ def targets(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     if topk is not None:
         lines.append(f"- ringcomm TopK(0.01) >= 3x at 1 Gbit/s: {verdict(topk >= 3)} "
                      f"({topk:.2f}x)")
+    ours = speedup("1gbit", "ringcomm-powersgd")
+    if ours is not None and psgd is not None:
+        lines.append(f"- ringcomm PowerSGD rank 1 (DDP's buckets) at least as fast as PyTorch's "
+                     f"PowerSGD rank 1 (one bucket) at 1 Gbit/s: {verdict(ours >= psgd)} "
+                     f"({ours:.2f}x vs {psgd:.2f}x)")
     at10 = {v: speedup("10gbit", v) for v in VARIANTS if v.startswith("ringcomm")}
     at10 = {v: s for v, s in at10.items() if s is not None}
     if at10:

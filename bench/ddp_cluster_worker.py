@@ -46,6 +46,7 @@ from train_digits import load_data  # noqa: E402
 import ringcomm  # noqa: E402
 from ringcomm.comm import trace  # noqa: E402
 from ringcomm.torch import RingcommState, ringcomm_hook  # noqa: E402
+from ringcomm.torch._dist_backend import TorchDistCommunicator  # noqa: E402
 from ringcomm.torch.process_group import init_process_group_from_mpi  # noqa: E402
 
 __all__ = ["main"]
@@ -140,7 +141,9 @@ class StepTimer:
 def ringcomm_compression(variant: str) -> Any:
     """The compressor a ringcomm variant passes to RingcommState."""
     return {"ringcomm": None, "ringcomm-int8": ringcomm.Int8(),
-            "ringcomm-topk": ringcomm.TopK(ratio=0.01), "ringcomm-auto": ringcomm.Auto()}[variant]
+            "ringcomm-topk": ringcomm.TopK(ratio=0.01), "ringcomm-auto": ringcomm.Auto(),
+            "ringcomm-powersgd": ringcomm.PowerSGD(rank=1),
+            "ringcomm-powersgd-gloo": ringcomm.PowerSGD(rank=1)}[variant]
 
 
 def wrap(variant: str, net: torch.nn.Module, comm: Any,
@@ -271,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     init_process_group_from_mpi("gloo", master_addr=args.master_addr)
     comm = ringcomm.init("mpi")
+    if args.variant.endswith("-gloo"):
+        # ringcomm's ring over torch.distributed's gloo group (as under torchrun): its waits
+        # block in the kernel where MPI's poll, which matters with more ranks than cores.
+        mpi_comm, comm = comm, TorchDistCommunicator()
     timer = StepTimer(world.Barrier if args.profile else None)
     if args.profile:
         trace.set_tracer(timer)
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(info, indent=1))
     world.Barrier()  # leave the process group together
     comm.close()
+    if args.variant.endswith("-gloo"):
+        mpi_comm.close()
     dist.destroy_process_group()
     return 0
 
