@@ -102,7 +102,7 @@ def allreduce(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp
     combine = ReduceOp.SUM if op is ReduceOp.AVG else op  # divided once, by the whole job
     bounds = shard_bounds(x.size, local.size)
     lo, hi = bounds[local.rank], bounds[local.rank + 1]
-    work = _compensated(ops, x, comp, residual)
+    work = _compensated(local, ops, x, comp, residual)
     # Partial sums go into an array of this call's (the widened input, or the result, which
     # the later phases overwrite), never into the caller's input.
     shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
@@ -146,14 +146,16 @@ def ring_allgather(t: Transport, out: Any, bounds: list[int]) -> None:
     t.stats.add(sent, received)
 
 
-def _compensated(ops: Any, x: Any, comp: Compressor | None, residual: Any | None) -> Any:
+def _compensated(local: Transport, ops: Any, x: Any, comp: Compressor | None,
+                 residual: Any | None) -> Any:
     """What the node-local phase reduces: ``x`` plus ``residual`` (then zeroed: it is spent),
     in float32 for compressed calls and 16-bit floats (lossless partial sums), else in
-    ``x``'s dtype; ``x`` itself when nothing is to be added or widened."""
+    ``x``'s dtype; ``x`` itself when nothing is to be added or widened. A scratch buffer of
+    ``local``, kept between calls: a fresh array would cost its page faults every call."""
     dtype = np.dtype(np.float32) if comp is not None else accumulation_dtype(np.dtype(x.dtype))
     if residual is None and dtype == x.dtype:
         return x
-    work = ops.empty((x.size,), dtype)
+    work = local.scratch("hier.work", x, x.size, dtype)
     if residual is None:
         ops.copy(work, x)
     else:
@@ -169,11 +171,12 @@ def _part(residual: Any | None, lo: int, hi: int) -> Any | None:
 def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
            residual: Any | None, seed: int, segment_bytes: int) -> Any:
     """Allreduce this rank's node-reduced ``shard`` over ``cross`` (in place when dense; a new
-    float32 array when compressed); ``residual`` receives what it did not send."""
+    float32 scratch buffer of ``cross`` when compressed); ``residual`` receives what it did
+    not send."""
     if comp is None or cross.size == 1:  # nothing lossy travels: the residual stays zero
         ring.allreduce(cross, shard, shard, op, segment_bytes=segment_bytes)
         return shard
-    reduced = _ops.get(shard).empty((shard.size,), np.float32)
+    reduced = cross.scratch("hier.reduced", shard, shard.size, np.float32)
     algorithm = ALGORITHMS[comp.allreduce_algorithm]
     algorithm(cross, shard, reduced, op, comp, residual, seed, segment_bytes=segment_bytes)
     return reduced
