@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import run_in_cluster
-from netns import TBF_LATENCY, Cluster, ClusterError, parse_rate, preflight, tbf_burst
+from netns import TBF_LATENCY, Cluster, ClusterError, load_average, parse_rate, preflight, tbf_burst
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAT = ("none", "int8", "topk:0.01")
@@ -309,14 +309,6 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace,
                   f"Hierarchical against flat at {_label(res['targets'][0]['size'])}:"
                   if res["targets"] else "", *target_lines(res), ""]
     return "\n".join(lines)
-
-
-def load_average() -> str:
-    """The 1, 5 and 15-minute load averages."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:

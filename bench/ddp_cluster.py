@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import run_in_cluster
-from netns import PREFIX, Cluster, ClusterError, parse_rate, preflight
+from netns import PREFIX, Cluster, ClusterError, load_average, parse_rate, preflight
 
 __all__ = ["VARIANTS", "main", "markdown_table", "slowest_rank_median", "summarize"]
 
@@ -211,14 +211,6 @@ def markdown_table(results: dict[str, dict[str, dict[str, Any]]], rates: Sequenc
 
 
 # ------------------------------------------------------------------------------- running
-def load_average() -> str:
-    """The 1, 5 and 15-minute load averages."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
 def run_variant(cluster: Cluster, variant: str, args: argparse.Namespace,
                 out: Path) -> dict[str, Any]:
     """One mpiexec job training ``variant``; its summary, or status "failed" and why."""

@@ -130,6 +130,14 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[
     return proc
 
 
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
 def preflight() -> None:
     """Raise ClusterError saying why a cluster cannot be built here, or return."""
     if os.geteuid() != 0:

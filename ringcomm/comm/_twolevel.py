@@ -41,7 +41,7 @@ ALGORITHM_ENV = "RINGCOMM_ALGORITHM"
 HIERARCHICAL_MIN_BYTES = 1 << 20
 #: Compressed calls go two-level under "auto" on at least this many nodes. The two-level
 # path moves float32 inside each node where the flat ring moves compressed bytes, so it is
-# slower until the flat ring's 2(n - 1) serial steps dominate: measured slower at 2 nodes
+# slower until the flat ring's 2(n - 1) serial steps dominate: measured no faster at 2 nodes
 # (bench/results/cluster2/), simulated slower up to 32 nodes of 8 and faster from 64
 # (bench/results/scale_sim/). Its error is lower at any size (nodes - 1 re-quantizations
 # instead of ranks - 1): ask for algorithm="hierarchical" to have that.
