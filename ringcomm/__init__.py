@@ -18,24 +18,16 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-
-from ringcomm.comm import _twolevel
 from ringcomm.comm import log as _log
+from ringcomm.comm import settings as _settings
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.env import env as _env
-from ringcomm.comm.env import env_bytes as _env_bytes
-from ringcomm.comm.env import env_flag as _env_flag
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.launch import detect as launch_info
-from ringcomm.comm.topology import resolve_topology as _resolve_topology
 from ringcomm.comm.types import (
-    DEFAULT_TIMEOUT_S,
     ArgumentMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
@@ -82,78 +74,6 @@ _BACKENDS = ("auto", "mpi", "nccl", "gloo")
 _LOG = _log.get_logger("init")
 
 
-class _Options(NamedTuple):
-    """init()'s options, checked, with the environment's values filled in."""
-
-    consistency_check: bool
-    segment_bytes: int | None
-    inline_bytes: int | None
-    timeout: float
-    algorithm: str
-    topology: str | int
-
-
-def _byte_option(value: Any, name: str, minimum: int, multiple: int) -> int | None:
-    """``value`` (or, when None, its environment variable) as an int, its range checked."""
-    variable = f"RINGCOMM_{name.upper()}"
-    if value is None:
-        value, source = _env_bytes(variable), variable
-        if value is None:
-            return None
-    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int (a number of bytes), "
-                        f"got {type(value).__name__} {value!r}")
-    else:
-        value, source = int(value), name
-    if value < minimum or value % multiple:
-        rule = f"a multiple of {multiple} >= {minimum}" if multiple > 1 else f">= {minimum}"
-        raise ValueError(f"{source} must be {rule}, got {value}")
-    return value
-
-
-def _timeout_option(timeout: Any) -> float:
-    """``timeout`` (or ``RINGCOMM_TIMEOUT``, or the default) in seconds."""
-    if timeout is None:
-        raw = _env("RINGCOMM_TIMEOUT")
-        if raw is None:
-            return DEFAULT_TIMEOUT_S
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError("RINGCOMM_TIMEOUT must be a positive number of seconds, such as "
-                             f"600 or 1800, got {raw!r}")
-        return seconds
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif (isinstance(timeout, (int, float, np.integer, np.floating))
-          and not isinstance(timeout, (bool, np.bool_))):
-        seconds = float(timeout)
-    else:
-        raise TypeError("timeout must be a datetime.timedelta or a number of seconds, "
-                        f"got {type(timeout).__name__} {timeout!r}")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"timeout must be a positive, finite time, got {timeout!r}")
-    return seconds
-
-
-def _options(consistency_check: Any, segment_bytes: Any, inline_bytes: Any,
-             timeout: Any, algorithm: Any = None, topology: Any = None) -> _Options:
-    """Check init()'s options and read the unset ones from the environment."""
-    if consistency_check is None:
-        consistency_check = _env_flag("RINGCOMM_CONSISTENCY_CHECK", True)
-    elif not isinstance(consistency_check, (bool, np.bool_)):
-        raise TypeError("consistency_check must be True, False or None, "
-                        f"got {type(consistency_check).__name__} {consistency_check!r}")
-    return _Options(bool(consistency_check),
-                    _byte_option(segment_bytes, "segment_bytes", 64, 1),
-                    _byte_option(inline_bytes, "inline_bytes", 0, 8),
-                    _timeout_option(timeout),
-                    _twolevel.resolve_algorithm(algorithm),
-                    _resolve_topology("auto" if topology is None else topology))
-
-
 def nccl_available() -> bool:
     """Whether this process sees a CUDA GPU and can load NCCL (what ``backend="auto"`` asks)."""
     from ringcomm.comm import nccl
@@ -177,6 +97,18 @@ def _mpi_world_text(world: int | None) -> str:
             else f"MPI.COMM_WORLD has {world} process{'es' if world != 1 else ''}")
 
 
+def _mpi_ranks_match(info: LaunchInfo) -> bool:
+    """Whether MPI.COMM_WORLD numbers the processes as ``info`` does (torch.distributed's
+    group may number them otherwise); the same answer on every rank (collective over MPI,
+    whose world has ``info.size`` processes)."""
+    if info.launcher != "torch.distributed":
+        return True
+    from ringcomm.comm.mpi import import_mpi
+
+    mpi = import_mpi()
+    return bool(mpi.COMM_WORLD.allreduce(mpi.COMM_WORLD.Get_rank() == info.rank, op=mpi.LAND))
+
+
 def _require_torch(info: LaunchInfo, world: int | None) -> None:
     """Raise if PyTorch, which connects torchrun's processes, is missing."""
     try:
@@ -193,16 +125,18 @@ def _auto_backend(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
     """The backend "auto" picks, and why; the same answer on every rank (a collective when
     the job has several processes).
 
-    Under torchrun (with no MPI world of the job's size): NCCL where every rank can run it,
-    else gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
+    Under torchrun, or with torch.distributed's default group already initialized (and no
+    MPI world numbering the same processes alike): NCCL where every rank can run it, else
+    gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
     """
     from ringcomm.comm import nccl
 
-    if info.launcher == "torchrun" and mpi_comm is None:
+    if info.over_torch and mpi_comm is None:
         world = _mpi_world_size()
-        if world != info.size:
+        if world != info.size or not _mpi_ranks_match(info):
             _require_torch(info, world)
-            why = f"torchrun's processes are no MPI job ({_mpi_world_text(world)})"
+            why = (f"{info.describe()}, which is no MPI job ({_mpi_world_text(world)}"
+                   f"{'' if world != info.size else ', numbering them otherwise'})")
             if nccl.usable_everywhere(None):
                 return "nccl", f"{why}; every rank has a GPU of its own and NCCL"
             return "gloo", f"{why}; not every rank has a GPU of its own and NCCL"
@@ -244,11 +178,15 @@ def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
                            f"torchrun's environment ({where}): {err}") from err
 
 
-def _build(backend: str, mpi_comm: Any, options: _Options, info: LaunchInfo) -> Communicator:
-    """Construct the chosen backend's Communicator."""
+def _build(backend: str, mpi_comm: Any, options: _settings.Settings, info: LaunchInfo,
+           startup_error: Exception | None) -> Communicator:
+    """Construct the chosen backend's Communicator (which agrees on ``options`` and raises
+    ``startup_error``, or another rank's, on every rank)."""
     kwargs: dict[str, Any] = {"consistency_check": options.consistency_check,
                               "segment_bytes": options.segment_bytes,
-                              "inline_bytes": options.inline_bytes}
+                              "inline_bytes": options.inline_bytes,
+                              "algorithm": options.algorithm, "topology": options.topology,
+                              "startup_error": startup_error}
     if backend == "nccl":
         from ringcomm.comm.nccl import NCCLCommunicator
 
@@ -263,12 +201,26 @@ def _build(backend: str, mpi_comm: Any, options: _Options, info: LaunchInfo) -> 
     return MPICommunicator(mpi_comm, timeout=options.timeout, **kwargs)
 
 
+def _lightning_hint(info: LaunchInfo) -> str:
+    """Why a process of Lightning's launcher cannot start a communicator before
+    torch.distributed is up, and where to start it instead."""
+    return (f"{info.describe()}: this process's global rank is known only once Lightning "
+            "has initialized torch.distributed (in trainer.fit), and its main process has no "
+            "such variables before then. Create the communicator there: "
+            "ringcomm.torch.lightning.RingcommDDPStrategy registers ringcomm's DDP hook and "
+            "creates it, or call ringcomm.init() in a LightningModule hook such as setup(); "
+            "then it spans torch.distributed's group")
+
+
 _GROUP = {"mpi": "MPI.COMM_WORLD", "nccl": "the NCCL communicator",
           "gloo": "torch.distributed's default group"}
 
 
 def _size_hint(info: LaunchInfo, backend: str) -> str:
     """How to make the communicator span what the launcher started."""
+    if info.launcher == "torch.distributed":
+        return ("use backend='auto' or 'gloo', which run over torch.distributed's default "
+                "group, or launch with mpiexec so that MPI's world is that group's")
     if info.launcher == "torchrun":
         if backend == "gloo":
             return ("initialize torch.distributed from torchrun's environment "
@@ -303,12 +255,13 @@ def _check_spans_job(comm: Communicator, info: LaunchInfo, mpi_comm: Any) -> Non
                        f"process{'es' if size != 1 else ''}: {_size_hint(info, backend)}")
 
 
-def _log_init(comm: Communicator, why: str, info: LaunchInfo, options: _Options) -> None:
+def _log_init(comm: Communicator, why: str, info: LaunchInfo,
+              options: _settings.Settings) -> None:
     _log.set_rank(comm.rank, comm.size)
     if not _LOG.isEnabledFor(logging.INFO):
         return
     launcher = info.launcher
-    if launcher != "none":
+    if info.size_variable:
         launcher += f" ({info.size_variable}={info.size})"
     _LOG.info("backend %s (%s); launcher %s; rank %d of %d, %d rank%s on this node; "
               "segment_bytes %d, inline_bytes %d, consistency check %s, timeout %g s; "
@@ -329,7 +282,16 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     Launched by mpiexec/mpirun, srun or torchrun (``python -m torch.distributed.run``), the
     communicator spans every process the launcher started, or init raises saying which
     launcher variables give what size and how to fix the launch: a communicator of one process
-    in a job of several is never returned.
+    in a job of several is never returned. Where torch.distributed's default group is already
+    initialized (PyTorch Lightning, Accelerate, or the script itself did it), that group is
+    the job. Under Lightning's own launcher (``WORLD_SIZE`` without ``RANK``) init raises
+    until Lightning has initialized torch.distributed: call it from inside the training
+    (``ringcomm.torch.lightning``).
+
+    Starting is collective: every rank's settings (the options below and their environment
+    variables) are agreed in one exchange once the backend is up. A bad value on any rank, or
+    a setting that differs between ranks, raises the same error on every rank, naming the
+    setting and its value on each, before any data moves.
 
     Args:
         backend: "mpi", "nccl", "gloo" (torch.distributed; initialized from torchrun's
@@ -347,13 +309,13 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         consistency_check: check before each collective that every rank passed matching
             arguments, raising the same error on every rank instead of hanging. On by default;
             the environment variable ``RINGCOMM_CONSISTENCY_CHECK=0`` turns it off.
-        segment_bytes: ring segment size in bytes, >= 64 (default: the measured
+        segment_bytes: ring segment size in bytes, 64 B to 1 GiB (default: the measured
             ``ringcomm.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``, which
             takes K, M and G suffixes (KiB, MiB, GiB: "512K", "2M").
         inline_bytes: dense allreduces of up to this many bytes ride inside the per-call
             agreement message (one exchange instead of a ring); that slot is sent with every
-            collective, so 0 suits jobs of many small compressed calls. A multiple of 8;
-            default 4096; env ``RINGCOMM_INLINE_BYTES`` (suffixes as above).
+            collective, so 0 suits jobs of many small compressed calls. A multiple of 8, at
+            most 1 MiB; default 4096; env ``RINGCOMM_INLINE_BYTES`` (suffixes as above).
         timeout: how long a collective waits for its peers before it fails, as a
             ``datetime.timedelta`` or seconds; env ``RINGCOMM_TIMEOUT`` (seconds); 30 minutes
             by default. On the NCCL backend it also bounds every host wait for the GPU: at
@@ -378,10 +340,12 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         why), the launcher, rank and size, and the options to stderr (logger ``ringcomm.init``).
 
     Raises:
-        ValueError: unknown backend, ``mpi_comm`` with backend "gloo", or a bad value for an
-            option or its environment variable (the message names it, its value and what is
-            expected).
-        TypeError: an option of the wrong type.
+        ValueError: unknown backend, or ``mpi_comm`` with backend "gloo" (before anything
+            starts).
+        InvalidArgumentError, InvalidTypeError: a bad value or type for an option or its
+            environment variable on some rank (the message names the ranks, the option or
+            variable, its value and what is expected), raised on every rank.
+        ArgumentMismatchError: a setting differs between ranks (raised on every rank).
         RuntimeError: the chosen backend cannot start here (missing package, no GPU; the
             message says what to install), or the communicator would not span the job that
             the launcher started (the message names the launcher's variables).
@@ -391,10 +355,13 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     if backend == "gloo" and mpi_comm is not None:
         raise ValueError("mpi_comm is for the mpi and nccl backends; backend 'gloo' runs over "
                          f"torch.distributed's default group, got mpi_comm={mpi_comm!r}")
-    options = _options(consistency_check, segment_bytes, inline_bytes, timeout, algorithm,
-                       topology)
-    _log.configure_from_env()
+    # A bad value is raised by the communicator's first exchange, on every rank: raised here,
+    # before the backend starts, it would leave the other ranks waiting in its start-up.
+    options, startup_error = _settings.read(consistency_check, segment_bytes, inline_bytes,
+                                            timeout, algorithm, topology)
     info = launch_info()
+    if not info.rank_known:
+        raise RuntimeError(_lightning_hint(info))
     _log.set_rank(info.rank, info.size)
     if backend == "auto":
         backend, why = _auto_backend(mpi_comm, info)
@@ -402,9 +369,8 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     else:
         why = "asked for"
     _LOG.debug("starting backend %s (%s); launcher %s", backend, why, info.describe())
-    comm = _build(backend, mpi_comm, options, info)
+    comm = _build(backend, mpi_comm, options, info, startup_error)
     _check_spans_job(comm, info, mpi_comm)
-    comm.algorithm, comm.topology = options.algorithm, options.topology
     _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
         from ringcomm.comm.mpi import install_abort_hook

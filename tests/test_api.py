@@ -74,9 +74,14 @@ def test_env_switches(monkeypatch):
     ("RINGCOMM_SEGMENT_BYTES", "1.5M", "must be a byte count such as 1048576"),
     ("RINGCOMM_SEGMENT_BYTES", "2MB", "must be a byte count such as 1048576"),
     ("RINGCOMM_SEGMENT_BYTES", "-4096", "must be a byte count such as 1048576"),
-    ("RINGCOMM_SEGMENT_BYTES", "32", "must be >= 64, got 32"),
+    ("RINGCOMM_SEGMENT_BYTES", "32", "must be from 64 B to 1 GiB, got 32"),
+    ("RINGCOMM_SEGMENT_BYTES", "99999999999999999999", "must be from 64 B to 1 GiB, got "
+     "99999999999999999999"),
+    ("RINGCOMM_SEGMENT_BYTES", "2G", "must be from 64 B to 1 GiB, got 2147483648"),
     ("RINGCOMM_INLINE_BYTES", "lots", "must be a byte count such as 1048576"),
-    ("RINGCOMM_INLINE_BYTES", "12", "must be a multiple of 8 >= 0, got 12"),
+    ("RINGCOMM_INLINE_BYTES", "12", "must be a multiple of 8 bytes from 0 B to 1 MiB, got 12"),
+    ("RINGCOMM_INLINE_BYTES", "1G", "must be a multiple of 8 bytes from 0 B to 1 MiB, got "
+     "1073741824"),
     ("RINGCOMM_CONSISTENCY_CHECK", "maybe", "must be 0 or 1 (or true/false, yes/no, on/off)"),
     ("RINGCOMM_LOG_LEVEL", "LOUD", "must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     ("RINGCOMM_TIMEOUT", "30m", "must be a positive number of seconds"),
@@ -85,11 +90,14 @@ def test_env_switches(monkeypatch):
     ("RINGCOMM_TIMEOUT", "inf", "must be a positive number of seconds"),
 ])
 def test_bad_env_value_names_the_variable(monkeypatch, name, value, expected):
+    """A bad value is raised once the backend is up (by the start-up agreement, on every
+    rank), as an InvalidArgumentError naming the rank, the variable and its value."""
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ringcomm.InvalidArgumentError) as info:
         ringcomm.init("mpi", abort_on_exception=False)
     message = str(info.value)
-    assert message.startswith(f"{name} {expected}"), message
+    assert message.startswith(f"init failed on rank 0: {name} {expected}"), message
+    assert info.value.kind == "init" and info.value.ranks == (0,)
     if "got" not in expected:
         assert f"got {value!r}" in message, message
 
@@ -117,7 +125,7 @@ def test_numpy_integers_are_ints():
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"segment_bytes": 0}, ValueError, "segment_bytes must be >= 64, got 0"),
+    ({"segment_bytes": 0}, ValueError, "segment_bytes must be from 64 B to 1 GiB, got 0"),
     ({"segment_bytes": 4096.0}, TypeError, "segment_bytes must be an int .* got float 4096.0"),
     ({"segment_bytes": "2M"}, TypeError, "segment_bytes must be an int .* got str '2M'"),
     ({"inline_bytes": True}, TypeError, "inline_bytes must be an int .* got bool True"),
@@ -272,14 +280,16 @@ def test_inline_bytes_option(monkeypatch):
     c = ringcomm.init("mpi", abort_on_exception=False)
     assert c.inline_bytes == 1024
     c.close()
-    with pytest.raises(ValueError, match="inline_bytes must be a multiple of 8 >= 0, got 5"):
+    with pytest.raises(ValueError,
+                       match="inline_bytes must be a multiple of 8 bytes from 0 B to 1 MiB, got 5"):
         ringcomm.init("mpi", inline_bytes=5)
 
 
 def test_segment_bytes_checked():
-    with pytest.raises(ValueError, match="segment_bytes must be >= 64, got 8"):
+    with pytest.raises(ValueError, match="segment_bytes must be from 64 B to 1 GiB, got 8"):
         ringcomm.init("mpi", segment_bytes=8)
-    with pytest.raises(ValueError, match="inline_bytes must be a multiple of 8 >= 0, got -8"):
+    with pytest.raises(ValueError,
+                       match="inline_bytes must be a multiple of 8 bytes from 0 B to 1 MiB, got -8"):
         ringcomm.init("mpi", inline_bytes=-8)
 
 

@@ -231,7 +231,7 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     if mpi_comm is not None:
         return _MPIRendezvous(mpi_comm, timeout)
     info = launch.detect()
-    if info.launcher == "torchrun":
+    if info.over_torch:
         return _StoreRendezvous.launched(info, check_timeout(timeout))
     try:
         from mpi4py import MPI

@@ -33,17 +33,19 @@ from ringcomm.comm.types import (
     check_movable,
 )
 
-__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "caller", "calls_as"]
+__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "caller", "calls_as",
+           "rank_groups"]
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
-KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT, CALLER, ARRAY = range(12)
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SETTINGS, CALLER, ARRAY = range(12)
 _WORDS = 12
 # The ARRAY word: what kind of array a rank passed (a barrier passes none).
 _HOST, _DEVICE = 1, 2
 _ARRAY_NAMES = {0: "none", _HOST: "host (NumPy)", _DEVICE: "device (CuPy)"}
 _HEADER_BYTES = 8 * _WORDS
-_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
+_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier",
+          "configure")
 # Fields a collective lets differ between ranks.
 _MAY_DIFFER = {"allgatherv": (DIM0,)}
 
@@ -126,22 +128,23 @@ class CallSpec:
         self.op = op
         return op
 
-    def header(self, segment_bytes: int) -> bytes:
+    def header(self, settings: int) -> bytes:
         """The header words compared across ranks, as bytes (cached per distinct call).
 
-        ``segment_bytes`` is the communicator's: ranks that cut the ring differently would
-        exchange messages of different sizes.
+        ``settings`` is the digest of the communicator's settings that may change after it
+        started (``Agreement.settings``): ranks that cut the ring differently, or group nodes
+        differently, would exchange messages that do not match.
         """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, self.algorithm, segment_bytes, self.caller, self.array)
+               self.extra, self.algorithm, settings, self.caller, self.array)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
                 _HEADERS.clear()
-            cached = _HEADERS[key] = self._words(segment_bytes).tobytes()
+            cached = _HEADERS[key] = self._words(settings).tobytes()
         return cached
 
-    def _words(self, segment_bytes: int) -> np.ndarray:
+    def _words(self, settings: int) -> np.ndarray:
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
         h[CALLER] = _crc(self.caller)
@@ -157,7 +160,7 @@ class CallSpec:
         h[DIM0] = self.shape[0] if self.shape else 1
         h[REST] = _crc(self.shape[1:])
         h[EXTRA] = _crc((self.extra, self.algorithm) if self.algorithm else self.extra)
-        h[SEGMENT] = segment_bytes
+        h[SETTINGS] = settings
         return h
 
     def describe(self) -> dict[str, Any]:
@@ -175,7 +178,8 @@ class CallSpec:
             "shape": self.shape,
             "op": str(self.op.value) if self.op else "",
             "root": self.root,
-            "compression/name": self.extra,
+            "compression/name": "" if self.kind == "configure" else self.extra,
+            "setting": self.extra if self.kind == "configure" else "",
             "algorithm": self.algorithm,
         }
 
@@ -188,17 +192,54 @@ class Agreement:
         check: compare the headers across ranks (the consistency check).
         inline_bytes: size of the inline slot sent with every header.
         segment_bytes: the ring segment size, part of every header.
+        topology: the communicator's topology setting, part of every header.
     """
 
-    __slots__ = ("_buffers", "check", "inline_bytes", "segment_bytes", "transport")
+    __slots__ = ("_buffers", "_segment_bytes", "_topology", "check", "inline_bytes",
+                 "settings", "transport")
 
     def __init__(self, transport: Transport, *, check: bool, inline_bytes: int,
-                 segment_bytes: int) -> None:
+                 segment_bytes: int, topology: str | int = "auto") -> None:
         self.transport = transport
         self.check = check
         self.inline_bytes = inline_bytes
-        self.segment_bytes = segment_bytes
+        self._segment_bytes, self._topology = segment_bytes, topology
+        #: The digest of the settings every header carries (segment size, topology).
+        self.settings = _crc((segment_bytes, topology))
         self._buffers: dict[Any, Any] = {}
+
+    @property
+    def segment_bytes(self) -> int:
+        """The ring segment size, part of every header."""
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value: int) -> None:
+        self._segment_bytes = value
+        self.settings = _crc((value, self._topology))
+
+    @property
+    def topology(self) -> str | int:
+        """The topology setting, part of every header."""
+        return self._topology
+
+    @topology.setter
+    def topology(self, value: str | int) -> None:
+        self._topology = value
+        self.settings = _crc((self._segment_bytes, value))
+
+    def agree_setting(self, name: str, value: Any) -> None:
+        """Agree that every rank changes setting ``name`` to ``value`` at this point: one
+        checked exchange, whether or not the consistency check is on, so that a rank changing
+        it alone (or to another value) raises the same error on every rank instead of
+        leaving the ranks to exchange messages that do not match."""
+        spec = CallSpec("configure")
+        spec.extra = f"{name}={value!r}"
+        check, self.check = self.check, True
+        try:
+            self._exchange(spec)
+        finally:
+            self.check = check
 
     def agree(self, spec: CallSpec) -> None:
         """Check the call matches on every rank, raising the same error on every rank if not.
@@ -248,7 +289,6 @@ class Agreement:
         memoryview of send for cheap byte copies."""
         bufs = self._buffers.get("exchange")
         if bufs is None:
-            self._check_inline_bytes()
             nbytes = _HEADER_BYTES + self.inline_bytes
             send = np.zeros(nbytes, np.uint8)
             bufs = self._buffers["exchange"] = (
@@ -268,23 +308,12 @@ class Agreement:
         """Drop the exchange buffers."""
         self._buffers.clear()
 
-    def _check_inline_bytes(self) -> None:
-        """Check once, before the first exchange, that every rank's slot has one size (else
-        the fixed-size exchanges would not match)."""
-        sizes = self.transport.allgather_object(self.inline_bytes)
-        if len(set(sizes)) > 1:
-            raise ArgumentMismatchError(
-                f"inline_bytes differs between ranks: {_groups(sizes)}; pass the same "
-                "inline_bytes (or RINGCOMM_INLINE_BYTES) to every rank",
-                kind="init", ranks=tuple(range(len(sizes))),
-                differences={"inline_bytes": tuple(sizes)})
-
     def _exchange(self, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
         """One fixed-size allgather of every rank's header (and inlined array); with the check
         on, raise on every rank if the headers disagree."""
         t = self.transport
         send, recv, view = self.exchange_buffers()
-        header = spec.header(self.segment_bytes)
+        header = spec.header(self.settings)
         view[:_HEADER_BYTES] = header
         if inline is not None:
             view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
@@ -305,7 +334,8 @@ class Agreement:
         if not differ.any() and not headers[:, ERROR].any():
             return
         # Headers disagree: every rank takes the slow path, so descriptions can be exchanged.
-        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes}
+        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes,
+                "topology": self.topology}
         raise _build_error(self.transport.allgather_object(mine))
 
 
@@ -341,7 +371,7 @@ class InlinePlan:
         t = agreement.transport
         self.allgather, self.stats = t.allgather_fixed, t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
-        self.header = spec.header(agreement.segment_bytes)
+        self.header = spec.header(agreement.settings)
         self.buffers = agreement.exchange_buffers()
         self.rows = agreement.inline_rows(self.buffers[1], x.dtype, x.size)
         self.volume = self.buffers[0].nbytes * (t.size - 1)
@@ -374,7 +404,7 @@ class InlinePlan:
         name = caller()
         if name != self.spec.caller:  # another thread repeats the call: its own header
             self.spec.caller = name
-            self.header = self.spec.header(self.agreement.segment_bytes)
+            self.header = self.spec.header(self.agreement.settings)
         send, recv, view = self.buffers
         view[:_HEADER_BYTES] = self.header
         if self.nbytes:
@@ -423,12 +453,14 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _groups(values: list[Any]) -> str:
+def rank_groups(values: list[Any]) -> str:
     """'v1 on ranks 0, 2; v2 on rank 1'."""
     groups: dict[Any, list[int]] = {}
     for r, v in enumerate(values):
         groups.setdefault(v, []).append(r)
-    return "; ".join(f"{v!s} on {_ranks(rs)}" for v, rs in groups.items())
+    # An empty value (a call without compression) is shown as "none", never as a blank.
+    return "; ".join(f"{v if v != '' else 'none'!s} on {_ranks(rs)}"
+                     for v, rs in groups.items())
 
 
 def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
@@ -440,12 +472,15 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
     if len(set(callers)) > 1:
         return ArgumentMismatchError(
             f"{called}: the calls that met come from different threads:"
-            f" {_groups([repr(c) for c in callers])}. Calls from several threads are matched by "
-            "thread name: make each collective from the same-named thread on every rank",
+            f" {rank_groups([repr(c) for c in callers])}. Calls from several threads are "
+            "matched by thread name: make each collective from the same-named thread on every "
+            "rank",
             kind=called, ranks=everyone, differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
+        calls = [f"a change of {d['setting']}" if d["kind"] == "configure" else d["kind"]
+                 for d in descriptions]
         return ArgumentMismatchError(
-            f"collective calls differ between ranks: {_groups(kinds)}", kind=called,
+            f"collective calls differ between ranks: {rank_groups(calls)}", kind=called,
             ranks=everyone, differences={"kind": tuple(kinds)})
     kind = kinds[0]
     errors: dict[tuple[str, str], list[int]] = {}
@@ -458,8 +493,8 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
         return cls(f"{kind} failed on {_ranks(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
                    reason=msg)
     parts, differences = [], {}
-    for field in ("array", "dtype", "shape", "op", "root", "compression/name", "algorithm",
-                  "segment_bytes"):
+    for field in ("array", "dtype", "shape", "op", "root", "compression/name", "setting",
+                  "algorithm", "segment_bytes", "topology"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]
             field = "shape after the first dimension"
@@ -468,7 +503,7 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
         if len(set(values)) <= 1:
             continue
         differences[field] = tuple(values)
-        parts.append(f"{field} differs between ranks: {_groups(values)}")
+        parts.append(f"{field} differs between ranks: {rank_groups(values)}")
     hint = " (use allgatherv when the first dimension differs)" if kind == "allgather" else ""
     if "array" in differences:
         hint += (" (every rank must pass the same kind of array, host or device: on the NCCL "

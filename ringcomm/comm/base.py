@@ -19,7 +19,7 @@ import numpy as np
 
 from ringcomm import hierarchical, ring
 from ringcomm import ops as _ops
-from ringcomm.comm import _arrays, _twolevel, agree
+from ringcomm.comm import _arrays, _twolevel, agree, settings
 from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.comm.types import (
     USER,
@@ -80,24 +80,38 @@ class Communicator:
         topology: which ranks share a node, for the hierarchical allreduce: "auto" (host
             names; env ``RINGCOMM_RANKS_PER_NODE`` overrides it) or a number of ranks per
             node (consecutive blocks of ranks).
+        startup_error: this rank's error in reading its options (``ringcomm.init`` reads
+            them before the backend starts, without raising), raised here on every rank.
+
+    Construction is collective: every rank's settings (the options above and the
+    transport's timeout) are agreed in one exchange, and an error on any rank or a setting
+    that differs raises the same error on every rank (see :mod:`ringcomm.comm.settings`).
     """
 
     def __init__(self, transport: Transport, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
-                 algorithm: str | None = None, topology: str | int = "auto") -> None:
+                 algorithm: str | None = None, topology: str | int = "auto",
+                 startup_error: Exception | None = None) -> None:
         try:
-            self._setup(transport, consistency_check, segment_bytes, inline_bytes)
             self._two_level = _twolevel.TwoLevel(
                 transport, _twolevel.resolve_algorithm(algorithm), topology)
+            self._setup(transport, consistency_check, segment_bytes, inline_bytes)
+        except (TypeError, ValueError) as err:
+            startup_error = startup_error or err  # raised below, on every rank
         except BaseException:
             transport.close()  # a refused option must not leak the backend's resources
+            raise
+        try:
+            settings.agree_at_start(transport, self._settings() if startup_error is None
+                                    else {}, startup_error)
+        except BaseException:
+            transport.close()
             raise
 
     def _setup(self, transport: Transport, consistency_check: bool, segment_bytes: int | None,
                inline_bytes: int | None) -> None:
-        inline = agree.INLINE_BYTES if inline_bytes is None else int(inline_bytes)
-        if inline < 0 or inline % 8:
-            raise ValueError(f"inline_bytes must be a multiple of 8 >= 0, got {inline_bytes}")
+        inline = agree.INLINE_BYTES if inline_bytes is None else settings.check_bytes(
+            int(inline_bytes), "inline_bytes", 0, 8, settings.MAX_INLINE_BYTES)
         self._transport = transport
         # Optional parts of a backend: which transport moves which kind of array (NCCL's
         # host transport), and a context making its CUDA device current.
@@ -112,7 +126,8 @@ class Communicator:
         self._closed = False
         self._agreement = agree.Agreement(transport, check=bool(consistency_check),
                                           inline_bytes=inline,
-                                          segment_bytes=ring.DEFAULT_SEGMENT_BYTES)
+                                          segment_bytes=ring.DEFAULT_SEGMENT_BYTES,
+                                          topology=self._two_level.setting)
         self._plans = PlanCache()
         self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self._compressed_calls = 0
@@ -169,8 +184,14 @@ class Communicator:
 
     @consistency_check.setter
     def consistency_check(self, value: bool) -> None:
-        self._agreement.check = bool(value)
-        self._plans.clear()  # prepared small calls depend on the check
+        """Collective: every rank sets the same value at the same point (one checked
+        exchange agrees on it; a rank setting it alone raises the same error everywhere)."""
+        with self._lock:
+            self._ensure_open()
+            self._transport.operation = "configure"
+            self._agreement.agree_setting("consistency_check", bool(value))
+            self._agreement.check = bool(value)
+            self._plans.clear()  # prepared small calls depend on the check
 
     @property
     def segment_bytes(self) -> int:
@@ -179,9 +200,8 @@ class Communicator:
 
     @segment_bytes.setter
     def segment_bytes(self, value: int) -> None:
-        if int(value) < 64:
-            raise ValueError(f"segment_bytes must be >= 64, got {value}")
-        self._agreement.segment_bytes = int(value)
+        self._agreement.segment_bytes = settings.check_bytes(
+            int(value), "segment_bytes", 64, 1, settings.MAX_SEGMENT_BYTES)
         self._plans.clear()  # prepared small calls carry the old value in their headers
 
     @property
@@ -211,7 +231,10 @@ class Communicator:
 
     @topology.setter
     def topology(self, value: str | int) -> None:
-        self._two_level.set_topology(value)
+        with self._lock:
+            self._two_level.set_topology(value)
+            self._agreement.topology = self._two_level.setting  # in every call's header
+            self._plans.clear()
 
     @property
     def auto_figures(self) -> AutoFigures:
@@ -404,6 +427,13 @@ class Communicator:
             self._transport.close()
 
     # ----------------------------------------------------------------------------- helpers
+    def _settings(self) -> dict[str, Any]:
+        """What every rank must share, by name (agreed when the communicator starts)."""
+        return {"backend": self.backend, "consistency_check": self.consistency_check,
+                "segment_bytes": self.segment_bytes, "inline_bytes": self.inline_bytes,
+                "algorithm": self.algorithm, "topology": self.topology,
+                "timeout": getattr(self._transport, "timeout", None)}
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")

@@ -3,14 +3,20 @@
 Launchers covered: MPICH's Hydra and Intel MPI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``),
 Open MPI's mpirun (``OMPI_COMM_WORLD_*``), MVAPICH (``MV2_COMM_WORLD_*``), PMIx-based launchers
 (``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``) and
-torchrun / ``python -m torch.distributed.run`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...). The
-environment is read before any communicator exists, so that a process can pick its GPU before
-NCCL or CUDA start, and so that ``ringcomm.init`` can check that its communicator spans the job.
+torchrun / ``python -m torch.distributed.run`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), and
+PyTorch Lightning's own launcher (``WORLD_SIZE``, ``LOCAL_RANK`` and ``NODE_RANK`` without ``RANK``:
+the global rank is known only once Lightning has initialized torch.distributed). The environment
+is read before any communicator exists, so that a process can pick its GPU before NCCL or CUDA
+start, and so that ``ringcomm.init`` can check that its communicator spans the job.
+
+Where torch.distributed's default group is already initialized (by Lightning, Accelerate, or
+the script itself), that group is the job: its rank and size win over every variable.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,9 +33,12 @@ class LaunchInfo:
         local_rank: rank among the processes on this host.
         local_size: number of processes on this host.
         launcher: which launcher's variables were found: "torchrun", "openmpi", "mpich",
-            "mvapich", "pmix", "slurm", or "none" for a process started on its own.
+            "mvapich", "pmix", "slurm", "lightning" (Lightning's launcher: no ``RANK``, so
+            ``rank`` is a guess, see ``rank_known``), "torch.distributed" (a default group
+            already initialized, whatever started the processes), or "none" for a process
+            started on its own.
         size_variable: the environment variable ``size`` was read from ("WORLD_SIZE",
-            "PMI_SIZE", ...); empty for "none". Not compared by ``==``.
+            "PMI_SIZE", ...); empty for "none" and "torch.distributed". Not compared by ``==``.
     """
 
     rank: int
@@ -39,10 +48,27 @@ class LaunchInfo:
     launcher: str
     size_variable: str = field(default="", compare=False)
 
+    @property
+    def rank_known(self) -> bool:
+        """Whether ``rank`` is the process's global rank (Lightning's launcher sets none)."""
+        return self.launcher != "lightning"
+
+    @property
+    def over_torch(self) -> bool:
+        """Whether torch.distributed connects the processes: torchrun's environment (its
+        store), or a default group already initialized."""
+        return self.launcher in ("torchrun", "torch.distributed")
+
     def describe(self) -> str:
         """Say what the launcher's variables say, as in ``"WORLD_SIZE=2 (torchrun)"``."""
         if self.launcher == "none":
             return "no launcher variables (a process started on its own, size 1)"
+        if self.launcher == "torch.distributed":
+            return (f"torch.distributed's default group has {self.size} "
+                    f"process{'es' if self.size != 1 else ''}")
+        if self.launcher == "lightning":
+            return (f"{self.size_variable}={self.size} without RANK (PyTorch Lightning's "
+                    "launcher)")
         return f"{self.size_variable}={self.size} ({self.launcher})"
 
 
@@ -106,7 +132,36 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         ValueError: a launcher variable is not an integer, or the values contradict each other
             (rank outside [0, size), local rank outside [0, local size)).
     """
+    group = _torch_group(env)
     env = os.environ if env is None else env
+    found = _from_launcher(env)
+    if group is None:
+        return found
+    rank, size = group
+    if found.size == size:  # the launcher started this group: its local variables hold
+        local_rank, local_size = found.local_rank, found.local_size
+    else:
+        local_rank, local_size = rank, size  # no variables of this group: one host assumed
+    return _checked(LaunchInfo(rank, size, local_rank, local_size, "torch.distributed"), "rank")
+
+
+def _torch_group(env: Mapping[str, str] | None) -> tuple[int, int] | None:
+    """(rank, size) of torch.distributed's default group when it is initialized; None
+    otherwise, and when ``env`` is given (a description of another process) or PyTorch has
+    not been imported (it is never imported here)."""
+    if env is not None:
+        return None
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return int(dist.get_rank()), int(dist.get_world_size())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _from_launcher(env: Mapping[str, str]) -> LaunchInfo:
+    """What the launcher's variables in ``env`` say."""
     for launcher, rank_var, size_var, lrank_var, lsize_var in _SCHEMES:
         if launcher == "slurm":
             if not any(env.get(name) for name in _SLURM_STEP):
@@ -130,7 +185,28 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_size = max(local_rank + 1, 1)
         info = LaunchInfo(rank, size, local_rank, local_size, launcher, size_var)
         return _checked(info, rank_var)
+    if "WORLD_SIZE" in env and "LOCAL_RANK" in env and "RANK" not in env:
+        return _lightning(env)
     return LaunchInfo(0, 1, 0, 1, "none")
+
+
+def _lightning(env: Mapping[str, str]) -> LaunchInfo:
+    """PyTorch Lightning's launcher: WORLD_SIZE, LOCAL_RANK and NODE_RANK, but no RANK.
+
+    Lightning numbers the processes ``NODE_RANK * devices + LOCAL_RANK`` and tells nobody
+    ``devices``; on node 0 that is LOCAL_RANK, elsewhere it is unknown. ``rank`` is that guess
+    (``rank_known`` is False): ``ringcomm.init`` uses the launch only once Lightning has
+    initialized torch.distributed, whose rank is the real one.
+    """
+    size, local_rank = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK")
+    node = _int(env, "NODE_RANK") if "NODE_RANK" in env else 0
+    if "LOCAL_WORLD_SIZE" in env:
+        local_size = _int(env, "LOCAL_WORLD_SIZE")
+    else:
+        local_size = size if node == 0 else max(local_rank + 1, 1)
+    rank = min(node * local_size + local_rank, max(size - 1, 0))
+    return _checked(LaunchInfo(rank, size, local_rank, local_size, "lightning", "WORLD_SIZE"),
+                    "LOCAL_RANK")
 
 
 def _checked(info: LaunchInfo, rank_var: str) -> LaunchInfo:

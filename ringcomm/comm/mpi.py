@@ -470,16 +470,17 @@ class MPICommunicator(Communicator):
             close it.
         device: the CUDA device of device arrays (``local_rank % device_count`` when None,
             selected with the first device array; see ``cuda_device``).
+        options: the Communicator's own (``algorithm``, ``topology``, ``startup_error``).
     """
 
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
                  timeout: float | None = None, abort_on_timeout: bool = True,
-                 device: int | None = None) -> None:
+                 device: int | None = None, **options: Any) -> None:
         transport = MPITransport(mpi_comm, timeout=timeout, abort_on_timeout=abort_on_timeout,
                                  device=device)
         super().__init__(transport, consistency_check=consistency_check,
-                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes, **options)
 
     @property
     def timeout(self) -> float:

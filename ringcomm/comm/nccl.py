@@ -112,6 +112,7 @@ class NCCLCommunicator(Communicator):
         abort_on_timeout: end the job when a wait times out or NCCL reports an asynchronous
             error (True), or raise the error (False); either way the NCCL communicator is
             aborted first, and refuses every later call.
+        options: the Communicator's own (``algorithm``, ``topology``, ``startup_error``).
 
     Raises:
         RuntimeError: CuPy, NCCL or a GPU is missing (naming what to install), two ranks
@@ -122,11 +123,11 @@ class NCCLCommunicator(Communicator):
     def __init__(self, mpi_comm: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
                  device: int | None = None, timeout: float | None = None,
-                 abort_on_timeout: bool = True) -> None:
+                 abort_on_timeout: bool = True, **options: Any) -> None:
         super().__init__(NCCLTransport(mpi_comm, device=device, timeout=timeout,
                                        abort_on_timeout=abort_on_timeout),
                          consistency_check=consistency_check, segment_bytes=segment_bytes,
-                         inline_bytes=inline_bytes)
+                         inline_bytes=inline_bytes, **options)
 
     @property
     def device(self) -> Any:

@@ -278,6 +278,7 @@ class TorchDistCommunicator(Communicator):
         segment_bytes: ring segment size; the measured default when None.
         inline_bytes: see ``ringcomm.init``.
         timeout, abort_on_timeout: see TorchDistTransport.
+        options: the Communicator's own (``algorithm``, ``topology``, ``startup_error``).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -291,8 +292,9 @@ class TorchDistCommunicator(Communicator):
 
     def __init__(self, group: Any = None, *, consistency_check: bool = True,
                  segment_bytes: int | None = None, inline_bytes: int | None = None,
-                 timeout: float | None = None, abort_on_timeout: bool = True) -> None:
+                 timeout: float | None = None, abort_on_timeout: bool = True,
+                 **options: Any) -> None:
         super().__init__(TorchDistTransport(group, timeout=timeout,
                                             abort_on_timeout=abort_on_timeout),
                          consistency_check=consistency_check,
-                         segment_bytes=segment_bytes, inline_bytes=inline_bytes)
+                         segment_bytes=segment_bytes, inline_bytes=inline_bytes, **options)

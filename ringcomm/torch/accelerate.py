@@ -1,0 +1,127 @@
+"""ringcomm's DDP hook on a model that a framework wrapped in DDP (Hugging Face Accelerate, ...).
+
+Accelerate takes ``DistributedDataParallelKwargs(comm_hook=...)`` but registers only its own
+``DDPCommunicationHookType`` values (fp16, bf16, PowerSGD): a callable such as
+:func:`~ringcomm.torch.ringcomm_hook` passed there is silently ignored, and DDP averages the
+gradients itself. :func:`register_ddp_hook` registers the hook on the model that
+``accelerator.prepare(model)`` returned, after checking that it is a DDP model and that the
+communicator spans the same processes as the model's process group. It needs no Accelerate (any
+``DistributedDataParallel`` will do); the Lightning strategy (:mod:`ringcomm.torch.lightning`)
+calls it too.
+
+Example (``accelerate launch --multi_gpu --num_processes 2 train.py``, CPU or GPU)::
+
+    import ringcomm
+    from accelerate import Accelerator
+    from ringcomm.torch import register_ddp_hook
+
+    accelerator = Accelerator()
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register_ddp_hook(model, compression=ringcomm.Int8())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from ringcomm.comm.base import Communicator
+from ringcomm.torch.hooks import RingcommState, ringcomm_hook
+
+__all__ = ["register_ddp_hook"]
+
+
+def _communicator() -> Communicator:
+    """A communicator over torch.distributed's default group, which is up (DDP needs it).
+
+    Backend "gloo" runs ringcomm's ring over a gloo group of its own with the default group's
+    ranks, whatever launched the job; "auto" does not yet recognise a job whose launcher set no
+    RANK (Lightning's), so it is named here. CUDA buckets are staged through host memory.
+    """
+    import ringcomm
+
+    return ringcomm.init("gloo")
+
+
+def _new_state(state_kwargs: dict[str, Any]) -> RingcommState:
+    """A RingcommState from ``state_kwargs``, on a new communicator unless they name one."""
+    if "comm" in state_kwargs:
+        return RingcommState(**state_kwargs)
+    comm = _communicator()
+    try:
+        return RingcommState(comm=comm, **state_kwargs)
+    except Exception:
+        comm.close()  # a bad argument: the group made for it is not left behind
+        raise
+
+
+def _check_model(model: Any) -> None:
+    """Raise TypeError unless ``model`` is a DistributedDataParallel."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            "register_ddp_hook expects a torch.nn.parallel.DistributedDataParallel (what "
+            "accelerator.prepare(model) returns when the job has several processes), got "
+            f"{type(model).__module__}.{type(model).__qualname__}; a job of one process has "
+            "no DDP model and no gradients to average")
+
+
+def _check_state(state: RingcommState, model: DistributedDataParallel) -> None:
+    """Raise unless ``state`` is a RingcommState whose open communicator has the size of the
+    model's process group."""
+    if not isinstance(state, RingcommState):
+        raise TypeError(f"state must be a ringcomm.torch.RingcommState, got "
+                        f"{type(state).__qualname__}")
+    if state.comm.closed:
+        raise RuntimeError(f"the state's communicator is closed: {state.comm!r}")
+    expected = model.process_group.size()
+    if state.comm.size != expected:
+        raise ValueError(
+            f"the state's communicator has {state.comm.size} process(es) but the DDP model's "
+            f"process group has {expected}: make the communicator after torch.distributed is "
+            "initialized and over the same processes (pass state keyword arguments and let "
+            "register_ddp_hook make it, or RingcommState(comm=ringcomm.init('gloo')))")
+
+
+def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | None = None,
+                      **state_kwargs: Any) -> RingcommState:
+    """Register :func:`~ringcomm.torch.ringcomm_hook` on a DDP model; return its state.
+
+    Call it once per DDP model, on every rank, after torch.distributed is initialized and
+    before the first backward (DDP takes one communication hook per model).
+
+    Args:
+        model: the ``DistributedDataParallel`` model, as ``accelerator.prepare(model)``
+            returns it (not the unwrapped module).
+        state: the hook's state; made here when None, from ``state_kwargs`` (the arguments of
+            :class:`~ringcomm.torch.RingcommState`), with a communicator over
+            torch.distributed's default group unless ``comm`` is among them.
+        **state_kwargs: ``compression``, ``start_iter``, ``min_compress_bytes``, ... for the
+            state made here.
+
+    Returns:
+        The state the hook runs with (``state.comm.stats`` counts its calls and bytes).
+
+    Raises:
+        TypeError: ``model`` is not a DistributedDataParallel, ``state`` is not a
+            RingcommState, or both ``state`` and ``state_kwargs`` are given.
+        ValueError: the communicator's size differs from ``model.process_group.size()`` (a
+            communicator made before torch.distributed was up, say), or a bad state argument.
+        RuntimeError: the state's communicator is closed, or DDP already has a hook.
+
+    Example::
+
+        model = accelerator.prepare(net)
+        state = register_ddp_hook(model, compression=ringcomm.Int8(), start_iter=10)
+        ...
+        print(state.comm.stats)
+    """
+    _check_model(model)
+    if state is not None and state_kwargs:
+        raise TypeError("register_ddp_hook takes a state or state keyword arguments, not both; "
+                        f"got a state and {sorted(state_kwargs)}")
+    if state is None:
+        state = _new_state(state_kwargs)
+    _check_state(state, model)
+    model.register_comm_hook(state, ringcomm_hook)
+    return state
