@@ -289,7 +289,8 @@ def test_segment_bytes_checked():
     with pytest.raises(ValueError, match="segment_bytes must be from 64 B to 1 GiB, got 8"):
         ringcomm.init("mpi", segment_bytes=8)
     with pytest.raises(ValueError,
-                       match="inline_bytes must be a multiple of 8 bytes from 0 B to 1 MiB, got -8"):
+                       match="inline_bytes must be a multiple of 8 bytes from 0 B to 1 MiB, "
+                             "got -8"):
         ringcomm.init("mpi", inline_bytes=-8)
 
 
