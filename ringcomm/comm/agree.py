@@ -33,8 +33,8 @@ from ringcomm.comm.types import (
     check_movable,
 )
 
-__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "caller", "calls_as",
-           "rank_groups"]
+__all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "ThreadNames", "caller",
+           "calls_as", "rank_groups"]
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
@@ -74,6 +74,44 @@ def caller() -> str:
     """
     name = _CALLER.name
     return threading.current_thread().name if name is None else name
+
+
+class ThreadNames:
+    """Which thread calls under each thread name on one communicator: one live thread a name.
+
+    Calls are matched across ranks by their caller's name, so two live threads of one name
+    on one rank could pair with each other's calls on another rank and mix their data. A
+    thread whose name another live thread of the process bears is refused (the error is
+    raised on every rank, by the agreement), unless the call is made under ``calls_as``,
+    whose threads share one name by design and serialize their calls themselves.
+    """
+
+    __slots__ = ("_owners",)
+
+    def __init__(self) -> None:
+        self._owners: dict[str, int] = {}
+
+    def owns(self, name: str) -> bool:
+        """Whether the calling thread has been seen calling as ``name`` (the cheap check)."""
+        return _CALLER.name is not None or self._owners.get(name) == threading.get_ident()
+
+    def conflict(self, name: str) -> ValueError | None:
+        """None where the calling thread may call as ``name`` (it is then remembered), or the
+        error to raise on every rank."""
+        if self.owns(name):
+            return None
+        ident = threading.get_ident()
+        twins = sum(1 for t in threading.enumerate() if t.name == name and t.ident != ident)
+        if twins:
+            return ValueError(
+                f"thread {name!r} made a collective call while {twins} other live "
+                f"thread{'s' if twins > 1 else ''} of its process bear{'' if twins > 1 else 's'}"
+                " the same name: calls are matched across ranks by thread name, so threads of "
+                "one name could take each other's data. Give each thread that makes collective "
+                "calls a name of its own, the same on every rank "
+                "(threading.Thread(name=...))")
+        self._owners[name] = ident
+        return None
 
 
 @contextmanager
@@ -123,6 +161,14 @@ class CallSpec:
         self.shape = x.shape
         self.dtype = check_dtype(x.dtype) if reduced else check_movable(x.dtype)
         return self.dtype
+
+    def with_error(self, error: Exception) -> CallSpec:
+        """A copy carrying ``error`` (a prepared call's own spec stays as it was)."""
+        copy = CallSpec.__new__(CallSpec)
+        for slot in CallSpec.__slots__:
+            setattr(copy, slot, getattr(self, slot))
+        copy.error = error
+        return copy
 
     def set_op(self, op: ReduceOp) -> ReduceOp:
         self.op = op
@@ -196,7 +242,7 @@ class Agreement:
     """
 
     __slots__ = ("_buffers", "_segment_bytes", "_topology", "check", "inline_bytes",
-                 "settings", "transport")
+                 "settings", "threads", "transport")
 
     def __init__(self, transport: Transport, *, check: bool, inline_bytes: int,
                  segment_bytes: int, topology: str | int = "auto") -> None:
@@ -206,6 +252,7 @@ class Agreement:
         self._segment_bytes, self._topology = segment_bytes, topology
         #: The digest of the settings every header carries (segment size, topology).
         self.settings = _crc((segment_bytes, topology))
+        self.threads = ThreadNames()
         self._buffers: dict[Any, Any] = {}
 
     @property
@@ -312,6 +359,10 @@ class Agreement:
         """One fixed-size allgather of every rank's header (and inlined array); with the check
         on, raise on every rank if the headers disagree."""
         t = self.transport
+        if self.check and spec.error is None and not self.threads.owns(spec.caller):
+            twins = self.threads.conflict(spec.caller)
+            if twins is not None:
+                spec = spec.with_error(twins)
         send, recv, view = self.exchange_buffers()
         header = spec.header(self.settings)
         view[:_HEADER_BYTES] = header
@@ -405,6 +456,10 @@ class InlinePlan:
         if name != self.spec.caller:  # another thread repeats the call: its own header
             self.spec.caller = name
             self.header = self.spec.header(self.agreement.settings)
+        if not self.agreement.threads.owns(name):
+            twins = self.agreement.threads.conflict(name)
+            if twins is not None:  # raised on every rank
+                self.agreement._exchange(self.spec.with_error(twins))
         send, recv, view = self.buffers
         view[:_HEADER_BYTES] = self.header
         if self.nbytes:

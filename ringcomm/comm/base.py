@@ -468,11 +468,12 @@ class Communicator:
                         name: Any, algorithm: Any = None) -> AllreducePlan:
         """Check the arguments of an allreduce and decide how it runs (before the agreement;
         an argument error is kept in the plan's spec, to be raised on every rank)."""
-        trial = None
+        trial = auto = None
         if compression is not None:
             if isinstance(compression, str) and compression == "auto":
                 compression = self._auto()
             if isinstance(compression, Auto):
+                auto = compression
                 self._auto_figures.pending = None
                 compression, feedback = compression.choose_early(
                     self._route(x), self._auto_figures, x, op, feedback, name,
@@ -484,10 +485,15 @@ class Communicator:
             rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
+        if auto is not None and auto is not compression:
+            # Resolved before the agreement: the Auto itself is agreed on too, not only what
+            # it chose (equal choices from unequal Autos would part at a later call).
+            spec.extra = f"{auto!r} chose {spec.extra or 'none'}"
         plan = AllreducePlan(spec, rop, compression, feedback, name)
         if not isinstance(compression, Auto):
             plan.trial = trial
-        if plan.dense and spec.error is None and trial is None and algorithm is None:
+        if (plan.dense and spec.error is None and trial is None and algorithm is None
+                and auto is None):
             self._plans.put(x, op, plan, self._agreement)
         return plan
 

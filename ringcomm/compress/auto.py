@@ -359,10 +359,13 @@ class Auto(Compressor):
 
     def __repr__(self) -> str:
         names = ", ".join(self.key(c) for c in self.candidates)
-        # Fixed figures are part of what every rank must agree on: they decide the choice.
+        # Everything that decides the choice or the calls that make it is part of what every
+        # rank must agree on: fixed figures, and the number of trial calls (ranks that try
+        # different numbers would meet the deciding exchange at different calls).
+        trials = "" if self.trials is None else f", trials={self.trials}"
         fixed = "".join(f", {k}={v!r}" for k, v in (("link", self.link),
                                                       ("throughput", self.throughput)) if v)
-        return f"Auto(candidates=({names}){fixed})"
+        return f"Auto(candidates=({names}){trials}{fixed})"
 
 
 def _kind(x: Any) -> str:

@@ -63,6 +63,7 @@ from ringcomm.torch._basics import (
     size,
 )
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
+from ringcomm.torch.accelerate import register_ddp_hook
 from ringcomm.torch.alltoall import alltoall, alltoall_async
 from ringcomm.torch.broadcast import (
     allgather_object,
@@ -172,6 +173,7 @@ __all__ = [
     "rank",
     "reducescatter",
     "reducescatter_async",
+    "register_ddp_hook",
     "remove_process_set",
     "ringcomm_hook",
     "rocm_built",

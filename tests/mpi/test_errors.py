@@ -222,14 +222,17 @@ def test_segment_bytes_must_match(comm):
 
 
 def test_inline_bytes_must_match():
-    c = ringcomm.init("mpi", inline_bytes=4096 if ringcomm.launch_info().rank else 1024,
-                      abort_on_exception=False)
-    try:
-        if c.size > 1:
-            with pytest.raises(ValueError, match="inline_bytes differs between ranks"):
-                c.allreduce(np.ones(10, np.float32))
-    finally:
-        c.close()
+    """Refused when the communicator starts, on every rank, naming each rank's value."""
+    info = ringcomm.launch_info()
+    inline = 4096 if info.rank else 1024
+    if info.size == 1:
+        ringcomm.init("mpi", inline_bytes=inline, abort_on_exception=False).close()
+        return
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match="inline_bytes differs between ranks: 1024 on rank 0; 4096 on rank"
+                       ) as err:
+        ringcomm.init("mpi", inline_bytes=inline, abort_on_exception=False)
+    assert err.value.kind == "init" and "inline_bytes" in err.value.differences
 
 
 def test_different_collectives_raise_the_same_error(comm):

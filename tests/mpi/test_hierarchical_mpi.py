@@ -161,16 +161,37 @@ def test_uneven_nodes_refuse_hierarchical(world):
 
 
 def test_topology_differing_between_ranks(world):
+    """Refused when the communicator starts, on every rank."""
     size = world.Get_size()
     if size < 2:
         pytest.skip("needs at least 2 ranks")
-    comm = ringcomm.init("mpi", abort_on_exception=False,
-                         topology=1 if world.Get_rank() == 0 else "auto")
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match="init: topology differs between ranks: 1 on rank 0; auto on rank"):
+        ringcomm.init("mpi", abort_on_exception=False,
+                      topology=1 if world.Get_rank() == 0 else "auto")
+
+
+def test_topology_changed_on_one_rank_after_the_groups_exist(world):
+    """The topology is in every call's header: changed on one rank after the two-level groups
+    were made, the next allreduce raises the same error on every rank (it used to wait for the
+    timeout), and the communicator stays usable."""
+    size = world.Get_size()
+    if size < 2:
+        pytest.skip("needs at least 2 ranks")
+    comm = ringcomm.init("mpi", abort_on_exception=False, timeout=30)
     try:
         x = np.ones(100_000, np.float32)
-        with pytest.raises(ringcomm.ArgumentMismatchError, match="topology differs"):
-            comm.allreduce(x, algorithm="hierarchical")
-        np.testing.assert_array_equal(comm.allreduce(x, algorithm="flat"),
+        np.testing.assert_array_equal(comm.allreduce(x, algorithm="hierarchical"),
                                       np.full_like(x, size))
+        if world.Get_rank() == 0:
+            comm.topology = 1
+        with pytest.raises(ringcomm.ArgumentMismatchError,
+                           match="topology differs between ranks: 1 on rank 0; auto on rank"):
+            comm.allreduce(x, algorithm="hierarchical")
+        if world.Get_rank() == 0:
+            comm.topology = "auto"
+        for algorithm in ("hierarchical", "flat"):
+            np.testing.assert_array_equal(comm.allreduce(x, algorithm=algorithm),
+                                          np.full_like(x, size))
     finally:
         comm.close()

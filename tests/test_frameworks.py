@@ -1,0 +1,277 @@
+"""ringcomm's DDP hook under PyTorch Lightning and Hugging Face Accelerate, each run for real:
+two CPU processes over gloo, started by the framework's own launcher.
+
+Each job trains a small model three times (DDP's own allreduce, ringcomm's hook, ringcomm's
+hook with int8), and every rank saves its final parameters and the hook's call count; the tests
+compare the ranks' files. The jobs also check that the frameworks' own ways of passing a hook
+(``DDPStrategy(ddp_comm_hook=...)`` on CPU, ``DistributedDataParallelKwargs(comm_hook=...)``)
+are ignored, which is why ringcomm.torch has its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ringcomm.torch import register_ddp_hook, ringcomm_hook  # noqa: E402
+
+STEPS = 4  # optimizer steps per run; the model fits in one DDP bucket, so one hook call each
+
+LIGHTNING_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import ringcomm
+from ringcomm.torch import RingcommState, ringcomm_hook
+from ringcomm.torch.lightning import RingcommDDPStrategy
+
+torch.set_num_threads(1)
+OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def fit(tag, strategy, state=None):
+    pl.seed_everything(0, verbose=False)
+    model = Net()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
+                         deterministic=True, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader())
+    state = state or getattr(strategy, "ringcomm_state", None)
+    torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "calls": None if state is None else state.comm.stats.calls,
+                "size": None if state is None else state.comm.size},
+               OUT / f"{tag}_{trainer.global_rank}.pt")
+
+
+fit("plain", pl.strategies.DDPStrategy())
+fit("ringcomm", RingcommDDPStrategy())
+fit("int8", RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8(), "start_iter": 1,
+                                              "min_compress_bytes": 0}))
+# Lightning's own way: on CPU the hook is never registered (torch.distributed is up by now).
+state = RingcommState(comm=ringcomm.init("gloo"))
+fit("ignored", pl.strategies.DDPStrategy(ddp_comm_hook=ringcomm_hook, ddp_comm_state=state),
+    state)
+"""
+
+ACCELERATE_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
+import ringcomm
+from ringcomm.comm.base import Communicator
+from ringcomm.torch import RingcommState, register_ddp_hook, ringcomm_hook
+from ringcomm.torch._dist_backend import TorchDistTransport
+
+torch.set_num_threads(1)
+OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+assert accelerator.num_processes == 2, accelerator.state
+
+
+def train(tag, hooked=True, **state_kwargs):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register_ddp_hook(model, **state_kwargs) if hooked else None
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "calls": None if state is None else state.comm.stats.calls,
+                "size": None if state is None else state.comm.size},
+               OUT / f"{tag}_{rank}.pt")
+    return model
+
+
+model = train("plain", hooked=False)
+hooked = train("ringcomm")
+train("int8", compression=ringcomm.Int8(), start_iter=1, min_compress_bytes=0)
+
+try:
+    register_ddp_hook(accelerator.unwrap_model(model))
+    raise AssertionError("no TypeError")
+except TypeError as err:
+    assert "expects a torch.nn.parallel.DistributedDataParallel" in str(err), err
+try:
+    register_ddp_hook(hooked, object(), start_iter=1)
+    raise AssertionError("no TypeError")
+except TypeError as err:
+    assert "a state or state keyword arguments, not both" in str(err), err
+
+# A communicator of one process in this job of two is refused on both ranks.
+world = TorchDistTransport()
+alone = Communicator(world.split(rank, 0))
+try:
+    register_ddp_hook(accelerator.prepare(torch.nn.Linear(3, 3)), RingcommState(comm=alone))
+    raise AssertionError("no ValueError")
+except ValueError as err:
+    assert "has 1 process(es) but the DDP model's process group has 2" in str(err), err
+alone.close()
+world.close()
+
+# Accelerate's own way: a callable comm_hook is ignored (registered, it would run with state
+# None and fail in backward).
+ignored = Accelerator(cpu=True, kwargs_handlers=[
+    DistributedDataParallelKwargs(comm_hook=ringcomm_hook)])
+net = ignored.prepare(torch.nn.Linear(3, 3))
+ignored.backward(net(torch.ones(2, 3)).sum())
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The children's environment: no launcher variables of an enclosing job, one thread,
+    no Accelerate config of the user's."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in subprocess_env.items() if k not in launcher}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run a launcher to its end (180 s at most, then its whole process group is killed)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[:4]} timed out\n{out[-3000:]}\n{err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _ranks(out: Path, tag: str) -> list[dict]:
+    return [torch.load(out / f"{tag}_{rank}.pt") for rank in (0, 1)]
+
+
+def _check_runs(out: Path) -> None:
+    """The hooked runs called the hook once per step over both processes, ended with
+    bit-identical parameters on both ranks, and uncompressed equal DDP's own allreduce."""
+    plain, hooked, int8 = (_ranks(out, tag) for tag in ("plain", "ringcomm", "int8"))
+    for runs in (plain, hooked, int8):
+        assert torch.equal(runs[0]["params"], runs[1]["params"])
+    for run in hooked + int8:
+        assert (run["calls"], run["size"]) == (STEPS, 2), (run["calls"], run["size"])
+    # Halving is exact, so (a + b) / 2 == a / 2 + b / 2 bit for bit at two ranks.
+    assert torch.equal(hooked[0]["params"], plain[0]["params"])
+    assert not torch.equal(int8[0]["params"], plain[0]["params"])  # int8 did quantize
+    assert torch.isfinite(int8[0]["params"]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lightning_strategy_on_cpu(tmp_path, subprocess_env):
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+    _run([sys.executable, str(script), str(tmp_path), str(STEPS)], env, tmp_path)
+    _check_runs(tmp_path)
+    ignored = _ranks(tmp_path, "ignored")
+    assert [run["calls"] for run in ignored] == [0, 0]  # DDPStrategy(ddp_comm_hook=) on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
+    """``accelerate launch --cpu --num_processes 2`` starts one process (two CPU processes need
+    mpirun there); ``--multi_gpu`` starts them with torchrun, and ``Accelerator(cpu=True)``
+    then runs DDP over gloo."""
+    pytest.importorskip("accelerate")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(script), str(tmp_path), str(STEPS)]
+    proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path)
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    _check_runs(tmp_path)
+
+
+def test_register_ddp_hook_refuses_a_module():
+    with pytest.raises(TypeError, match=r"expects a torch.nn.parallel.DistributedDataParallel"
+                                        r".*got torch.nn.modules.linear.Linear"):
+        register_ddp_hook(torch.nn.Linear(2, 2))
+
+
+def test_importing_ringcomm_torch_imports_no_framework(subprocess_env):
+    code = ("import sys, ringcomm.torch, ringcomm.torch.accelerate; "
+            "assert not {'lightning', 'pytorch_lightning', 'accelerate'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], env=subprocess_env, check=True, timeout=60)
+
+
+def test_lightning_module_without_lightning_says_what_to_install(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ringcomm.torch.lightning", raising=False)
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.strategies"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install lightning"):
+        importlib.import_module("ringcomm.torch.lightning")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"ddp_comm_hook": ringcomm_hook}, ValueError, "registers ringcomm_hook itself; got "
+                                                   "ddp_comm_hook"),
+    ({"ddp_comm_wrapper": print}, ValueError, "got ddp_comm_wrapper"),
+    ({"state": object()}, TypeError, "state must be a ringcomm.torch.RingcommState"),
+])
+def test_lightning_strategy_refuses_other_hooks(kwargs, error, message):
+    lightning = pytest.importorskip("ringcomm.torch.lightning", exc_type=ImportError)
+    with pytest.raises(error, match=message):
+        lightning.RingcommDDPStrategy(**kwargs)
+
+
+def test_lightning_strategy_takes_state_or_kwargs():
+    lightning = pytest.importorskip("ringcomm.torch.lightning", exc_type=ImportError)
+    with pytest.raises(TypeError, match="state or state_kwargs, not both"):
+        lightning.RingcommDDPStrategy(state=object(), state_kwargs={"start_iter": 3})
+    strategy = lightning.RingcommDDPStrategy(state_kwargs={"start_iter": 3}, bucket_cap_mb=1)
+    assert strategy.ringcomm_state is None  # made when DDP wraps the model

@@ -1,0 +1,101 @@
+"""Settings that differ between ranks, or are invalid on one rank only, under a real mpiexec.
+
+Each job gives one rank a different environment (mpiexec's ``-env`` with ``:`` between the
+ranks' argument sets). Every rank must raise the same typed error from ``ringcomm.init``,
+promptly: never a hang in MPI's start-up, never a wrong value.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+# Each rank writes one bracketed line: what init raised, or what an allreduce returned.
+PROBE = r"""
+import os, sys, numpy as np, ringcomm
+rank = int(os.environ["PMI_RANK"])
+try:
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    y = c.allreduce(np.ones(16, np.float32))
+    out = f"ok {c.size} {y[0]} {bool(np.all(y == y[0]))}"
+    c.close()
+except Exception as err:
+    out = f"{type(err).__name__}: {err}"
+os.write(1, f"<{rank}|{out}>\n".encode())
+"""
+
+
+def _run_two(mpiexec: str, env: dict[str, str], variable: str, value: str,
+             other: str | None = None) -> dict[int, str]:
+    """Run PROBE at 2 ranks, rank 0 with ``variable=value`` (rank 1 with ``other``, or
+    without it); return each rank's line."""
+    base = {k: v for k, v in env.items() if not k.startswith("RINGCOMM_")}
+    rank1 = [] if other is None else ["-env", variable, other]
+    cmd = [mpiexec, "-n", "1", "-env", variable, value, sys.executable, "-c", PROBE, ":",
+           "-n", "1", *rank1, sys.executable, "-c", PROBE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=base)
+    lines = dict(re.findall(r"<(\d)\|(.*?)>", proc.stdout))
+    assert set(lines) == {"0", "1"}, (proc.returncode, proc.stdout, proc.stderr)
+    return {int(r): line for r, line in lines.items()}
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("RINGCOMM_SEGMENT_BYTES", "abc", "RINGCOMM_SEGMENT_BYTES must be a byte count"),
+    ("RINGCOMM_SEGMENT_BYTES", "99999999999999999999",
+     "RINGCOMM_SEGMENT_BYTES must be from 64 B to 1 GiB, got 99999999999999999999"),
+    ("RINGCOMM_INLINE_BYTES", "abc", "RINGCOMM_INLINE_BYTES must be a byte count"),
+    ("RINGCOMM_INLINE_BYTES", "1G",
+     "RINGCOMM_INLINE_BYTES must be a multiple of 8 bytes from 0 B to 1 MiB, got 1073741824"),
+    ("RINGCOMM_TIMEOUT", "abc", "RINGCOMM_TIMEOUT must be a positive number of seconds"),
+    ("RINGCOMM_CONSISTENCY_CHECK", "abc", "RINGCOMM_CONSISTENCY_CHECK must be 0 or 1"),
+    ("RINGCOMM_ALGORITHM", "abc", "RINGCOMM_ALGORITHM must be one of"),
+    ("RINGCOMM_RANKS_PER_NODE", "abc", "RINGCOMM_RANKS_PER_NODE must be a number of ranks"),
+    ("RINGCOMM_LOG_LEVEL", "abc", "RINGCOMM_LOG_LEVEL must be one of DEBUG"),
+])
+def test_bad_value_on_one_rank_fails_every_rank(mpiexec, subprocess_env, variable, value,
+                                                 expected):
+    """A bad value on rank 0 only: both ranks raise the same InvalidArgumentError, naming
+    rank 0, the variable and its value (rank 0 used to exit before MPI started, leaving
+    rank 1 in MPI's start-up forever)."""
+    lines = _run_two(mpiexec, subprocess_env, variable, value)
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(f"InvalidArgumentError: init failed on rank 0: {expected}"), lines
+
+
+@pytest.mark.parametrize(("variable", "value", "other", "expected"), [
+    # Rank 0 without the check, rank 1 with it: the 16-float allreduce used to return
+    # [1, 1.0000002, ...] on one rank and fail to allocate 7.94 EiB on the other.
+    ("RINGCOMM_CONSISTENCY_CHECK", "0", None,
+     "consistency_check differs between ranks: False on rank 0; True on rank 1"),
+    ("RINGCOMM_SEGMENT_BYTES", "4096", "8192",
+     "segment_bytes differs between ranks: 4096 on rank 0; 8192 on rank 1"),
+    ("RINGCOMM_INLINE_BYTES", "0", None,
+     "inline_bytes differs between ranks: 0 on rank 0; 4096 on rank 1"),
+    ("RINGCOMM_TIMEOUT", "60", None,
+     "timeout differs between ranks: 60.0 on rank 0; 1800.0 on rank 1"),
+    ("RINGCOMM_ALGORITHM", "flat", "hierarchical",
+     "algorithm differs between ranks: flat on rank 0; hierarchical on rank 1"),
+    ("RINGCOMM_RANKS_PER_NODE", "1", None,
+     "topology differs between ranks: 1 on rank 0; auto on rank 1"),
+])
+def test_setting_that_differs_fails_every_rank(mpiexec, subprocess_env, variable, value, other,
+                                               expected):
+    """Valid values that differ between the ranks: the same ArgumentMismatchError on both,
+    naming the setting and each rank's value."""
+    lines = _run_two(mpiexec, subprocess_env, variable, value, other)
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(f"ArgumentMismatchError: init: {expected}"), lines
+
+
+def test_the_same_settings_on_every_rank_start(mpiexec, subprocess_env):
+    lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_SEGMENT_BYTES", "4096", "4K")
+    assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
+
+
+def test_log_level_differing_is_allowed(mpiexec, subprocess_env):
+    """Logging changes nothing that travels: ranks may log at different levels."""
+    lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_LOG_LEVEL", "DEBUG")
+    assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
