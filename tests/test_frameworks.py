@@ -79,7 +79,7 @@ fit("ringcomm", RingcommDDPStrategy())
 fit("int8", RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8(), "start_iter": 1,
                                               "min_compress_bytes": 0}))
 # Lightning's own way: on CPU the hook is never registered (torch.distributed is up by now).
-state = RingcommState(comm=ringcomm.init("gloo"))
+state = RingcommState(comm=ringcomm.init())
 fit("ignored", pl.strategies.DDPStrategy(ddp_comm_hook=ringcomm_hook, ddp_comm_state=state),
     state)
 """

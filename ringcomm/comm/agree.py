@@ -38,7 +38,7 @@ __all__ = ["INLINE_BYTES", "Agreement", "CallSpec", "InlinePlan", "ThreadNames",
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
-KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SETTINGS, CALLER, ARRAY = range(12)
+KIND, ERROR, DTYPE, OP, ROOT, NDIM, DIM0, REST, EXTRA, SEGMENT, CALLER, ARRAY = range(12)
 _WORDS = 12
 # The ARRAY word: what kind of array a rank passed (a barrier passes none).
 _HOST, _DEVICE = 1, 2
@@ -77,41 +77,50 @@ def caller() -> str:
 
 
 class ThreadNames:
-    """Which thread calls under each thread name on one communicator: one live thread a name.
+    """Which thread calls under each thread name on one communicator: one thread a name.
 
     Calls are matched across ranks by their caller's name, so two live threads of one name
-    on one rank could pair with each other's calls on another rank and mix their data. A
-    thread whose name another live thread of the process bears is refused (the error is
-    raised on every rank, by the agreement), unless the call is made under ``calls_as``,
-    whose threads share one name by design and serialize their calls themselves.
+    on one rank could pair with each other's calls on another rank and mix their data. Once
+    a thread calls while another live thread of the process bears its name, every call of
+    either is refused for as long as either lives (the error is raised on every rank, by the
+    agreement): refusing only while both live would let whichever outlives the other pass
+    afterwards, and the survivors of two ranks need not be the same logical thread. A thread
+    of that name started after they have all ended calls again. Calls made under
+    ``calls_as`` are exempt: its threads share one name by design and serialize their calls.
     """
 
-    __slots__ = ("_owners",)
+    __slots__ = ("_owners", "_twins")
 
     def __init__(self) -> None:
-        self._owners: dict[str, int] = {}
+        # Thread objects, not idents: the ident of a finished thread is given to new ones.
+        self._owners: dict[str, threading.Thread] = {}
+        self._twins: dict[str, set[threading.Thread]] = {}
 
     def owns(self, name: str) -> bool:
-        """Whether the calling thread has been seen calling as ``name`` (the cheap check)."""
-        return _CALLER.name is not None or self._owners.get(name) == threading.get_ident()
+        """Whether the calling thread may call as ``name`` without a look at the others (the
+        cheap check of every call)."""
+        return _CALLER.name is not None or self._owners.get(name) is threading.current_thread()
 
     def conflict(self, name: str) -> ValueError | None:
         """None where the calling thread may call as ``name`` (it is then remembered), or the
         error to raise on every rank."""
         if self.owns(name):
             return None
-        ident = threading.get_ident()
-        twins = sum(1 for t in threading.enumerate() if t.name == name and t.ident != ident)
-        if twins:
-            return ValueError(
-                f"thread {name!r} made a collective call while {twins} other live "
-                f"thread{'s' if twins > 1 else ''} of its process bear{'' if twins > 1 else 's'}"
-                " the same name: calls are matched across ranks by thread name, so threads of "
-                "one name could take each other's data. Give each thread that makes collective "
-                "calls a name of its own, the same on every rank "
-                "(threading.Thread(name=...))")
-        self._owners[name] = ident
-        return None
+        me = threading.current_thread()
+        live = {t for t in threading.enumerate() if t.name == name}
+        twins = {t for t in self._twins.get(name, ()) if t.is_alive()}
+        if me not in twins and len(live) <= 1:
+            self._twins.pop(name, None)
+            self._owners[name] = me
+            return None
+        self._twins[name] = twins | live | {me}
+        self._owners.pop(name, None)
+        return ValueError(
+            f"thread {name!r} made a collective call, but another thread of its process "
+            "bears the same name and has been alive with it: calls are matched across ranks "
+            "by thread name, so threads of one name could take each other's data. Give each "
+            "thread that makes collective calls a name of its own, the same on every rank "
+            "(threading.Thread(name=...))")
 
 
 @contextmanager
@@ -174,23 +183,22 @@ class CallSpec:
         self.op = op
         return op
 
-    def header(self, settings: int) -> bytes:
+    def header(self, segment_bytes: int) -> bytes:
         """The header words compared across ranks, as bytes (cached per distinct call).
 
-        ``settings`` is the digest of the communicator's settings that may change after it
-        started (``Agreement.settings``): ranks that cut the ring differently, or group nodes
-        differently, would exchange messages that do not match.
+        ``segment_bytes`` is the communicator's: ranks that cut the ring differently would
+        exchange messages of different sizes.
         """
         key = (self.kind, self.error is None, self.dtype, self.shape, self.op, self.root,
-               self.extra, self.algorithm, settings, self.caller, self.array)
+               self.extra, self.algorithm, segment_bytes, self.caller, self.array)
         cached = _HEADERS.get(key)
         if cached is None:
             if len(_HEADERS) > 4096:
                 _HEADERS.clear()
-            cached = _HEADERS[key] = self._words(settings).tobytes()
+            cached = _HEADERS[key] = self._words(segment_bytes).tobytes()
         return cached
 
-    def _words(self, settings: int) -> np.ndarray:
+    def _words(self, segment_bytes: int) -> np.ndarray:
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = _KINDS.index(self.kind)
         h[CALLER] = _crc(self.caller)
@@ -206,7 +214,7 @@ class CallSpec:
         h[DIM0] = self.shape[0] if self.shape else 1
         h[REST] = _crc(self.shape[1:])
         h[EXTRA] = _crc((self.extra, self.algorithm) if self.algorithm else self.extra)
-        h[SETTINGS] = settings
+        h[SEGMENT] = segment_bytes
         return h
 
     def describe(self) -> dict[str, Any]:
@@ -238,50 +246,26 @@ class Agreement:
         check: compare the headers across ranks (the consistency check).
         inline_bytes: size of the inline slot sent with every header.
         segment_bytes: the ring segment size, part of every header.
-        topology: the communicator's topology setting, part of every header.
     """
 
-    __slots__ = ("_buffers", "_segment_bytes", "_topology", "check", "inline_bytes",
-                 "settings", "threads", "transport")
+    __slots__ = ("_buffers", "check", "inline_bytes", "segment_bytes", "threads", "transport")
 
     def __init__(self, transport: Transport, *, check: bool, inline_bytes: int,
-                 segment_bytes: int, topology: str | int = "auto") -> None:
+                 segment_bytes: int) -> None:
         self.transport = transport
         self.check = check
         self.inline_bytes = inline_bytes
-        self._segment_bytes, self._topology = segment_bytes, topology
-        #: The digest of the settings every header carries (segment size, topology).
-        self.settings = _crc((segment_bytes, topology))
+        self.segment_bytes = segment_bytes
         self.threads = ThreadNames()
         self._buffers: dict[Any, Any] = {}
 
-    @property
-    def segment_bytes(self) -> int:
-        """The ring segment size, part of every header."""
-        return self._segment_bytes
-
-    @segment_bytes.setter
-    def segment_bytes(self, value: int) -> None:
-        self._segment_bytes = value
-        self.settings = _crc((value, self._topology))
-
-    @property
-    def topology(self) -> str | int:
-        """The topology setting, part of every header."""
-        return self._topology
-
-    @topology.setter
-    def topology(self, value: str | int) -> None:
-        self._topology = value
-        self.settings = _crc((self._segment_bytes, value))
-
-    def agree_setting(self, name: str, value: Any) -> None:
+    def agree_setting(self, name: str, value: Any, error: Exception | None = None) -> None:
         """Agree that every rank changes setting ``name`` to ``value`` at this point: one
         checked exchange, whether or not the consistency check is on, so that a rank changing
-        it alone (or to another value) raises the same error on every rank instead of
-        leaving the ranks to exchange messages that do not match."""
+        it alone, to another value, or to an invalid one (``error``) raises the same error on
+        every rank instead of leaving the ranks to exchange messages that do not match."""
         spec = CallSpec("configure")
-        spec.extra = f"{name}={value!r}"
+        spec.extra, spec.error = f"{name}={value!r}", error
         check, self.check = self.check, True
         try:
             self._exchange(spec)
@@ -364,7 +348,7 @@ class Agreement:
             if twins is not None:
                 spec = spec.with_error(twins)
         send, recv, view = self.exchange_buffers()
-        header = spec.header(self.settings)
+        header = spec.header(self.segment_bytes)
         view[:_HEADER_BYTES] = header
         if inline is not None:
             view[_HEADER_BYTES:_HEADER_BYTES + inline.nbytes] = _host_bytes(inline)
@@ -385,8 +369,7 @@ class Agreement:
         if not differ.any() and not headers[:, ERROR].any():
             return
         # Headers disagree: every rank takes the slow path, so descriptions can be exchanged.
-        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes,
-                "topology": self.topology}
+        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes}
         raise _build_error(self.transport.allgather_object(mine))
 
 
@@ -422,7 +405,7 @@ class InlinePlan:
         t = agreement.transport
         self.allgather, self.stats = t.allgather_fixed, t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
-        self.header = spec.header(agreement.settings)
+        self.header = spec.header(agreement.segment_bytes)
         self.buffers = agreement.exchange_buffers()
         self.rows = agreement.inline_rows(self.buffers[1], x.dtype, x.size)
         self.volume = self.buffers[0].nbytes * (t.size - 1)
@@ -455,7 +438,7 @@ class InlinePlan:
         name = caller()
         if name != self.spec.caller:  # another thread repeats the call: its own header
             self.spec.caller = name
-            self.header = self.spec.header(self.agreement.settings)
+            self.header = self.spec.header(self.agreement.segment_bytes)
         if not self.agreement.threads.owns(name):
             twins = self.agreement.threads.conflict(name)
             if twins is not None:  # raised on every rank
@@ -549,7 +532,7 @@ def _build_error(descriptions: list[dict[str, Any]]) -> Exception:
                    reason=msg)
     parts, differences = [], {}
     for field in ("array", "dtype", "shape", "op", "root", "compression/name", "setting",
-                  "algorithm", "segment_bytes", "topology"):
+                  "algorithm", "segment_bytes"):
         if kind == "allgatherv" and field == "shape":
             values = [d["shape"][1:] for d in descriptions]
             field = "shape after the first dimension"

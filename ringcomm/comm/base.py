@@ -21,6 +21,7 @@ from ringcomm import hierarchical, ring
 from ringcomm import ops as _ops
 from ringcomm.comm import _arrays, _twolevel, agree, settings
 from ringcomm.comm._plan import AllreducePlan, PlanCache
+from ringcomm.comm.topology import resolve_topology
 from ringcomm.comm.types import (
     USER,
     CommStats,
@@ -126,8 +127,7 @@ class Communicator:
         self._closed = False
         self._agreement = agree.Agreement(transport, check=bool(consistency_check),
                                           inline_bytes=inline,
-                                          segment_bytes=ring.DEFAULT_SEGMENT_BYTES,
-                                          topology=self._two_level.setting)
+                                          segment_bytes=ring.DEFAULT_SEGMENT_BYTES)
         self._plans = PlanCache()
         self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self._compressed_calls = 0
@@ -224,17 +224,24 @@ class Communicator:
     def topology(self) -> str | int:
         """Which ranks share a node: "auto" (host names) or a number of ranks per node.
 
-        Setting it is collective (every rank at the same point, between calls): the node-local
-        and cross-node groups are made again by the next call that needs them.
+        Setting it is collective (every rank at the same point, between calls, to the same
+        value: one checked exchange agrees on it, and otherwise every rank raises the same
+        error and keeps its setting): the node-local and cross-node groups are made again by
+        the next call that needs them.
         """
         return self._two_level.setting
 
     @topology.setter
     def topology(self, value: str | int) -> None:
         with self._lock:
-            self._two_level.set_topology(value)
-            self._agreement.topology = self._two_level.setting  # in every call's header
-            self._plans.clear()
+            self._ensure_open()
+            self._transport.operation = "configure"
+            try:
+                setting, error = resolve_topology(value), None
+            except (TypeError, ValueError) as err:
+                setting, error = value, err  # refused on every rank by the agreement
+            self._agreement.agree_setting("topology", setting, error)
+            self._two_level.set_topology(setting)
 
     @property
     def auto_figures(self) -> AutoFigures:

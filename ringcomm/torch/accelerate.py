@@ -35,13 +35,13 @@ __all__ = ["register_ddp_hook"]
 def _communicator() -> Communicator:
     """A communicator over torch.distributed's default group, which is up (DDP needs it).
 
-    Backend "gloo" runs ringcomm's ring over a gloo group of its own with the default group's
-    ranks, whatever launched the job; "auto" does not yet recognise a job whose launcher set no
-    RANK (Lightning's), so it is named here. CUDA buckets are staged through host memory.
+    ``ringcomm.init()`` spans an initialized torch.distributed group whatever launched the job
+    (torchrun, Accelerate, Lightning's launcher, which sets no RANK): NCCL where every rank has
+    a GPU of its own and NCCL, else gloo.
     """
     import ringcomm
 
-    return ringcomm.init("gloo")
+    return ringcomm.init()
 
 
 def _new_state(state_kwargs: dict[str, Any]) -> RingcommState:
@@ -80,7 +80,7 @@ def _check_state(state: RingcommState, model: DistributedDataParallel) -> None:
             f"the state's communicator has {state.comm.size} process(es) but the DDP model's "
             f"process group has {expected}: make the communicator after torch.distributed is "
             "initialized and over the same processes (pass state keyword arguments and let "
-            "register_ddp_hook make it, or RingcommState(comm=ringcomm.init('gloo')))")
+            "register_ddp_hook make it, or RingcommState(comm=ringcomm.init()))")
 
 
 def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | None = None,

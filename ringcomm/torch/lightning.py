@@ -69,6 +69,10 @@ class RingcommDDPStrategy(DDPStrategy):
         TypeError: both ``state`` and ``state_kwargs`` are given, or ``state`` is not a
             RingcommState.
 
+    At fit, ``configure_ddp`` raises what :func:`~ringcomm.torch.register_ddp_hook` raises:
+    ValueError on every rank for a state whose communicator has another size than the
+    process group (one made at the top of the script, before the processes were connected).
+
     Example::
 
         strategy = RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8(),

@@ -7,6 +7,7 @@ import pytest
 from mpi_helpers import gather_inputs, same_on_all_ranks
 
 import ringcomm
+from ringcomm.compress import LinkModel
 
 
 def test_auto_measures_once_and_agrees(comm, world, rng):
@@ -56,3 +57,33 @@ def test_auto_probes_are_not_counted(comm, rng):
         assert c.stats.calls == 1
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("figures", ["measured", "fixed"])
+def test_auto_trials_differing_between_ranks_raise_on_every_rank(comm, world, rng, figures):
+    """Auto(trials=1) on rank 0 and Auto(trials=5) elsewhere: the first call raises the same
+    ArgumentMismatchError on every rank (it used to pass the agreement and deadlock when a
+    trial call met the deciding exchange), whether the Auto resolves before the agreement
+    (fixed figures) or after it (measured ones); then equal Autos work."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    fixed = {}
+    if figures == "fixed":
+        link = LinkModel(latency=1e-5, bandwidth=1e9)
+        fixed = {"link": link, "throughput": {"none": 4e9, "FP16()": 3e9,
+                                              repr(ringcomm.Int8()): 3.5e9}}
+
+    def auto(trials: int) -> ringcomm.Auto:
+        return ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8()), trials=trials, **fixed)
+
+    g = rng.standard_normal(200_000).astype(np.float32)
+    mine = auto(1 if comm.rank == 0 else 5)
+    with pytest.raises(ringcomm.ArgumentMismatchError, match="trials=1") as err:
+        comm.allreduce(g, compression=mine, feedback=ringcomm.ErrorFeedback(), name="g")
+    assert "trials=5" in str(err.value)
+    messages = world.allgather(str(err.value))
+    assert messages == [messages[0]] * comm.size
+    same = auto(2)
+    for _ in range(8):
+        y = comm.allreduce(g, compression=same, feedback=ringcomm.ErrorFeedback(), name="h")
+        assert same_on_all_ranks(world, y)

@@ -172,26 +172,35 @@ def test_topology_differing_between_ranks(world):
 
 
 def test_topology_changed_on_one_rank_after_the_groups_exist(world):
-    """The topology is in every call's header: changed on one rank after the two-level groups
-    were made, the next allreduce raises the same error on every rank (it used to wait for the
-    timeout), and the communicator stays usable."""
-    size = world.Get_size()
+    """Changing the topology is collective and agreed: changed on one rank alone after the
+    two-level groups were made (the next hierarchical allreduce used to wait for the
+    timeout), or to different values, it raises the same error on every rank and no rank's
+    setting changes; changed on every rank alike, it takes effect."""
+    size, rank = world.Get_size(), world.Get_rank()
     if size < 2:
         pytest.skip("needs at least 2 ranks")
     comm = ringcomm.init("mpi", abort_on_exception=False, timeout=30)
+    others = "rank 1" if size == 2 else "ranks " + ", ".join(map(str, range(1, size)))
     try:
         x = np.ones(100_000, np.float32)
         np.testing.assert_array_equal(comm.allreduce(x, algorithm="hierarchical"),
                                       np.full_like(x, size))
-        if world.Get_rank() == 0:
-            comm.topology = 1
+        with pytest.raises(ringcomm.ArgumentMismatchError) as alone:
+            if rank == 0:
+                comm.topology = 1
+            else:
+                comm.allreduce(x, algorithm="hierarchical")
+        assert str(alone.value) == ("collective calls differ between ranks: a change of "
+                                    f"topology=1 on rank 0; allreduce on {others}")
         with pytest.raises(ringcomm.ArgumentMismatchError,
-                           match="topology differs between ranks: 1 on rank 0; auto on rank"):
-            comm.allreduce(x, algorithm="hierarchical")
-        if world.Get_rank() == 0:
-            comm.topology = "auto"
-        for algorithm in ("hierarchical", "flat"):
-            np.testing.assert_array_equal(comm.allreduce(x, algorithm=algorithm),
-                                          np.full_like(x, size))
+                           match=f"setting differs between ranks: topology=1 on rank 0; "
+                                 f"topology='auto' on {others}"):
+            comm.topology = 1 if rank == 0 else "auto"
+        assert comm.topology == "auto"
+        for topology in (1, "auto"):
+            comm.topology = topology
+            for algorithm in ("hierarchical", "flat"):
+                np.testing.assert_array_equal(comm.allreduce(x, algorithm=algorithm),
+                                              np.full_like(x, size))
     finally:
         comm.close()
