@@ -33,10 +33,22 @@ from ringcomm.comm.launch import LaunchInfo, detect
         ({"PMIX_RANK": "1", "PMIX_SIZE": "2"}, LaunchInfo(1, 2, 1, 2, "pmix")),
         # A bare launch without local variables is taken to be one host.
         ({"PMI_RANK": "1", "PMI_SIZE": "3"}, LaunchInfo(1, 3, 1, 3, "mpich")),
+        # Lightning's launcher sets no RANK: on node 0 the rank is the local rank.
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "NODE_RANK": "0", "MASTER_PORT": "29500"},
+         LaunchInfo(1, 2, 1, 2, "lightning")),
+        ({"WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+         LaunchInfo(3, 4, 1, 2, "lightning")),
     ],
 )
 def test_detect(env, expected):
     assert detect(env) == expected
+
+
+def test_lightning_launch_is_recognised_and_its_rank_unknown():
+    info = detect({"WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert info.launcher == "lightning" and not info.rank_known and not info.over_torch
+    assert info.describe() == "WORLD_SIZE=2 without RANK (PyTorch Lightning's launcher)"
+    assert detect({"WORLD_SIZE": "2", "RANK": "1"}).rank_known
 
 
 @pytest.mark.parametrize(("env", "variable", "text"), [

@@ -1,0 +1,116 @@
+"""ringcomm.init() where torch.distributed is already up, and under Lightning's launcher.
+
+What frameworks do before user code runs: a default process group initialized with explicit
+ranks (no RANK/WORLD_SIZE variables at all, as torch.multiprocessing.spawn scripts do), or
+under mpiexec with torch.distributed's ranks numbered otherwise than MPI's. ``init()`` must
+span that group (it used to return a one-process communicator on each rank), and a process of
+Lightning's launcher (WORLD_SIZE, LOCAL_RANK, no RANK) must get a clear error before
+torch.distributed is up, never size 1.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+# Each rank: a gloo group from explicit arguments, then ringcomm.init() with backend "auto".
+SPAWNED = r"""
+import os, sys, numpy as np, torch.distributed as dist, ringcomm
+rank, port = int(sys.argv[1]), sys.argv[2]
+assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+comm = ringcomm.init()
+info = ringcomm.launch_info()
+y = comm.allreduce(np.full(300_000, rank + 1.0, np.float32))     # the ring
+z = comm.allreduce(np.full(3, rank + 1.0))                       # the agreement's slot
+print(f"<{rank}|{comm.backend} {comm.rank} {comm.size} {info.launcher} {y[0]} {y[-1]} {z[0]}>",
+      flush=True)
+comm.close()
+dist.destroy_process_group()
+"""
+
+# Under mpiexec: torch.distributed numbers the ranks in reverse of MPI's.
+REVERSED = r"""
+import os, numpy as np, torch.distributed as dist, ringcomm
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+rank = world.Get_size() - 1 - world.Get_rank()
+port = world.bcast(os.environ.get("PORT"), root=0)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world.Get_size())
+comm = ringcomm.init(abort_on_exception=False)
+x = np.zeros(4); x[comm.rank] = 1
+y = comm.allgather(np.array([dist.get_rank()]))
+os.write(1, f"<{world.Get_rank()}|{comm.backend} {comm.rank} {comm.size} {y.tolist()}>\n".encode())
+comm.close()
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(text: str) -> dict[int, str]:
+    return {int(r): line for r, line in re.findall(r"<(\d)\|(.*?)>", text)}
+
+
+def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env):
+    env = {k: v for k, v in subprocess_env.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SPAWNED, str(r), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    lines = _lines("".join(outs))
+    assert lines == {r: f"gloo {r} 2 torch.distributed 3.0 3.0 3.0" for r in range(2)}, lines
+
+
+def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env):
+    """MPI's world numbers the processes otherwise than torch.distributed's group: "auto"
+    runs over torch.distributed (gloo), so ringcomm's ranks are the group's."""
+    env = {**subprocess_env, "PORT": str(_free_port())}
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", REVERSED],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert _lines(proc.stdout) == {0: "gloo 1 2 [0, 1]", 1: "gloo 0 2 [0, 1]"}, proc.stdout
+
+
+LIGHTNING_CHILD = ("import ringcomm\n"
+                   "try:\n    c = ringcomm.init()\n    print('size', c.size)\n"
+                   "except RuntimeError as err:\n    print(err)\n")
+
+
+@pytest.mark.parametrize("backend", ["auto", "mpi", "gloo"], ids=lambda b: f"backend-{b}")
+def test_lightning_launcher_without_a_group_raises(subprocess_env, backend):
+    """A child of Lightning's launcher (WORLD_SIZE, LOCAL_RANK, NODE_RANK; no RANK) before
+    torch.distributed is up: a clear error on every backend (it used to be size 1)."""
+    env = {**subprocess_env, "WORLD_SIZE": "2", "LOCAL_RANK": "1", "NODE_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop("RANK", None)
+    code = LIGHTNING_CHILD.replace("ringcomm.init()", f"ringcomm.init({backend!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "WORLD_SIZE=2 without RANK (PyTorch Lightning's launcher): this process's global rank "
+        "is known only once Lightning has initialized torch.distributed"), proc.stdout
+    assert "ringcomm.torch.lightning.RingcommDDPStrategy" in proc.stdout
