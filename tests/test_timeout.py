@@ -241,3 +241,50 @@ def test_thread_timeout_fields():
         assert timeout * 0.9 <= err.elapsed < timeout + 1.0
         assert math.isfinite(err.elapsed) and time.monotonic() - start < 5
         assert "rank 1: allreduce: " in str(err) and text in str(err)
+
+
+TWO_LEVEL = r"""
+import json, os, numpy as np
+from mpi4py import MPI
+from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.comm.types import CollectiveTimeoutError
+
+# Without the consistency check the call starts in the two-level phases, no agreement first.
+comm = MPICommunicator(timeout=1.0, abort_on_timeout=False, consistency_check=False)
+comm.topology = 2                                  # nodes of 2 ranks: 2 x 2
+x = np.ones(300_000, np.float32)
+comm.allreduce(x, algorithm="hierarchical")        # the node-local and cross-node groups exist
+MPI.COMM_WORLD.Barrier()
+if comm.rank != 3:                                 # rank 3 never joins the next call
+    try:
+        comm.allreduce(x, algorithm="hierarchical")
+        out = {"error": "no timeout"}
+    except CollectiveTimeoutError as err:
+        out = {"kind": err.kind, "peer": err.peer, "message": str(err)}
+    os.write(1, (json.dumps({"rank": comm.rank, **out}) + "\n").encode())
+MPI.COMM_WORLD.Barrier()
+os._exit(0)     # the timed-out requests stay posted: skip MPI_Finalize
+"""
+
+
+def test_two_level_timeout_names_the_job_s_ranks(mpiexec, subprocess_env, tmp_path):
+    """A peer missing from a two-level allreduce (2 nodes x 2 ranks): each waiting rank's
+    error names the allreduce, its own and the peer's ranks as the job numbers them, and
+    its group (they used to name the sub-group's ranks and "ring exchange")."""
+    script = tmp_path / "two_level.py"
+    script.write_text(TWO_LEVEL)
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env)
+    rows = {r["rank"]: r for r in map(json.loads, proc.stdout.splitlines()) if "rank" in r}
+    assert sorted(rows) == [0, 1, 2], (proc.stdout, proc.stderr)
+    for rank, row in rows.items():
+        assert row.get("kind") == "allreduce", row
+        assert row["message"].startswith(f"allreduce timed out on rank {rank} of 4 in its "
+                                          "group of ranks "), row
+        assert row["peer"] in (None, 0, 1, 2, 3)
+        if row["peer"] is not None:
+            assert f"waiting for rank {row['peer']}" in row["message"], row
+    # Rank 2 shares its node with rank 3, whom it waits for in the node-local step.
+    assert rows[2]["message"].startswith("allreduce timed out on rank 2 of 4 in its group of "
+                                         "ranks 2, 3 "), rows[2]
+    assert rows[2]["peer"] in (None, 3), rows[2]

@@ -14,7 +14,13 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
 from ringcomm.comm.log import get_logger
-from ringcomm.comm.transport import TransportBase, agree_split, check_timeout
+from ringcomm.comm.transport import (
+    TransportBase,
+    adopt_ranks,
+    agree_split,
+    check_timeout,
+    split_members,
+)
 from ringcomm.comm.types import RING, CollectiveError, ReduceOp, Request, Transport
 
 __all__ = ["NCCLTransport"]
@@ -423,7 +429,8 @@ class NCCLTransport(TransportBase):
                 aborted.
         """
         self._check_usable()
-        color, key = agree_split(self, color, key)[self.rank]
+        everyone = agree_split(self, color, key)
+        color, key = everyone[self.rank]
         rdv = self._rdv.split(color, key)
         try:
             with self.device_scope():
@@ -440,7 +447,10 @@ class NCCLTransport(TransportBase):
         except BaseException:
             rdv.close()
             raise
-        return child
+        members = split_members(everyone, color)
+        if child._host is not None:  # its timeouts name the job's ranks too
+            adopt_ranks(child._host, self, members)
+        return adopt_ranks(child, self, members)
 
     def close(self) -> None:
         """Wait (bounded) for this transport's GPU work, then free the NCCL communicator

@@ -563,6 +563,7 @@ class Communicator:
                                      segment_bytes=self.segment_bytes)
             return
         local, cross = (_twolevel.route(g, x) for g in groups)
+        local.operation = cross.operation = self._transport.operation  # for their errors
         hierarchical.allreduce_with_feedback(local, cross, x, out, plan.op, comp, plan.feedback,
                                              plan.name, seed, segment_bytes=self.segment_bytes)
         for sub in (local, cross):  # the groups' traffic is this communicator's

@@ -35,8 +35,10 @@ from ringcomm.comm.env import env_bytes
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import (
     TransportBase,
+    adopt_ranks,
     agree_split,
     check_timeout,
+    split_members,
     timeout_error,
     write_fatal,
 )
@@ -345,7 +347,8 @@ class MPITransport(TransportBase):
         # The arguments are agreed on first, in a bounded exchange: a rank refusing its own
         # alone would leave the others in MPI_Comm_split, which has no nonblocking form; and
         # once every rank has answered, the blocking split cannot wait for a dead one.
-        color, key = agree_split(self, color, key)[self.rank]
+        everyone = agree_split(self, color, key)
+        color, key = everyone[self.rank]
         sub = self._ctl.Split(color, key)
         try:
             child = MPITransport(sub, timeout=self.timeout,
@@ -353,7 +356,7 @@ class MPITransport(TransportBase):
         finally:
             sub.Free()
         child.device_choice = self.device_choice  # one device per process, in every split
-        return child
+        return adopt_ranks(child, self, split_members(everyone, color))
 
     def close(self) -> None:
         self.release_scratch()

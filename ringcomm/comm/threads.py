@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm.agree import calls_as
-from ringcomm.comm.transport import TransportBase, check_split
+from ringcomm.comm.transport import TransportBase, adopt_ranks, check_split
 from ringcomm.comm.types import RING, USER, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
@@ -278,7 +278,7 @@ class ThreadTransport(TransportBase):
         except (TypeError, ValueError) as err:
             mine = err
         members, world = self._exchange("split", mine, self._make_groups)[mine[0]]
-        return ThreadTransport(world, members.index(self.rank))
+        return adopt_ranks(ThreadTransport(world, members.index(self.rank)), self, members)
 
     def _make_groups(self, values: list[Any]) -> dict[int, tuple[list[int], ThreadWorld]]:
         for r, v in enumerate(values):

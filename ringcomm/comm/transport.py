@@ -23,8 +23,8 @@ from ringcomm.comm.types import (
     Transport,
 )
 
-__all__ = ["TransportBase", "agree_split", "check_split", "check_timeout", "timeout_error",
-           "write_fatal"]
+__all__ = ["TransportBase", "adopt_ranks", "agree_split", "check_split", "check_timeout",
+           "split_members", "timeout_error", "write_fatal"]
 
 _C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
 
@@ -48,15 +48,38 @@ def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
     """The error of a wait of transport ``t`` that passed ``timeout``: the collective (``t``'s
     ``operation``), the step ``what``, the rank waited for where one is known, the time."""
     kind = t.operation or what
+    # Ranks as the whole job numbers them, also in a sub-group (the two-level allreduce's).
+    ranks, world = t.world_ranks, t.world_size
+    if peer is not None:
+        peer = ranks[peer]
     waited = "the other ranks" if peer is None else f"rank {peer}"
     step = "" if what == kind else f" ({what})"
+    within = "" if world == t.size else f" in its group of ranks {_listed(ranks)}"
     culprit = "a rank" if peer is None else f"rank {peer}"
-    message = (f"{kind} timed out on rank {t.rank} of {t.size} after {elapsed:.1f} s waiting "
-               f"for {waited}{step}: {culprit} may have exited, stopped, or be in another "
-               f"call. The timeout is {timeout:g} s: change it with ringcomm.init(timeout=...) "
-               "or RINGCOMM_TIMEOUT")
+    message = (f"{kind} timed out on rank {ranks[t.rank]} of {world}{within} after "
+               f"{elapsed:.1f} s waiting for {waited}{step}: {culprit} may have exited, "
+               f"stopped, or be in another call. The timeout is {timeout:g} s: change it with "
+               "ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT")
     return CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
                                   timeout=timeout)
+
+
+def _listed(ranks: Any) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}, ..., {ranks[-1]}"
+
+
+def split_members(everyone: list[tuple[Any, ...]], color: int) -> list[int]:
+    """The ranks passing ``color`` in ``agree_split``'s answer, ordered by (key, rank): the
+    new group's ranks as its parent numbers them."""
+    return [r for _, r in sorted((v[1], r) for r, v in enumerate(everyone) if v[0] == color)]
+
+
+def adopt_ranks(child: Any, parent: Any, members: list[int]) -> Any:
+    """Give the transport ``child``, split from ``parent`` over ``members`` (parent ranks,
+    in the child's order), the job's numbering of its ranks, for its messages; return it."""
+    child.world_ranks = tuple(parent.world_ranks[r] for r in members)
+    child.world_size = parent.world_size
+    return child
 
 
 def write_fatal(error: Exception, action: str) -> None:
@@ -82,6 +105,9 @@ class TransportBase:
         self.local_size = self.size if local_size is None else int(local_size)
         self.stats = CommStats()
         self.operation = ""
+        #: Each rank as the whole job numbers it (a sub-group's differ from its own ranks).
+        self.world_ranks: tuple[int, ...] = tuple(range(self.size))
+        self.world_size = self.size
         self._buffers: dict[tuple[Any, ...], Any] = {}
 
     def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:

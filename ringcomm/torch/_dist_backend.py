@@ -31,6 +31,7 @@ from ringcomm.comm.launch import detect
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import (
     TransportBase,
+    adopt_ranks,
     agree_split,
     check_timeout,
     timeout_error,
@@ -245,7 +246,7 @@ class TorchDistTransport(TransportBase):
         sub = TorchDistTransport.__new__(TorchDistTransport)
         sub._setup(group, True, hosts[:new_rank].count(hosts[new_rank]),
                    hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout)
-        return sub
+        return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
         self.release_scratch()
