@@ -33,6 +33,22 @@ z = comm.allreduce(np.full(3, rank + 1.0))                       # the agreement
 print(f"<{rank}|{comm.backend} {comm.rank} {comm.size} {info.launcher} {y[0]} {y[-1]} {z[0]}>",
       flush=True)
 comm.close()
+
+# A state over a one-process communicator (made as if before the group was up): the hook
+# refuses it at the first bucket instead of letting each rank train its own model.
+import torch
+from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.torch import RingcommState, ringcomm_hook
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+lone = MPICommunicator()
+model.register_comm_hook(RingcommState(comm=lone), ringcomm_hook)
+try:
+    model(torch.ones(3, 4)).sum().backward()
+    refused = "no error"
+except RuntimeError as err:
+    refused = "refused" if "1 process but torch.distributed's group has 2" in str(err) else err
+print(f"<{rank + 2}|{refused}>", flush=True)
+lone.close()
 dist.destroy_process_group()
 """
 
@@ -81,7 +97,9 @@ def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_e
         for p in procs:
             p.kill()
     lines = _lines("".join(outs))
-    assert lines == {r: f"gloo {r} 2 torch.distributed 3.0 3.0 3.0" for r in range(2)}, lines
+    assert lines == {0: "gloo 0 2 torch.distributed 3.0 3.0 3.0",
+                     1: "gloo 1 2 torch.distributed 3.0 3.0 3.0",
+                     2: "refused", 3: "refused"}, lines
 
 
 def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env):

@@ -82,9 +82,9 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "algorithm", "comm",
-                 "compression", "error_feedback", "feedback", "iter", "min_compress_bytes",
-                 "overlap", "start_iter")
+    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "_spans", "algorithm",
+                 "comm", "compression", "error_feedback", "feedback", "iter",
+                 "min_compress_bytes", "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
@@ -113,6 +113,27 @@ class RingcommState:
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], _RingCompressor]] = {}
+        self._spans = False  # the communicator checked against the job, at the first bucket
+
+    def check_spans_job(self) -> None:
+        """Refuse a one-process communicator in a job of several (a state made before
+        torch.distributed was up, say at the top of a script that Lightning's launcher runs
+        in its main process first): each rank would train its own model, without an error.
+
+        Raises:
+            RuntimeError: ``comm`` has one process and torch.distributed's group several.
+        """
+        if self._spans:
+            return
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.comm.size == 1 and world > 1:
+            raise RuntimeError(
+                f"RingcommState's communicator has 1 process but torch.distributed's group has "
+                f"{world}: it was made before the processes were connected. Make the state "
+                "once torch.distributed is initialized (ringcomm.init() then spans its group), "
+                "e.g. with ringcomm.torch.register_ddp_hook or, under Lightning, "
+                "ringcomm.torch.lightning.RingcommDDPStrategy")
+        self._spans = True
 
     def compresses(self, buffer: torch.Tensor) -> bool:
         """Whether the bucket ``buffer`` is sent compressed at the current iteration."""
@@ -212,6 +233,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         model = torch.nn.parallel.DistributedDataParallel(net)
         model.register_comm_hook(RingcommState(compression=ringcomm.Int8()), ringcomm_hook)
     """
+    state.check_spans_job()
     buffer = bucket.buffer()
     compression, name, layout = None, None, None
     if state.compresses(buffer):
