@@ -29,13 +29,13 @@ os.write(1, f"<{rank}|{out}>\n".encode())
 
 
 def _run_two(mpiexec: str, env: dict[str, str], variable: str, value: str,
-             other: str | None = None) -> dict[int, str]:
+             other: str | None = None, probe: str = PROBE) -> dict[int, str]:
     """Run PROBE at 2 ranks, rank 0 with ``variable=value`` (rank 1 with ``other``, or
     without it); return each rank's line."""
-    base = {k: v for k, v in env.items() if not k.startswith("RINGCOMM_")}
+    base = {k: v for k, v in env.items() if not k.startswith(("RINGCOMM_", "HOROVOD_"))}
     rank1 = [] if other is None else ["-env", variable, other]
-    cmd = [mpiexec, "-n", "1", "-env", variable, value, sys.executable, "-c", PROBE, ":",
-           "-n", "1", *rank1, sys.executable, "-c", PROBE]
+    cmd = [mpiexec, "-n", "1", "-env", variable, value, sys.executable, "-c", probe, ":",
+           "-n", "1", *rank1, sys.executable, "-c", probe]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=base)
     lines = dict(re.findall(r"<(\d)\|(.*?)>", proc.stdout))
     assert set(lines) == {"0", "1"}, (proc.returncode, proc.stdout, proc.stderr)
@@ -99,3 +99,39 @@ def test_log_level_differing_is_allowed(mpiexec, subprocess_env):
     """Logging changes nothing that travels: ranks may log at different levels."""
     lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_LOG_LEVEL", "DEBUG")
     assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
+
+
+HVD_PROBE = r"""
+import os, torch, ringcomm.torch as hvd
+rank = int(os.environ["PMI_RANK"])
+try:
+    hvd.init()
+    out = f"ok {hvd.size()} {hvd.allreduce(torch.ones(3), op=hvd.Sum)[0].item()}"
+    hvd.shutdown()
+except Exception as err:
+    out = f"{type(err).__name__}: {err}"
+os.write(1, f"<{rank}|{out}>\n".encode())
+"""
+
+
+@pytest.mark.parametrize(("variable", "value", "other", "expected"), [
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe", None,
+     "InvalidArgumentError: init failed on rank 0: HOROVOD_HIERARCHICAL_ALLREDUCE must be 0 "
+     "or 1"),
+    ("HOROVOD_CYCLE_TIME", "soon", None,
+     "InvalidArgumentError: init failed on rank 0: HOROVOD_CYCLE_TIME must be a number"),
+    ("HOROVOD_FUSION_THRESHOLD", "1024", None,
+     "ArgumentMismatchError: init: HOROVOD_FUSION_THRESHOLD differs between ranks: 1024 on "
+     "rank 0; 4194304 on rank 1"),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "0",
+     "ArgumentMismatchError: init: HOROVOD_HIERARCHICAL_ALLREDUCE differs between ranks: "
+     "hierarchical on rank 0; flat on rank 1"),
+])
+def test_horovod_variables_are_agreed(mpiexec, subprocess_env, variable, value, other,
+                                      expected):
+    """hvd.init() agrees on the Horovod variables as ringcomm.init() on its own: a bad value
+    on one rank used to raise there before MPI started, leaving the other rank waiting."""
+    pytest.importorskip("torch")
+    lines = _run_two(mpiexec, subprocess_env, variable, value, other, probe=HVD_PROBE)
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(expected), lines

@@ -206,7 +206,7 @@ def agree_at_start(t: Transport, settings: dict[str, Any],
                           for name, values in differences.items())
         raise ArgumentMismatchError(
             f"init: {parts}. Every rank must be given the same settings (init's options and "
-            "the RINGCOMM_* environment variables)", kind="init",
+            "their environment variables)", kind="init",
             ranks=tuple(range(len(everyone))), differences=differences)
 
 

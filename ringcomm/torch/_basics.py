@@ -8,6 +8,7 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.env import env, env_flag
+from ringcomm.comm.settings import agree_at_start
 from ringcomm.torch._engine import Engine, engine_for
 from ringcomm.torch.unsupported import refusal
 
@@ -102,15 +103,24 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
     with _LOCK:
         if _STATE.comm is not None and not _STATE.comm.closed:
             return
+        # Read without raising: a bad value on one rank is raised on every rank once the
+        # communicator is up (raised here alone, it would leave the others waiting for it).
+        settings, problem = _horovod_settings()
         if isinstance(comm, Communicator):
             _STATE.comm, _STATE.owned = comm, False
         else:
             from ringcomm.torch.process_group import new_communicator
 
-            algorithm = _algorithm_from_env()
             _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
-            if algorithm is not None:
-                _STATE.comm.algorithm = algorithm
+        try:
+            agree_at_start(_STATE.comm.transport, settings, problem)
+        except Exception:
+            if _STATE.owned:
+                _STATE.comm.close()
+            _STATE.comm = None
+            raise
+        if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None:
+            _STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
         _STATE.engine = engine_for(_STATE.comm)
         from ringcomm.torch._negotiate import coordinator_for
 
@@ -123,6 +133,28 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 
         for ps in process_sets:
             add_process_set(ps)
+
+
+def _horovod_settings() -> tuple[dict[str, Any], Exception | None]:
+    """The Horovod variables that change what the ranks exchange, checked (None for a bad
+    one), and the first error; HOROVOD_CYCLE_TIME's is checked too (its value may differ)."""
+    from ringcomm.torch._control import cache_capacity
+    from ringcomm.torch._fusion import fusion_threshold
+    from ringcomm.torch._negotiate import DEFAULT_CYCLE_TIME_MS, env_float
+
+    settings: dict[str, Any] = {}
+    problem = None
+    for name, read in (("HOROVOD_HIERARCHICAL_ALLREDUCE", _algorithm_from_env),
+                       ("HOROVOD_CACHE_CAPACITY", cache_capacity),
+                       ("HOROVOD_FUSION_THRESHOLD", lambda: fusion_threshold(None)),
+                       ("HOROVOD_CYCLE_TIME",
+                        lambda: env_float("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS))):
+        try:
+            settings[name] = read()
+        except ValueError as err:
+            settings[name], problem = None, problem or err
+    del settings["HOROVOD_CYCLE_TIME"]
+    return settings, problem
 
 
 def _algorithm_from_env() -> str | None:

@@ -75,7 +75,7 @@ DEFAULT_STALL_WARNING_S = 60.0
 _SHUT_DOWN = "ringcomm.torch has been shut down"
 
 
-def _env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     try:
         value = float(raw) if raw else default
@@ -111,10 +111,10 @@ class Coordinator:
         self.comm, self._control = comm, control
         self.rank, self.size = comm.rank, comm.size
         self._name = name
-        self._cycle_time = _env_float("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS) / 1000
+        self._cycle_time = env_float("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS) / 1000
         self._threshold = fusion_threshold(None)
         disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0")
-        warn = _env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_WARNING_S)
+        warn = env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_WARNING_S)
         cache = ResponseCache(cache_capacity())
         self._channel = ControlChannel(control, self.size, cache)
         self._table = PendingTable(self.size, self.rank, cache, stall_limit=stall_limit,
@@ -427,7 +427,7 @@ def _make(comm: Communicator) -> Coordinator:
     if hasattr(control, "abort_on_timeout"):
         control.abort_on_timeout = False  # a stall is reported with the operations' names
     default = float(getattr(transport, "timeout", 1800.0))
-    limit = _env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or default
+    limit = env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or default
     if hasattr(control, "timeout"):
         control.timeout = limit
     return Coordinator(comm, control, stall_limit=limit)

@@ -272,3 +272,18 @@ def test_mpi_transport_split(comm):
                        match=f"split failed on rank {comm.size - 1}: split color must be >= 0"):
         t.split(color, 0)
     usable(comm)
+
+
+def test_a_call_without_compression_is_named_in_the_error(comm):
+    """Compression on some ranks only: the ranks without any are shown as "none", never as a
+    blank ("compression/name differs between ranks:  on rank 0")."""
+    needs_two(comm)
+    x = np.ones(100_000, np.float32)
+    fp16 = comm.rank != 0
+    with pytest.raises(ringcomm.ArgumentMismatchError) as err:
+        comm.allreduce(x, compression=ringcomm.FP16() if fp16 else None,
+                       feedback=ringcomm.ErrorFeedback() if fp16 else None,
+                       name="f" if fp16 else None)
+    assert "compression/name differs between ranks: none on rank 0; FP16()|f|feedback=True on " \
+           "rank" in str(err.value), err.value
+    usable(comm)
