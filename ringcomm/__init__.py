@@ -97,18 +97,6 @@ def _mpi_world_text(world: int | None) -> str:
             else f"MPI.COMM_WORLD has {world} process{'es' if world != 1 else ''}")
 
 
-def _mpi_ranks_match(info: LaunchInfo) -> bool:
-    """Whether MPI.COMM_WORLD numbers the processes as ``info`` does (torch.distributed's
-    group may number them otherwise); the same answer on every rank (collective over MPI,
-    whose world has ``info.size`` processes)."""
-    if info.launcher != "torch.distributed":
-        return True
-    from ringcomm.comm.mpi import import_mpi
-
-    mpi = import_mpi()
-    return bool(mpi.COMM_WORLD.allreduce(mpi.COMM_WORLD.Get_rank() == info.rank, op=mpi.LAND))
-
-
 def _require_torch(info: LaunchInfo, world: int | None) -> None:
     """Raise if PyTorch, which connects torchrun's processes, is missing."""
     try:
@@ -132,8 +120,10 @@ def _auto_backend(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
     from ringcomm.comm import nccl
 
     if info.over_torch and mpi_comm is None:
+        from ringcomm.comm.mpi import world_numbers_alike
+
         world = _mpi_world_size()
-        if world != info.size or not _mpi_ranks_match(info):
+        if world != info.size or not world_numbers_alike(info.rank, info.size):
             _require_torch(info, world)
             why = (f"{info.describe()}, which is no MPI job ({_mpi_world_text(world)}"
                    f"{'' if world != info.size else ', numbering them otherwise'})")
@@ -199,6 +189,21 @@ def _build(backend: str, mpi_comm: Any, options: _settings.Settings, info: Launc
     from ringcomm.comm.mpi import MPICommunicator
 
     return MPICommunicator(mpi_comm, timeout=options.timeout, **kwargs)
+
+
+def _check_torch_group(info: LaunchInfo) -> None:
+    """Raise when torch.distributed's initialized group and the launcher's variables give the
+    job different sizes (a group of one in a launch of several, say): which processes the
+    communicator should span is then unknown, and either guess could train apart."""
+    if info.launcher != "torch.distributed":
+        return
+    launched = launch_info(os.environ)
+    if launched.launcher not in ("none", "lightning") and launched.size != info.size:
+        raise RuntimeError(
+            f"{info.describe()} but {launched.describe()}: initialize torch.distributed over "
+            "the processes the launcher started (init_process_group() without rank or "
+            "world_size under torchrun; ringcomm.torch.process_group.init_process_group_from_mpi"
+            "() under mpiexec)")
 
 
 def _lightning_hint(info: LaunchInfo) -> str:
@@ -362,6 +367,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     info = launch_info()
     if not info.rank_known:
         raise RuntimeError(_lightning_hint(info))
+    _check_torch_group(info)
     _log.set_rank(info.rank, info.size)
     if backend == "auto":
         backend, why = _auto_backend(mpi_comm, info)

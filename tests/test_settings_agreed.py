@@ -37,7 +37,7 @@ def _run_two(mpiexec: str, env: dict[str, str], variable: str, value: str,
     cmd = [mpiexec, "-n", "1", "-env", variable, value, sys.executable, "-c", probe, ":",
            "-n", "1", *rank1, sys.executable, "-c", probe]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=base)
-    lines = dict(re.findall(r"<(\d)\|(.*?)>", proc.stdout))
+    lines = dict(re.findall(r"^<(\d)\|(.*)>$", proc.stdout, re.MULTILINE))
     assert set(lines) == {"0", "1"}, (proc.returncode, proc.stdout, proc.stderr)
     return {int(r): line for r, line in lines.items()}
 
@@ -120,6 +120,10 @@ os.write(1, f"<{rank}|{out}>\n".encode())
      "or 1"),
     ("HOROVOD_CYCLE_TIME", "soon", None,
      "InvalidArgumentError: init failed on rank 0: HOROVOD_CYCLE_TIME must be a number"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1", None,
+     "InvalidArgumentError: init failed on rank 0: HOROVOD_STALL_CHECK_TIME_SECONDS must be a "
+     "finite number >= 0"),
+    ("HOROVOD_CYCLE_TIME", "5", None, "ok 2 2.0"),          # timing may differ between ranks
     ("HOROVOD_FUSION_THRESHOLD", "1024", None,
      "ArgumentMismatchError: init: HOROVOD_FUSION_THRESHOLD differs between ranks: 1024 on "
      "rank 0; 4194304 on rank 1"),

@@ -222,8 +222,9 @@ def test_thread_timeout_fields():
     timeout = 0.3
 
     def collective(t):
+        comm = Communicator(t)  # collective: every rank agrees on the settings
         if t.rank == 1:
-            Communicator(t).allreduce(np.ones(3, np.float32))
+            comm.allreduce(np.ones(3, np.float32))
 
     def receive(t):
         if t.rank == 1:

@@ -132,3 +132,26 @@ def test_lightning_launcher_without_a_group_raises(subprocess_env, backend):
         "WORLD_SIZE=2 without RANK (PyTorch Lightning's launcher): this process's global rank "
         "is known only once Lightning has initialized torch.distributed"), proc.stdout
     assert "ringcomm.torch.lightning.RingcommDDPStrategy" in proc.stdout
+
+
+CONTRADICTED = r"""
+import torch.distributed as dist, ringcomm
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+try:
+    ringcomm.init()
+    print("size 1 returned")
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def test_a_group_of_one_in_a_launch_of_two_raises(subprocess_env):
+    """torch.distributed initialized with one process where the launcher says two: neither
+    size is taken silently."""
+    env = {**subprocess_env, "PMI_RANK": "0", "PMI_SIZE": "2"}
+    code = CONTRADICTED.replace("{port}", str(_free_port()))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.stdout.startswith("torch.distributed's default group has 1 process but "
+                                  "PMI_SIZE=2 (mpich): initialize torch.distributed over the "
+                                  "processes the launcher started"), (proc.stdout, proc.stderr)

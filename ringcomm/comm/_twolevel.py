@@ -90,8 +90,9 @@ class TwoLevel:
         transport: the communicator's transport, which the groups are split from.
         algorithm: the default of ``allreduce(algorithm=None)``.
         topology: "auto" or ranks per node (see :mod:`ringcomm.comm.topology`);
-            ``RINGCOMM_RANKS_PER_NODE`` replaces "auto" when set (read here, so that a bad
-            value fails on its own rank now, not in a later collective).
+            ``RINGCOMM_RANKS_PER_NODE`` replaces "auto" when set (read here: a bad value
+            raises, and the Communicator being built raises it on every rank, in its start-up
+            agreement).
     """
 
     __slots__ = ("_groups", "_topology", "algorithm", "setting", "transport")

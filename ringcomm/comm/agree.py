@@ -12,6 +12,7 @@ allreduce is complete after this one exchange; that slot is sent with every coll
 from __future__ import annotations
 
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,14 +88,21 @@ class ThreadNames:
     afterwards, and the survivors of two ranks need not be the same logical thread. A thread
     of that name started after they have all ended calls again. Calls made under
     ``calls_as`` are exempt: its threads share one name by design and serialize their calls.
+
+    The names looked at are those of every live thread of the process, whichever
+    communicator they call on: two threads of one name on two communicators are refused too
+    (the rule is "a name of its own among the process's live threads"), since a thread's
+    first call cannot tell whether its twin will call here later.
     """
 
     __slots__ = ("_owners", "_twins")
 
     def __init__(self) -> None:
-        # Thread objects, not idents: the ident of a finished thread is given to new ones.
-        self._owners: dict[str, threading.Thread] = {}
-        self._twins: dict[str, set[threading.Thread]] = {}
+        # Thread objects, not idents (the ident of a finished thread is given to new ones),
+        # held weakly: a pool of new threads each step must not grow these without bound.
+        self._owners: weakref.WeakValueDictionary[str, threading.Thread] = (
+            weakref.WeakValueDictionary())
+        self._twins: dict[str, weakref.WeakSet[threading.Thread]] = {}
 
     def owns(self, name: str) -> bool:
         """Whether the calling thread may call as ``name`` without a look at the others (the
@@ -113,7 +121,7 @@ class ThreadNames:
             self._twins.pop(name, None)
             self._owners[name] = me
             return None
-        self._twins[name] = twins | live | {me}
+        self._twins[name] = weakref.WeakSet(twins | live | {me})
         self._owners.pop(name, None)
         return ValueError(
             f"thread {name!r} made a collective call, but another thread of its process "
@@ -222,7 +230,8 @@ class CallSpec:
         if self.error is not None:
             kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
             return {"error": (kind, str(self.error)), "caller": self.caller,
-                    "array": _ARRAY_NAMES[self.array]}
+                    "array": _ARRAY_NAMES[self.array],
+                    "setting": self.extra if self.kind == "configure" else ""}
         dt = self.dtype
         return {
             "caller": self.caller,
@@ -261,9 +270,12 @@ class Agreement:
 
     def agree_setting(self, name: str, value: Any, error: Exception | None = None) -> None:
         """Agree that every rank changes setting ``name`` to ``value`` at this point: one
-        checked exchange, whether or not the consistency check is on, so that a rank changing
-        it alone, to another value, or to an invalid one (``error``) raises the same error on
-        every rank instead of leaving the ranks to exchange messages that do not match."""
+        checked exchange (checked also while the consistency check is off), so that a rank
+        changing it alone, to another value, or to an invalid one (``error``) raises the same
+        error on every rank instead of leaving the ranks to exchange messages that do not
+        match. A rank changing it alone is caught only where the other ranks' calls meeting
+        this exchange are checked too: with the consistency check off, their calls exchange
+        no header to compare."""
         spec = CallSpec("configure")
         spec.extra, spec.error = f"{name}={value!r}", error
         check, self.check = self.check, True

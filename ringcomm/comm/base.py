@@ -97,17 +97,21 @@ class Communicator:
             self._two_level = _twolevel.TwoLevel(
                 transport, _twolevel.resolve_algorithm(algorithm), topology)
             self._setup(transport, consistency_check, segment_bytes, inline_bytes)
-        except (TypeError, ValueError) as err:
-            startup_error = startup_error or err  # raised below, on every rank
+        except Exception as err:  # raised below, on every rank
+            startup_error = startup_error or (
+                err if isinstance(err, (TypeError, ValueError)) else ValueError(
+                    f"{type(err).__name__}: {err}"))
         except BaseException:
             transport.close()  # a refused option must not leak the backend's resources
             raise
         try:
+            transport.operation = "init"  # what a timeout of the exchange below names
             settings.agree_at_start(transport, self._settings() if startup_error is None
                                     else {}, startup_error)
         except BaseException:
             transport.close()
             raise
+        transport.operation = ""
 
     def _setup(self, transport: Transport, consistency_check: bool, segment_bytes: int | None,
                inline_bytes: int | None) -> None:
@@ -195,7 +199,9 @@ class Communicator:
 
     @property
     def segment_bytes(self) -> int:
-        """Ring segment size in bytes; every rank must use the same (checked each call)."""
+        """Ring segment size in bytes; every rank must use the same: it travels in every
+        call's header, so a rank that set another raises the same error on every rank at the
+        next call (with the consistency check on; with it off, nothing is compared)."""
         return self._agreement.segment_bytes
 
     @segment_bytes.setter

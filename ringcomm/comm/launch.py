@@ -10,7 +10,8 @@ is read before any communicator exists, so that a process can pick its GPU befor
 start, and so that ``ringcomm.init`` can check that its communicator spans the job.
 
 Where torch.distributed's default group is already initialized (by Lightning, Accelerate, or
-the script itself), that group is the job: its rank and size win over every variable.
+the script itself), that group is the job: its rank and size win over every variable
+(torchrun's are kept where they describe the same group).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     Returns:
         A LaunchInfo. A process started without a launcher is rank 0 of 1, and so is a Slurm
         batch script itself (``SLURM_PROCID`` without srun's ``SLURM_STEP_*`` variables).
+        With ``env`` omitted and torch.distributed's default group initialized, the group's
+        rank and size (launcher "torch.distributed", unless torchrun's variables give the same
+        rank and size).
 
     Raises:
         ValueError: a launcher variable is not an integer, or the values contradict each other
@@ -138,6 +142,11 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     if group is None:
         return found
     rank, size = group
+    if found.launcher == "torchrun" and (found.rank, found.size) == group:
+        # torchrun's variables describe the group they initialized. (No other launcher's are
+        # kept even where they agree: whether they do may differ between ranks, and every
+        # rank must take the same path in init.)
+        return found
     if found.size == size:  # the launcher started this group: its local variables hold
         local_rank, local_size = found.local_rank, found.local_size
     else:

@@ -49,6 +49,7 @@ __all__ = [
     "MPITransport",
     "import_mpi",
     "install_abort_hook",
+    "world_numbers_alike",
     "yield_when_oversubscribed",
 ]
 
@@ -120,6 +121,20 @@ def import_mpi() -> Any:
             f"(mpi4py + the mpich wheel), or mpi4py built against your site MPI ({err})"
         ) from err
     return MPI
+
+
+def world_numbers_alike(rank: int, size: int) -> bool:
+    """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
+    every rank: a collective over MPI's world where its size is ``size`` (call it on every
+    rank), False without mpi4py. For a job whose torch.distributed group is up: its ranks
+    may be numbered otherwise than MPI's, and then MPI cannot stand in for it."""
+    try:
+        world = import_mpi().COMM_WORLD
+    except RuntimeError:
+        return False
+    if world.Get_size() != size:
+        return False
+    return bool(world.allreduce(world.Get_rank() == rank, op=import_mpi().LAND))
 
 
 def _as_bytes(a: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from typing import Any
 
@@ -113,21 +114,12 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 
             _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
         try:
-            agree_at_start(_STATE.comm.transport, settings, problem)
-        except Exception:
+            _start(settings, problem)
+        except BaseException:
             if _STATE.owned:
                 _STATE.comm.close()
-            _STATE.comm = None
+            _STATE.comm, _STATE.engine = None, None  # not half started: init may run again
             raise
-        if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None:
-            _STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
-        _STATE.engine = engine_for(_STATE.comm)
-        from ringcomm.torch._negotiate import coordinator_for
-
-        coordinator_for(_STATE.comm)  # collective: its control channel is split here
-        from ringcomm.torch.timeline import start_from_env
-
-        start_from_env(_STATE.comm.rank)  # HOROVOD_TIMELINE
     if process_sets is not None and process_sets != "dynamic":
         from ringcomm.torch.process_sets import add_process_set
 
@@ -135,25 +127,44 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
             add_process_set(ps)
 
 
+def _start(settings: dict[str, Any], problem: Exception | None) -> None:
+    """Agree on the Horovod settings over the new communicator, then start the engine, the
+    negotiation and the timeline (collective)."""
+    agree_at_start(_STATE.comm.transport, settings, problem)
+    if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and _STATE.owned:
+        _STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
+    _STATE.engine = engine_for(_STATE.comm)
+    from ringcomm.torch._negotiate import coordinator_for
+
+    coordinator_for(_STATE.comm)  # collective: its control channel is split here
+    from ringcomm.torch.timeline import start_from_env
+
+    start_from_env(_STATE.comm.rank)  # HOROVOD_TIMELINE
+
+
 def _horovod_settings() -> tuple[dict[str, Any], Exception | None]:
     """The Horovod variables that change what the ranks exchange, checked (None for a bad
-    one), and the first error; HOROVOD_CYCLE_TIME's is checked too (its value may differ)."""
+    one), and the first error. The timing variables are checked too, not compared: their
+    values may differ between ranks, but a bad one must fail every rank."""
     from ringcomm.torch._control import cache_capacity
     from ringcomm.torch._fusion import fusion_threshold
-    from ringcomm.torch._negotiate import DEFAULT_CYCLE_TIME_MS, env_float
+    from ringcomm.torch._negotiate import env_float
 
+    compared = (("HOROVOD_HIERARCHICAL_ALLREDUCE", _algorithm_from_env),
+                ("HOROVOD_CACHE_CAPACITY", cache_capacity),
+                ("HOROVOD_FUSION_THRESHOLD", lambda: fusion_threshold(None)))
+    timing = tuple((name, functools.partial(env_float, name, 0.0)) for name in (
+        "HOROVOD_CYCLE_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"))
     settings: dict[str, Any] = {}
     problem = None
-    for name, read in (("HOROVOD_HIERARCHICAL_ALLREDUCE", _algorithm_from_env),
-                       ("HOROVOD_CACHE_CAPACITY", cache_capacity),
-                       ("HOROVOD_FUSION_THRESHOLD", lambda: fusion_threshold(None)),
-                       ("HOROVOD_CYCLE_TIME",
-                        lambda: env_float("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS))):
+    for name, read in compared + timing:
         try:
             settings[name] = read()
         except ValueError as err:
             settings[name], problem = None, problem or err
-    del settings["HOROVOD_CYCLE_TIME"]
+    for name, _ in timing:
+        del settings[name]
     return settings, problem
 
 

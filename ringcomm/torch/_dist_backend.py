@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.launch import detect
 from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import (
     TransportBase,
@@ -132,13 +131,17 @@ class TorchDistTransport(TransportBase):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group() (torchrun sets its environment)")
-        info = detect()
         seconds = check_timeout(timeout)
         owned = group is None
         if owned:
             group = dist.new_group(backend="gloo", timeout=_duration(seconds))
-        self._setup(group, owned, info.local_rank, info.local_size, seconds,
-                    bool(abort_on_timeout))
+        # From the group's host names, not the launcher's variables: Lightning's launcher
+        # sets no local size, and a guess could differ between the ranks of one node.
+        hosts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        rank = dist.get_rank(group)
+        self._setup(group, owned, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]),
+                    seconds, bool(abort_on_timeout))
 
     def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int,
                timeout: float, abort_on_timeout: bool) -> None:

@@ -102,7 +102,7 @@ def launched_by_torchrun() -> bool:
     """Whether this process was started by torchrun (its RANK/WORLD_SIZE are set)."""
     from ringcomm import launch_info
 
-    return launch_info().launcher == "torchrun"
+    return launch_info(os.environ).launcher == "torchrun"  # the variables, not a group
 
 
 def init_process_group_from_env(backend: str = "gloo") -> None:

@@ -287,3 +287,19 @@ def test_a_call_without_compression_is_named_in_the_error(comm):
     assert "compression/name differs between ranks: none on rank 0; FP16()|f|feedback=True on " \
            "rank" in str(err.value), err.value
     usable(comm)
+
+
+def test_an_invalid_setting_on_one_rank_meeting_another_call(comm):
+    """A setter refused on rank 0 (an invalid topology) while the others make an allreduce:
+    the same error on every rank (building it used to fail with a KeyError), and nothing
+    changed."""
+    needs_two(comm)
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match="collective calls differ between ranks: a change of topology=-1 on "
+                             "rank 0; allreduce on rank"):
+        if comm.rank == 0:
+            comm.topology = -1
+        else:
+            comm.allreduce(np.ones(10, np.float32))
+    assert comm.topology == "auto"
+    usable(comm)
