@@ -77,6 +77,9 @@ def caller() -> str:
     return threading.current_thread().name if name is None else name
 
 
+_MAX_OWNERS = 256  # remembered thread names before finished threads are dropped
+
+
 class ThreadNames:
     """Which thread calls under each thread name on one communicator: one thread a name.
 
@@ -98,16 +101,28 @@ class ThreadNames:
     __slots__ = ("_owners", "_twins")
 
     def __init__(self) -> None:
-        # Thread objects, not idents (the ident of a finished thread is given to new ones),
-        # held weakly: a pool of new threads each step must not grow these without bound.
-        self._owners: weakref.WeakValueDictionary[str, threading.Thread] = (
-            weakref.WeakValueDictionary())
+        # Thread objects, not idents (the ident of a finished thread is given to new ones);
+        # finished ones are dropped as new names come (a pool of new threads each step must
+        # not grow this without bound), and twins are held weakly.
+        self._owners: dict[str, threading.Thread] = {}
         self._twins: dict[str, weakref.WeakSet[threading.Thread]] = {}
 
     def owns(self, name: str) -> bool:
         """Whether the calling thread may call as ``name`` without a look at the others (the
         cheap check of every call)."""
         return _CALLER.name is not None or self._owners.get(name) is threading.current_thread()
+
+    def caller(self) -> tuple[str, ValueError | None]:
+        """This thread's caller (as :func:`caller` says) and, where another live thread bears
+        its name, the error to raise on every rank: the per-call path's one look."""
+        name = _CALLER.name
+        if name is not None:
+            return name, None
+        me = threading.current_thread()
+        name = me.name
+        if self._owners.get(name) is me:
+            return name, None
+        return name, self.conflict(name)
 
     def conflict(self, name: str) -> ValueError | None:
         """None where the calling thread may call as ``name`` (it is then remembered), or the
@@ -119,6 +134,8 @@ class ThreadNames:
         twins = {t for t in self._twins.get(name, ()) if t.is_alive()}
         if me not in twins and len(live) <= 1:
             self._twins.pop(name, None)
+            if len(self._owners) >= _MAX_OWNERS:
+                self._owners = {n: t for n, t in self._owners.items() if t.is_alive()}
             self._owners[name] = me
             return None
         self._twins[name] = weakref.WeakSet(twins | live | {me})
@@ -408,12 +425,13 @@ class InlinePlan:
     """
 
     __slots__ = ("agreement", "allgather", "buffers", "data", "dtype", "header",
-                 "heads", "nbytes", "op", "pair", "rows", "shape", "spec", "stats", "ufunc",
-                 "volume")
+                 "heads", "nbytes", "op", "pair", "rows", "shape", "spec", "stats", "threads",
+                 "ufunc", "volume")
 
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
         self.agreement, self.spec, self.op = agreement, spec, op
+        self.threads = agreement.threads
         t = agreement.transport
         self.allgather, self.stats = t.allgather_fixed, t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
@@ -447,14 +465,12 @@ class InlinePlan:
                 and out.flags.writeable)
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        name = caller()
+        name, twins = self.threads.caller()
         if name != self.spec.caller:  # another thread repeats the call: its own header
             self.spec.caller = name
             self.header = self.spec.header(self.agreement.segment_bytes)
-        if not self.agreement.threads.owns(name):
-            twins = self.agreement.threads.conflict(name)
-            if twins is not None:  # raised on every rank
-                self.agreement._exchange(self.spec.with_error(twins))
+        if twins is not None:  # raised on every rank
+            self.agreement._exchange(self.spec.with_error(twins))
         send, recv, view = self.buffers
         view[:_HEADER_BYTES] = self.header
         if self.nbytes:
