@@ -65,6 +65,21 @@ def expected(comm, tag: int, n: int) -> np.ndarray:
     return np.full(n, sum(tag * 1000 + r + 1 for r in range(comm.size)), dtype=np.int64)
 
 
+def race(comm, tag: int, n_calls: int, refused: type[Exception],
+         start: threading.Barrier | None = None) -> list[Any]:
+    """``n_calls`` allreduces identified by ``tag`` (after ``start``, if given); each call's
+    result, or its error of type ``refused``."""
+    if start is not None:
+        start.wait(30)
+    got: list[Any] = []
+    for i in range(n_calls):
+        try:
+            got.append(comm.allreduce(value(comm, tag, 1 + i % 3)))
+        except refused as err:
+            got.append(err)
+    return got
+
+
 def usable(comm) -> None:
     assert np.all(comm.allreduce(np.ones(100_000, np.float32)) == comm.size)
 
@@ -129,17 +144,9 @@ def test_unordered_threads_never_mix_data(comm, world):
     """Two threads racing, 100 calls each: every call returns its own correct result or
     raises ArgumentMismatchError, as many on every rank; never another call's data."""
     n_calls = 100
-
-    def racer(tag: int) -> list[Any]:
-        got = []
-        for i in range(n_calls):
-            try:
-                got.append(comm.allreduce(value(comm, tag, 1 + i % 3)))
-            except ringcomm.ArgumentMismatchError as err:
-                got.append(err)
-        return got
-
-    out = run_threads(("left", lambda: racer(1)), ("right", lambda: racer(2)))
+    mismatch = ringcomm.ArgumentMismatchError
+    out = run_threads(("left", lambda: race(comm, 1, n_calls, mismatch)),
+                      ("right", lambda: race(comm, 2, n_calls, mismatch)))
     errors = 0
     for tag, name in ((1, "left"), (2, "right")):
         assert isinstance(out[name], list), out[name]
@@ -173,21 +180,13 @@ def test_two_live_threads_of_one_name_are_refused(comm, world):
     every rank, naming the rule; no call returns another call's data; afterwards a thread of
     that name (one at a time) calls again."""
     n_calls = 30
-    start = threading.Barrier(2)
+    start = threading.Barrier(2)  # both alive before either calls
 
-    def racer(tag: int) -> list[Any]:
-        start.wait(30)  # both alive before either calls
-        got = []
-        for i in range(n_calls):
-            try:
-                got.append(comm.allreduce(value(comm, tag, 1 + i % 3)))
-            except ringcomm.InvalidArgumentError as err:
-                got.append(err)
-        return got
+    def racer(tag: int) -> None:
+        out[tag] = race(comm, tag, n_calls, ringcomm.InvalidArgumentError, start)
 
     out: dict[int, Any] = {}
-    threads = [threading.Thread(target=lambda t=tag: out.__setitem__(t, racer(t)), name="worker")
-               for tag in (1, 2)]
+    threads = [threading.Thread(target=racer, args=(tag,), name="worker") for tag in (1, 2)]
     for th in threads:
         th.start()
     for th in threads:
