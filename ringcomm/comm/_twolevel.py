@@ -188,8 +188,7 @@ class TwoLevel:
 def route(sub: Transport, x: Any) -> Transport:
     """The transport of ``sub`` that moves arrays like ``x`` (its host transport for host
     arrays, on backends that have one)."""
-    router = getattr(sub, "transport_for", None)
-    return sub if router is None else router(x)
+    return sub.transport_for(x)
 
 
 def _may_help(t: Transport, x: Any, comp: Any | None) -> bool:
@@ -197,6 +196,6 @@ def _may_help(t: Transport, x: Any, comp: Any | None) -> bool:
     if comp is not None:
         return (comp.allreduce_algorithm in hierarchical.SHARDABLE_ALGORITHMS
                 and t.size >= 2 * HIERARCHICAL_MIN_NODES_COMPRESSED)
-    if t.backend == "nccl" and _ops.is_device_array(x):
-        return False  # NCCL's own allreduce already follows the node structure
+    if t.follows_nodes_on_device and _ops.is_device_array(x):
+        return False
     return x.nbytes >= HIERARCHICAL_MIN_BYTES

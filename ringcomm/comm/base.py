@@ -118,14 +118,10 @@ class Communicator:
         inline = agree.INLINE_BYTES if inline_bytes is None else settings.check_bytes(
             int(inline_bytes), "inline_bytes", 0, 8, settings.MAX_INLINE_BYTES)
         self._transport = transport
-        # Optional parts of a backend: which transport moves which kind of array (NCCL's
-        # host transport), and a context making its CUDA device current.
-        self._router: Callable[[Any], Transport] | None = getattr(transport, "transport_for",
-                                                                  None)
-        self._device_scope: Callable[[], Any] | None = getattr(transport, "device_scope", None)
-        # A bounded wait for the device's current stream, before copies to the host that
-        # would wait for it without bound (NCCL: a dead peer's kernel can hold it forever).
-        self._wait_gpu: Callable[[str], None] | None = getattr(transport, "wait_gpu", None)
+        # Which transport moves which kind of array (NCCL's host transport): looked up per
+        # call only where the backend routes at all (the host path stays one attribute).
+        self._router: Callable[[Any], Transport] | None = (
+            transport.transport_for if transport.routes_arrays else None)
         self._lock = threading.RLock()  # one call at a time (re-entered by nested calls)
         self._stats = transport.stats  # read on every call: one attribute, not two
         self._closed = False
@@ -174,7 +170,13 @@ class Communicator:
         """The CUDA device this communicator's device work runs on: NCCL's GPU; on the MPI
         backend the one it selected when first given device arrays; None before that and on
         backends without one."""
-        return getattr(self._transport, "device_id", None)
+        return self._transport.device_id
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait for the other ranks (and, on NCCL, for the GPU) may last before
+        the call fails with CollectiveTimeoutError (the same on every rank: agreed at start)."""
+        return self._transport.timeout
 
     @property
     def stats(self) -> CommStats:
@@ -445,12 +447,12 @@ class Communicator:
         return {"backend": self.backend, "consistency_check": self.consistency_check,
                 "segment_bytes": self.segment_bytes, "inline_bytes": self.inline_bytes,
                 "algorithm": self.algorithm, "topology": self.topology,
-                "timeout": getattr(self._transport, "timeout", None)}
+                "timeout": self._transport.timeout}
 
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
-        failure = getattr(self._transport, "failure", None)
+        failure = self._transport.failure
         if failure is not None:
             raise RuntimeError(
                 f"the {self.backend} communicator was aborted after an earlier failure and "
@@ -466,10 +468,9 @@ class Communicator:
     def _on_device(self, *arrays: Any) -> Any:
         """A context making the backend's CUDA device current where any of ``arrays`` is a
         device array (a no-op context for host arrays, and on backends without a device)."""
-        scope = self._device_scope
-        if scope is None or not any(_ops.is_device_array(a) for a in arrays):
+        if not any(_ops.is_device_array(a) for a in arrays):
             return _NO_DEVICE
-        return scope()
+        return self._transport.device_scope()
 
     def _check_rank(self, r: int, label: str) -> int:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
@@ -521,8 +522,10 @@ class Communicator:
     def _run(self, plan: AllreducePlan, x: Any, out: Any) -> Any:
         spec = plan.spec
         if plan.dense and spec.error is None and x.nbytes <= self.inline_bytes:
-            if self._wait_gpu is not None and type(x) is not np.ndarray:
-                self._wait_gpu("allreduce")  # the inline path copies x to the host
+            if type(x) is not np.ndarray:
+                # The inline path copies x to the host: wait for the device first, within the
+                # timeout (NCCL: a dead peer's kernel could hold the copy forever).
+                self._transport.wait_gpu("allreduce")
             return self._agreement.allreduce_inline(spec, x, out, plan.op)
         self._agreement.agree(spec)
         t = self._route(x)
@@ -549,8 +552,8 @@ class Communicator:
             seed = mix_seed(self._compressed_calls, self.rank)
             self._reduce(t, plan, _arrays.flat(x), flat_out, comp, seed)
         if trial is not None:  # a call trying one of auto's candidates: keep its time
-            if self._wait_gpu is not None and type(x) is not np.ndarray:
-                self._wait_gpu("allreduce")  # the call's device work is done
+            if type(x) is not np.ndarray:
+                self._transport.wait_gpu("allreduce")  # the call's device work is done
             trial[0].record(trial[1], time.perf_counter() - start)
         if not direct:
             result[...] = flat_out.reshape(x.shape)

@@ -501,11 +501,6 @@ class MPICommunicator(Communicator):
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes, **options)
 
     @property
-    def timeout(self) -> float:
-        """Seconds any wait for the other ranks may last before it times out."""
-        return self.transport.timeout
-
-    @property
     def cuda_aware(self) -> bool:
         """Whether device arrays go to MPI directly (else staged through host memory)."""
         return self.transport.cuda_aware

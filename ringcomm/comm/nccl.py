@@ -139,7 +139,3 @@ class NCCLCommunicator(Communicator):
         """The NCCL library's version, as "2.21.5"."""
         return self.transport.nccl_version
 
-    @property
-    def timeout(self) -> float:
-        """Seconds any wait for the other ranks, or for the GPU, may last."""
-        return self.transport.timeout

@@ -12,8 +12,6 @@ a setting that differs, raises the same typed error on every rank, before any da
 
 from __future__ import annotations
 
-import datetime
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +22,7 @@ from ringcomm.comm import log as _log
 from ringcomm.comm.agree import rank_groups
 from ringcomm.comm.env import env, env_bytes, env_flag
 from ringcomm.comm.topology import resolve_topology
+from ringcomm.comm.transport import check_timeout
 from ringcomm.comm.types import (
     DEFAULT_TIMEOUT_S,
     ArgumentMismatchError,
@@ -151,29 +150,16 @@ def _size(nbytes: int) -> str:
 
 def _timeout_option(timeout: Any) -> float:
     """``timeout`` (or ``RINGCOMM_TIMEOUT``, or the default) in seconds."""
-    if timeout is None:
-        raw = env("RINGCOMM_TIMEOUT")
-        if raw is None:
-            return DEFAULT_TIMEOUT_S
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError("RINGCOMM_TIMEOUT must be a positive number of seconds, such as "
-                             f"600 or 1800, got {raw!r}")
-        return seconds
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif (isinstance(timeout, (int, float, np.integer, np.floating))
-          and not isinstance(timeout, (bool, np.bool_))):
-        seconds = float(timeout)
-    else:
-        raise TypeError("timeout must be a datetime.timedelta or a number of seconds, "
-                        f"got {type(timeout).__name__} {timeout!r}")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"timeout must be a positive, finite time, got {timeout!r}")
-    return seconds
+    if timeout is not None:
+        return check_timeout(timeout)
+    raw = env("RINGCOMM_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return check_timeout(float(raw))
+    except ValueError:
+        raise ValueError("RINGCOMM_TIMEOUT must be a positive number of seconds, such as "
+                         f"600 or 1800, got {raw!r}") from None
 
 
 def agree_at_start(t: Transport, settings: dict[str, Any],

@@ -27,6 +27,8 @@ from ringcomm.comm.types import RING, USER, CollectiveTimeoutError
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
 
 #: Seconds any wait lasts before raising CollectiveTimeoutError.
+# Shorter than ringcomm's default (DEFAULT_TIMEOUT_S): these worlds run tests, where a hung
+# rank should fail its test within a minute.
 DEFAULT_TIMEOUT = 60.0
 _CHANNELS = {RING: "ring", USER: "user"}
 _EXCHANGES = {RING: "ring exchange", USER: "sendrecv"}  # a timeout's kind outside a collective
@@ -216,6 +218,15 @@ class ThreadTransport(TransportBase):
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         super().__init__(_check_rank(rank, world.size, "rank"), world.size)
         self.world = world
+
+    @property  # type: ignore[override]
+    def timeout(self) -> float:
+        """The world's: every wait of its ranks lasts at most this long."""
+        return self.world.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self.world.timeout = value
 
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
                   channel: int = RING) -> _Exchange:

@@ -7,6 +7,9 @@ collectives, ``split``); the defaults here say "no native collective, every arra
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import math
 import sys
 from typing import Any
 
@@ -29,17 +32,26 @@ __all__ = ["TransportBase", "adopt_ranks", "agree_split", "check_split", "check_
 _C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
 
 
-def check_timeout(timeout: float | None) -> float:
-    """``timeout`` in seconds (``DEFAULT_TIMEOUT_S`` when None; ``math.inf`` waits forever).
+def check_timeout(timeout: Any) -> float:
+    """``timeout`` in seconds: a ``datetime.timedelta`` or a number (``DEFAULT_TIMEOUT_S``
+    when None). The one check of every timeout ringcomm takes, ``init``'s and the backends'.
 
     Raises:
-        ValueError: ``timeout`` is not a positive number.
+        TypeError: neither a timedelta nor a number.
+        ValueError: not a positive, finite time.
     """
     if timeout is None:
         return DEFAULT_TIMEOUT_S
-    seconds = float(timeout)
-    if not seconds > 0:  # NaN included
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif (isinstance(timeout, (int, float, np.integer, np.floating))
+          and not isinstance(timeout, (bool, np.bool_))):
+        seconds = float(timeout)
+    else:
+        raise TypeError("timeout must be a datetime.timedelta or a number of seconds, "
+                        f"got {type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a positive, finite time, got {timeout!r}")
     return seconds
 
 
@@ -92,9 +104,28 @@ def write_fatal(error: Exception, action: str) -> None:
 
 class TransportBase:
     """Rank, size, host-local rank and size, stats and scratch buffers of a Transport;
-    backends add the messaging."""
+    backends add the messaging.
+
+    The optional capabilities of the Transport protocol have their defaults here, so that
+    the Communicator and the algorithms read them without probing: a host-only backend with
+    one transport for every array kind inherits them as they are.
+    """
 
     backend: str = ""
+    #: Seconds any wait for the other ranks may last (backends set their own).
+    timeout: float = DEFAULT_TIMEOUT_S
+    #: End the job on a timeout (True), or raise CollectiveTimeoutError (False).
+    abort_on_timeout: bool = True
+    #: The error that aborted this transport, after which it refuses every call; None.
+    failure: Exception | None = None
+    #: The CUDA device of this transport's device work; None without one (or before one
+    #: was chosen).
+    device_id: int | None = None
+    #: Whether ``transport_for`` may answer another transport than this one.
+    routes_arrays: bool = False
+    #: Whether the library's own collectives of device arrays already follow the nodes
+    #: (NCCL's rings and trees): the two-level allreduce then has nothing to add for them.
+    follows_nodes_on_device: bool = False
 
     def __init__(self, rank: int, size: int, *, local_rank: int | None = None,
                  local_size: int | None = None) -> None:
@@ -130,6 +161,19 @@ class TransportBase:
 
     def check_arrays(self, *arrays: Any) -> None:
         """Accept every array kind (NumPy and CuPy); backends that cannot, override."""
+        return None
+
+    def transport_for(self, x: Any) -> Any:
+        """The transport that moves arrays like ``x``: this one (a backend with a separate
+        host transport overrides it, and sets ``routes_arrays``)."""
+        return self
+
+    def device_scope(self) -> Any:
+        """A context making this transport's CUDA device current: none to make here."""
+        return contextlib.nullcontext()
+
+    def wait_gpu(self, what: str) -> None:
+        """Wait, within the timeout, for the device work queued so far: none here."""
         return None
 
     def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:

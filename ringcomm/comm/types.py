@@ -220,6 +220,17 @@ class Transport(Protocol):
         operation: the collective in progress ("allreduce", ...), set by the Communicator
             before it calls the transport, for error messages (a timeout names it).
         stats: bytes on the wire; the algorithms add what they send and receive.
+        world_ranks, world_size: each rank as the whole job numbers it, and the job's size
+            (a sub-group's differ from its own), for error messages.
+
+    Optional capabilities, with defaults in ``ringcomm.comm.transport.TransportBase``:
+        timeout: seconds any wait for the other ranks may last.
+        abort_on_timeout: end the job on a timeout, or raise CollectiveTimeoutError.
+        failure: the error that aborted the transport (it then refuses every call), or None.
+        device_id: the CUDA device of the transport's device work, or None.
+        routes_arrays: whether ``transport_for`` may answer another transport.
+        follows_nodes_on_device: whether the library's own collectives of device arrays
+            already follow the node structure (NCCL).
     """
 
     backend: str
@@ -229,6 +240,25 @@ class Transport(Protocol):
     local_size: int
     operation: str
     stats: CommStats
+    world_ranks: tuple[int, ...]
+    world_size: int
+    timeout: float
+    abort_on_timeout: bool
+    failure: Exception | None
+    device_id: int | None
+    routes_arrays: bool
+    follows_nodes_on_device: bool
+
+    def transport_for(self, x: Any) -> Transport:
+        """The transport that moves arrays like ``x`` (NCCL: its host transport for host
+        arrays); this one by default."""
+
+    def device_scope(self) -> Any:
+        """A context making the transport's CUDA device current (a no-op by default)."""
+
+    def wait_gpu(self, what: str) -> None:
+        """Wait, within the timeout, for the device work queued so far on the current
+        stream (nothing to wait for by default)."""
 
     def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
                   channel: int = RING) -> Request:

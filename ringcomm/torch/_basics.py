@@ -245,12 +245,7 @@ def rank() -> int:
 
 def _local() -> tuple[int, int]:
     comm = communicator()
-    if hasattr(comm, "local_rank") and hasattr(comm, "local_size"):
-        return int(comm.local_rank), int(comm.local_size)
-    from ringcomm import launch_info
-
-    info = launch_info()
-    return info.local_rank, info.local_size
+    return comm.local_rank, comm.local_size
 
 
 def local_rank() -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringcomm.comm.agree import calls_as
+from ringcomm.comm.base import Communicator
 from ringcomm.torch._tensors import StreamFence, device_scope
 
 __all__ = ["Engine", "Handle", "engine_for"]
@@ -205,19 +206,19 @@ _ENGINES: weakref.WeakKeyDictionary[Any, Engine] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _device_of(comm: Any) -> Callable[[], int | None]:
+def _device_of(comm: Communicator) -> Callable[[], int | None]:
     """The communicator's CUDA device, asked each time (the MPI backend selects its device
     with the first device array); a weak reference, so the engine does not keep it alive."""
     ref = weakref.ref(comm)
 
     def device() -> int | None:
         c = ref()
-        return None if c is None else getattr(c, "cuda_device", None)
+        return None if c is None else c.cuda_device
 
     return device
 
 
-def engine_for(comm: Any) -> Engine:
+def engine_for(comm: Communicator) -> Engine:
     """The engine of ``comm`` (one per communicator, shared by every adapter that uses it);
     its worker runs every task with the communicator's CUDA device current."""
     with _LOCK:

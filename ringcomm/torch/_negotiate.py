@@ -424,12 +424,9 @@ def coordinator_for(comm: Communicator) -> Coordinator:
 def _make(comm: Communicator) -> Coordinator:
     transport = comm.transport
     control = transport.split(0, comm.rank)
-    if hasattr(control, "abort_on_timeout"):
-        control.abort_on_timeout = False  # a stall is reported with the operations' names
-    default = float(getattr(transport, "timeout", 1800.0))
-    limit = env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or default
-    if hasattr(control, "timeout"):
-        control.timeout = limit
+    control.abort_on_timeout = False  # a stall is reported with the operations' names
+    limit = env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or transport.timeout
+    control.timeout = limit
     return Coordinator(comm, control, stall_limit=limit)
 
 

@@ -23,11 +23,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.types import DEFAULT_TIMEOUT_S
 
 __all__ = ["init_process_group", "init_process_group_from_env", "init_process_group_from_mpi",
            "launched_by_torchrun", "new_communicator"]
 
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_DEFAULT_TIMEOUT = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
 
 
 def _master_addr(comm: Any, given: str | None) -> str:
