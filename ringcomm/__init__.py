@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from ringcomm import backends as _backends
 from ringcomm.comm import log as _log
 from ringcomm.comm import settings as _settings
 from ringcomm.comm.base import Communicator
@@ -70,7 +71,6 @@ __all__ = [
 ]
 
 
-_BACKENDS = ("auto", "mpi", "nccl", "gloo")
 _LOG = _log.get_logger("init")
 
 
@@ -79,116 +79,6 @@ def nccl_available() -> bool:
     from ringcomm.comm import nccl
 
     return nccl.usable()
-
-
-def _mpi_world_size() -> int | None:
-    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one), or None
-    without mpi4py."""
-    try:
-        from ringcomm.comm.mpi import import_mpi
-
-        return int(import_mpi().COMM_WORLD.Get_size())
-    except RuntimeError:
-        return None
-
-
-def _mpi_world_text(world: int | None) -> str:
-    return ("mpi4py is not installed" if world is None
-            else f"MPI.COMM_WORLD has {world} process{'es' if world != 1 else ''}")
-
-
-def _require_torch(info: LaunchInfo, world: int | None) -> None:
-    """Raise if PyTorch, which connects torchrun's processes, is missing."""
-    try:
-        import torch.distributed  # noqa: F401
-    except ImportError as err:
-        raise RuntimeError(
-            f"{info.describe()} but {_mpi_world_text(world)}; ringcomm connects torchrun's "
-            "processes over torch.distributed (gloo, or NCCL over its store), and PyTorch is "
-            f"not installed: pip install 'ringcomm[torch]', or launch with mpiexec -n "
-            f"{info.size} ({err})") from err
-
-
-def _auto_backend(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
-    """The backend "auto" picks, and why; the same answer on every rank (a collective when
-    the job has several processes).
-
-    Under torchrun, or with torch.distributed's default group already initialized (and no
-    MPI world numbering the same processes alike): NCCL where every rank can run it, else
-    gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
-    """
-    from ringcomm.comm import nccl
-
-    if info.over_torch and mpi_comm is None:
-        from ringcomm.comm.mpi import world_numbers_alike
-
-        world = _mpi_world_size()
-        if world != info.size or not world_numbers_alike(info.rank, info.size):
-            _require_torch(info, world)
-            why = (f"{info.describe()}, which is no MPI job ({_mpi_world_text(world)}"
-                   f"{'' if world != info.size else ', numbering them otherwise'})")
-            if nccl.usable_everywhere(None):
-                return "nccl", f"{why}; every rank has a GPU of its own and NCCL"
-            return "gloo", f"{why}; not every rank has a GPU of its own and NCCL"
-    if mpi_comm is not None or info.size > 1:
-        if nccl.usable_everywhere(mpi_comm):
-            return "nccl", "every rank has a GPU of its own and NCCL"
-        return "mpi", "not every rank has a GPU of its own and NCCL"
-    if nccl.usable():
-        return "nccl", "one process, with a GPU and NCCL"
-    return "mpi", "one process, without a GPU or NCCL"
-
-
-def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
-    """Initialize torch.distributed's default group from torchrun's environment, if need be.
-
-    Raises:
-        RuntimeError: PyTorch is missing, or torch.distributed is not initialized and cannot
-            be from the environment.
-    """
-    try:
-        import torch.distributed as dist
-    except ImportError as err:
-        raise RuntimeError("backend 'gloo' runs over torch.distributed, which needs PyTorch: "
-                           f"pip install 'ringcomm[torch]' ({err})") from err
-    if dist.is_initialized():
-        return
-    if info.launcher != "torchrun":
-        raise RuntimeError(
-            "backend 'gloo' runs over torch.distributed, which is not initialized, and this "
-            "process has no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; "
-            f"found {info.describe()}): launch with torchrun, or call "
-            "torch.distributed.init_process_group() first (under mpiexec: "
-            "ringcomm.torch.process_group.init_process_group_from_mpi())")
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    except (ValueError, RuntimeError) as err:
-        where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
-        raise RuntimeError(f"{info.describe()}, but torch.distributed could not start from "
-                           f"torchrun's environment ({where}): {err}") from err
-
-
-def _build(backend: str, mpi_comm: Any, options: _settings.Settings, info: LaunchInfo,
-           startup_error: Exception | None) -> Communicator:
-    """Construct the chosen backend's Communicator (which agrees on ``options`` and raises
-    ``startup_error``, or another rank's, on every rank)."""
-    kwargs: dict[str, Any] = {"consistency_check": options.consistency_check,
-                              "segment_bytes": options.segment_bytes,
-                              "inline_bytes": options.inline_bytes,
-                              "algorithm": options.algorithm, "topology": options.topology,
-                              "startup_error": startup_error}
-    if backend == "nccl":
-        from ringcomm.comm.nccl import NCCLCommunicator
-
-        return NCCLCommunicator(mpi_comm=mpi_comm, timeout=options.timeout, **kwargs)
-    if backend == "gloo":
-        _start_torch_distributed(info, options.timeout)
-        from ringcomm.torch._dist_backend import TorchDistCommunicator
-
-        return TorchDistCommunicator(timeout=options.timeout, **kwargs)
-    from ringcomm.comm.mpi import MPICommunicator
-
-    return MPICommunicator(mpi_comm, timeout=options.timeout, **kwargs)
 
 
 def _check_torch_group(info: LaunchInfo) -> None:
@@ -215,10 +105,6 @@ def _lightning_hint(info: LaunchInfo) -> str:
             "ringcomm.torch.lightning.RingcommDDPStrategy registers ringcomm's DDP hook and "
             "creates it, or call ringcomm.init() in a LightningModule hook such as setup(); "
             "then it spans torch.distributed's group")
-
-
-_GROUP = {"mpi": "MPI.COMM_WORLD", "nccl": "the NCCL communicator",
-          "gloo": "torch.distributed's default group"}
 
 
 def _size_hint(info: LaunchInfo, backend: str) -> str:
@@ -255,7 +141,7 @@ def _check_spans_job(comm: Communicator, info: LaunchInfo, mpi_comm: Any) -> Non
             return
     size, backend = comm.size, comm.backend
     comm.close()
-    group = _GROUP.get(backend, f"the {backend} communicator")
+    group = _backends.REGISTRY[backend].spans
     raise RuntimeError(f"{info.describe()} but {group} has {size} "
                        f"process{'es' if size != 1 else ''}: {_size_hint(info, backend)}")
 
@@ -355,8 +241,9 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             message says what to install), or the communicator would not span the job that
             the launcher started (the message names the launcher's variables).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(_BACKENDS)}")
+    if backend != "auto" and backend not in _backends.REGISTRY:
+        raise ValueError(f"unknown backend {backend!r}; expected one of "
+                         f"{', '.join(('auto', *_backends.REGISTRY))}")
     if backend == "gloo" and mpi_comm is not None:
         raise ValueError("mpi_comm is for the mpi and nccl backends; backend 'gloo' runs over "
                          f"torch.distributed's default group, got mpi_comm={mpi_comm!r}")
@@ -370,12 +257,12 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     _check_torch_group(info)
     _log.set_rank(info.rank, info.size)
     if backend == "auto":
-        backend, why = _auto_backend(mpi_comm, info)
+        backend, why = _backends.choose_auto(mpi_comm, info)
         why = f"auto: {why}"
     else:
         why = "asked for"
     _LOG.debug("starting backend %s (%s); launcher %s", backend, why, info.describe())
-    comm = _build(backend, mpi_comm, options, info, startup_error)
+    comm = _backends.REGISTRY[backend].build(mpi_comm, options, info, startup_error)
     _check_spans_job(comm, info, mpi_comm)
     _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
