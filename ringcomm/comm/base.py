@@ -496,7 +496,8 @@ class Communicator:
         spec = agree.CallSpec("allreduce")
         try:
             spec.algorithm = self._two_level.call_algorithm(algorithm, compression)
-            rop = self._check_allreduce(spec, x, out, op, compression, feedback, name)
+            rop, compression = self._check_allreduce(spec, x, out, op, compression, feedback,
+                                                     name)
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
         if auto is not None and auto is not compression:
@@ -546,8 +547,8 @@ class Communicator:
                 comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
                 trial = self._auto_figures.take_pending()
                 start = time.perf_counter()  # after any measuring of the figures
-            if comp is not None:  # per-call parameters (PowerSGD: shapes, name)
-                comp = comp.bind(x, plan.name)
+                if comp is not None:  # per-call parameters (PowerSGD: shapes, name)
+                    comp = comp.bind(x, plan.name)
             self._compressed_calls += 1
             seed = mix_seed(self._compressed_calls, self.rank)
             self._reduce(t, plan, _arrays.flat(x), flat_out, comp, seed)
@@ -585,7 +586,11 @@ class Communicator:
         return self._default_auto
 
     def _check_allreduce(self, spec: agree.CallSpec, x: Any, out: Any, op: Any,
-                         compression: Any, feedback: Any, name: Any) -> ReduceOp:
+                         compression: Any, feedback: Any,
+                         name: Any) -> tuple[ReduceOp, Compressor | None]:
+        """Check an allreduce's arguments, recording them in ``spec``; return the op and the
+        compressor bound to this call (``Compressor.bind``: once per call; an unresolved
+        Auto is bound after it resolves)."""
         self._transport.check_arrays(x, out)
         dt = spec.set_array(x)
         rop = spec.set_op(check_op(op, dt))
@@ -599,7 +604,7 @@ class Communicator:
             _arrays.check_writeable(out, "out")
             _arrays.check_overlap(x, out)
         if compression is not None:
-            check_compressed_call(compression, x, rop, feedback, name)
+            bound = check_compressed_call(compression, x, rop, feedback, name)
             if not isinstance(compression, Auto) and (
                     compression.allreduce_algorithm not in algorithms.ALGORITHMS):
                 raise ValueError(f"{compression!r} names allreduce algorithm "
@@ -607,9 +612,10 @@ class Communicator:
                                  f"{', '.join(sorted(algorithms.ALGORITHMS))}")
             # Feedback on some ranks only would keep residuals on those alone: agree on it too.
             spec.extra = f"{compression!r}|{name}|feedback={feedback is not None}"
-        elif feedback is not None:
+            return rop, bound
+        if feedback is not None:
             raise ValueError("feedback needs a lossy compression; got compression=None")
-        return rop
+        return rop, None
 
     @_serialized
     def _gather(self, kind: str, x: Any) -> Any:

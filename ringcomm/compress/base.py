@@ -156,8 +156,11 @@ def _check_float(dtype: Any) -> None:
 
 
 def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
-                          feedback: ErrorFeedback | None, name: str | None) -> None:
+                          feedback: ErrorFeedback | None, name: str | None) -> Compressor:
     """Check the arguments of a compressed allreduce of ``x``.
+
+    Returns:
+        The compressor bound to this call (``compression.bind(x, name)``).
 
     Raises:
         TypeError: ``compression`` is no Compressor, ``feedback`` no ErrorFeedback, or the
@@ -179,4 +182,4 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
         if not name:
             raise ValueError("feedback needs name=... to key the residual of this tensor")
         feedback.check(name, x)
-    compression.bind(x, name)
+    return compression.bind(x, name)
