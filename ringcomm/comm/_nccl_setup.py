@@ -230,9 +230,13 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     """
     if mpi_comm is not None:
         return _MPIRendezvous(mpi_comm, timeout)
+    from ringcomm.comm.mpi import world_numbers_alike
+
     info = launch.detect()
+    # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec
+    # job does (collective over MPI's world).
     if info.launcher == "torchrun" or (info.launcher == "torch.distributed"
-                                       and not _mpi_numbers_alike(info)):
+                                       and not world_numbers_alike(info.rank, info.size)):
         return _StoreRendezvous.launched(info, check_timeout(timeout))
     try:
         from mpi4py import MPI
@@ -244,14 +248,6 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
             "backend exchanges its unique id over MPI there, which needs mpi4py: "
             f"pip install 'ringcomm[mpi]' (or launch with torchrun) ({err})") from err
     return _MPIRendezvous(MPI.COMM_WORLD, timeout)
-
-
-def _mpi_numbers_alike(info: launch.LaunchInfo) -> bool:
-    """Whether MPI's world is torch.distributed's group, numbered alike (collective): then
-    MPI carries the rendezvous and the host transport, as for any mpiexec job."""
-    from ringcomm.comm.mpi import world_numbers_alike
-
-    return world_numbers_alike(info.rank, info.size)
 
 
 def startup_exchange(rdv: Rendezvous, problem: str | None,

@@ -33,6 +33,7 @@ from ringcomm.comm import staging, trace
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.env import env_bytes
 from ringcomm.comm.log import get_logger
+from ringcomm.comm.settings import agree_at_start
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -42,7 +43,7 @@ from ringcomm.comm.transport import (
     timeout_error,
     write_fatal,
 )
-from ringcomm.comm.types import RING, USER, ArgumentMismatchError, InvalidArgumentError, ReduceOp
+from ringcomm.comm.types import RING, USER, InvalidArgumentError, ReduceOp
 
 __all__ = [
     "MPICommunicator",
@@ -255,24 +256,17 @@ class MPITransport(TransportBase):
 
         Raises:
             ArgumentMismatchError: the variable differs between ranks (on every rank).
-            ValueError: the variable is not a byte count (on every rank).
+            InvalidArgumentError: the variable is not a byte count (on every rank).
         """
         try:
-            mine: int | str = env_bytes(NATIVE_BYTES_ENV)
+            mine = env_bytes(NATIVE_BYTES_ENV)
             if mine is None:
                 mine = (self.size - 1) * _NATIVE_BYTES_PER_PEER
+            problem = None
         except ValueError as err:
-            mine = str(err)
-        everyone = self.allgather_object(mine)
-        errors = [v for v in everyone if isinstance(v, str)]
-        if errors:
-            raise ValueError(errors[0])
-        if len(set(everyone)) > 1:
-            raise ArgumentMismatchError(
-                f"{NATIVE_BYTES_ENV} differs between ranks: {everyone}; set the same value on "
-                "every rank", kind="init", ranks=tuple(range(self.size)),
-                differences={NATIVE_BYTES_ENV: tuple(everyone)})
-        return int(everyone[0])
+            mine, problem = 0, err
+        agree_at_start(self, {NATIVE_BYTES_ENV: mine}, problem)
+        return mine
 
     def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
         """MPI's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) when it
