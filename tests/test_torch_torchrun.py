@@ -64,11 +64,16 @@ hvd.shutdown()
 
 
 SPLIT_SCRIPT = r"""
+import sys
 import numpy as np
 import torch.distributed as dist
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.types import InvalidArgumentError, InvalidTypeError
+from ringcomm.torch import _dist_backend
 from ringcomm.torch._dist_backend import TorchDistTransport
+
+if sys.argv[1:] == ["sorted"]:      # as torch before 2.12: new_group numbers by global rank
+    _dist_backend._KEEPS_ORDER = False
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -158,9 +163,9 @@ dist.destroy_process_group()
 
 
 def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
-              module: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` in 2 processes under torchrun (``python -m torch.distributed.run`` when
-    ``module``); both must end well and print "ok"."""
+              module: bool = False, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (with ``args``) in 2 processes under torchrun (``python -m
+    torch.distributed.run`` when ``module``); both must end well and print "ok"."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if module:
         launcher = [sys.executable, "-m", "torch.distributed.run"]
@@ -170,7 +175,7 @@ def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
         pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(script)
-    proc = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(path)],
+    proc = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(path), *args],
                           capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
@@ -198,8 +203,11 @@ def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env):
 
 
 @pytest.mark.slow
-def test_transport_split_under_torchrun(tmp_path, subprocess_env):
-    _torchrun(tmp_path, subprocess_env, SPLIT_SCRIPT)
+@pytest.mark.parametrize("numbering", ["as-given", "sorted"])
+def test_transport_split_under_torchrun(tmp_path, subprocess_env, numbering):
+    """Sub-groups in any rank order, also where torch's new_group numbers a group's members by
+    global rank whatever order they come in (torch before 2.12, which has no sort_ranks)."""
+    _torchrun(tmp_path, subprocess_env, SPLIT_SCRIPT, args=(numbering,))
 
 
 TIMEOUT_SCRIPT = r"""

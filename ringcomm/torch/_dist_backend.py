@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import math
 import os
 import socket
@@ -44,6 +45,9 @@ _RING_TAG = 7
 _P2P_TAG = 11
 # torch renamed all_gather_into_tensor (deprecated in newer releases) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.12 added new_group(sort_ranks=False); before it a group numbers its members in the
+# order of their global ranks, whatever order they are given in (see TorchDistTransport._setup).
+_KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
@@ -144,11 +148,29 @@ class TorchDistTransport(TransportBase):
                     seconds, bool(abort_on_timeout))
 
     def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int,
-               timeout: float, abort_on_timeout: bool) -> None:
+               timeout: float, abort_on_timeout: bool, members: list[int] | None = None) -> None:
+        """Adopt ``group``, whose ``members`` (global ranks, in this transport's rank order;
+        the group's own order when None) may be numbered otherwise by the group itself.
+
+        Messages name their peers by global rank (``src``/``dst``, which every supported torch
+        takes); what a collective returns in the group's order is put back in this
+        transport's (``_seat``).
+        """
+        size = dist.get_world_size(group)
+        if members is None:
+            members = [dist.get_global_rank(group, g) for g in range(size)]
+        seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
         self._group, self._owns_group = group, owned
+        self._peers = members
+        self._seat = [seat_of[m] for m in members]
+        self._in_order = self._seat == list(range(size))
         self.timeout, self.abort_on_timeout = timeout, abort_on_timeout
-        super().__init__(dist.get_rank(group), dist.get_world_size(group),
+        super().__init__(members.index(dist.get_rank()), size,
                          local_rank=local_rank, local_size=local_size)
+
+    def _in_rank_order(self, rows: list[Any]) -> list[Any]:
+        """``rows`` of a collective, from the group's order into this transport's."""
+        return rows if self._in_order else [rows[s] for s in self._seat]
 
     def bounded(self, what: str, peer: int | None, fn: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
@@ -177,11 +199,11 @@ class TorchDistTransport(TransportBase):
         after = None
         if recv is not None:
             host_recv, after = _staged(recv)
-            works.append(dist.irecv(_bytes(host_recv), group=self._group, group_src=source,
-                                    tag=tag))
+            works.append(dist.irecv(_bytes(host_recv), src=self._peers[source],
+                                    group=self._group, tag=tag))
         if send is not None:
-            works.append(dist.isend(_bytes(_host(send)), group=self._group, group_dst=dest,
-                                    tag=tag))
+            works.append(dist.isend(_bytes(_host(send)), dst=self._peers[dest],
+                                    group=self._group, tag=tag))
         return _Pair(self, works, source if recv is not None else dest,
                      "ring exchange" if channel == RING else "sendrecv", after)
 
@@ -193,24 +215,32 @@ class TorchDistTransport(TransportBase):
         return _Pair(self, [], self.rank, "", after)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
-        self.bounded("allgather", None, _all_gather, _bytes(recv), _bytes(send),
-                     group=self._group)
+        if self._in_order:
+            self.bounded("allgather", None, _all_gather, _bytes(recv), _bytes(send),
+                         group=self._group)
+            return
+        rows = np.empty((self.size, send.nbytes), dtype=np.uint8)
+        self.bounded("allgather", None, _all_gather, torch.from_numpy(rows).view(-1),
+                     _bytes(send), group=self._group)
+        _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
 
     def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
         # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
         item = x.dtype.itemsize
         rows = np.zeros((self.size, max(counts) * item), dtype=np.uint8)
         mine = _flat_bytes(_host(x))
-        rows[self.rank, : mine.size] = mine
+        seat = self._seat[self.rank]
+        rows[seat, : mine.size] = mine
         self.bounded("allgatherv", None, _all_gather, torch.from_numpy(rows).view(-1),
-                     torch.from_numpy(rows[self.rank].copy()), group=self._group)
-        flat = np.concatenate([rows[r, : counts[r] * item] for r in range(self.size)])
+                     torch.from_numpy(rows[seat].copy()), group=self._group)
+        ordered = self._in_rank_order(list(rows))
+        flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))
 
     def broadcast(self, x: Any, root: int) -> None:
         host = _host(x)
-        self.bounded("broadcast", root, dist.broadcast, _bytes(host), group=self._group,
-                     group_src=root)
+        self.bounded("broadcast", root, dist.broadcast, _bytes(host), src=self._peers[root],
+                     group=self._group)
         if host is not x:
             _ops.get(x).copy_from_host(x, host)
 
@@ -218,7 +248,7 @@ class TorchDistTransport(TransportBase):
         out: list[Any] = [None] * self.size
         self.bounded("allgather of objects", None, dist.all_gather_object, out, obj,
                      group=self._group)
-        return out
+        return self._in_rank_order(out)
 
     def barrier(self) -> None:
         self.bounded("barrier", None, dist.barrier, group=self._group)
@@ -238,17 +268,18 @@ class TorchDistTransport(TransportBase):
         everyone = agree_split(self, color, key, (socket.gethostname(), _torch_group_count()))
         _check_group_counts(everyone)
         mine = everyone[self.rank]
-        members = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
-        order = [r for _, r in members]
-        group = dist.new_group(ranks=[dist.get_global_rank(self._group, r) for r in order],
-                               backend="gloo", use_local_synchronization=True,
-                               sort_ranks=False, timeout=_duration(self.timeout))
+        ranked = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
+        order = [r for _, r in ranked]
+        members = [self._peers[r] for r in order]
+        keep_order = {"sort_ranks": False} if _KEEPS_ORDER else {}
+        group = dist.new_group(ranks=members, backend="gloo", use_local_synchronization=True,
+                               timeout=_duration(self.timeout), **keep_order)
         # The launcher's local rank describes the whole job; a sub-group counts its own.
         hosts = [everyone[r][2] for r in order]
         new_rank = order.index(self.rank)
         sub = TorchDistTransport.__new__(TorchDistTransport)
         sub._setup(group, True, hosts[:new_rank].count(hosts[new_rank]),
-                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout)
+                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members)
         return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
