@@ -60,11 +60,15 @@ class Step:
     argv: tuple[str, ...]  # after the interpreter
     needs: tuple[str, ...]  # of "gpu", "mpiexec", "mpi"
     timeout: float
-    kind: str = "pytest"  # how its output is read: "pytest", "checks" or "bench"
+    # How its output is read: "pytest", "checks", "bench" (the kernel benchmark, whose JSON
+    # joins the report) or "tool" (its exit status alone).
+    kind: str = "pytest"
 
 
-def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str]) -> list[Step]:
-    """Every step, in the order they run; ``unit-all`` runs only when asked for."""
+def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str],
+         out: Path = DEFAULT_OUT) -> list[Step]:
+    """Every step, in the order they run; ``unit-all`` runs only when asked for.
+    The training benchmark writes its tables to ``out`` (beside the report)."""
     run_mpi = ("tests/run_mpi.py",)
     return [
         Step("unit-gpu", "every gpu-marked test in one process",
@@ -86,13 +90,18 @@ def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str]) -> list[S
         Step("kernels-bench", "kernel bandwidth against a device-to-device copy",
              ("bench/kernels_perf.py", "--json", str(bench_json), *bench_args), ("gpu",), 600,
              "bench"),
+        Step("train-bench", "training step time: DDP default, PyTorch's hooks, ringcomm's "
+             "(ResNet-18, ViT-S/16; 2 ranks under torchrun through ringcomm.torch.init())",
+             ("bench/gpu_train.py", "--timeout", "400", "--markdown", str(out / "gpu_train.md"),
+              "--json", str(out / "gpu_train.json"), "--profile",
+              str(out / "gpu_train_profile.txt")), ("gpu",), 420, "tool"),
         Step("unit-all", "the whole one-process suite (opt-in: --steps unit-all)",
              ("-m", "pytest", "tests", *_PYTEST), ("gpu",), 1800),
     ]
 
 
 DEFAULT_STEPS = ("unit-gpu", "nccl-lib", "nccl-n1", "mpi-gpu-n2", "mpi-gpu-n4", "ddp-cuda",
-                 "kernels-bench")
+                 "kernels-bench", "train-bench")
 
 
 # ------------------------------------------------------------------------ carried wheels
@@ -244,7 +253,7 @@ def run_step(step: Step, python: str, env: dict[str, str], timeout: float,
     else:
         counts, failures, skips = parse_pytest(text)
     status, reason = step_status(rc, timed_out, counts, timeout)
-    if step.kind == "bench" and not timed_out:  # a tool, not tests: its exit status says it
+    if step.kind in ("bench", "tool") and not timed_out:  # not tests: its exit status says it
         counts = {"passed": 1} if rc == 0 else {"failed": 1}
         status, reason = ("passed", "") if rc == 0 else ("failed", f"exit status {rc}")
     return {"status": status, "reason": reason, "returncode": rc,
@@ -332,7 +341,8 @@ def check(args: argparse.Namespace, report: dict[str, Any], log: TextIO, work: P
     report.update(found)
     bench_json = work / "kernels_perf.json"
     mpi_ok = not (have["mpiexec"] or have["mpi"])
-    steps = [s for s in plan(bench_json, mpiexec if mpi_ok else None, shlex.split(args.bench_args))
+    steps = [s for s in plan(bench_json, mpiexec if mpi_ok else None,
+                             shlex.split(args.bench_args), args.out)
              if s.name in args.selected]
     scale = args.timeout_scale
     report["steps"] = [_record(s, args.python, s.timeout * scale) for s in steps]

@@ -36,11 +36,16 @@ FAILED_CHECK = 3  # a worker's exit status when one of its checks failed (1 is a
 _DEVICE = ["cuda"]  # the worker's torch device (set once, by worker())
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # of torch.distributed's collectives
 # (case, RingcommState keyword arguments) of each hooked run.
+# On gloo (and an MPI without CUDA support) the uncompressed cases run through pinned host
+# copies of the buckets; the piece-by-piece and host-codec cases check the other two paths.
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("uncompressed, background", {"overlap": True}),
     ("uncompressed, inline", {"overlap": False}),
+    ("uncompressed, piece by piece", {"host_staging": False}),
     ("int8 with error feedback", {"compression": "int8", "start_iter": 1,
                                   "min_compress_bytes": 0}),
+    ("int8 with error feedback, host codecs", {"compression": "int8", "start_iter": 1,
+                                               "min_compress_bytes": 0, "host_staging": True}),
 )
 
 
@@ -210,9 +215,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _job(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float, name: str) -> bool:
-    """Run one job's processes to the end; print rank 0's output, and any other rank's that
-    failed. Whether every process exited 0 in time (a failed CHECK line when not)."""
+def run_processes(argvs: list[list[str]], envs: list[dict[str, str]],
+                  timeout: float) -> tuple[list[int | None], list[str]]:
+    """Run one job's processes to the end (killed at ``timeout`` seconds); each one's exit
+    status (None: killed at the timeout) and output."""
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp, f"rank{r}.log") for r in range(len(argvs))]
         procs = []
@@ -229,7 +235,29 @@ def _job(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float, nam
                 p.kill()
                 p.wait()
                 codes.append(None)
-        texts = [out.read_text(errors="replace") for out in outs]
+        return codes, [out.read_text(errors="replace") for out in outs]
+
+
+def torchrun_envs(base: dict[str, str], n: int) -> list[dict[str, str]]:
+    """The environment torchrun gives each of ``n`` processes on one host."""
+    port = str(_free_port())
+    return [dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                 LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            for r in range(n)]
+
+
+def launcher_env() -> dict[str, str]:
+    """This environment without an MPI launcher's variables (the jobs start their own)."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    base["PYTHONUNBUFFERED"] = "1"
+    return base
+
+
+def _job(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float, name: str) -> bool:
+    """Run one job; print rank 0's output, and any other rank's that failed. Whether every
+    process exited 0 in time (a failed CHECK line when not)."""
+    codes, texts = run_processes(argvs, envs, timeout)
     sys.stdout.write(texts[0])
     bad = [(r, c) for r, c in enumerate(codes) if c not in (0, FAILED_CHECK)]
     for r, _ in bad:
@@ -246,15 +274,10 @@ def launch(sizes: list[int], mpiexec: str | None, timeout: float, device: str) -
     jobs = len(sizes) + (1 if mpiexec else 0)
     per_job = timeout / max(jobs, 1)
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", device]
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
-    base["PYTHONUNBUFFERED"] = "1"
+    base = launcher_env()
     ok = True
     for n in sizes:
-        port = str(_free_port())
-        envs = [dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                     LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                for r in range(n)]
+        envs = torchrun_envs(base, n)
         backends = "gloo,nccl" if device == "cuda" else "gloo"
         ok &= _job([[*me, "--backends", backends]] * n, envs, per_job, f"n={n} torchrun")
     if mpiexec:

@@ -243,6 +243,31 @@ def test_ddp_checks_run_on_cpu_tensors():
     assert counts == {"passed": 1 + len(__import__("gpu_check_ddp").CASES)}, done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_training_benchmark_runs_on_cpu(tmp_path):
+    """bench/gpu_train.py (the GPU check's train-bench step) on CPU tensors: every variant
+    trains, its parameters are identical on both ranks, and ringcomm's uncompressed hook, both
+    ways, gives DDP default's parameters bit for bit."""
+    pytest.importorskip("torch.distributed")
+    out = tmp_path / "train.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--device",
+                           "cpu", "--models", "mlp", "--batch", "8", "--steps", "3", "--warmup",
+                           "1", "--timeout", "240", "--json", str(out), "--markdown",
+                           str(tmp_path / "train.md"), "--profile", str(tmp_path / "p.txt")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == list(__import__("gpu_train").VARIANTS)
+    assert all(r["identical_on_ranks"] and r["finite"] for r in results.values()), results
+    assert results["ringcomm"]["same_as_ddp"] is True
+    assert results["ringcomm (piece by piece)"]["same_as_ddp"] is True
+    assert results["ringcomm Int8"]["same_as_ddp"] is False  # compressed: the digest tells
+    assert "| ringcomm | " in (tmp_path / "train.md").read_text()
+    assert "## mlp, ringcomm Int8:" in (tmp_path / "p.txt").read_text()
+
+
 _BENCH = {"device": {"name": "Some GPU"}, "elements": 1024, "iters": 5, "results": [
     {"kernel": "d2d copy f32 (ceiling)", "bytes": 8192, "us": 2.0, "gbps": 4.096,
      "of_copy": 1.0},

@@ -160,6 +160,7 @@ class NCCLTransport(TransportBase):
     backend = "nccl"
     routes_arrays = True  # host arrays go to the host transport
     follows_nodes_on_device = True  # NCCL's rings and trees know the nodes
+    moves_device_arrays = True
 
     def __init__(self, mpi_comm: Any = None, *, device: int | None = None,
                  timeout: float | None = None, abort_on_timeout: bool = True) -> None:

@@ -236,6 +236,7 @@ class MPITransport(TransportBase):
         self._yield = self.local_size > _cores()
         self.operation = ""
         self.cuda_aware = staging.cuda_aware(MPI)
+        self.moves_device_arrays = self.cuda_aware
         self._device_stage: staging.DeviceStaging | None = None
         #: Which CUDA device this rank's device arrays use (selected with the first one).
         self.device_choice = staging.DeviceChoice(self.local_rank, device)

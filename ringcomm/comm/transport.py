@@ -126,6 +126,8 @@ class TransportBase:
     #: Whether the library's own collectives of device arrays already follow the nodes
     #: (NCCL's rings and trees): the two-level allreduce then has nothing to add for them.
     follows_nodes_on_device: bool = False
+    #: Whether device arrays travel as they are, or through host memory (a host-only backend).
+    moves_device_arrays: bool = False
 
     def __init__(self, rank: int, size: int, *, local_rank: int | None = None,
                  local_size: int | None = None) -> None:

@@ -231,6 +231,8 @@ class Transport(Protocol):
         routes_arrays: whether ``transport_for`` may answer another transport.
         follows_nodes_on_device: whether the library's own collectives of device arrays
             already follow the node structure (NCCL).
+        moves_device_arrays: whether device arrays travel as they are (NCCL, a CUDA-aware
+            MPI), or are copied through host memory on the way (gloo, other MPIs).
     """
 
     backend: str
@@ -248,6 +250,7 @@ class Transport(Protocol):
     device_id: int | None
     routes_arrays: bool
     follows_nodes_on_device: bool
+    moves_device_arrays: bool
 
     def transport_for(self, x: Any) -> Transport:
         """The transport that moves arrays like ``x`` (NCCL: its host transport for host

@@ -10,7 +10,9 @@ sends 1-D gradients dense, all in the same call.
 
 A CUDA bucket is reduced in the background with the communicator's device current, after the
 work that the stream running backward (which may be a side stream) had queued when the hook
-was called.
+was called. Where the backend moves host arrays only (gloo, an MPI without CUDA support), an
+uncompressed CUDA bucket is copied whole to pinned host memory on a side stream, reduced there,
+and copied back (see :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._residuals import Layout, ResidualLayouts
+from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
 from ringcomm.torch.compression import NoneCompressor, RingCompressor
 
@@ -70,6 +73,12 @@ class RingcommState:
         algorithm: the allreduce algorithm of every bucket: "flat", "hierarchical" (within
             each node, across nodes, within each node) or "auto"; None: the communicator's
             (``comm.algorithm``).
+        host_staging: for CUDA buckets where the backend moves host arrays only (gloo, an MPI
+            without CUDA support): copy the bucket whole to pinned host memory on a side
+            stream and reduce it there, compressed ones with the host codecs (True), or let
+            the backend move it piece by piece (False). None: whole for uncompressed buckets,
+            piece by piece for compressed ones (their codecs run on the GPU). Ignored on
+            backends that move device arrays (NCCL, a CUDA-aware MPI).
 
     Raises:
         ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown
@@ -82,14 +91,14 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "_spans", "algorithm",
-                 "comm", "compression", "error_feedback", "feedback", "iter",
-                 "min_compress_bytes", "overlap", "start_iter")
+    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "_spans", "_staging",
+                 "algorithm", "comm", "compression", "error_feedback", "feedback",
+                 "host_staging", "iter", "min_compress_bytes", "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
                  min_compress_bytes: int = 64 * 1024, overlap: bool | None = None,
-                 algorithm: str | None = None) -> None:
+                 algorithm: str | None = None, host_staging: bool | None = None) -> None:
         if not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
@@ -108,6 +117,8 @@ class RingcommState:
         self.start_iter = start_iter
         self.min_compress_bytes = min_compress_bytes
         self.overlap = None if overlap is None else bool(overlap)
+        self.host_staging = None if host_staging is None else bool(host_staging)
+        self._staging = HostStaging()
         self.iter = 0
         self._engine = engine_for(comm)
         self._residuals = ResidualLayouts(self.feedback)
@@ -140,6 +151,14 @@ class RingcommState:
         return (self.compression is not None and self.iter >= self.start_iter
                 and buffer.is_floating_point()
                 and buffer.numel() * buffer.element_size() >= self.min_compress_bytes)
+
+    def stages(self, buffer: torch.Tensor, compressed: bool) -> bool:
+        """Whether the bucket ``buffer`` goes whole through pinned host memory (see
+        ``host_staging``)."""
+        if (buffer.device.type != "cuda" or buffer.dtype not in STAGED_DTYPES
+                or self.comm.transport.moves_device_arrays):
+            return False
+        return not compressed if self.host_staging is None else self.host_staging
 
     def residual(self, param: torch.Tensor) -> torch.Tensor | None:
         """What error feedback holds back for ``param`` (flat float32), or None.
@@ -194,10 +213,10 @@ def _bucket_shapes(bucket: dist.GradBucket, buffer: torch.Tensor) -> tuple[Any, 
     return tuple(shapes)
 
 
-def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompressor | None,
-            layout: Layout | None, name: str | None) -> torch.Tensor:
-    operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
-    array = operand.array
+def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
+               compression: _RingCompressor | None, layout: Layout | None,
+               name: str | None) -> None:
+    """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
     feedback = layout is not None and name is not None
     if feedback:
         # Here, on the thread that runs the collectives, so no allreduce is using the residuals
@@ -209,7 +228,23 @@ def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompre
                              algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
         raise collective_error(state.comm, err, "allreduce", buffer) from err
+
+
+def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompressor | None,
+            layout: Layout | None, name: str | None) -> torch.Tensor:
+    operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
+    _allreduce(state, operand.array, buffer, compression, layout, name)
     operand.write_back()
+    return buffer
+
+
+def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int,
+                   compression: _RingCompressor | None, layout: Layout | None,
+                   name: str | None) -> torch.Tensor:
+    """The bucket through its pinned host copy: download after ``ready``, reduce, upload."""
+    host = state._staging.download(index, buffer, ready)
+    _allreduce(state, host.numpy(), buffer, compression, layout, name)
+    state._staging.upload(host, buffer)
     return buffer
 
 
@@ -245,7 +280,13 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         state.iter += 1
     devices = [buffer.device] if buffer.device.type == "cuda" else None
     future: torch.futures.Future = torch.futures.Future(devices=devices)
-    task = functools.partial(_reduce, state, buffer, compression, layout, name)
+    if state.stages(buffer, compression is not None):
+        ready = torch.cuda.Event()  # where backward's stream is now: the bucket is written
+        ready.record(torch.cuda.current_stream(buffer.device))
+        task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
+                                 compression, layout, name)
+    else:
+        task = functools.partial(_reduce, state, buffer, compression, layout, name)
 
     def settle(handle: Handle) -> None:
         try:

@@ -1,0 +1,310 @@
+"""GPU training step time: DDP's own allreduce, PyTorch's hooks and ringcomm's, side by side.
+
+    python bench/gpu_train.py [--models resnet18,vit_s] [--ranks 2] [--batch 64]
+        [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F]
+
+For each model, one torchrun-style job of ``--ranks`` processes (sharing the GPUs there are,
+gloo between them, as torchrun sets it up) trains the same model on the same synthetic batches
+once per variant: DDP with no hook (its own allreduce), PyTorch's fp16 and PowerSGD hooks, and
+ringcomm's hook uncompressed (through pinned host copies, and piece by piece as before them),
+with Int8, TopK and PowerSGD, and with compression="auto". ringcomm's communicator is the one
+of ``ringcomm.torch.init()``, as a torchrun user gets it. Each variant's step time is the
+median of ``--steps`` steps after ``--warmup``, with its quartiles; the parameters after
+training are digested (SHA-256) on every rank: identical on all ranks, and, for uncompressed
+variants, bit-identical to DDP's own.
+
+``--profile F`` also profiles a few steps of each ringcomm variant with torch.profiler on rank 0
+and writes the operator tables to F (where the hook's time goes). ``--device cpu`` and
+``--models mlp`` run the same on CPU (this script's own test). Part of bench/gpu_check.py
+(step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check_ddp  # noqa: E402  (bench/, beside this script)
+
+# name -> (hook family, options); "ddp" is DDP with no hook.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "DDP default": ("ddp", {}),
+    "PyTorch fp16_compress_hook": ("torch-fp16", {}),
+    "PyTorch PowerSGD rank 1": ("torch-powersgd", {}),
+    "ringcomm": ("ringcomm", {}),
+    "ringcomm (piece by piece)": ("ringcomm", {"host_staging": False}),
+    "ringcomm Int8": ("ringcomm", {"compression": "int8"}),
+    "ringcomm Int8 (host codecs)": ("ringcomm", {"compression": "int8", "host_staging": True}),
+    "ringcomm TopK(0.01)": ("ringcomm", {"compression": "topk"}),
+    "ringcomm PowerSGD(rank=1)": ("ringcomm", {"compression": "powersgd"}),
+    "ringcomm auto": ("ringcomm", {"compression": "auto"}),
+}
+UNCOMPRESSED = ("DDP default", "ringcomm", "ringcomm (piece by piece)")
+PROFILE_STEPS = 3
+
+
+def emit(kind: str, payload: dict[str, Any]) -> None:
+    print(f"{kind} " + json.dumps(payload), flush=True)
+
+
+# ----------------------------------------------------------------------------- one rank
+def _model(torch: Any, name: str) -> Any:
+    if name == "resnet18":
+        import torchvision
+        return torchvision.models.resnet18(num_classes=1000)
+    if name == "vit_s":
+        import timm
+        return timm.create_model("vit_small_patch16_224", num_classes=1000)
+    if name == "mlp":
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 1000))
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _compression(kind: Any) -> Any:
+    import ringcomm
+    return {"int8": ringcomm.Int8(), "topk": ringcomm.TopK(0.01),
+            "powersgd": ringcomm.PowerSGD(rank=1), "auto": "auto", None: None}[kind]
+
+
+def _register(torch: Any, model: Any, family: str, options: dict[str, Any]) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if family == "torch-fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif family == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif family == "ringcomm":
+        from ringcomm.torch import RingcommState, ringcomm_hook
+
+        options = dict(options)
+        options["compression"] = _compression(options.get("compression"))
+        model.register_comm_hook(RingcommState(**options), ringcomm_hook)
+
+
+def _sync(torch: Any, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str, Any]:
+    """Train one variant; its step times and the digest of its parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    family, options = VARIANTS[name]
+    torch.manual_seed(0)
+    model = DDP(_model(torch, args.model).to(device))
+    _register(torch, model, family, options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    side = 8 if args.model == "mlp" else 224
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    batches = [(torch.randn(args.batch, 3, side, side, device=device, generator=gen),
+                torch.randint(0, 1000, (args.batch,), device=device, generator=gen))
+               for _ in range(2)]
+
+    def step(i: int) -> None:
+        x, y = batches[i % 2]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        _sync(torch, device)
+        start = time.perf_counter()
+        step(i)
+        _sync(torch, device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    _sync(torch, device)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    if args.profile and family == "ringcomm" and rank == 0:  # after the digest
+        _profile(torch, args, name, device, step)
+    elif args.profile and family == "ringcomm":
+        for i in range(PROFILE_STEPS):  # the other ranks take the same steps unprofiled
+            step(i)
+    gc.collect()
+    return {"times": times, "digest": digest, "finite": bool(torch.isfinite(flat).all())}
+
+
+def _profile(torch: Any, args: Any, name: str, device: str, step: Any) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(PROFILE_STEPS):
+            step(i)
+        _sync(torch, device)
+    tables = [prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)]
+    if device == "cuda":
+        tables.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    with open(args.profile, "a") as out:
+        out.write(f"## {args.model}, {name}: {PROFILE_STEPS} steps, rank 0\n\n"
+                  + "\n\n".join(tables) + "\n\n")
+
+
+def worker(args: Any) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ringcomm.comm import launch
+
+    info = launch.detect()
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.backends.cudnn.benchmark = True
+    dist.init_process_group("gloo", timeout=gpu_check_ddp.GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    reference = None
+    for name in [v for v in VARIANTS if v in args.variants]:
+        try:
+            got = _train(torch, args, name, device, rank)
+            error = None
+        except Exception as err:  # reported in the table; the next variant runs
+            got, error = None, f"{type(err).__name__}: {err}"
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (got, error))
+        if rank != 0:
+            continue
+        errors = sorted({e for _, e in everyone if e})
+        if errors:
+            emit("RESULT", {"model": args.model, "variant": name, "error": errors[0]})
+            continue
+        digests = {g["digest"] for g, _ in everyone}
+        times = everyone[0][0]["times"]
+        if name == "DDP default":
+            reference = everyone[0][0]["digest"]
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        emit("RESULT", {
+            "model": args.model, "variant": name, "ms": 1e3 * statistics.median(times),
+            "q1": 1e3 * q[0], "q3": 1e3 * q[2], "steps": len(times),
+            "identical_on_ranks": len(digests) == 1,
+            "finite": all(g["finite"] for g, _ in everyone),
+            "same_as_ddp": None if reference is None else everyone[0][0]["digest"] == reference,
+            "digest": everyone[0][0]["digest"][:16]})
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------- report
+def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The markdown report: per model, each variant's step time against DDP default's."""
+    lines = [f"# GPU training step time ({meta['device']})", "",
+             f"{meta['ranks']} ranks sharing {meta['gpus']}, torchrun-style, gloo between "
+             f"them; torch {meta['torch']}; batch {meta['batch']} per rank; median of "
+             f"{meta['steps']} steps after {meta['warmup']} (quartiles in brackets). "
+             "Parameters: SHA-256 of the trained parameters, compared across ranks and with "
+             "DDP default's.", ""]
+    for model in dict.fromkeys(r["model"] for r in results):
+        rows = [r for r in results if r["model"] == model]
+        base = next((r["ms"] for r in rows if r["variant"] == "DDP default" and "ms" in r),
+                    None)
+        lines += [f"## {model}", "", "| variant | ms/step | vs DDP default | parameters |",
+                  "| --- | ---: | ---: | --- |"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['variant']} | fails: `{r['error'][:160]}` | | |")
+                continue
+            ratio = f"{base / r['ms']:.2f}" if base else "-"
+            if not r["identical_on_ranks"] or not r["finite"]:
+                params = "DIFFER between ranks" if r["finite"] else "NOT FINITE"
+            elif r["variant"] in UNCOMPRESSED and r["variant"] != "DDP default":
+                params = ("bit-identical to DDP default's" if r["same_as_ddp"]
+                          else "differ from DDP default's")
+            else:
+                params = "identical on all ranks"
+            lines.append(f"| {r['variant']} | {r['ms']:.1f} [{r['q1']:.1f}-{r['q3']:.1f}] "
+                         f"| {ratio} | {params} `{r['digest']}` |")
+        lines.append("")
+    lines.append("vs DDP default: DDP default's step time over the variant's (above 1 is "
+                 "faster).")
+    return "\n".join(lines) + "\n"
+
+
+def _meta(args: Any) -> dict[str, Any]:
+    import torch
+    cuda = args.device == "cuda" and torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    count = torch.cuda.device_count() if cuda else 0
+    return {"device": name, "gpus": f"{count} GPU(s)" if cuda else "the CPU",
+            "torch": torch.__version__, "ranks": args.ranks, "batch": args.batch,
+            "steps": args.steps, "warmup": args.warmup}
+
+
+def launch_all(args: Any) -> int:
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", args.device,
+          "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
+          str(args.warmup), "--variants", ",".join(args.variants)]
+    if args.profile:
+        Path(args.profile).write_text("# torch.profiler tables of ringcomm's variants\n\n")
+        me += ["--profile", str(Path(args.profile).resolve())]
+    results: list[dict[str, Any]] = []
+    ok = True
+    base = gpu_check_ddp.launcher_env()
+    for model in args.models:
+        envs = gpu_check_ddp.torchrun_envs(base, args.ranks)
+        codes, texts = gpu_check_ddp.run_processes([[*me, "--model", model]] * args.ranks,
+                                                    envs, args.timeout / len(args.models))
+        got = [json.loads(line.split(" ", 1)[1]) for line in texts[0].splitlines()
+               if line.startswith("RESULT ")]
+        results += got
+        for r in got:
+            print(json.dumps(r), flush=True)
+        if any(codes) or len(got) != len(args.variants):
+            ok = False
+            print(f"{model}: exit statuses {codes}; end of rank 0's output:\n"
+                  f"{texts[0][-3000:]}", flush=True)
+    meta = _meta(args)
+    report = table(results, meta)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(report)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet18,vit_s", help="resnet18, vit_s (timm), mlp")
+    p.add_argument("--model", default="resnet18", help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64, help="per rank")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated names of VARIANTS (default: all)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--timeout", type=float, default=540, help="seconds for all models")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--profile", default=None, help="file for the profiler's tables")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args.models = [m for m in args.models.split(",") if m]
+    return worker(args) if args.worker else launch_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
