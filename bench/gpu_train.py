@@ -271,14 +271,19 @@ def launch_all(args: Any) -> int:
             ok = False
             print(f"{model}: exit statuses {codes}; end of rank 0's output:\n"
                   f"{texts[0][-3000:]}", flush=True)
+        _write(args, results)  # after each model: a run stopped from outside keeps them
+    print(_write(args, results))
+    return 0 if ok else 1
+
+
+def _write(args: Any, results: list[dict[str, Any]]) -> str:
     meta = _meta(args)
     report = table(results, meta)
-    print(report)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.markdown:
         Path(args.markdown).write_text(report)
-    return 0 if ok else 1
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
