@@ -141,14 +141,37 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
     return {"times": times, "digest": digest, "finite": bool(torch.isfinite(flat).all())}
 
 
+class _Spans:
+    """ringcomm's trace spans (ring phases, the hook's staging) as profiler ranges."""
+
+    def __init__(self, torch: Any) -> None:
+        import threading
+        self._record = torch.autograd.profiler.record_function
+        self._open = threading.local()
+
+    def begin(self, label: str) -> None:
+        ctx = self._record(label)
+        ctx.__enter__()
+        self._open.__dict__.setdefault("stack", []).append(ctx)
+
+    def end(self, label: str) -> None:
+        self._open.stack.pop().__exit__(None, None, None)
+
+
 def _profile(torch: Any, args: Any, name: str, device: str, step: Any) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    from ringcomm.comm import trace
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for i in range(PROFILE_STEPS):
-            step(i)
-        _sync(torch, device)
+    trace.set_tracer(_Spans(torch))
+    try:
+        with profile(activities=activities) as prof:
+            for i in range(PROFILE_STEPS):
+                step(i)
+            _sync(torch, device)
+    finally:
+        trace.set_tracer(None)
     tables = [prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)]
     if device == "cuda":
         tables.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))

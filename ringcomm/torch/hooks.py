@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringcomm.comm import trace
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.compress.auto import Auto
@@ -242,9 +243,11 @@ def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index
                    compression: _RingCompressor | None, layout: Layout | None,
                    name: str | None) -> torch.Tensor:
     """The bucket through its pinned host copy: download after ``ready``, reduce, upload."""
-    host = state._staging.download(index, buffer, ready)
+    with trace.span("HOOK_DOWNLOAD"):
+        host = state._staging.download(index, buffer, ready)
     _allreduce(state, host.numpy(), buffer, compression, layout, name)
-    state._staging.upload(host, buffer)
+    with trace.span("HOOK_UPLOAD"):
+        state._staging.upload(host, buffer)
     return buffer
 
 
