@@ -46,6 +46,8 @@ CASES: tuple[tuple[str, dict[str, Any]], ...] = (
                                   "min_compress_bytes": 0}),
     ("int8 with error feedback, host codecs", {"compression": "int8", "start_iter": 1,
                                                "min_compress_bytes": 0, "host_staging": True}),
+    ("PowerSGD rank 1 with error feedback", {"compression": "powersgd", "start_iter": 1,
+                                             "min_compress_bytes": 0}),
 )
 
 
@@ -103,8 +105,9 @@ def _run_case(torch: Any, comm: Any, kwargs: dict[str, Any], expected: Any) -> t
     from ringcomm.torch import RingcommState, ringcomm_hook
 
     kwargs = dict(kwargs)
-    if kwargs.get("compression") == "int8":
-        kwargs["compression"] = ringcomm.Int8()
+    named = {"int8": ringcomm.Int8, "powersgd": lambda: ringcomm.PowerSGD(rank=1)}
+    if kwargs.get("compression") in named:
+        kwargs["compression"] = named[kwargs["compression"]]()
     got = _train(torch, RingcommState(comm, **kwargs), ringcomm_hook)
     prints = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(prints, _fingerprint(got))

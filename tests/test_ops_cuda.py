@@ -191,6 +191,47 @@ def test_compressors_match_numpy(dev, rng, comp):
 
 
 # ----------------------------------------------------------------- no device needed
+@pytest.mark.parametrize("r", [1, 3])
+def test_low_rank_products(dev, rng, n, r):
+    """PowerSGD's P Q^T and M - P Q^T: the same bits as NumPy (subnormals kept); the rank-local
+    projection close to NumPy's (cuBLAS sums in its own order)."""
+    rows = max(1, min(n, 257))
+    cols = max(1, n // rows)
+    pt = twins.data(rng, r * rows, nonfinite=False).reshape(r, rows)
+    qt = twins.data(rng, r * cols, nonfinite=False).reshape(r, cols)
+    want = np.empty((rows, cols), np.float32)
+    ref.outer_sum(pt, qt, want)
+    got = dev.poisoned((rows, cols), np.float32)
+    gpu.outer_sum(dev.put(pt), dev.put(qt), got)
+    twins.assert_bits(dev, got, want)
+    mat = twins.data(rng, rows * cols, nonfinite=False).reshape(rows, cols)
+    want = mat.copy()
+    ref.subtract_outer(want, pt, qt)
+    got = dev.put(mat)
+    gpu.subtract_outer(got, dev.put(pt), dev.put(qt))
+    twins.assert_bits(dev, got, want)
+    want = np.empty((r, cols), np.float32)
+    ref.matmul(pt, mat, want)
+    got = dev.poisoned((r, cols), np.float32)
+    gpu.matmul(dev.put(pt), dev.put(mat), got)
+    np.testing.assert_allclose(dev.get(got), want, rtol=1e-4, atol=1e-4 * rows)
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, "overflow"])
+def test_flag_nonfinite(dev, rng, bad):
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    if bad == "overflow":
+        x[:] = 3e38
+    elif bad is not None:
+        x[3, 2] = bad
+    for impl, put, get in ((ref, np.asarray, np.asarray), (gpu, dev.put, dev.get)):
+        flag = put(np.full(4, 2.0, np.float32))
+        impl.flag_nonfinite(put(x), flag)
+        flag = get(flag)
+        assert np.isnan(flag[0]) == (bad is not None), (impl.__name__, flag)
+        assert (flag[1:] == 2.0).all() and (bad is not None or flag[0] == 2.0)
+
+
 def _public_functions(module: object) -> dict[str, object]:
     return {name: fn for name, fn in vars(module).items()
             if inspect.isfunction(fn) and not name.startswith("_")

@@ -16,7 +16,13 @@ All tensors' P travel in one ring call (with the tensors that go dense: 1-D ones
 where r (n + m) floats would not save ``min_compression_rate`` times n m), all Q in a second.
 ``comm.allreduce`` reduces a 2-D (or higher) array as that one matrix; a flat buffer of several
 tensors needs their shapes (``with_shapes``), which the DDP hook and DistributedOptimizer pass
-for their buckets. Host (NumPy) arrays only.
+for their buckets.
+
+Host and device arrays. The same algorithm runs on NumPy and CuPy arrays, through the
+operations of ``ringcomm.ops`` (``matmul``, ``outer_sum``, ``subtract_outer``): on a GPU the
+projections are cuBLAS products and the low-rank result and residual are ringcomm's kernels. The
+reduced P, a few floats per row, is orthonormalized on the host (one copy each way), so every
+rank and every device runs the same elementwise NumPy code on it.
 
 Conservation. P P^T is the same matrix on every rank, so the sum of the results is
 sum_i P P^T M_i = sum_i (M_i - residual_i'). Hence, per call, with s = 1 for "sum" and s = size
@@ -29,7 +35,8 @@ summed over calls the old residuals telescope away. Tensors sent dense leave no 
 
 Bit-identical results. Only the reduced P and Q enter the result, and every rank orthonormalizes
 the same P with the same elementwise NumPy operations (no BLAS, whose summation order can follow
-memory alignment) and forms P Q^T as a sum of outer products. Q may even differ between ranks
+memory alignment) and forms P Q^T as a sum of outer products, each product and sum rounded on
+its own (the same bits from NumPy and from the GPU kernel). Q may even differ between ranks
 (a memory reset on one rank only): the results stay bit-identical, only the approximation is
 worse.
 
@@ -207,11 +214,8 @@ class PowerSGD(Compressor):
         were given, and the name that keys Q in the memory.
 
         Raises:
-            TypeError: ``x`` is a device array (PowerSGD runs on host arrays).
             ValueError: the shapes hold another number of elements than ``x``.
         """
-        if _ops.is_device_array(x):
-            raise TypeError("PowerSGD reduces host (NumPy) arrays; got a device array")
         bound = self if self.shapes is not None else self.with_shapes([tuple(x.shape)])
         total = sum(int(np.prod(s, dtype=np.int64)) for s in bound.shapes)
         if total != x.size:
@@ -267,7 +271,7 @@ class PowerSGD(Compressor):
         """One rank's rank-r approximation of ``x`` alone: the payload holds P and Q (and the
         dense tensors), from the seeded start Q."""
         comp = self.bind(x, self.name)
-        m = np.array(x, dtype=_F32).reshape(-1)
+        m = np.array(_ops.get(x).to_host(x), dtype=_F32).reshape(-1)
         pieces = []
         for i, p in enumerate(comp.parts(m.size)):
             mat = m[p.span].reshape(p.rows, p.cols)
@@ -295,7 +299,7 @@ class PowerSGD(Compressor):
             at += pt.size
             qt = values[at: at + p.rank * p.cols].reshape(p.rank, p.cols)
             at += qt.size
-            outer_sum(pt, qt, out[p.span].reshape(p.rows, p.cols))
+            _ops.numpy_ops().outer_sum(pt, qt, out[p.span].reshape(p.rows, p.cols))
         return out.astype(dtype).reshape(shape)
 
     def __repr__(self) -> str:
@@ -330,30 +334,6 @@ def orthonormalize(pt: np.ndarray, epsilon: float) -> None:
             pt[j] -= np.sum(col * pt[j], dtype=_F32) * col
 
 
-def outer_sum(pt: np.ndarray, qt: np.ndarray, out: np.ndarray) -> None:
-    """``out = P Q^T`` (``pt``: r x n, ``qt``: r x m) as a sum of outer products, elementwise
-    (the same bits on every rank)."""
-    for lo, hi in _row_blocks(out):
-        block = out[lo:hi]
-        np.multiply(pt[0, lo:hi, None], qt[0][None, :], out=block)
-        for k in range(1, pt.shape[0]):
-            block += pt[k, lo:hi, None] * qt[k][None, :]
-
-
-def subtract_outer(mat: np.ndarray, pt: np.ndarray, qt: np.ndarray) -> None:
-    """``mat -= P Q^T`` in place, an outer product and a block of rows at a time (temporaries
-    that stay in cache; BLAS is slower at inner dimension r)."""
-    blocks = _row_blocks(mat)
-    for k in range(pt.shape[0]):
-        for lo, hi in blocks:
-            mat[lo:hi] -= np.multiply.outer(pt[k, lo:hi], qt[k])
-
-
-def _row_blocks(mat: np.ndarray, block_bytes: int = 1 << 18) -> list[tuple[int, int]]:
-    rows = max(1, block_bytes // max(1, 4 * mat.shape[1]))
-    return [(lo, min(lo + rows, mat.shape[0])) for lo in range(0, mat.shape[0], rows)]
-
-
 def _draw_q(comp: PowerSGD, index: int, part: _Part, draw: int) -> np.ndarray:
     """A Gaussian start Q^T (r x m), the same on every rank for the same arguments."""
     key = zlib.crc32((comp.name or "").encode())
@@ -372,42 +352,53 @@ def _start_q(comp: PowerSGD, entry: Any, index: int, part: _Part) -> np.ndarray:
 
 # ------------------------------------------------------------------------- the algorithm
 class _Call:
-    """One PowerSGD allreduce: the two ring calls and what happens around them."""
+    """One PowerSGD allreduce: the two ring calls and what happens around them, on the array
+    kind of ``x`` (``ops``: NumPy's or the GPU's operations)."""
 
     def __init__(self, t: Transport, x: Any, comp: PowerSGD, residual: Any | None,
                  segment_bytes: int) -> None:
         self.t, self.comp, self.segment_bytes = t, comp, segment_bytes
+        self.ops = ops = _ops.get(x)
         self.parts = comp.parts(x.size)
         self.low = [i for i, p in enumerate(self.parts) if p.rank]
         # M is built in the residual itself, which then receives what is not sent.
-        self.m = residual if residual is not None else np.empty(x.size, _F32)
-        _ops.get(x).compensate(x, residual, self.m)
+        self.m = residual if residual is not None else ops.empty(x.size, _F32)
+        ops.compensate(x, residual, self.m)
         self.entry = comp.memory.entry(comp.name) if comp.name is not None else _Entry()
 
-    def _mat(self, i: int) -> np.ndarray:
+    def _mat(self, i: int) -> Any:
         p = self.parts[i]
         return self.m[p.span].reshape(p.rows, p.cols)
 
-    def _ring(self, buf: np.ndarray) -> None:
+    def _ring(self, buf: Any) -> None:
         with trace.span("POWERSGD_ALLREDUCE"):
             ring.allreduce(self.t, buf, buf, ReduceOp.SUM, segment_bytes=self.segment_bytes)
 
-    def first(self) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, slice]]:
+    def _start_q(self, i: int) -> Any:
+        """The start Q^T of tensor ``i`` on this call's device."""
+        q = _start_q(self.comp, self.entry, i, self.parts[i])
+        if type(q) is np.ndarray and q is not self.entry.qs.get(i):
+            on_device = self.ops.empty(q.shape, _F32)  # a drawn Q: to the call's device
+            self.ops.copy_from_host(on_device, q)
+            return on_device
+        return q
+
+    def first(self) -> tuple[Any, dict[int, Any], dict[int, slice]]:
         """P of every low-rank tensor and the dense tensors, summed in one ring call."""
         sizes = [p.rank * p.rows if p.rank else p.size for p in self.parts]
         offsets = np.cumsum([0, *sizes]).tolist()
-        buf = np.empty(offsets[-1], _F32)
+        buf = self.ops.empty(offsets[-1], _F32)
         pts, dense = {}, {}
         for i, p in enumerate(self.parts):
             s = slice(offsets[i], offsets[i + 1])
             if p.rank:
                 pts[i] = buf[s].reshape(p.rank, p.rows)
                 mat = self._mat(i)
-                np.matmul(_start_q(self.comp, self.entry, i, p), mat.T, out=pts[i])
-                if not np.isfinite(np.sum(mat, dtype=_F32)):
-                    # Marks the tensor for the dense fallback on every rank, whatever the
-                    # products made of its NaN/Inf (a finite sum that overflows marks it too).
-                    pts[i][0, 0] = np.nan
+                self.ops.matmul(self._start_q(i), mat.T, pts[i])
+                # A non-finite M marks the tensor for the dense fallback on every rank,
+                # whatever the products made of its NaN/Inf (a finite sum that overflows
+                # marks it too).
+                self.ops.flag_nonfinite(mat, pts[i].reshape(-1))
             else:
                 dense[i] = s
                 buf[s] = self.m[p.span]
@@ -415,33 +406,44 @@ class _Call:
         self._ring(buf)
         return buf, pts, dense
 
-    def second(self, pts: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray],
-                                                         dict[int, np.ndarray]]:
+    def orthonormal(self, buf: Any, pts: dict[int, Any]) -> dict[int, bool]:
+        """Orthonormalize every finite reduced P in place, on the host (the same NumPy code on
+        every rank and device); whether each P is finite."""
+        host = self.ops.to_host(buf)  # ``buf`` itself for NumPy arrays
+        views = {i: host[_offset(pt, buf): _offset(pt, buf) + pt.size].reshape(pt.shape)
+                 for i, pt in pts.items()}
+        finite = {i: bool(np.isfinite(v).all()) for i, v in views.items()}
+        for i, v in views.items():
+            if finite[i]:
+                orthonormalize(v, self.comp.epsilon)
+        if host is not buf:
+            self.ops.copy_from_host(buf, host)
+        return finite
+
+    def second(self, pts: dict[int, Any], finite: dict[int, bool]) -> tuple[
+            Any, dict[int, Any], dict[int, Any]]:
         """Q of every tensor whose P is finite, and M of the others (dense), summed in one
         ring call; the residuals are written before the sum."""
-        finite = {i: bool(np.isfinite(pt).all()) for i, pt in pts.items()}
         sizes = [self.parts[i].rank * self.parts[i].cols if finite[i] else self.parts[i].size
                  for i in self.low]
         offsets = np.cumsum([0, *sizes]).tolist()
-        buf = np.empty(offsets[-1], _F32)
+        buf = self.ops.empty(offsets[-1], _F32)
         qts, dense = {}, {}
         for k, i in enumerate(self.low):
             s, p, mat = slice(offsets[k], offsets[k + 1]), self.parts[i], self._mat(i)
             if finite[i]:
-                orthonormalize(pts[i], self.comp.epsilon)
                 qts[i] = buf[s].reshape(p.rank, p.cols)
-                np.matmul(pts[i], mat, out=qts[i])
-                subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
+                self.ops.matmul(pts[i], mat, qts[i])
+                self.ops.subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
             else:
                 dense[i] = buf[s]
                 buf[s] = self.m[p.span]
                 self.m[p.span] = 0
         self._ring(buf)
-        return qts, dense
+        return buf, qts, dense
 
-    def result(self, acc: np.ndarray, op: ReduceOp, first: np.ndarray,
-               dense1: dict[int, slice], pts: dict[int, np.ndarray], qts: dict[int, np.ndarray],
-               dense2: dict[int, np.ndarray]) -> None:
+    def result(self, acc: Any, op: ReduceOp, first: Any, dense1: dict[int, slice],
+               pts: dict[int, Any], qts: dict[int, Any], dense2: dict[int, Any]) -> None:
         """The result in float32 ``acc`` (the same bits on every rank); for "avg" the dense
         tensors are divided, and the low-rank ones are P (Q / n)^T."""
         n = self.t.size
@@ -449,21 +451,36 @@ class _Call:
             dense = first[dense1[i]] if i in dense1 else dense2.get(i)
             if dense is not None:
                 if op is ReduceOp.AVG:
-                    np.divide(dense, _F32(n), out=acc[p.span])
+                    self.ops.divide(dense, n, acc[p.span])
                 else:
                     acc[p.span] = dense
             elif p.size:
-                qt = qts[i] / _F32(n) if op is ReduceOp.AVG else qts[i]
-                outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
+                qt = qts[i]
+                if op is ReduceOp.AVG:
+                    qt = self.ops.empty(qt.shape, _F32)
+                    self.ops.divide(qts[i], n, qt)
+                self.ops.outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
 
-    def remember(self, qts: dict[int, np.ndarray]) -> None:
+    def remember(self, buf: Any, qts: dict[int, Any]) -> None:
         if self.comp.name is None:
             return  # without a name, nothing carries over to the next call
-        if self.comp.warm_start:
+        if self.comp.warm_start and qts:
+            host = self.ops.to_host(buf)  # one copy from the device for every tensor's check
             for i, qt in qts.items():
-                if np.isfinite(qt).all():  # an overflowed Q would send the tensor dense for good
+                start = _offset(qt, buf)
+                # An overflowed Q would send the tensor dense for good.
+                if np.isfinite(host[start: start + qt.size]).all():
                     self.entry.qs[i] = qt.copy()
         self.entry.calls += 1
+
+
+def _offset(view: Any, buf: Any) -> int:
+    """Where the contiguous ``view`` of flat ``buf`` starts, in elements."""
+    return (_pointer(view) - _pointer(buf)) // buf.itemsize
+
+
+def _pointer(a: Any) -> int:
+    return int(a.data.ptr) if _ops.is_device_array(a) else int(a.ctypes.data)
 
 
 def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
@@ -475,16 +492,17 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
     with trace.span("COMPRESS"):
         call = _Call(t, x, comp, residual, segment_bytes)
     first, pts, dense1 = call.first()
-    qts, dense2 = call.second(pts)
+    finite = call.orthonormal(first, pts)
+    second, qts, dense2 = call.second(pts, finite)
     # x is spent (M holds it), so the result may go straight into out, even where out is x.
-    acc = out if out.dtype == _F32 else np.empty(x.size, _F32)
+    ops = call.ops
+    acc = out if out.dtype == _F32 else ops.empty(x.size, _F32)
     with trace.span("DECOMPRESS"):
         call.result(acc, op, first, dense1, pts, qts, dense2)
     if acc is not out:
-        ops = _ops.get(x)
         ops.copy(out, acc)
         # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
         lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
         keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi],
                       out[lo:hi], op, t.size)
-    call.remember(qts)
+    call.remember(second, qts)

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: Kernel sources, by file name.
-SOURCES = ("elementwise.cu", "quantize.cu", "cast.cu", "topk.cu")
+SOURCES = ("elementwise.cu", "quantize.cu", "cast.cu", "topk.cu", "lowrank.cu")
 
 #: NVRTC options: C++17; no contraction of a * b + c into an FMA, and no flush of float32
 #: subnormals to zero, neither of which NumPy does (ops/_kernel_cache.py compiles with exactly
@@ -111,6 +111,7 @@ _NAMES = {
     "quantize.cu": lambda: ["rc::int8_encode_kernel", "rc::int8_hop_kernel",
                             "rc::int8_decode_kernel"],
     "cast.cu": lambda: [cast_name(k, f) for k in ("encode", "decode", "hop") for f in _FORMATS],
+    "lowrank.cu": lambda: ["rc::outer_sum_kernel", "rc::subtract_outer_kernel"],
     "topk.cu": lambda: ["rc::select_hist", "rc::select_pick", "rc::sample_limits",
                         "rc::select_count", "rc::select_scan", "rc::select_write"],
 }

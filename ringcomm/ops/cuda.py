@@ -42,15 +42,19 @@ __all__ = [
     "copy_from_host",
     "divide",
     "empty",
+    "flag_nonfinite",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
+    "matmul",
+    "outer_sum",
     "pad8",
     "reduce",
     "sample_threshold",
     "scatter_add",
     "sparse_residual",
+    "subtract_outer",
     "to_host",
     "topk",
     "uniform",
@@ -320,3 +324,48 @@ def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
         idx, _ = _pairs(idx)
         _rt.launch("rc::scatter_zero_kernel", _rt.grid(idx.size),
                    (error, idx, np.int64(idx.size)))
+
+
+# ------------------------------------------------------------------------- low rank
+def matmul(a: Any, b: Any, out: Any) -> None:
+    """``out = a @ b`` with cuBLAS (rank-local products: the bits may differ from NumPy's)."""
+    _rt.cp().matmul(a, b, out=out)
+
+
+def _lowrank_args(mat: Any, pt: Any, qt: Any) -> tuple[Any, ...] | None:
+    """The kernel arguments of a low-rank product, or None where a kernel does not apply."""
+    arrays = (mat, pt, qt)
+    if any(a.dtype != _F32 or not a.flags.c_contiguous for a in arrays) or mat.size == 0:
+        return None
+    n, m = mat.shape
+    return (np.int64(n), np.int64(m), np.int32(pt.shape[0]))
+
+
+def outer_sum(pt: Any, qt: Any, out: Any) -> None:
+    """``out = P Q^T`` (``pt``: r x n, ``qt``: r x m) as a sum of outer products, rounded as
+    NumPy's twin rounds them."""
+    dims = _lowrank_args(out, pt, qt)
+    if dims is None:
+        if out.size:
+            out[...] = pt[0][:, None] * qt[0][None, :]
+            for k in range(1, pt.shape[0]):
+                out += pt[k][:, None] * qt[k][None, :]
+        return
+    _rt.launch("rc::outer_sum_kernel", _rt.grid(out.size), (out, pt, qt, *dims))
+
+
+def subtract_outer(mat: Any, pt: Any, qt: Any) -> None:
+    """``mat -= P Q^T`` in place, one outer product at a time in k order."""
+    dims = _lowrank_args(mat, pt, qt)
+    if dims is None:
+        for k in range(pt.shape[0]):
+            mat -= pt[k][:, None] * qt[k][None, :]
+        return
+    _rt.launch("rc::subtract_outer_kernel", _rt.grid(mat.size), (mat, pt, qt, *dims))
+
+
+def flag_nonfinite(x: Any, flag: Any) -> None:
+    """Set ``flag[0]`` to NaN if the float32 sum of ``x`` is not finite; no wait for the GPU."""
+    cupy = _rt.cp()
+    bad = ~cupy.isfinite(cupy.sum(x, dtype=_F32))
+    flag[:1] = cupy.where(bad, _F32(np.nan), flag[:1])

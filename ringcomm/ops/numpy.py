@@ -28,15 +28,19 @@ __all__ = [
     "copy_from_host",
     "divide",
     "empty",
+    "flag_nonfinite",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
+    "matmul",
+    "outer_sum",
     "pad8",
     "reduce",
     "sample_threshold",
     "scatter_add",
     "sparse_residual",
+    "subtract_outer",
     "to_host",
     "topk",
     "uniform",
@@ -432,3 +436,46 @@ def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None
     error[idx] = 0
     if not clean:
         zero_nonfinite(error)
+
+
+# ------------------------------------------------------------------------- low rank
+# PowerSGD's products (compress/powersgd.py). The result P Q^T and the residual M - P Q^T are
+# sums of outer products, each product and sum rounded on its own (the same bits on every rank
+# and device: kernels/lowrank.cu); the projections M Q and P^T M, which are rank-local and
+# summed by the ring, are BLAS products.
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a @ b`` (float32; the summation order is the library's, not fixed)."""
+    np.matmul(a, b, out=out)
+
+
+def outer_sum(pt: np.ndarray, qt: np.ndarray, out: np.ndarray) -> None:
+    """``out = P Q^T`` (``pt``: r x n, ``qt``: r x m, float32, contiguous) as a sum of outer
+    products in k order, a block of rows at a time (temporaries that stay in cache)."""
+    for lo, hi in _row_blocks(out):
+        block = out[lo:hi]
+        np.multiply(pt[0, lo:hi, None], qt[0][None, :], out=block)
+        for k in range(1, pt.shape[0]):
+            block += pt[k, lo:hi, None] * qt[k][None, :]
+
+
+def subtract_outer(mat: np.ndarray, pt: np.ndarray, qt: np.ndarray) -> None:
+    """``mat -= P Q^T`` in place, one outer product at a time in k order (BLAS is slower at
+    inner dimension r)."""
+    blocks = _row_blocks(mat)
+    for k in range(pt.shape[0]):
+        for lo, hi in blocks:
+            mat[lo:hi] -= np.multiply.outer(pt[k, lo:hi], qt[k])
+
+
+def flag_nonfinite(x: np.ndarray, flag: np.ndarray) -> None:
+    """Set ``flag[0]`` to NaN if the float32 sum of ``x`` is not finite (NaN or Inf in ``x``,
+    or a sum that overflows); leave it otherwise."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.sum(x, dtype=_F32)
+    if not np.isfinite(total):
+        flag[0] = np.nan
+
+
+def _row_blocks(mat: np.ndarray, block_bytes: int = 1 << 18) -> list[tuple[int, int]]:
+    rows = max(1, block_bytes // max(1, 4 * mat.shape[1]))
+    return [(lo, min(lo + rows, mat.shape[0])) for lo in range(0, mat.shape[0], rows)]

@@ -1,0 +1,146 @@
+"""PowerSGD on device arrays: on a GPU (marker ``gpu``) and on the CPU emulator of
+tests/gpu_emulator.py, ranks as threads sharing the device.
+
+Every rank gets the same bits, error feedback conserves what was not sent, a non-finite tensor
+goes dense on every rank, and the result is the host's: bit for bit on the emulator (its BLAS is
+NumPy's), to float32 rounding on a GPU (cuBLAS sums the rank-local projections in its own
+order; what every rank shares, P's orthonormalization and the P Q^T of the result, is computed
+as on the host).
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from thread_helpers import identical
+
+import ringcomm
+from ringcomm.comm.base import Communicator
+from ringcomm.comm.threads import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+SHAPES = [(32, 24), (24,), (6, 2, 3, 3), (3, 3), (1,), (40, 7)]  # (3, 3): dense at rank 1..2
+LENGTH = sum(int(np.prod(s)) for s in SHAPES)
+
+
+class Device:
+    """How the test puts arrays on the device under test and reads them back."""
+
+    def __init__(self, put: Any, get: Any, exact: bool) -> None:
+        self.put, self.get, self.exact = put, get, exact
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu),
+                                        "emulated"])
+def dev(request: pytest.FixtureRequest) -> Iterator[Device]:
+    if request.param == "cuda":
+        cupy = pytest.importorskip("cupy")
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                pytest.skip("no CUDA GPU")
+        except Exception as err:  # no driver
+            pytest.skip(f"no CUDA GPU ({err})")
+        yield Device(cupy.asarray, cupy.asnumpy, exact=False)
+        return
+    import gpu_emulator
+
+    try:
+        emulator = gpu_emulator.build(gpu_emulator.cache_dir())
+    except FileNotFoundError:
+        pytest.skip("no C++ compiler for the emulated kernels")
+    lock = threading.Lock()  # the emulator runs one kernel at a time; the ranks are threads
+    launch = emulator.launch
+
+    def serialized(*args: Any) -> None:
+        with lock:
+            launch(*args)
+
+    emulator.launch = serialized
+    with gpu_emulator.installed(emulator) as fake:
+        yield Device(fake.asarray, lambda a: np.array(a).view(np.ndarray), exact=True)
+    del emulator.launch
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _steps(n: int, xs: list[np.ndarray], put: Any, get: Any, comp: Any, op: str,
+           name: str = "bucket") -> list[tuple[list[np.ndarray], np.ndarray]]:
+    """Every rank reduces xs[step][rank] (placed by ``put``) with error feedback; per rank,
+    (results, final residual) on the host."""
+    def job(t: Any) -> tuple[list[np.ndarray], np.ndarray]:
+        comm = Communicator(t)
+        ef = ringcomm.ErrorFeedback()
+        mine = comp.with_shapes(comp.shapes)
+        mine.memory = ringcomm.PowerSGD().memory  # every rank its own, as processes have
+        got = [get(comm.allreduce(put(x[t.rank]), op=op, compression=mine, feedback=ef,
+                                  name=name)) for x in xs]
+        return got, get(ef.residual(name))
+    return run_ranks(n, job, timeout=120.0)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_device_results_identical_conserving_and_the_hosts(dev, rng, n, op):
+    xs = [rng.standard_normal((n, LENGTH)).astype(np.float32) for _ in range(3)]
+    comp = ringcomm.PowerSGD(rank=2, shapes=SHAPES)
+    on_device = _steps(n, xs, dev.put, dev.get, comp, op)
+    on_host = _steps(n, xs, np.asarray, np.asarray, comp, op)
+    for step in range(len(xs)):
+        assert identical([o[0][step] for o in on_device])
+        got, want = on_device[0][0][step], on_host[0][0][step]
+        if dev.exact:
+            assert got.tobytes() == want.tobytes(), step
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    scale = n if op == "avg" else 1
+    inputs = sum(x.astype(np.float64).sum(axis=0) for x in xs)
+    results = sum(scale * r.astype(np.float64) for r in on_device[0][0])
+    held = sum(o[1].astype(np.float64) for o in on_device)
+    np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_tensor_goes_dense_on_every_rank(dev, rng, bad):
+    """One rank's NaN/Inf in the first matrix: that tensor is reduced dense (non-finite where
+    the dense sum is), the others stay low-rank and finite, on every rank alike."""
+    n = 2
+    x = rng.standard_normal((n, LENGTH)).astype(np.float32)
+    x[1, 5] = bad
+    comp = ringcomm.PowerSGD(rank=1, shapes=SHAPES)
+    out = _steps(n, [x], dev.put, dev.get, comp, "sum")
+    assert identical([o[0][0] for o in out])
+    got = out[0][0][0]
+    first = int(np.prod(SHAPES[0]))
+    dense = x.sum(axis=0)
+    np.testing.assert_array_equal(np.isfinite(got[:first]), np.isfinite(dense[:first]))
+    np.testing.assert_array_equal(got[:first][np.isfinite(dense[:first])],
+                                  dense[:first][np.isfinite(dense[:first])])
+    assert np.isfinite(got[first:]).all()
+
+
+def test_warm_start_keeps_q_on_the_device(dev, rng):
+    """A second call starts from the last Q, kept on the device (no host copy of it)."""
+    comp = ringcomm.PowerSGD(rank=1, shapes=[(16, 12)])
+    xs = [rng.standard_normal((2, 192)).astype(np.float32) for _ in range(2)]
+    memory = []
+
+    def job(t: Any) -> None:
+        comm = Communicator(t)
+        mine = comp.with_shapes(comp.shapes)
+        mine.memory = ringcomm.PowerSGD().memory
+        for x in xs:
+            comm.allreduce(dev.put(x[t.rank]), compression=mine, name="w")
+        if t.rank == 0:
+            memory.append(mine.memory.entry("w").qs[0])
+
+    run_ranks(2, job, timeout=120.0)
+    assert type(memory[0]) is type(dev.put(np.zeros(1, np.float32)))
+    assert memory[0].shape == (1, 12)
