@@ -1,7 +1,7 @@
 """GPU training step time: DDP's own allreduce, PyTorch's hooks and ringcomm's, side by side.
 
     python bench/gpu_train.py [--models resnet18,vit_s] [--ranks 2] [--batch 64]
-        [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F]
+        [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F] [--baseline DIR]
 
 For each model, one torchrun-style job of ``--ranks`` processes (sharing the GPUs there are,
 gloo between them, as torchrun sets it up) trains the same model on the same synthetic batches
@@ -13,10 +13,12 @@ median of ``--steps`` steps after ``--warmup``, with its quartiles; the paramete
 training are digested (SHA-256) on every rank: identical on all ranks, and, for uncompressed
 variants, bit-identical to DDP's own.
 
-``--profile F`` also profiles a few steps of each ringcomm variant with torch.profiler on rank 0
-and writes the operator tables to F (where the hook's time goes). ``--device cpu`` and
-``--models mlp`` run the same on CPU (this script's own test). Part of bench/gpu_check.py
-(step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
+``--baseline DIR`` runs ringcomm's variants that an earlier tree has (uncompressed, Int8, TopK)
+once more with the ringcomm package of DIR (a checkout of an earlier commit), marked "[before]",
+in the same run. ``--profile F`` also profiles a few steps of each ringcomm variant with
+torch.profiler on rank 0 and writes the operator tables to F (where the hook's time goes).
+``--device cpu`` and ``--models mlp`` run the same on CPU (this script's own test). Part of
+bench/gpu_check.py (step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "PyTorch fp16_compress_hook": ("torch-fp16", {}),
     "PyTorch PowerSGD rank 1 (one bucket)": ("torch-powersgd", {}),
 }
-UNCOMPRESSED = ("DDP default", "ringcomm", "ringcomm (piece by piece)")
+BASELINE_VARIANTS = ("ringcomm", "ringcomm Int8", "ringcomm TopK(0.01)")
 PROFILE_STEPS = 3
 
 
@@ -184,6 +186,8 @@ def _profile(torch: Any, args: Any, name: str, device: str, step: Any) -> None:
 
 
 def worker(args: Any) -> int:
+    if args.tree:  # an earlier ringcomm, ahead of this tree's
+        sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
     import torch.distributed as dist
 
@@ -216,8 +220,12 @@ def worker(args: Any) -> int:
         if name == "DDP default":
             reference = everyone[0][0]["digest"]
         q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        family, options = VARIANTS[name]
         emit("RESULT", {
-            "model": args.model, "variant": name, "ms": 1e3 * statistics.median(times),
+            "model": args.model, "variant": name + (" [before]" if args.tree else ""),
+            "uncompressed": family in ("ddp", "ringcomm") and "compression" not in options,
+            "ringcomm": str(Path(sys.modules["ringcomm"].__file__).parent),
+            "ms": 1e3 * statistics.median(times),
             "q1": 1e3 * q[0], "q3": 1e3 * q[2], "steps": len(times),
             "identical_on_ranks": len(digests) == 1,
             "finite": all(g["finite"] for g, _ in everyone),
@@ -251,7 +259,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ratio = f"{base / r['ms']:.2f}" if base else "-"
             if not r["identical_on_ranks"] or not r["finite"]:
                 params = "DIFFER between ranks" if r["finite"] else "NOT FINITE"
-            elif r["variant"] in UNCOMPRESSED and r["variant"] != "DDP default":
+            elif r["uncompressed"] and r["variant"] != "DDP default":
                 params = ("bit-identical to DDP default's" if r["same_as_ddp"]
                           else "differ from DDP default's")
             else:
@@ -284,20 +292,31 @@ def launch_all(args: Any) -> int:
     results: list[dict[str, Any]] = []
     ok = True
     base = gpu_check_ddp.launcher_env()
-    for model in args.models:
+    jobs = [(model, [], len(args.variants)) for model in args.models]
+    if args.baseline:
+        before = [v for v in BASELINE_VARIANTS if v in args.variants]
+        jobs += [(model, ["--tree", str(Path(args.baseline).resolve()), "--variants",
+                          ",".join(before)], len(before)) for model in args.models]
+    total = sum(expected for _, _, expected in jobs)
+    for model, extra, expected in jobs:  # each job's share of the time, by its variants
         envs = gpu_check_ddp.torchrun_envs(base, args.ranks)
-        codes, texts = gpu_check_ddp.run_processes([[*me, "--model", model]] * args.ranks,
-                                                    envs, args.timeout / len(args.models))
+        codes, texts = gpu_check_ddp.run_processes(
+            [[*me, "--model", model, *extra]] * args.ranks, envs,
+            args.timeout * expected / total)
         got = [json.loads(line.split(" ", 1)[1]) for line in texts[0].splitlines()
                if line.startswith("RESULT ")]
-        results += got
+        ddp = next((r.get("digest") for r in results
+                    if r["model"] == model and r["variant"] == "DDP default"), None)
         for r in got:
+            if extra and "digest" in r:  # the earlier tree's, against this run's DDP default
+                r["same_as_ddp"] = r["digest"] == ddp
             print(json.dumps(r), flush=True)
-        if any(codes) or len(got) != len(args.variants):
+        results += got
+        if any(codes) or len(got) != expected:
             ok = False
-            print(f"{model}: exit statuses {codes}; end of rank 0's output:\n"
-                  f"{texts[0][-3000:]}", flush=True)
-        _write(args, results)  # after each model: a run stopped from outside keeps them
+            print(f"{model}{' (baseline)' if extra else ''}: exit statuses {codes}; end of "
+                  f"rank 0's output:\n{texts[0][-3000:]}", flush=True)
+        _write(args, results)  # after each job: a run stopped from outside keeps them
     print(_write(args, results))
     return 0 if ok else 1
 
@@ -327,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--profile", default=None, help="file for the profiler's tables")
+    p.add_argument("--baseline", default=None,
+                   help="a tree whose ringcomm runs the variants it has once more")
+    p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

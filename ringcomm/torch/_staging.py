@@ -8,11 +8,16 @@ bucket is one asynchronous download on a side stream of its own (after the point
 reached when the hook was called), the ring runs on the host copy, and one upload brings the
 result back: the GPU goes on with backward meanwhile, as DDP's own gloo allreduce does.
 
+Compressed buckets keep their codecs on the GPU; their work runs on the same side stream
+(:meth:`HostStaging.side`, for torch and CuPy alike), ordered after backward's by an event
+instead of in lockstep with it on the default stream.
+
 The host copies are page-locked and kept per bucket, so steady-state steps allocate nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -34,6 +39,7 @@ class HostStaging:
     def __init__(self) -> None:
         self._host: dict[Any, torch.Tensor] = {}
         self._streams: dict[int, Any] = {}
+        self._cupy_streams: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def host(self, key: Any, buffer: torch.Tensor) -> torch.Tensor:
@@ -52,6 +58,28 @@ class HostStaging:
             if stream is None:
                 stream = self._streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+    @contextlib.contextmanager
+    def side(self, device: torch.device, ready: Any) -> Any:
+        """Run the block's GPU work (torch's and CuPy's) on ``device``'s side stream, after the
+        event ``ready``."""
+        stream = self.stream(device)
+        index = stream.device.index
+        with torch.cuda.stream(stream), self._cupy_stream(index, stream):
+            stream.wait_event(ready)
+            yield stream
+
+    def _cupy_stream(self, index: int, stream: Any) -> Any:
+        """CuPy's view of the side stream (CuPy is imported by then: the bucket is a CuPy
+        array on this path)."""
+        import cupy
+
+        with self._lock:
+            ext = self._cupy_streams.get(index)
+            if ext is None:
+                ext = self._cupy_streams[index] = cupy.cuda.ExternalStream(
+                    stream.cuda_stream, index)
+        return ext
 
     def download(self, key: Any, buffer: torch.Tensor, ready: Any) -> torch.Tensor:
         """Copy ``buffer`` into its pinned host tensor once the event ``ready`` (recorded where

@@ -12,7 +12,8 @@ A CUDA bucket is reduced in the background with the communicator's device curren
 work that the stream running backward (which may be a side stream) had queued when the hook
 was called. Where the backend moves host arrays only (gloo, an MPI without CUDA support), an
 uncompressed CUDA bucket is copied whole to pinned host memory on a side stream, reduced there,
-and copied back (see :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile.
+and copied back (see :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile;
+a compressed one keeps its codecs on the GPU, on the same side stream.
 """
 
 from __future__ import annotations
@@ -153,11 +154,14 @@ class RingcommState:
                 and buffer.is_floating_point()
                 and buffer.numel() * buffer.element_size() >= self.min_compress_bytes)
 
+    def through_host(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is a CUDA bucket that the backend moves through host memory."""
+        return buffer.device.type == "cuda" and not self.comm.transport.moves_device_arrays
+
     def stages(self, buffer: torch.Tensor, compressed: bool) -> bool:
         """Whether the bucket ``buffer`` goes whole through pinned host memory (see
         ``host_staging``)."""
-        if (buffer.device.type != "cuda" or buffer.dtype not in STAGED_DTYPES
-                or self.comm.transport.moves_device_arrays):
+        if buffer.dtype not in STAGED_DTYPES or not self.through_host(buffer):
             return False
         return not compressed if self.host_staging is None else self.host_staging
 
@@ -239,6 +243,16 @@ def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompre
     return buffer
 
 
+def _reduce_on_side(state: RingcommState, buffer: torch.Tensor, ready: Any,
+                    compression: _RingCompressor | None, layout: Layout | None,
+                    name: str | None) -> torch.Tensor:
+    """The bucket on the GPU, its work on the side stream after ``ready``."""
+    with state._staging.side(buffer.device, ready) as stream:
+        _reduce(state, buffer, compression, layout, name)
+        stream.synchronize()  # the result complete before the future is (a widened write-back)
+    return buffer
+
+
 def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int,
                    compression: _RingCompressor | None, layout: Layout | None,
                    name: str | None) -> torch.Tensor:
@@ -283,11 +297,15 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         state.iter += 1
     devices = [buffer.device] if buffer.device.type == "cuda" else None
     future: torch.futures.Future = torch.futures.Future(devices=devices)
-    if state.stages(buffer, compression is not None):
+    if state.through_host(buffer):
         ready = torch.cuda.Event()  # where backward's stream is now: the bucket is written
         ready.record(torch.cuda.current_stream(buffer.device))
-        task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
-                                 compression, layout, name)
+        if state.stages(buffer, compression is not None):
+            task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
+                                     compression, layout, name)
+        else:
+            task = functools.partial(_reduce_on_side, state, buffer, ready, compression,
+                                     layout, name)
     else:
         task = functools.partial(_reduce, state, buffer, compression, layout, name)
 
