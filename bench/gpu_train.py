@@ -292,11 +292,13 @@ def launch_all(args: Any) -> int:
     results: list[dict[str, Any]] = []
     ok = True
     base = gpu_check_ddp.launcher_env()
-    jobs = [(model, [], len(args.variants)) for model in args.models]
-    if args.baseline:
-        before = [v for v in BASELINE_VARIANTS if v in args.variants]
-        jobs += [(model, ["--tree", str(Path(args.baseline).resolve()), "--variants",
-                          ",".join(before)], len(before)) for model in args.models]
+    before = [v for v in BASELINE_VARIANTS if v in args.variants] if args.baseline else []
+    jobs = []  # per model: this tree's variants, then the earlier tree's
+    for model in args.models:
+        jobs.append((model, [], len(args.variants)))
+        if before:
+            jobs.append((model, ["--tree", str(Path(args.baseline).resolve()), "--variants",
+                                 ",".join(before)], len(before)))
     total = sum(expected for _, _, expected in jobs)
     for model, extra, expected in jobs:  # each job's share of the time, by its variants
         envs = gpu_check_ddp.torchrun_envs(base, args.ranks)
