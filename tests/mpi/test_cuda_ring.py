@@ -225,6 +225,45 @@ def test_compressed_allreduce_matches_numpy(comm, world, rng, kind, name, op):
         np.testing.assert_array_equal(kind.get(device_ef.residual("w")), host_ef.residual("w"))
 
 
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_powersgd_on_device_arrays(comm, world, rng, kind, op):
+    """PowerSGD of a bucket of matrices (one dense, one with a NaN at the second step), three
+    steps with error feedback, a memory per path: the same bits on every rank and error
+    feedback conserving what was not sent; on the emulator the bits of the NumPy path, on a GPU
+    its values to float32 rounding (cuBLAS sums the rank-local projections in its own order)."""
+    shapes = [(48, 40), (40,), (8, 3, 5, 5), (3, 3), (200, 30)]
+    n = sum(int(np.prod(s)) for s in shapes)
+    host_c, device_c = (ringcomm.PowerSGD(rank=2).with_shapes(shapes) for _ in range(2))
+    device_c.memory = ringcomm.PowerSGD().memory
+    host_ef, device_ef = ringcomm.ErrorFeedback(), ringcomm.ErrorFeedback()
+    inputs, results = np.zeros(n), np.zeros(n)
+    scale = comm.size if op == "avg" else 1
+    for step in range(3):
+        g = rng.standard_normal(n).astype(np.float32)
+        if step == 1 and comm.rank == comm.size - 1:
+            g[5] = np.nan  # the first matrix goes dense this step, on every rank
+        want = comm.allreduce(g, op=op, compression=host_c, feedback=host_ef, name="p")
+        got = comm.allreduce(kind.put(g), op=op, compression=device_c, feedback=device_ef,
+                             name="p")
+        assert type(got) is not np.ndarray, "a device call returned a host array"
+        host = kind.get(got)
+        assert same_on_all_ranks(world, host)
+        np.testing.assert_array_equal(np.isfinite(host), np.isfinite(want))
+        if kind.name == "emulated":
+            np.testing.assert_array_equal(host, want)
+        else:
+            np.testing.assert_allclose(host, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+        if step != 1:
+            inputs += np.sum(world.allgather(g.astype(np.float64)), axis=0)
+            results += scale * host.astype(np.float64)
+        else:  # the NaN step: nothing to compare; the books start again from what is held
+            results[:] = 0
+            inputs[:] = np.sum(world.allgather(kind.get(device_ef.residual("p"))
+                                               .astype(np.float64)), axis=0)
+    held = np.sum(world.allgather(kind.get(device_ef.residual("p")).astype(np.float64)), axis=0)
+    np.testing.assert_allclose(results + held, inputs, atol=2e-4 * np.abs(inputs).max())
+
+
 def test_float64_input_compresses_like_numpy(comm, world, rng, kind):
     """A float64 gradient: compensation casts it to float32, the result comes back float64."""
     g = rng.standard_normal(kind.large)
