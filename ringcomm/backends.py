@@ -9,11 +9,13 @@ choice of ``backend="auto"`` is :func:`choose_auto`.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ringcomm.comm import launch
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.settings import Settings
@@ -86,8 +88,10 @@ register(Backend("gloo", "torch.distributed's default group", _build_gloo))
 
 
 def _mpi_world_size() -> int | None:
-    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one), or None
-    without mpi4py."""
+    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one: then MPI is
+    not started, see ``launch.mpi_launched``), or None without mpi4py."""
+    if not launch.mpi_launched():
+        return None if importlib.util.find_spec("mpi4py") is None else 1
     try:
         from ringcomm.comm.mpi import import_mpi
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ringcomm.comm import launch
 from ringcomm.comm.launch import LaunchInfo, detect
 
 
@@ -155,3 +156,15 @@ def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("WORLD_SIZE=2 (torchrun) but MPI.COMM_WORLD has 1 process: "
                                   "launch with mpiexec -n 2"), proc.stdout
+
+
+@pytest.mark.parametrize("env, launched", [
+    ({}, False),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # torchrun alone
+    ({"RANK": "0", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, True),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, False),  # the batch script, not an srun task
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, True),
+])
+def test_mpi_launched(env, launched):
+    assert launch.mpi_launched(env) is launched

@@ -4,6 +4,7 @@ under MPI, and the gloo transport splits into sub-groups."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -264,3 +265,40 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
             in proc.stderr), proc.stderr[-3000:]
     assert "Ending this process (exit status 1)" in proc.stderr
     assert wall < 2.0 + 3.0 + 40, wall     # start-up, both timeouts, torchrun's clean-up
+
+
+NO_MPI_SCRIPT = r"""
+import numpy as np
+import torch
+import ringcomm
+import ringcomm.torch as hvd
+from ringcomm.torch import RingcommState, ringcomm_hook
+
+comm = ringcomm.init()                      # auto: gloo, without asking MPI
+assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
+assert comm.allreduce(np.ones(300_000, np.float32))[0] == 2
+comm.close()
+hvd.init()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+model.register_comm_hook(RingcommState(), ringcomm_hook)
+model(torch.ones(3, 4)).sum().backward()
+print(f"rank {hvd.rank()} ok", flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_without_an_mpi_launcher_never_starts_mpi(tmp_path, subprocess_env):
+    """Under torchrun and no MPI launcher, MPI is not started at all: an mpi4py whose MPI ends
+    the process when it starts without its launcher (Open MPI's singletons need a daemon) is
+    never reached, by ringcomm.init(), ringcomm.torch.init() or the hook."""
+    fake = tmp_path / "fake" / "mpi4py"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "MPI.py").write_text("import os, sys\n"
+                                 "sys.stderr.write('MPI started without its launcher\\n')\n"
+                                 "os._exit(17)\n")
+    env = {**subprocess_env, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "fake"), subprocess_env.get("PYTHONPATH", "")])}
+    proc = _torchrun(tmp_path, env, NO_MPI_SCRIPT)
+    assert "MPI started without its launcher" not in proc.stderr

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LaunchInfo", "detect"]
+__all__ = ["LaunchInfo", "detect", "mpi_launched"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,22 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     else:
         local_rank, local_size = rank, size  # no variables of this group: one host assumed
     return _checked(LaunchInfo(rank, size, local_rank, local_size, "torch.distributed"), "rank")
+
+
+def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher (MPICH's or Open MPI's mpiexec, MVAPICH, a PMIx launcher, srun)
+    started this process: its rank and size variables are set, whatever torchrun's say.
+
+    Without one, MPI's world is this process alone, and asking MPI costs more than the answer:
+    an MPI whose lone start needs a launcher's daemon (Open MPI's) ends the process instead.
+    """
+    env = os.environ if env is None else env
+    for launcher, rank_var, size_var, *_ in _SCHEMES[1:]:
+        if launcher == "slurm" and not any(env.get(name) for name in _SLURM_STEP):
+            continue
+        if rank_var in env and size_var in env:
+            return True
+    return False
 
 
 def _torch_group(env: Mapping[str, str] | None) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm import staging, trace
+from ringcomm.comm import launch, staging, trace
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.env import env_bytes
 from ringcomm.comm.log import get_logger
@@ -127,8 +127,11 @@ def import_mpi() -> Any:
 def world_numbers_alike(rank: int, size: int) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
-    rank), False without mpi4py. For a job whose torch.distributed group is up: its ranks
-    may be numbered otherwise than MPI's, and then MPI cannot stand in for it."""
+    rank), False without mpi4py, and False for a job of several processes that no MPI launcher
+    started (MPI is not even started then). For a job whose torch.distributed group is up: its
+    ranks may be numbered otherwise than MPI's, and then MPI cannot stand in for it."""
+    if size > 1 and not launch.mpi_launched():
+        return False
     try:
         world = import_mpi().COMM_WORLD
     except RuntimeError:
