@@ -2,6 +2,7 @@
 
     python bench/gpu_train.py [--models resnet18,vit_s] [--ranks 2] [--batch 64]
         [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F] [--baseline DIR]
+        [--trace-dir D]
 
 For each model, one torchrun-style job of ``--ranks`` processes (sharing the GPUs there are,
 gloo between them, as torchrun sets it up) trains the same model on the same synthetic batches
@@ -15,8 +16,10 @@ variants, bit-identical to DDP's own.
 
 ``--baseline DIR`` runs ringcomm's variants that an earlier tree has (uncompressed, Int8, TopK)
 once more with the ringcomm package of DIR (a checkout of an earlier commit), marked "[before]",
-in the same run. ``--profile F`` also profiles a few steps of each ringcomm variant with
-torch.profiler on rank 0 and writes the operator tables to F (where the hook's time goes).
+in the same run. ``--profile F`` also profiles a few steps of DDP default and of each ringcomm
+variant with torch.profiler on rank 0 and writes the operator tables to F (where the hook's time
+goes); ``--trace-dir D`` writes the timelines (Chrome traces, gzipped) of DDP default and of
+ringcomm's uncompressed hook on the first model, from every rank, to D.
 ``--device cpu`` and ``--models mlp`` run the same on CPU (this script's own test). Part of
 bench/gpu_check.py (step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
 """
@@ -55,6 +58,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "PyTorch PowerSGD rank 1 (one bucket)": ("torch-powersgd", {}),
 }
 BASELINE_VARIANTS = ("ringcomm", "ringcomm Int8", "ringcomm TopK(0.01)")
+TRACED = ("DDP default", "ringcomm")  # the timelines --trace-dir writes
 PROFILE_STEPS = 3
 
 
@@ -137,9 +141,10 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
     _sync(torch, device)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    if args.profile and family == "ringcomm" and rank == 0:  # after the digest
-        _profile(torch, args, name, device, step)
-    elif args.profile and family == "ringcomm":
+    traced = bool(args.trace_dir) and name in TRACED and args.model == args.models[0]
+    if (args.profile and family in ("ddp", "ringcomm") and rank == 0) or traced:
+        _profile(torch, args, name, device, step, rank, traced)  # after the digest
+    elif args.profile and family in ("ddp", "ringcomm"):
         for i in range(PROFILE_STEPS):  # the other ranks take the same steps unprofiled
             step(i)
     gc.collect()
@@ -163,7 +168,8 @@ class _Spans:
         self._open.stack.pop().__exit__(None, None, None)
 
 
-def _profile(torch: Any, args: Any, name: str, device: str, step: Any) -> None:
+def _profile(torch: Any, args: Any, name: str, device: str, step: Any, rank: int,
+             traced: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from ringcomm.comm import trace
@@ -177,6 +183,17 @@ def _profile(torch: Any, args: Any, name: str, device: str, step: Any) -> None:
             _sync(torch, device)
     finally:
         trace.set_tracer(None)
+    if traced:
+        import gzip
+
+        slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+        raw = Path(args.trace_dir) / f"trace_{args.model}_{slug}_rank{rank}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            dst.write(src.read())
+        raw.unlink()
+    if not args.profile or rank != 0:
+        return
     tables = [prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)]
     if device == "cuda":
         tables.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
@@ -289,6 +306,10 @@ def launch_all(args: Any) -> int:
     if args.profile:
         Path(args.profile).write_text("# torch.profiler tables of ringcomm's variants\n\n")
         me += ["--profile", str(Path(args.profile).resolve())]
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        me += ["--trace-dir", str(Path(args.trace_dir).resolve())]
+    me += ["--models", ",".join(args.models)]  # the first one is traced
     results: list[dict[str, Any]] = []
     ok = True
     base = gpu_check_ddp.launcher_env()
@@ -351,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None,
                    help="a tree whose ringcomm runs the variants it has once more")
     p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", default=None, help="directory for Chrome traces")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
