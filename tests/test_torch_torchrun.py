@@ -121,6 +121,9 @@ for color, key, error in ((-1, 0, InvalidArgumentError), (0, "k", InvalidTypeErr
     except error as err:
         assert err.kind == "split" and err.ranks == (1,), err
 check(world.split(0, rank), [0, 1])
+for _ in range(4):                          # the same members again and again, each closed
+    check(world.split(0, rank), [0, 1])
+    check(world.split(1, -rank), [1, 0])
 
 # A group that torch counts on rank 0 only: refused on both ranks instead of hanging.
 dist.new_group(ranks=[0], backend="gloo")

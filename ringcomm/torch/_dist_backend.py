@@ -117,7 +117,7 @@ class TorchDistTransport(TransportBase):
     Args:
         group: the gloo process group to run on; a new one over the default group's ranks
             when None (so that ringcomm's messages never match the application's), made by
-            every process of the job and destroyed by ``close()``.
+            every process of the job and left to torch.distributed by ``close()``.
         timeout: seconds a wait for the other ranks may last, in the group made here (a
             given ``group`` keeps its own); ``DEFAULT_TIMEOUT_S`` when None.
         abort_on_timeout: on a timeout, end this process (exit status 1; torchrun then ends
@@ -136,18 +136,17 @@ class TorchDistTransport(TransportBase):
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group() (torchrun sets its environment)")
         seconds = check_timeout(timeout)
-        owned = group is None
-        if owned:
+        if group is None:
             group = dist.new_group(backend="gloo", timeout=_duration(seconds))
         # From the group's host names, not the launcher's variables: Lightning's launcher
         # sets no local size, and a guess could differ between the ranks of one node.
         hosts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         rank = dist.get_rank(group)
-        self._setup(group, owned, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]),
-                    seconds, bool(abort_on_timeout))
+        self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
+                    bool(abort_on_timeout))
 
-    def _setup(self, group: Any, owned: bool, local_rank: int, local_size: int,
+    def _setup(self, group: Any, local_rank: int, local_size: int,
                timeout: float, abort_on_timeout: bool, members: list[int] | None = None) -> None:
         """Adopt ``group``, whose ``members`` (global ranks, in this transport's rank order;
         the group's own order when None) may be numbered otherwise by the group itself.
@@ -160,7 +159,7 @@ class TorchDistTransport(TransportBase):
         if members is None:
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
-        self._group, self._owns_group = group, owned
+        self._group = group
         self._peers = members
         self._seat = [seat_of[m] for m in members]
         self._in_order = self._seat == list(range(size))
@@ -278,14 +277,22 @@ class TorchDistTransport(TransportBase):
         hosts = [everyone[r][2] for r in order]
         new_rank = order.index(self.rank)
         sub = TorchDistTransport.__new__(TorchDistTransport)
-        sub._setup(group, True, hosts[:new_rank].count(hosts[new_rank]),
+        sub._setup(group, hosts[:new_rank].count(hosts[new_rank]),
                    hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members)
         return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
+        """Release the scratch buffers; the gloo group made here is left to torch.distributed
+        (destroyed with its default group), not destroyed now.
+
+        torch names a group made by its members alone after its ranks and the number of
+        groups it holds, and keeps its rendezvous under that name in the job's store:
+        destroying a group lowers the number, so a later group of the same ranks could get
+        an earlier one's name, and read the addresses that group left in the store (a refused
+        connection, or one to the wrong group). Groups that are never destroyed keep every
+        name new.
+        """
         self.release_scratch()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group(self._group)
 
 
 def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:
