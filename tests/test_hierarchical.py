@@ -353,17 +353,17 @@ def test_init_options(monkeypatch):
 
 def test_horovod_hierarchical_variable(monkeypatch):
     pytest.importorskip("torch")
-    from ringcomm.torch import _basics
+    from ringcomm.torch import _lifecycle
 
     monkeypatch.delenv("HOROVOD_HIERARCHICAL_ALLREDUCE", raising=False)
-    assert _basics._algorithm_from_env() is None
+    assert _lifecycle._algorithm_from_env() is None
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
-    assert _basics._algorithm_from_env() == "hierarchical"
+    assert _lifecycle._algorithm_from_env() == "hierarchical"
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "0")
-    assert _basics._algorithm_from_env() == "flat"
+    assert _lifecycle._algorithm_from_env() == "flat"
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe")
     with pytest.raises(ValueError, match="HOROVOD_HIERARCHICAL_ALLREDUCE"):
-        _basics._algorithm_from_env()
+        _lifecycle._algorithm_from_env()
 
 
 # ---------------------------------------------------------------------------- communicator

@@ -73,3 +73,48 @@ def test_every_module_is_in_a_layer():
     assert len(modules) > 60
     missing = sorted(m for m in modules - roots if not _layered(layers, m))
     assert missing == [], f"modules in no layer of pyproject.toml: {missing}"
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle_anywhere():
+    """No module imports (at the top or inside a function) one that imports it back, directly
+    or through others: within a layer too, where the layer contract allows both directions."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("ringcomm")
+    assert _cycles(graph) == []
+    graph.add_import(importer="ringcomm.torch._basics", imported="ringcomm.torch.timeline")
+    assert ["ringcomm.torch._basics", "ringcomm.torch.timeline"] in _cycles(graph)

@@ -48,7 +48,6 @@ from ringcomm.torch._basics import (
     global_process_set,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -59,10 +58,10 @@ from ringcomm.torch._basics import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
 )
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
+from ringcomm.torch._lifecycle import init, shutdown
 from ringcomm.torch.accelerate import register_ddp_hook
 from ringcomm.torch.alltoall import alltoall, alltoall_async
 from ringcomm.torch.broadcast import (

@@ -1,16 +1,15 @@
-"""Process-wide state of the Horovod-style surface: init, rank and size, reduction ops."""
+"""Process-wide state of the Horovod-style surface: the communicator, rank and size, process
+sets, reduction ops. Starting and stopping it (``hvd.init``, ``hvd.shutdown``) is
+:mod:`ringcomm.torch._lifecycle`, which sits above the modules that read this state."""
 
 from __future__ import annotations
 
 import enum
-import functools
 import threading
 from typing import Any
 
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.env import env, env_flag
-from ringcomm.comm.settings import agree_at_start
-from ringcomm.torch._engine import Engine, engine_for
+from ringcomm.torch._engine import Engine
 from ringcomm.torch.unsupported import refusal
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "global_process_set",
-    "init",
     "is_initialized",
     "local_rank",
     "local_size",
@@ -37,7 +35,6 @@ __all__ = [
     "register_set",
     "registered_sets",
     "root_in_set",
-    "shutdown",
     "size",
     "unregister_set",
 ]
@@ -73,138 +70,6 @@ class _State:
 
 _STATE = _State()
 _LOCK = threading.Lock()
-
-
-def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -> None:
-    """Start ringcomm for this process (``hvd.init()``); a second call does nothing.
-
-    Under ``mpiexec`` the communicator spans MPI's processes; under ``torchrun`` it runs over a
-    gloo group of torch.distributed (initialized from torchrun's environment if need be).
-
-    Args:
-        comm: an mpi4py communicator to run on, or a ringcomm Communicator; the whole job
-            when None.
-        process_sets: ProcessSets (or lists of ranks) to register, as with
-            ``hvd.add_process_set``; "dynamic" (Horovod's flag) is accepted and does nothing:
-            sets may always be added later.
-        backend: "auto", "mpi" or "nccl", as for :func:`ringcomm.init`.
-
-    Raises:
-        NotImplementedError: ``comm`` is a list of ranks.
-
-    Example::
-
-        import ringcomm.torch as hvd
-        hvd.init()
-        print(hvd.rank(), hvd.size(), hvd.local_rank())
-    """
-    if isinstance(comm, (list, tuple)):
-        raise refusal("init(comm=<list of ranks>): start the job with those ranks, or use "
-                      "hvd.add_process_set for collectives among some of them")
-    with _LOCK:
-        if _STATE.comm is not None and not _STATE.comm.closed:
-            return
-        # Read without raising: a bad value on one rank is raised on every rank once the
-        # communicator is up (raised here alone, it would leave the others waiting for it).
-        settings, problem = _horovod_settings()
-        if isinstance(comm, Communicator):
-            _STATE.comm, _STATE.owned = comm, False
-        else:
-            from ringcomm.torch.process_group import new_communicator
-
-            _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
-        try:
-            _start(settings, problem)
-        except BaseException:
-            if _STATE.owned:
-                _STATE.comm.close()
-            _STATE.comm, _STATE.engine = None, None  # not half started: init may run again
-            raise
-    if process_sets is not None and process_sets != "dynamic":
-        from ringcomm.torch.process_sets import add_process_set
-
-        for ps in process_sets:
-            add_process_set(ps)
-
-
-def _start(settings: dict[str, Any], problem: Exception | None) -> None:
-    """Agree on the Horovod settings over the new communicator, then start the engine, the
-    negotiation and the timeline (collective)."""
-    agree_at_start(_STATE.comm.transport, settings, problem)
-    if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and _STATE.owned:
-        _STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
-    _STATE.engine = engine_for(_STATE.comm)
-    from ringcomm.torch._negotiate import coordinator_for
-
-    coordinator_for(_STATE.comm)  # collective: its control channel is split here
-    from ringcomm.torch.timeline import start_from_env
-
-    start_from_env(_STATE.comm.rank)  # HOROVOD_TIMELINE
-
-
-def _horovod_settings() -> tuple[dict[str, Any], Exception | None]:
-    """The Horovod variables that change what the ranks exchange, checked (None for a bad
-    one), and the first error. The timing variables are checked too, not compared: their
-    values may differ between ranks, but a bad one must fail every rank."""
-    from ringcomm.torch._control import cache_capacity
-    from ringcomm.torch._fusion import fusion_threshold
-    from ringcomm.torch._negotiate import env_float
-
-    compared = (("HOROVOD_HIERARCHICAL_ALLREDUCE", _algorithm_from_env),
-                ("HOROVOD_CACHE_CAPACITY", cache_capacity),
-                ("HOROVOD_FUSION_THRESHOLD", lambda: fusion_threshold(None)))
-    timing = tuple((name, functools.partial(env_float, name, 0.0)) for name in (
-        "HOROVOD_CYCLE_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS",
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"))
-    settings: dict[str, Any] = {}
-    problem = None
-    for name, read in compared + timing:
-        try:
-            settings[name] = read()
-        except ValueError as err:
-            settings[name], problem = None, problem or err
-    for name, _ in timing:
-        del settings[name]
-    return settings, problem
-
-
-def _algorithm_from_env() -> str | None:
-    """The allreduce algorithm Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` asks for:
-    "hierarchical" (within nodes, across them, within them again) for 1, "flat" for 0; None
-    when unset (``ringcomm.init``'s choice stands: ``RINGCOMM_ALGORITHM``, or "auto").
-
-    Raises:
-        ValueError: the variable is not 0 or 1 (or true/false, ...).
-    """
-    if env("HOROVOD_HIERARCHICAL_ALLREDUCE") is None:
-        return None
-    return "hierarchical" if env_flag("HOROVOD_HIERARCHICAL_ALLREDUCE", False) else "flat"
-
-
-def shutdown() -> None:
-    """Shut down on every rank: operations still pending fail; release the communicator.
-
-    As in Horovod, one rank's shutdown is the job's: every rank's background thread stops in
-    the same negotiation cycle, and operations submitted afterwards raise RuntimeError.
-    """
-    from ringcomm.torch import timeline
-    from ringcomm.torch._negotiate import forget
-
-    if timeline.active() is not None:
-        timeline.stop_timeline()
-    for ps in registered_sets():
-        sub = unregister_set(ps)
-        if sub is not None:
-            forget(sub)
-            sub.close()
-    with _LOCK:
-        if _STATE.comm is not None:
-            forget(_STATE.comm)
-        if _STATE.engine is not None:
-            _STATE.engine.close()
-        if _STATE.comm is not None and _STATE.owned:
-            _STATE.comm.close()
-        _STATE.comm, _STATE.engine, _STATE.owned = None, None, False
 
 
 def is_initialized() -> bool:

@@ -30,6 +30,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.compress.auto import Auto
 from ringcomm.compress.base import Compressor as _RingCompressor
 from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.torch import _basics, _lifecycle
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._residuals import Layout, ResidualLayouts
@@ -109,9 +110,7 @@ class RingcommState:
         self.compression = _ring_compressor(compression)
         self.algorithm = None if algorithm is None else check_algorithm(algorithm)
         if comm is None:
-            from ringcomm.torch import _basics
-
-            _basics.init()
+            _lifecycle.init()
             comm = _basics.communicator()
         self.comm = comm
         self.error_feedback = bool(error_feedback)

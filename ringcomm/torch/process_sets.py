@@ -26,6 +26,7 @@ from ringcomm.torch._basics import (
     global_process_set,
     register_set,
     registered_sets,
+    size,
     unregister_set,
 )
 from ringcomm.torch._negotiate import coordinator_for, execute, forget
@@ -80,8 +81,6 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
 
 
 def _problem(ranks: list[int]) -> str | None:
-    from ringcomm.torch._basics import size
-
     n = size()
     if not ranks:
         return "a process set needs at least one rank"
