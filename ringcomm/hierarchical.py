@@ -37,14 +37,8 @@ from ringcomm.compress.base import Compressor
 from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.compress.ring import keep_rounding
 
-__all__ = ["SHARDABLE_ALGORITHMS", "allreduce", "allreduce_with_feedback", "check_compressor",
+__all__ = ["allreduce", "allreduce_with_feedback", "check_compressor",
            "ring_allgather", "shard_bounds"]
-
-#: The compressed allreduces (``ALGORITHMS`` names) whose codecs treat every element alike, so
-#: that one can reduce a node's shard as well as the whole array. PowerSGD, whose payload
-#: depends on the shapes of the tensors in the array, cannot.
-SHARDABLE_ALGORITHMS = frozenset({"ring", "sparse-ring", "sparse-allgather"})
-
 
 def check_compressor(comp: Compressor | None) -> None:
     """Raise ValueError unless the cross-node phase can reduce shards through ``comp``.
@@ -52,12 +46,12 @@ def check_compressor(comp: Compressor | None) -> None:
     Raises:
         ValueError: ``comp`` names an allreduce that does not work on shards of an array.
     """
-    if comp is not None and comp.allreduce_algorithm not in SHARDABLE_ALGORITHMS:
+    if comp is not None and not comp.shardable:
         raise ValueError(
             f"the hierarchical allreduce reduces node shards of the array, which {comp!r} "
-            f"(allreduce {comp.allreduce_algorithm!r}) cannot compress; it takes compressors "
-            f"of the allreduces {', '.join(sorted(SHARDABLE_ALGORITHMS))}: use "
-            "algorithm='flat' with this one")
+            f"(allreduce {comp.allreduce_algorithm!r}) cannot compress: it takes compressors "
+            "that treat every element alike (casts, Int8, TopK); use algorithm='flat' with "
+            "this one")
 
 
 def shard_bounds(length: int, local_size: int) -> list[int]:

@@ -217,9 +217,8 @@ def test_compressor_equality_and_repr():
     assert ringcomm.Int8(128) == ringcomm.Int8(128) != ringcomm.Int8(64)
     assert repr(ringcomm.TopK(0.1, "allgather")) == (
         "TopK(ratio=0.1, algorithm='allgather', approximate=False)")
-    assert ringcomm.Int8().wire.value == "requantize"
-    assert ringcomm.FP16().wire.value == "summable"
-    assert ringcomm.TopK().wire.value == "sparse"
+    assert ringcomm.Int8().shardable and ringcomm.FP16().shardable and ringcomm.TopK().shardable
+    assert not ringcomm.PowerSGD().shardable
 
 
 # ------------------------------------------------------------------------- error feedback

@@ -260,18 +260,19 @@ def test_int8_error_lower_than_flat(shape):
 
 
 def test_compressor_that_needs_shapes_is_refused():
-    with pytest.raises(ValueError, match="cannot compress"):
-        hierarchical.check_compressor(_WholeArrayOnly())
-    hierarchical.check_compressor(ringcomm.Int8())
-    hierarchical.check_compressor(None)
+    """What a compressor declares (``shardable``) decides, not the name of its allreduce."""
+    for comp in (_WholeArrayOnly(), ringcomm.PowerSGD(rank=1)):
+        with pytest.raises(ValueError, match="cannot compress"):
+            hierarchical.check_compressor(comp)
+    for comp in (ringcomm.Int8(), ringcomm.FP16(), ringcomm.BF16(), ringcomm.TopK(0.01),
+                 ringcomm.TopK(0.01, algorithm="allgather"), None):
+        hierarchical.check_compressor(comp)
 
 
 class _WholeArrayOnly(ringcomm.FP16):
-    """An FP16 that names an allreduce of whole arrays (as a shape-aware compressor does)."""
+    """An FP16 whose payload would depend on the whole array (as a shape-aware one's does)."""
 
-    @property
-    def allreduce_algorithm(self) -> str:
-        return "powersgd"
+    shardable = False
 
 
 # -------------------------------------------------------------------------------- topology

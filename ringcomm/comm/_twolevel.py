@@ -194,7 +194,7 @@ def route(sub: Transport, x: Any) -> Transport:
 def _may_help(t: Transport, x: Any, comp: Any | None) -> bool:
     """Whether "auto" considers the two-level allreduce for ``x`` at all (no exchange)."""
     if comp is not None:
-        return (comp.allreduce_algorithm in hierarchical.SHARDABLE_ALGORITHMS
+        return (comp.shardable
                 and t.size >= 2 * HIERARCHICAL_MIN_NODES_COMPRESSED)
     if t.follows_nodes_on_device and _ops.is_device_array(x):
         return False

@@ -1,7 +1,7 @@
 """Compressors (stateless), error feedback (stateful) and compressed allreduce algorithms."""
 
 from ringcomm.compress.auto import Auto, LinkModel
-from ringcomm.compress.base import Compressor, DenseCompressor, Wire
+from ringcomm.compress.base import Compressor, DenseCompressor
 from ringcomm.compress.cast import BF16, FP16
 from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.compress.int8 import Int8
@@ -17,5 +17,4 @@ __all__ = [
     "Int8",
     "LinkModel",
     "TopK",
-    "Wire",
 ]

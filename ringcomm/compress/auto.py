@@ -41,7 +41,7 @@ from ringcomm.comm.log import get_logger
 from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
 from ringcomm.comm.types import ReduceOp, Transport, check_dtype
 from ringcomm.compress.algorithms import ALGORITHMS
-from ringcomm.compress.base import Compressor, Wire, check_compressed_call
+from ringcomm.compress.base import Compressor, check_compressed_call
 from ringcomm.compress.cast import FP16
 from ringcomm.compress.int8 import Int8
 
@@ -168,7 +168,6 @@ class Auto(Compressor):
     Every rank must pass an equal Auto; the choice is the same on every rank.
     """
 
-    wire = Wire.SUMMABLE  # never used as such: Auto resolves to one of its candidates
 
     def __init__(self, candidates: tuple[Compressor | None, ...] = (None, FP16(), Int8()), *,
                  link: LinkModel | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -13,19 +12,7 @@ from ringcomm import ops as _ops
 from ringcomm.comm.types import ReduceOp
 from ringcomm.compress.feedback import ErrorFeedback
 
-__all__ = ["Compressor", "DenseCompressor", "Wire", "check_compressed_call"]
-
-
-class Wire(str, enum.Enum):
-    """What the ring may do with a compressor's payload."""
-
-    #: Payloads of the same length add up elementwise after decoding (casts). The ring treats
-    #: them as REQUANTIZE; a backend that sums the wire type natively could add them undecoded.
-    SUMMABLE = "summable"
-    #: A hop decodes, adds its own contribution and quantizes again (int8).
-    REQUANTIZE = "requantize"
-    #: (index, value) pairs of varying support (top-k).
-    SPARSE = "sparse"
+__all__ = ["Compressor", "DenseCompressor", "check_compressed_call"]
 
 
 class Compressor(abc.ABC):
@@ -37,11 +24,15 @@ class Compressor(abc.ABC):
 
     A compressor also says how the library uses it: which compressed allreduce reduces its
     payloads (``allreduce_algorithm``, a name in ``ringcomm.compress.algorithms``), what one
-    ring step puts on the wire (``wire_bytes``), and what one hop costs (``hop_work``, which
-    ``compression="auto"`` times).
+    ring step puts on the wire (``wire_bytes``), what one hop costs (``hop_work``, which
+    ``compression="auto"`` times), and whether it may compress a shard of an array as well as
+    the whole (``shardable``).
     """
 
-    wire: ClassVar[Wire]
+    #: Whether the compressed allreduce of a part of an array gives that part's result, so
+    #: the two-level allreduce can reduce each node's shard through it (codecs that treat every
+    #: element alike); False where the payload depends on the tensors' shapes (PowerSGD).
+    shardable: ClassVar[bool] = True
 
     @property
     @abc.abstractmethod

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import DenseCompressor, Wire
+from ringcomm.compress.base import DenseCompressor
 
 __all__ = ["BF16", "FP16"]
 
 
 class _Cast(DenseCompressor):
-    wire: ClassVar[Wire] = Wire.SUMMABLE
     fmt: ClassVar[str] = ""
 
     def nbytes(self, n: int) -> int:

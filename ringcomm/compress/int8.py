@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, ClassVar
+from typing import Any
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import DenseCompressor, Wire
+from ringcomm.compress.base import DenseCompressor
 
 __all__ = ["Int8"]
 
@@ -28,7 +28,6 @@ class Int8(DenseCompressor):
         ValueError: ``block_size`` < 1.
     """
 
-    wire: ClassVar[Wire] = Wire.REQUANTIZE
 
     def __init__(self, block_size: int = 256, stochastic: bool = False, seed: int = 0) -> None:
         if (not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool)

@@ -78,7 +78,7 @@ from ringcomm import ops as _ops
 from ringcomm import ring
 from ringcomm.comm import trace
 from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress.base import Compressor, Wire
+from ringcomm.compress.base import Compressor
 from ringcomm.compress.ring import keep_rounding
 
 __all__ = ["LowRankMemory", "PowerSGD", "allreduce", "orthonormalize"]
@@ -173,7 +173,8 @@ class PowerSGD(Compressor):
                               feedback=ef, name="bucket0")
     """
 
-    wire: ClassVar[Wire] = Wire.SUMMABLE  # P and Q add up elementwise on the dense ring
+
+    shardable: ClassVar[bool] = False  # P and Q are per tensor: a shard has no matrices
 
     def __init__(self, rank: int = 1, *, warm_start: bool = True,
                  min_compression_rate: float = 2.0, epsilon: float = 1e-8, seed: int = 0,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import Compressor, Wire, _check_float
+from ringcomm.compress.base import Compressor, _check_float
 
 __all__ = ["TopK"]
 
@@ -36,7 +36,6 @@ class TopK(Compressor):
         ValueError: ratio outside (0, 1], or unknown algorithm.
     """
 
-    wire: ClassVar[Wire] = Wire.SPARSE
 
     def __init__(self, ratio: float = 0.01, algorithm: str = "ring",
                  approximate: bool = False) -> None:
