@@ -24,6 +24,7 @@ from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.comm.topology import resolve_topology
 from ringcomm.comm.types import (
     USER,
+    Array,
     CommStats,
     ReduceOp,
     Transport,
@@ -272,10 +273,10 @@ class Communicator:
         self.close()
 
     # ------------------------------------------------------------------------ collectives
-    def allreduce(self, x: Any, out: Any | None = None, *, op: str | ReduceOp = "sum",
+    def allreduce(self, x: Array, out: Array | None = None, *, op: str | ReduceOp = "sum",
                   compression: Compressor | str | None = None,
                   feedback: ErrorFeedback | None = None, name: str | None = None,
-                  algorithm: str | None = None) -> Any:
+                  algorithm: str | None = None) -> Array:
         """Reduce ``x`` elementwise over all ranks; every rank gets the bit-identical result.
 
         Args:
@@ -329,7 +330,7 @@ class Communicator:
             return self._execute(plan, x, out)
 
     @_serialized
-    def reduce_scatter(self, x: Any, *, op: str | ReduceOp = "sum") -> Any:
+    def reduce_scatter(self, x: Array, *, op: str | ReduceOp = "sum") -> Array:
         """Reduce ``x`` over all ranks and return this rank's chunk of the flattened result.
 
         Rank r gets elements ``[r * L // size, (r + 1) * L // size)`` of the L reduced elements.
@@ -350,7 +351,7 @@ class Communicator:
             return ring.reduce_scatter(self._route(x), _arrays.flat(x), rop,
                                        segment_bytes=self.segment_bytes)
 
-    def allgather(self, x: Any) -> Any:
+    def allgather(self, x: Array) -> Array:
         """Concatenate ``x`` from every rank along the first axis, in rank order.
 
         Any dtype but object: allgather and broadcast only move bytes.
@@ -359,12 +360,12 @@ class Communicator:
         """
         return self._gather("allgather", x)
 
-    def allgatherv(self, x: Any) -> Any:
+    def allgatherv(self, x: Array) -> Array:
         """Concatenate ``x`` from every rank along the first axis; first dimensions may differ."""
         return self._gather("allgatherv", x)
 
     @_serialized
-    def broadcast(self, x: Any, root: int = 0) -> Any:
+    def broadcast(self, x: Array, root: int = 0) -> Array:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         self._ensure_open()
         self._transport.operation = "broadcast"
@@ -395,7 +396,7 @@ class Communicator:
         return given
 
     @_serialized
-    def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> Any:
+    def sendrecv(self, send: Array, dest: int, recv: Array, source: int) -> Array:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``; returns ``recv``.
 
         A point-to-point call: only the two peers take part, and sizes are not checked across

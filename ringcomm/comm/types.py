@@ -8,7 +8,7 @@ supported dtypes), which every layer reads instead of keeping its own.
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 
@@ -19,6 +19,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "USER",
     "ArgumentMismatchError",
+    "Array",
     "CollectiveError",
     "CollectiveTimeoutError",
     "CommStats",
@@ -34,6 +35,11 @@ __all__ = [
     "check_movable",
     "check_op",
 ]
+
+#: What collectives take and return: a NumPy array (host memory) or a CuPy array (a GPU's),
+#: of a dtype in SUPPORTED_DTYPES. An alias, not a protocol: CuPy is imported only where a
+#: device array is met, so neither type can appear in an annotation evaluated at import.
+Array: TypeAlias = Any
 
 #: Dense allreduces of up to this many bytes ride in the agreement message (see comm.agree).
 DEFAULT_INLINE_BYTES = 4096
