@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,7 +38,7 @@ from ringcomm.ops import _cuda_runtime, _cuda_source
 ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["DeviceArray", "Emulator", "FakeCupy", "Launch", "build", "build_kernels",
-           "cache_dir", "flushes_subnormals", "installed"]
+           "cache_dir", "flushes_subnormals", "installed", "one_launch_at_a_time"]
 
 _PREAMBLE = """\
 #include "cuda_emulation.h"
@@ -418,6 +419,24 @@ def installed(emulator: Emulator) -> Iterator[FakeCupy]:
         rt._functions.update(saved[2])
         rt._sm_counts.clear()
         rt._sm_counts.update(saved[3])
+
+
+@contextlib.contextmanager
+def one_launch_at_a_time(emulator: Emulator) -> Iterator[Emulator]:
+    """Serialize the emulator's launches inside the block: it runs one kernel at a time, and
+    tests whose ranks are threads launch from several."""
+    lock = threading.Lock()
+    launch = emulator.launch
+
+    def serialized(*args: Any) -> None:
+        with lock:
+            launch(*args)
+
+    emulator.launch = serialized  # type: ignore[method-assign]
+    try:
+        yield emulator
+    finally:
+        del emulator.launch
 
 
 def cache_dir() -> Path:

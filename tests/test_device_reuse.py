@@ -14,7 +14,6 @@ a GPU: on the stand-ins of tests/test_device_standins.py (CuPy, NCCL) and on the
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -262,17 +261,8 @@ def emulated() -> Iterator[tuple[Any, Any]]:
     """The emulated CuPy, its launches serialized (the emulator runs one kernel at a time,
     and the ranks here are threads)."""
     module, emulator = _emulated()
-    lock = threading.Lock()
-    launch = emulator.launch
-
-    def serialized(*args: Any) -> None:
-        with lock:
-            launch(*args)
-
-    emulator.launch = serialized
-    with module.installed(emulator) as fake:
+    with module.one_launch_at_a_time(emulator), module.installed(emulator) as fake:
         yield emulator, fake
-    del emulator.launch
 
 
 COMPRESSORS = [ringcomm.Int8(block_size=64), ringcomm.Int8(block_size=100, stochastic=True),

@@ -9,7 +9,6 @@ and warm start keeps Q on the device.
 
 from __future__ import annotations
 
-import threading
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -42,17 +41,8 @@ def dev() -> Iterator[Device]:
         emulator = gpu_emulator.build(gpu_emulator.cache_dir())
     except FileNotFoundError:
         pytest.skip("no C++ compiler for the emulated kernels")
-    lock = threading.Lock()  # the emulator runs one kernel at a time; the ranks are threads
-    launch = emulator.launch
-
-    def serialized(*args: Any) -> None:
-        with lock:
-            launch(*args)
-
-    emulator.launch = serialized
-    with gpu_emulator.installed(emulator) as fake:
+    with gpu_emulator.one_launch_at_a_time(emulator), gpu_emulator.installed(emulator) as fake:
         yield Device(fake.asarray, lambda a: np.array(a).view(np.ndarray))
-    del emulator.launch
 
 
 @pytest.fixture
