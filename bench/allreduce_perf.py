@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import ringcomm
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 
 _DTYPES = {"half": "float16", "float": "float32", "double": "float64", "int32": "int32",
            "int64": "int64", "bfloat16": "bfloat16"}
@@ -156,13 +156,13 @@ def machine() -> dict[str, Any]:
 
 def _gpu_info() -> dict[str, Any]:
     """The GPU and NCCL, where there are."""
-    from ringcomm.comm import nccl
+    from ringcomm.backends import nccl
 
     if not nccl.usable():
         return {}
     import cupy
 
-    from ringcomm.comm import _nccl_lib
+    from ringcomm.backends import _nccl_lib
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

@@ -44,9 +44,9 @@ from ddp_perf import load_average, machine  # noqa: E402
 from train_digits import load_data  # noqa: E402
 
 import ringcomm  # noqa: E402
-from ringcomm.comm import trace  # noqa: E402
+from ringcomm.backends.gloo import TorchDistCommunicator  # noqa: E402
+from ringcomm.core import trace  # noqa: E402
 from ringcomm.torch import RingcommState, ringcomm_hook  # noqa: E402
-from ringcomm.torch._dist_backend import TorchDistCommunicator  # noqa: E402
 from ringcomm.torch.process_group import init_process_group_from_mpi  # noqa: E402
 
 __all__ = ["main"]

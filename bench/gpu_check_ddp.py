@@ -141,7 +141,7 @@ def worker(backends: list[str], device: str) -> int:
     """One rank: DDP's allreduce, then the hook on each backend; rank 0 prints the checks.
 
     ``device`` "cpu" runs the same on CPU tensors, to check this script without a GPU."""
-    from ringcomm.comm import launch
+    from ringcomm.core import launch
 
     info = launch.detect()
     tag = f"n={info.size} {'mpiexec' if info.launcher != 'torchrun' else 'torchrun'}"

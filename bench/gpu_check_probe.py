@@ -82,7 +82,7 @@ def _nvrtc() -> dict[str, Any]:
 
 
 def _nccl() -> dict[str, Any]:
-    from ringcomm.comm import _nccl_lib
+    from ringcomm.backends import _nccl_lib
 
     lib = _nccl_lib.load()
     return {"version": lib.version_string, "path": lib.path}

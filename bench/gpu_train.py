@@ -172,7 +172,7 @@ def _profile(torch: Any, args: Any, name: str, device: str, step: Any, rank: int
              traced: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from ringcomm.comm import trace
+    from ringcomm.core import trace
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     trace.set_tracer(_Spans(torch))
@@ -208,7 +208,7 @@ def worker(args: Any) -> int:
     import torch
     import torch.distributed as dist
 
-    from ringcomm.comm import launch
+    from ringcomm.core import launch
 
     info = launch.detect()
     device = args.device

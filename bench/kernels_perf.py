@@ -42,10 +42,10 @@ import numpy as np
 
 import ringcomm
 from ringcomm import ops as array_ops
+from ringcomm.algorithms import compressed_ring
+from ringcomm.algorithms import sparse as sparse_ring
 from ringcomm.comm.transport import TransportBase
-from ringcomm.comm.types import RING, ReduceOp
-from ringcomm.compress import ring as compressed_ring
-from ringcomm.compress import sparse as sparse_ring
+from ringcomm.core.types import RING, ReduceOp
 from ringcomm.ops import _cuda_runtime
 from ringcomm.ops import numpy as host_ops
 

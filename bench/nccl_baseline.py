@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ringcomm.comm.nccl import NCCLTransport
-from ringcomm.comm.types import ReduceOp
+from ringcomm.backends.nccl import NCCLTransport
+from ringcomm.core.types import ReduceOp
 
 __all__ = ["allreduce_fn", "close_all", "transport"]
 

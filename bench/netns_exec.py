@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringcomm.comm.launch import detect
+from ringcomm.core.launch import detect
 
 __all__ = ["main", "placement", "set_hostname"]
 

@@ -4,9 +4,9 @@
     .venv/bin/python bench/scale_sim.py --quick    # smaller n, a few minutes
 
 ringcomm's real algorithms (the dense ring, the int8 ring, the sparse top-k ring, and the
-hierarchical allreduce of ringcomm.hierarchical) run on thread ranks over the simulated-clock
-transport of bench/sim_transport.py, on small real arrays that stand for large gradients
-(bench/sim_model.py has the link, NIC and compute model; bench/sim_costs.py the measured
+hierarchical allreduce of ringcomm.algorithms.hierarchical) run on thread ranks over the
+simulated-clock transport of bench/sim_transport.py, on small real arrays that stand for large
+gradients (bench/sim_model.py has the link, NIC and compute model; bench/sim_costs.py the measured
 compute rates). It writes, as JSON, Markdown and a PNG:
 
 (a) the relative error of one int8 and one top-k(0.01) allreduce against n, flat against
@@ -41,7 +41,7 @@ from sim_model import CostModel, LinkModel, alpha_beta_bound
 from sim_transport import run_sim
 
 import ringcomm
-from ringcomm.compress.base import Compressor
+from ringcomm.codecs.base import Compressor
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30

@@ -1,9 +1,9 @@
 """What every simulated rank of bench/scale_sim.py runs: gradients, one allreduce, its clock.
 
 A job is flat (ringcomm's dense ring or the compressed algorithm the compressor names, over
-the whole job) or hierarchical (:func:`ringcomm.hierarchical.allreduce` over the node-local and
-cross-node transports that ``split`` gives). The allreduce is timed on the virtual clock from a
-barrier that lines every rank up.
+the whole job) or hierarchical (:func:`ringcomm.algorithms.hierarchical.allreduce` over the
+node-local and cross-node transports that ``split`` gives). The allreduce is timed on the
+virtual clock from a barrier that lines every rank up.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from sim_transport import SimTransport
 
-from ringcomm import hierarchical, ring
-from ringcomm.comm.types import ReduceOp
-from ringcomm.compress.algorithms import ALGORITHMS
-from ringcomm.compress.base import Compressor
+from ringcomm.algorithms import hierarchical, ring
+from ringcomm.algorithms.compressed import ALGORITHMS
+from ringcomm.codecs.base import Compressor
+from ringcomm.core.types import ReduceOp
 
 __all__ = ["BLOCK", "Job", "exact_sum", "gradients", "run_job"]
 

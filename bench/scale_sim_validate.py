@@ -31,7 +31,7 @@ from sim_model import LinkModel
 from sim_transport import run_sim
 
 import ringcomm
-from ringcomm.compress.base import Compressor
+from ringcomm.codecs.base import Compressor
 
 __all__ = ["INTRA", "TCP_ALPHA", "parse_variant", "validate"]
 

@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import threading
 
-from ringcomm.comm.threads import WorldAbortedError
+from ringcomm.backends.threads import WorldAbortedError
 
 __all__ = ["Scheduler"]
 

@@ -1,6 +1,6 @@
 """A Transport with a simulated clock: ringcomm's real algorithms on a virtual cluster.
 
-The ranks are threads of one process (:mod:`ringcomm.comm.threads` carries the real bytes, so
+The ranks are threads of one process (:mod:`ringcomm.backends.threads` carries the real bytes, so
 results are exactly those of the plain thread backend); on top of that every rank keeps a
 virtual clock, advanced by the cost model of :mod:`sim_model`:
 
@@ -41,9 +41,9 @@ from sim_model import CostModel, LinkModel, NetworkState, collective_seconds
 from sim_scheduler import Scheduler
 
 import ringcomm.ops
-from ringcomm.comm.threads import ThreadTransport, run_ranks
+from ringcomm.backends.threads import ThreadTransport, run_ranks
 from ringcomm.comm.transport import TransportBase
-from ringcomm.comm.types import RING
+from ringcomm.core.types import RING
 
 __all__ = ["SimResult", "SimTransport", "SimWorld", "charged_ops", "run_sim"]
 

@@ -22,13 +22,15 @@ import os
 import sys
 from typing import Any
 
-from ringcomm import backends as _backends
-from ringcomm.comm import log as _log
+from ringcomm import registry as _backends
+from ringcomm.algorithms.powersgd import PowerSGD
 from ringcomm.comm import settings as _settings
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.launch import LaunchInfo
-from ringcomm.comm.launch import detect as launch_info
-from ringcomm.comm.types import (
+from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
+from ringcomm.core import log as _log
+from ringcomm.core.launch import LaunchInfo
+from ringcomm.core.launch import detect as launch_info
+from ringcomm.core.types import (
     ArgumentMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
@@ -39,8 +41,6 @@ from ringcomm.comm.types import (
     ReduceOp,
     Transport,
 )
-from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
-from ringcomm.compress.powersgd import PowerSGD
 
 __version__ = "0.1.0"
 
@@ -76,7 +76,7 @@ _LOG = _log.get_logger("init")
 
 def nccl_available() -> bool:
     """Whether this process sees a CUDA GPU and can load NCCL (what ``backend="auto"`` asks)."""
-    from ringcomm.comm import nccl
+    from ringcomm.backends import nccl
 
     return nccl.usable()
 
@@ -201,8 +201,8 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             arguments, raising the same error on every rank instead of hanging. On by default;
             the environment variable ``RINGCOMM_CONSISTENCY_CHECK=0`` turns it off.
         segment_bytes: ring segment size in bytes, 64 B to 1 GiB (default: the measured
-            ``ringcomm.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``, which
-            takes K, M and G suffixes (KiB, MiB, GiB: "512K", "2M").
+            ``ringcomm.algorithms.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``,
+            which takes K, M and G suffixes (KiB, MiB, GiB: "512K", "2M").
         inline_bytes: dense allreduces of up to this many bytes ride inside the per-call
             agreement message (one exchange instead of a ring); that slot is sent with every
             collective, so 0 suits jobs of many small compressed calls. A multiple of 8, at
@@ -266,7 +266,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     _check_spans_job(comm, info, mpi_comm)
     _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
-        from ringcomm.comm.mpi import install_abort_hook
+        from ringcomm.backends.mpi import install_abort_hook
 
         install_abort_hook()
     return comm

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringcomm.comm.launch import detect
-from ringcomm.comm.mpi import yield_when_oversubscribed
+from ringcomm.backends.mpi import yield_when_oversubscribed
+from ringcomm.core.launch import detect
 
 
 def main() -> int:

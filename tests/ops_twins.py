@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 from ringcomm.ops import cuda as gpu
 from ringcomm.ops import numpy as ref
 

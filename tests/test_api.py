@@ -13,7 +13,7 @@ import pytest
 
 import ringcomm
 from ringcomm import ReduceOp
-from ringcomm.comm import mpi as comm_mpi
+from ringcomm.backends import mpi as comm_mpi
 
 # Launcher variables that a test's own environment must not carry into init().
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import ringcomm
+from ringcomm.algorithms.auto import Auto, LinkModel, predict, wire_bytes
+from ringcomm.backends.threads import run_ranks
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import run_ranks
-from ringcomm.compress.auto import Auto, LinkModel, predict, wire_bytes
 
 INT8, FP16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.TopK(0.01)
 CPU = {"none": 10e9, repr(FP16): 0.7e9, repr(INT8): 2.5e9, repr(TOPK): 1.0e9}

@@ -22,10 +22,10 @@ import pytest
 from test_device_standins import FakeCupy, FakeGPU, FakeStream, on_new_thread, standin_transport
 
 import ringcomm
-from ringcomm.comm import _nccl_setup, staging
-from ringcomm.comm.threads import run_ranks
-from ringcomm.comm.types import ReduceOp
-from ringcomm.compress import ring as cring
+from ringcomm.algorithms import compressed_ring as cring
+from ringcomm.backends import _nccl_setup, staging
+from ringcomm.backends.threads import run_ranks
+from ringcomm.core.types import ReduceOp
 from ringcomm.ops import _cuda_runtime
 
 DEVICE = 1
@@ -361,7 +361,7 @@ def test_mpi_device_scratch_on_another_stream_waits_for_the_last_one(gpu):
     another stream than the last one's is ordered after that call's queued work."""
     from mpi4py import MPI
 
-    from ringcomm.comm.mpi import MPITransport
+    from ringcomm.backends.mpi import MPITransport
 
     t = MPITransport(MPI.COMM_SELF, device=DEVICE)
     try:

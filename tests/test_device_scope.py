@@ -30,7 +30,7 @@ import pytest
 from test_device_standins import FakeCupy, FakeGPU, on_new_thread, standin_transport
 
 import ringcomm
-from ringcomm.comm import _nccl_setup, staging
+from ringcomm.backends import _nccl_setup, staging
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -92,7 +92,7 @@ def mpi_comm(gpu):
     """An MPI communicator of one process that sees 4 stand-in GPUs, as local rank 5 of its
     host (so it must pick device 5 % 4 = 1)."""
     MPI = pytest.importorskip("mpi4py.MPI")
-    from ringcomm.comm.mpi import MPICommunicator
+    from ringcomm.backends.mpi import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF)
     comm.transport.device_choice = staging.DeviceChoice(local_rank=5)
@@ -132,7 +132,7 @@ def test_mpi_refuses_device_arrays_of_another_device_naming_both(gpu, mpi_comm):
 
 def test_mpi_device_can_be_asked_for(gpu):
     MPI = pytest.importorskip("mpi4py.MPI")
-    from ringcomm.comm.mpi import MPICommunicator
+    from ringcomm.backends.mpi import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF, device=3)
     try:
@@ -293,7 +293,7 @@ def test_allreduce_async_reads_after_a_side_stream():
     torch = _cuda_torch()
     MPI = pytest.importorskip("mpi4py.MPI")
     import ringcomm.torch as hvd
-    from ringcomm.comm.mpi import MPICommunicator
+    from ringcomm.backends.mpi import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF)
     hvd.init(comm)
@@ -325,7 +325,7 @@ def test_a_worker_thread_reduces_arrays_of_device_one():
         count = 0
     if count < 2:
         pytest.skip("needs two GPUs")
-    from ringcomm.comm.mpi import MPICommunicator
+    from ringcomm.backends.mpi import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF, device=1)
     try:

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ringcomm.comm import _nccl_lib
-from ringcomm.comm.nccl import NCCLTransport
-from ringcomm.comm.types import ReduceOp
+from ringcomm.backends import _nccl_lib
+from ringcomm.backends.nccl import NCCLTransport
+from ringcomm.core.types import ReduceOp
 
 __all__ = ["FakeCupy", "FakeGPU", "FakeNCCLComm", "on_new_thread", "standin_transport"]
 

@@ -95,7 +95,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 import ringcomm
 from ringcomm.comm.base import Communicator
 from ringcomm.torch import RingcommState, register_ddp_hook, ringcomm_hook
-from ringcomm.torch._dist_backend import TorchDistTransport
+from ringcomm.backends.gloo import TorchDistTransport
 
 torch.set_num_threads(1)
 OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])

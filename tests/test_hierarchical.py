@@ -1,4 +1,4 @@
-"""The two-level allreduce (ringcomm.hierarchical) over the in-process threads Transport.
+"""The two-level allreduce (ringcomm.algorithms.hierarchical) over the in-process threads Transport.
 
 Jobs of C nodes x L ranks: rank r is local rank r % L of node r // L. Results are compared bit
 for bit across ranks and against NumPy in float64 (``thread_helpers.assert_matches_reference``:
@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from thread_helpers import SEGMENT, assert_matches_reference, identical, rank_inputs, reference
 
 import ringcomm
-from ringcomm import hierarchical
+from ringcomm.algorithms import compressed as algorithms
+from ringcomm.algorithms import hierarchical
+from ringcomm.algorithms.compressed_ring import mix_seed
+from ringcomm.backends.threads import run_ranks
 from ringcomm.comm import _twolevel, topology
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import run_ranks
-from ringcomm.comm.types import ArgumentMismatchError, InvalidArgumentError, ReduceOp
-from ringcomm.compress import algorithms
-from ringcomm.compress.ring import mix_seed
+from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError, ReduceOp
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringcomm.comm import launch
-from ringcomm.comm.launch import LaunchInfo, detect
+from ringcomm.core import launch
+from ringcomm.core.launch import LaunchInfo, detect
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
 
     # One bracketed write per rank: the ranks share a pipe, and a print's text and newline can
     # be two writes that another rank's output slips between.
-    code = ("import os; from ringcomm.comm.launch import detect; i = detect(); "
+    code = ("import os; from ringcomm.core.launch import detect; i = detect(); "
             "os.write(1, f'<{i.rank} {i.size} {i.local_rank} {i.local_size} {i.launcher}>'"
             ".encode())")
     out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", code], capture_output=True,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ringcomm.ring import RingLayout, _units, chunk_bounds, schedule
+from ringcomm.algorithms.ring import RingLayout, _units, chunk_bounds, schedule
 
 
 @pytest.mark.parametrize(("length", "parts", "align"),

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 import ringcomm
-from ringcomm.comm import _nccl_lib, _nccl_setup, nccl
+from ringcomm.backends import _nccl_lib, _nccl_setup, nccl
 from ringcomm.ops import _cuda_stack
 
 # What the messages of a missing CuPy, NCCL or GPU tell to install: the extra of this machine's
@@ -283,7 +283,7 @@ def test_store_rendezvous_in_one_process(monkeypatch):
 
 _SPLIT_CHILD = textwrap.dedent("""
     import json
-    from ringcomm.comm import _nccl_setup
+    from ringcomm.backends import _nccl_setup
 
     rdv = _nccl_setup.connect()
     sub = rdv.split(rdv.rank % 2, -rdv.rank)

@@ -31,8 +31,8 @@ import pytest
 from test_device_standins import FakeCupy, FakeGPU, standin_transport
 
 import ringcomm
-from ringcomm.comm import _nccl_lib, _nccl_setup, _nccl_wait, nccl
-from ringcomm.comm._nccl_wait import NCCLAsyncError, Stall, poll
+from ringcomm.backends import _nccl_lib, _nccl_setup, _nccl_wait, nccl
+from ringcomm.backends._nccl_wait import NCCLAsyncError, Stall, poll
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -391,7 +391,7 @@ _PEER_EXITS = textwrap.dedent("""
     import os, sys, time
     import cupy, numpy as np
     import ringcomm
-    from ringcomm.comm.nccl import NCCLAsyncError, NCCLCommunicator
+    from ringcomm.backends.nccl import NCCLAsyncError, NCCLCommunicator
 
     comm = NCCLCommunicator(timeout=float(sys.argv[1]), abort_on_timeout=False)
     x = cupy.ones(1 << 20, np.float32)

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from thread_helpers import identical
 
 import ringcomm
+from ringcomm.algorithms.powersgd import orthonormalize
+from ringcomm.backends.threads import run_ranks
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import run_ranks
-from ringcomm.compress.powersgd import orthonormalize
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = 20.0

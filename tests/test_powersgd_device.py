@@ -18,8 +18,8 @@ import pytest
 from thread_helpers import identical
 
 import ringcomm
+from ringcomm.backends.threads import run_ranks
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 SHAPES = [(32, 24), (24,), (6, 2, 3, 3), (3, 3), (1,), (40, 7)]  # (3, 3): dense at rank 1..2

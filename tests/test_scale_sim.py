@@ -20,11 +20,11 @@ from sim_model import CostModel, LinkModel, ring_time  # noqa: E402
 from sim_transport import run_sim  # noqa: E402
 
 import ringcomm  # noqa: E402
-from ringcomm import hierarchical, ring  # noqa: E402
 from ringcomm import ops as _ops  # noqa: E402
-from ringcomm.comm.threads import run_ranks  # noqa: E402
-from ringcomm.comm.types import ReduceOp  # noqa: E402
-from ringcomm.compress.algorithms import ALGORITHMS  # noqa: E402
+from ringcomm.algorithms import hierarchical, ring  # noqa: E402
+from ringcomm.algorithms.compressed import ALGORITHMS  # noqa: E402
+from ringcomm.backends.threads import run_ranks  # noqa: E402
+from ringcomm.core.types import ReduceOp  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,14 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ringcomm import ring  # noqa: E402
-from ringcomm.comm import trace  # noqa: E402
-from ringcomm.comm.threads import run_ranks  # noqa: E402
-from ringcomm.comm.types import ReduceOp  # noqa: E402
-from ringcomm.compress import sparse  # noqa: E402
-from ringcomm.compress.int8 import Int8  # noqa: E402
-from ringcomm.compress.ring import allreduce as compressed_allreduce  # noqa: E402
-from ringcomm.compress.topk import TopK  # noqa: E402
+from ringcomm.algorithms import ring, sparse  # noqa: E402
+from ringcomm.algorithms.compressed_ring import allreduce as compressed_allreduce  # noqa: E402
+from ringcomm.backends.threads import run_ranks  # noqa: E402
+from ringcomm.codecs.int8 import Int8  # noqa: E402
+from ringcomm.codecs.topk import TopK  # noqa: E402
+from ringcomm.core import trace  # noqa: E402
+from ringcomm.core.types import ReduceOp  # noqa: E402
 from ringcomm.torch import timeline  # noqa: E402
 from ringcomm.torch.timeline import Timeline  # noqa: E402
 

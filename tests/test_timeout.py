@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ringcomm.backends.threads import run_ranks
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import run_ranks
-from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+from ringcomm.core.types import CollectiveError, CollectiveTimeoutError
 
 TIMEOUT_S = 3.0
 #: How long after the timeout every process must have ended.
@@ -60,8 +60,8 @@ NO_ABORT = r"""
 import json, math, os, sys, time
 import numpy as np
 from mpi4py import MPI
-from ringcomm.comm.mpi import MPICommunicator
-from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+from ringcomm.backends.mpi import MPICommunicator
+from ringcomm.core.types import CollectiveError, CollectiveTimeoutError
 
 timeout, piddir = float(sys.argv[1]), sys.argv[2]
 for bad in (0, -1.0, math.nan):
@@ -247,8 +247,8 @@ def test_thread_timeout_fields():
 TWO_LEVEL = r"""
 import json, os, numpy as np
 from mpi4py import MPI
-from ringcomm.comm.mpi import MPICommunicator
-from ringcomm.comm.types import CollectiveTimeoutError
+from ringcomm.backends.mpi import MPICommunicator
+from ringcomm.core.types import CollectiveTimeoutError
 
 # Without the consistency check the call starts in the two-level phases, no agreement first.
 comm = MPICommunicator(timeout=1.0, abort_on_timeout=False, consistency_check=False)

@@ -37,7 +37,7 @@ comm.close()
 # A state over a one-process communicator (made as if before the group was up): the hook
 # refuses it at the first bucket instead of letting each rank train its own model.
 import torch
-from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.backends.mpi import MPICommunicator
 from ringcomm.torch import RingcommState, ringcomm_hook
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
 lone = MPICommunicator()

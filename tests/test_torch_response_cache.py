@@ -2,7 +2,7 @@
 
 The cache only changes how requests travel, never what a cycle decides: ranks' requests
 decode to exactly what they submitted, random cycles decide the same with and without it,
-and ranks whose caches differ all fail alike. Ranks are threads here (ringcomm.comm.threads);
+and ranks whose caches differ all fail alike. Ranks are threads here (ringcomm.backends.threads);
 the last test is a 2-rank ``mpiexec`` job whose cached operations stall.
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ringcomm.comm.threads import run_ranks  # noqa: E402
+from ringcomm.backends.threads import run_ranks  # noqa: E402
 from ringcomm.torch._control import (  # noqa: E402
     DEFAULT_CACHE_CAPACITY,
     ControlChannel,

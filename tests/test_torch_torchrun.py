@@ -69,12 +69,12 @@ import sys
 import numpy as np
 import torch.distributed as dist
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.types import InvalidArgumentError, InvalidTypeError
-from ringcomm.torch import _dist_backend
-from ringcomm.torch._dist_backend import TorchDistTransport
+from ringcomm.core.types import InvalidArgumentError, InvalidTypeError
+from ringcomm.backends import gloo
+from ringcomm.backends.gloo import TorchDistTransport
 
 if sys.argv[1:] == ["sorted"]:      # as torch before 2.12: new_group numbers by global rank
-    _dist_backend._KEEPS_ORDER = False
+    gloo._KEEPS_ORDER = False
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -218,8 +218,8 @@ TIMEOUT_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 import ringcomm
-from ringcomm.comm.types import CollectiveTimeoutError
-from ringcomm.torch._dist_backend import TorchDistCommunicator
+from ringcomm.core.types import CollectiveTimeoutError
+from ringcomm.backends.gloo import TorchDistCommunicator
 
 comm = ringcomm.init()                      # gloo; RINGCOMM_TIMEOUT from the environment
 raising = TorchDistCommunicator(timeout=2.0, abort_on_timeout=False)

@@ -22,15 +22,18 @@ from thread_helpers import (
 )
 
 import ringcomm
-from ringcomm import ring
-from ringcomm.comm.base import Communicator
-from ringcomm.comm.threads import (
+from ringcomm.algorithms import compressed as algorithms
+from ringcomm.algorithms import ring
+from ringcomm.algorithms.auto import Auto, AutoFigures, LinkModel
+from ringcomm.algorithms.compressed_ring import mix_seed
+from ringcomm.backends.threads import (
     ThreadTransport,
     ThreadWorld,
     WorldAbortedError,
     run_ranks,
 )
-from ringcomm.comm.types import (
+from ringcomm.comm.base import Communicator
+from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     RING,
     USER,
@@ -40,9 +43,6 @@ from ringcomm.comm.types import (
     InvalidTypeError,
     ReduceOp,
 )
-from ringcomm.compress import algorithms
-from ringcomm.compress.auto import Auto, AutoFigures, LinkModel
-from ringcomm.compress.ring import mix_seed
 
 pytestmark = pytest.mark.timeout(120)
 

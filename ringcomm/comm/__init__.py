@@ -1,7 +1,4 @@
-"""Communicators and their backends.
-
-Layers (a module imports only from layers below it): ``types`` and ``launch`` at the bottom,
-``base`` (the Communicator) and ``agree`` above the algorithms, and the backends (``mpi``,
-``nccl``, ``threads``) on top. This package's own ``__init__`` imports nothing, so that the
-bottom layer can be imported without the rest.
-"""
+"""L4, the Communicator (``base``): argument checks, the cross-rank agreement on every call
+(``agree``, ``_plan``, ``settings``), the choice between the flat and the two-level allreduce
+(``_twolevel``, ``topology``), and what every backend's Transport shares (``transport``).
+Above the algorithms, below the backends that implement the Transport."""

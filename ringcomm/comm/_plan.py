@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm import agree
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 
 __all__ = ["AllreducePlan", "PlanCache"]
 

@@ -2,7 +2,7 @@
 node-local and cross-node transports the latter runs over.
 
 ``algorithm="flat"`` always runs the flat ring; "hierarchical" always runs
-:mod:`ringcomm.hierarchical` (and raises, the same on every rank, where the nodes hold
+:mod:`ringcomm.algorithms.hierarchical` (and raises, the same on every rank, where the nodes hold
 different numbers of ranks); "auto" runs it only where it can help: more than one node, more
 than one rank per node, every node the same size, and a dense call of at least
 ``HIERARCHICAL_MIN_BYTES`` or a compressed call on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED``
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ringcomm import hierarchical
 from ringcomm import ops as _ops
+from ringcomm.algorithms import hierarchical
+from ringcomm.algorithms.auto import Auto
+from ringcomm.codecs.base import Compressor
 from ringcomm.comm import topology as _topology
-from ringcomm.comm.env import env
-from ringcomm.comm.types import InvalidArgumentError, Transport
-from ringcomm.compress.auto import Auto
-from ringcomm.compress.base import Compressor
+from ringcomm.core.env import env
+from ringcomm.core.types import InvalidArgumentError, Transport
 
 __all__ = ["ALGORITHMS", "ALGORITHM_ENV", "HIERARCHICAL_MIN_BYTES",
            "HIERARCHICAL_MIN_NODES_COMPRESSED", "TwoLevel",

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.types import (
+from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     SUPPORTED_DTYPES,
     ArgumentMismatchError,

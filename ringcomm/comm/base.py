@@ -1,9 +1,9 @@
 """The Communicator: argument checks, cross-rank agreement, and dispatch to the algorithms.
 
-A Communicator wraps a :class:`~ringcomm.comm.types.Transport` (the backend). Every collective
+A Communicator wraps a :class:`~ringcomm.core.types.Transport` (the backend). Every collective
 checks its arguments, agrees on them with the other ranks (:mod:`ringcomm.comm.agree`), then
-hands the data to an algorithm over the transport: the ring (:mod:`ringcomm.ring`), a
-compressed allreduce (:mod:`ringcomm.compress.algorithms`), or the transport's own library.
+hands the data to an algorithm over the transport: the ring (:mod:`ringcomm.algorithms.ring`), a
+compressed allreduce (:mod:`ringcomm.algorithms.compressed`), or the transport's own library.
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ringcomm import hierarchical, ring
 from ringcomm import ops as _ops
+from ringcomm.algorithms import compressed as algorithms
+from ringcomm.algorithms import hierarchical, ring
+from ringcomm.algorithms.auto import Auto, AutoFigures
+from ringcomm.algorithms.compressed_ring import mix_seed
+from ringcomm.codecs.base import check_compressed_call
 from ringcomm.comm import _arrays, _twolevel, agree, settings
 from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.comm.topology import resolve_topology
-from ringcomm.comm.types import (
+from ringcomm.core.types import (
     USER,
     Array,
     CommStats,
@@ -30,14 +34,10 @@ from ringcomm.comm.types import (
     Transport,
     check_op,
 )
-from ringcomm.compress import algorithms
-from ringcomm.compress.auto import Auto, AutoFigures
-from ringcomm.compress.base import check_compressed_call
-from ringcomm.compress.ring import mix_seed
 
 if TYPE_CHECKING:
-    from ringcomm.compress.base import Compressor
-    from ringcomm.compress.feedback import ErrorFeedback
+    from ringcomm.codecs.base import Compressor
+    from ringcomm.codecs.feedback import ErrorFeedback
 
 __all__ = ["Communicator"]
 
@@ -293,10 +293,10 @@ class Communicator:
             name: the tensor's name; required with ``feedback``, and checked to match across
                 ranks.
             algorithm: "flat" (one ring over every rank), "hierarchical" (within each node,
-                across nodes, within each node: see :mod:`ringcomm.hierarchical`; nodes must
-                hold the same number of ranks) or "auto" (hierarchical where there are several
-                nodes of several ranks, for dense calls of at least 1 MiB and compressed ones
-                on 64 nodes or more: see :mod:`ringcomm.comm._twolevel`); the
+                across nodes, within each node: see :mod:`ringcomm.algorithms.hierarchical`;
+                nodes must hold the same number of ranks) or "auto" (hierarchical where
+                there are several nodes of several ranks, for dense calls of at least 1 MiB
+                and compressed ones on 64 nodes or more: see :mod:`ringcomm.comm._twolevel`); the
                 communicator's ``algorithm`` when None.
                 Checked to match across ranks.
 

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm import _twolevel
-from ringcomm.comm import log as _log
 from ringcomm.comm.agree import rank_groups
-from ringcomm.comm.env import env, env_bytes, env_flag
 from ringcomm.comm.topology import resolve_topology
 from ringcomm.comm.transport import check_timeout
-from ringcomm.comm.types import (
+from ringcomm.core import log as _log
+from ringcomm.core.env import env, env_bytes, env_flag
+from ringcomm.core.types import (
     DEFAULT_TIMEOUT_S,
     ArgumentMismatchError,
     InvalidArgumentError,

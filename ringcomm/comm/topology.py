@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.env import env
-from ringcomm.comm.types import ArgumentMismatchError, Transport
+from ringcomm.core.env import env
+from ringcomm.core.types import ArgumentMismatchError, Transport
 
 __all__ = ["RANKS_PER_NODE_ENV", "Topology", "check_topology", "detect", "resolve_topology"]
 

@@ -1,7 +1,7 @@
 """What every Transport implementation shares: rank, size, wire stats and scratch buffers.
 
 Backends subclass :class:`TransportBase` and implement the rest of the
-:class:`~ringcomm.comm.types.Transport` protocol (point-to-point exchange, the few host
+:class:`~ringcomm.core.types.Transport` protocol (point-to-point exchange, the few host
 collectives, ``split``); the defaults here say "no native collective, every array kind taken".
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.types import (
+from ringcomm.core.types import (
     DEFAULT_TIMEOUT_S,
     CollectiveTimeoutError,
     CommStats,

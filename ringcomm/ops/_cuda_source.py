@@ -15,7 +15,7 @@ import re
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 
 __all__ = [
     "COPY_PAIRS",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ringcomm.comm.log import get_logger
+from ringcomm.core.log import get_logger
 from ringcomm.ops import _cuda_source as _src
 
 __all__ = [

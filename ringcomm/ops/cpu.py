@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.log import get_logger
+from ringcomm.core.log import get_logger
 from ringcomm.ops import _topk_plan as _plan
 from ringcomm.ops import numpy as _ref
 from ringcomm.ops.numpy import (

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _cuda_source as _src
 from ringcomm.ops._cuda_codecs import (

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.types import ReduceOp
+from ringcomm.core.types import ReduceOp
 from ringcomm.ops import _topk_plan as _plan
 
 __all__ = [
@@ -439,7 +439,7 @@ def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None
 
 
 # ------------------------------------------------------------------------- low rank
-# PowerSGD's products (compress/powersgd.py). The result P Q^T and the residual M - P Q^T are
+# PowerSGD's products (algorithms/powersgd.py). The result P Q^T and the residual M - P Q^T are
 # sums of outer products, each product and sum rounded on its own (the same bits on every rank
 # and device: kernels/lowrank.cu); the projections M Q and P^T M, which are rank-local and
 # summed by the ring, are BLAS products.

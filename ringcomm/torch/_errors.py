@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.types import ArgumentMismatchError
+from ringcomm.core.types import ArgumentMismatchError
 from ringcomm.torch._objects import allgather_objects
 
 __all__ = ["HorovodInternalError", "StalledOperationError", "collective_error", "differs"]

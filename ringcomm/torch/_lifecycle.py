@@ -11,8 +11,8 @@ import functools
 from typing import Any
 
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.env import env, env_flag
 from ringcomm.comm.settings import agree_at_start
+from ringcomm.core.env import env, env_flag
 from ringcomm.torch import timeline
 from ringcomm.torch._basics import _LOCK, _STATE, registered_sets, unregister_set
 from ringcomm.torch._control import cache_capacity

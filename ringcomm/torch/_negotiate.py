@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.log import get_logger
-from ringcomm.comm.types import CollectiveTimeoutError
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import CollectiveTimeoutError
 from ringcomm.torch import timeline as _timeline
 from ringcomm.torch._basics import communicator_of
 from ringcomm.torch._control import ControlChannel, Message, Request, ResponseCache, cache_capacity

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm.base import Communicator
-from ringcomm.compress.feedback import ErrorFeedback
 from ringcomm.torch._basics import ReduceOp
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._tensors import Operand

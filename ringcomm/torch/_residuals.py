@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.codecs.feedback import ErrorFeedback
 
 __all__ = ["Layout", "ResidualLayouts"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ringcomm.comm.log import get_logger
+from ringcomm.core.log import get_logger
 from ringcomm.torch._control import Message, Request, ResponseCache
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
 

@@ -85,7 +85,7 @@ def sync_device(a: Any) -> None:
     Torch reads the result on its own stream; CuPy wrote it on the current CuPy stream. Where
     NCCL communicators are open on the device, the wait is theirs: polled and bounded by
     their timeout, so that a dead peer raises instead of hanging (see
-    ``ringcomm.comm.nccl.wait_for_stream``).
+    ``ringcomm.backends.nccl.wait_for_stream``).
 
     Why the host waits, once per result, instead of ordering streams on the device: the
     collectives run on a background thread (the engine's worker, ringcomm.torch's
@@ -101,7 +101,7 @@ def sync_device(a: Any) -> None:
     device = a.device.id
     with cupy.cuda.Device(device):
         stream = cupy.cuda.get_current_stream()
-        nccl = sys.modules.get("ringcomm.comm.nccl")  # no NCCL communicator without it
+        nccl = sys.modules.get("ringcomm.backends.nccl")  # no NCCL communicator without it
         if nccl is None:
             stream.synchronize()
         else:

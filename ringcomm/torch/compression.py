@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import ringcomm
-from ringcomm.compress.base import Compressor as _RingCompressor
+from ringcomm.codecs.base import Compressor as _RingCompressor
 
 __all__ = ["CastCompressor", "Compression", "Compressor", "RingCompressor", "as_compression"]
 

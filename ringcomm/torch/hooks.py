@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringcomm.comm import trace
+from ringcomm.algorithms.auto import Auto
+from ringcomm.codecs.base import Compressor as _RingCompressor
+from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
-from ringcomm.compress.auto import Auto
-from ringcomm.compress.base import Compressor as _RingCompressor
-from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.core import trace
 from ringcomm.torch import _basics, _lifecycle
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.torch._basics import (
     Average,
     ReduceOp,

@@ -11,7 +11,7 @@ The file holds one process (``ringcomm rank 0``) with one row per operation name
 - ``NEGOTIATE_<KIND>``: from its submission until every rank has submitted it;
 - the activities the coordinator marks (``QUEUE``: ready until it starts; then the operation
   itself, ``ALLREDUCE`` for instance);
-- nested in those, the phases the algorithms mark with :func:`ringcomm.comm.trace.span` while
+- nested in those, the phases the algorithms mark with :func:`ringcomm.core.trace.span` while
   the operation runs: ``RING_REDUCE_SCATTER``, ``RING_ALLGATHER``, ``MPI_ALLREDUCE`` (MPI's own,
   for mid-sized dense host arrays), ``COMPRESS``, ``DECOMPRESS``.
 
@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from ringcomm.comm import trace
-from ringcomm.comm.log import get_logger
+from ringcomm.core import trace
+from ringcomm.core.log import get_logger
 from ringcomm.torch import _basics
 
 __all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "start_from_env",
@@ -280,7 +280,7 @@ class Timeline:
 
 
 class _Tracer:
-    """What a Timeline gives :func:`ringcomm.comm.trace.set_tracer` (its own ``end`` ends an
+    """What a Timeline gives :func:`ringcomm.core.trace.set_tracer` (its own ``end`` ends an
     activity, not a span)."""
 
     __slots__ = ("begin", "end")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ringcomm.comm.log import get_logger
+from ringcomm.core.log import get_logger
 
 __all__ = ["elastic", "refusal"]
 

@@ -10,8 +10,8 @@ import pytest
 from test_allreduce import check, make
 
 import ringcomm
-from ringcomm.comm import mpi as mpi_backend
-from ringcomm.comm.mpi import MPICommunicator
+from ringcomm.backends import mpi as mpi_backend
+from ringcomm.backends.mpi import MPICommunicator
 
 LIMIT = 64 << 10  # small, so both sides of it stay quick to test
 

@@ -17,7 +17,7 @@ import pytest
 from mpi_helpers import same_on_all_ranks
 
 import ringcomm
-from ringcomm.comm import staging
+from ringcomm.backends import staging
 from ringcomm.comm.agree import INLINE_BYTES
 
 

@@ -25,7 +25,7 @@ from mpi_helpers import same_on_all_ranks
 from test_device_standins import FakeCupy, FakeGPU, on_new_thread, standin_transport
 
 import ringcomm
-from ringcomm.comm import _nccl_host, _nccl_setup, nccl, staging
+from ringcomm.backends import _nccl_host, _nccl_setup, nccl, staging
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -285,7 +285,7 @@ def test_real_nccl_communicator_takes_numpy_arrays(world, comm, hosts, rng):
         pytest.skip("needs a GPU visible to every rank")
     import cupy
 
-    mpi_self = ringcomm.comm.mpi.MPICommunicator(MPI.COMM_SELF)
+    mpi_self = ringcomm.backends.mpi.MPICommunicator(MPI.COMM_SELF)
     gpu = nccl.NCCLCommunicator(mpi_comm=MPI.COMM_SELF, device=0)
     try:
         x = rng.standard_normal(100_003).astype(np.float32)

@@ -26,11 +26,11 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import gather_inputs, same_on_all_ranks
 
-from ringcomm.comm import _nccl_lib, _nccl_setup, nccl
+from ringcomm.backends import _nccl_lib, _nccl_setup, nccl
+from ringcomm.backends.mpi import MPICommunicator
+from ringcomm.backends.nccl import NCCLCommunicator
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.mpi import MPICommunicator
-from ringcomm.comm.nccl import NCCLCommunicator
-from ringcomm.comm.types import RING, ReduceOp
+from ringcomm.core.types import RING, ReduceOp
 
 GPU_TIMEOUT = 300  # the first calls compile CuPy kernels
 BENCH = Path(__file__).resolve().parents[2] / "bench"

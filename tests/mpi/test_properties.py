@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import ringcomm
-from ringcomm.ring import DEFAULT_SEGMENT_BYTES
+from ringcomm.algorithms.ring import DEFAULT_SEGMENT_BYTES
 
 try:
     import ml_dtypes

@@ -12,11 +12,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm import ring as dense_ring
-from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress import powersgd, ring, sparse
-from ringcomm.compress.base import Compressor
-from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.algorithms import compressed_ring as ring
+from ringcomm.algorithms import powersgd, sparse
+from ringcomm.algorithms import ring as dense_ring
+from ringcomm.codecs.base import Compressor
+from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.core.types import ReduceOp, Transport
 
 __all__ = ["ALGORITHMS", "AllreduceAlgorithm", "allreduce"]
 

@@ -4,12 +4,13 @@ A job of ``C`` nodes with ``L`` ranks each is two sets of groups: ``local`` (the
 one node, fast links) and ``cross`` (the ``C`` ranks with the same local rank, one per node,
 over the network). The allreduce of a flat array runs in three phases:
 
-1. node-local reduce-scatter: the dense ring of :mod:`ringcomm.ring` over ``local``; local rank
-   ``l`` ends with shard ``l`` (chunk ``l`` of ``ring.chunk_bounds(length, L)``) reduced over
-   its node, losslessly (16-bit floats and compressed calls accumulate in float32);
+1. node-local reduce-scatter: the dense ring of :mod:`ringcomm.algorithms.ring` over
+   ``local``; local rank ``l`` ends with shard ``l`` (chunk ``l`` of
+   ``ring.chunk_bounds(length, L)``) reduced over its node, losslessly (16-bit floats and
+   compressed calls accumulate in float32);
 2. cross-node allreduce of that shard, by all ``L`` local ranks at once, each over its own
    ``cross`` group: the dense ring, or the compressed algorithm the compressor names
-   (``ringcomm.compress.algorithms.ALGORITHMS``). Only this phase is lossy, so an int8 payload is
+   (``ringcomm.algorithms.compressed.ALGORITHMS``). Only this phase is lossy, so an int8 payload is
    re-quantized ``C - 1`` times instead of ``C L - 1`` times, and each node's network link
    carries ``1 / L`` of every local rank's shard traffic;
 3. node-local allgather: the owners' bytes of the finished shards travel around ``local``
@@ -29,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm import ring
-from ringcomm.comm import trace
-from ringcomm.comm.types import ReduceOp, Transport, accumulation_dtype
-from ringcomm.compress.algorithms import ALGORITHMS
-from ringcomm.compress.base import Compressor
-from ringcomm.compress.feedback import ErrorFeedback
-from ringcomm.compress.ring import keep_rounding
+from ringcomm.algorithms import ring
+from ringcomm.algorithms.compressed import ALGORITHMS
+from ringcomm.algorithms.compressed_ring import keep_rounding
+from ringcomm.codecs.base import Compressor
+from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.core import trace
+from ringcomm.core.types import ReduceOp, Transport, accumulation_dtype
 
 __all__ = ["allreduce", "allreduce_with_feedback", "check_compressor",
            "ring_allgather", "shard_bounds"]

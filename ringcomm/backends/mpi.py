@@ -12,7 +12,7 @@ the Communicator over it.
 
 Bounded time: every wait of the transport is a nonblocking MPI call polled with ``Testall``
 until a deadline (MPI's blocking calls cannot be interrupted). A rank that died, stopped or
-never joined thus turns into a :class:`~ringcomm.comm.types.CollectiveTimeoutError` naming the
+never joined thus turns into a :class:`~ringcomm.core.types.CollectiveTimeoutError` naming the
 collective and the peer, and by default into ``MPI_Abort`` of the whole job.
 """
 
@@ -29,10 +29,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm import launch, staging, trace
+from ringcomm.backends import staging
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.env import env_bytes
-from ringcomm.comm.log import get_logger
 from ringcomm.comm.settings import agree_at_start
 from ringcomm.comm.transport import (
     TransportBase,
@@ -43,7 +41,10 @@ from ringcomm.comm.transport import (
     timeout_error,
     write_fatal,
 )
-from ringcomm.comm.types import RING, USER, InvalidArgumentError, ReduceOp
+from ringcomm.core import launch, trace
+from ringcomm.core.env import env_bytes
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import RING, USER, InvalidArgumentError, ReduceOp
 
 __all__ = [
     "MPICommunicator",
@@ -101,7 +102,7 @@ def yield_when_oversubscribed() -> None:
     """
     if "mpi4py.MPI" in sys.modules:
         return
-    from ringcomm.comm.launch import detect
+    from ringcomm.core.launch import detect
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -188,7 +189,7 @@ class MPITransport(TransportBase):
     """The Transport over an mpi4py intracommunicator.
 
     Every wait is bounded by ``timeout``; on expiry the transport logs a
-    :class:`~ringcomm.comm.types.CollectiveTimeoutError` and ends the job with ``MPI_Abort``
+    :class:`~ringcomm.core.types.CollectiveTimeoutError` and ends the job with ``MPI_Abort``
     (every process exits, non-zero), or raises it with ``abort_on_timeout=False``. After a
     timeout the transport is unusable: the interrupted operation's requests stay posted (they
     keep their buffers alive) and would match a later call's messages.
@@ -384,7 +385,7 @@ class MPITransport(TransportBase):
 
     def check_arrays(self, *arrays: Any) -> None:
         """Accept NumPy arrays, and CuPy arrays on this rank's device (selected with the first
-        one: see :class:`~ringcomm.comm.staging.DeviceChoice`).
+        one: see :class:`~ringcomm.backends.staging.DeviceChoice`).
 
         Raises:
             ValueError: a CuPy array on another device, or no usable GPU.

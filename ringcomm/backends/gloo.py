@@ -12,6 +12,7 @@ Communicator over it.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import inspect
@@ -28,7 +29,6 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.log import get_logger
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -37,7 +37,8 @@ from ringcomm.comm.transport import (
     timeout_error,
     write_fatal,
 )
-from ringcomm.comm.types import RING
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import RING
 
 __all__ = ["TorchDistCommunicator", "TorchDistTransport"]
 
@@ -51,6 +52,24 @@ _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
+# The groups closed transports leave behind (see TorchDistTransport.close), destroyed at exit.
+_RETIRED: list[Any] = []
+
+
+@atexit.register
+def _destroy_retired() -> None:
+    """Destroy the groups closed transports left, before the interpreter tears down: a gloo
+    group still holding a wait (a background thread's receive) when its threads are destroyed
+    at exit ends the process (std::terminate). Nothing to do where torch.distributed's default
+    group, and every group with it, is already gone."""
+    while _RETIRED:
+        group = _RETIRED.pop()
+        if not dist.is_initialized():
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError, KeyError) as err:  # destroyed by the user already
+            _LOG.debug("retired group not destroyed at exit: %s", err)
 
 
 def _duration(seconds: float) -> datetime.timedelta:
@@ -136,7 +155,8 @@ class TorchDistTransport(TransportBase):
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group() (torchrun sets its environment)")
         seconds = check_timeout(timeout)
-        if group is None:
+        made_here = group is None
+        if made_here:
             group = dist.new_group(backend="gloo", timeout=_duration(seconds))
         # From the group's host names, not the launcher's variables: Lightning's launcher
         # sets no local size, and a guess could differ between the ranks of one node.
@@ -144,12 +164,14 @@ class TorchDistTransport(TransportBase):
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         rank = dist.get_rank(group)
         self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
-                    bool(abort_on_timeout))
+                    bool(abort_on_timeout), made_here=made_here)
 
     def _setup(self, group: Any, local_rank: int, local_size: int,
-               timeout: float, abort_on_timeout: bool, members: list[int] | None = None) -> None:
+               timeout: float, abort_on_timeout: bool, members: list[int] | None = None, *,
+               made_here: bool) -> None:
         """Adopt ``group``, whose ``members`` (global ranks, in this transport's rank order;
-        the group's own order when None) may be numbered otherwise by the group itself.
+        the group's own order when None) may be numbered otherwise by the group itself;
+        ``made_here``: whether ``close()`` retires it (a group the caller gave stays theirs).
 
         Messages name their peers by global rank (``src``/``dst``, which every supported torch
         takes); what a collective returns in the group's order is put back in this
@@ -159,7 +181,7 @@ class TorchDistTransport(TransportBase):
         if members is None:
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
-        self._group = group
+        self._group, self._made_here = group, made_here
         self._peers = members
         self._seat = [seat_of[m] for m in members]
         self._in_order = self._seat == list(range(size))
@@ -278,21 +300,24 @@ class TorchDistTransport(TransportBase):
         new_rank = order.index(self.rank)
         sub = TorchDistTransport.__new__(TorchDistTransport)
         sub._setup(group, hosts[:new_rank].count(hosts[new_rank]),
-                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members)
+                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members,
+                   made_here=True)
         return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
-        """Release the scratch buffers; the gloo group made here is left to torch.distributed
-        (destroyed with its default group), not destroyed now.
+        """Release the scratch buffers; the gloo group made here is destroyed at exit (or
+        with torch.distributed's default group), not now.
 
-        torch names a group made by its members alone after its ranks and the number of
-        groups it holds, and keeps its rendezvous under that name in the job's store:
-        destroying a group lowers the number, so a later group of the same ranks could get
-        an earlier one's name, and read the addresses that group left in the store (a refused
-        connection, or one to the wrong group). Groups that are never destroyed keep every
-        name new.
+        torch names a group made by its members alone after its ranks (and, from 2.5 on, the
+        number of groups it holds) and keeps its rendezvous under that name in the job's
+        store: destroying a group frees its name, so a later group of the same ranks could get
+        it, and read the addresses the earlier one left in the store (a refused connection, or
+        one to the wrong group). Groups kept until exit keep every name new.
         """
         self.release_scratch()
+        if self._made_here:
+            self._made_here = False
+            _RETIRED.append(self._group)
 
 
 def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:

@@ -9,7 +9,7 @@ receive of the next segment is posted before the current one is reduced, so that
 reduction overlap and the reduction reads a segment that is still in cache.
 
 What travels and how a received segment is combined is a *codec*'s business (dense arrays here;
-compressed payloads in :mod:`ringcomm.compress.ring`); this module only schedules.
+compressed payloads in :mod:`ringcomm.algorithms.compressed_ring`); this module only schedules.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm import trace
-from ringcomm.comm.types import ReduceOp, Transport, accumulation_dtype
+from ringcomm.core import trace
+from ringcomm.core.types import ReduceOp, Transport, accumulation_dtype
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import Compressor, _check_float
+from ringcomm.codecs.base import Compressor, _check_float
 
 __all__ = ["TopK"]
 

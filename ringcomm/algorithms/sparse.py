@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm import ring
-from ringcomm.comm import trace
-from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress.ring import keep_rounding, mix_seed
-from ringcomm.compress.topk import TopK
+from ringcomm.algorithms import ring
+from ringcomm.algorithms.compressed_ring import keep_rounding, mix_seed
+from ringcomm.codecs.topk import TopK
+from ringcomm.core import trace
+from ringcomm.core.types import ReduceOp, Transport
 
 __all__ = ["SparseRingCodec", "allgather_allreduce", "ring_allreduce"]
 

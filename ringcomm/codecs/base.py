@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.types import ReduceOp
-from ringcomm.compress.feedback import ErrorFeedback
+from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.core.types import ReduceOp
 
 __all__ = ["Compressor", "DenseCompressor", "check_compressed_call"]
 
@@ -23,7 +23,7 @@ class Compressor(abc.ABC):
     kept by an :class:`~ringcomm.ErrorFeedback`. Values are computed in float32.
 
     A compressor also says how the library uses it: which compressed allreduce reduces its
-    payloads (``allreduce_algorithm``, a name in ``ringcomm.compress.algorithms``), what one
+    payloads (``allreduce_algorithm``, a name in ``ringcomm.algorithms.compressed``), what one
     ring step puts on the wire (``wire_bytes``), what one hop costs (``hop_work``, which
     ``compression="auto"`` times), and whether it may compress a shard of an array as well as
     the whole (``shardable``).

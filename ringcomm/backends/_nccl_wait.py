@@ -7,7 +7,7 @@ job). The NCCL backend therefore waits by recording a CUDA event and polling it
 (``ncclCommGetAsyncError``). On a failure, or once the communicator's timeout has passed, the
 waiter aborts the communicator (``ncclCommAbort``: its kernels return, its peers are not waited
 for) and raises :class:`NCCLAsyncError` or
-:class:`~ringcomm.comm.types.CollectiveTimeoutError` naming the collective, the peer where one
+:class:`~ringcomm.core.types.CollectiveTimeoutError` naming the collective, the peer where one
 is known, and NCCL's own words.
 """
 
@@ -20,10 +20,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
-from ringcomm.comm._nccl_lib import IN_PROGRESS, NCCLError
-from ringcomm.comm.log import get_logger
+from ringcomm.backends._nccl_lib import IN_PROGRESS, NCCLError
 from ringcomm.comm.transport import timeout_error, write_fatal
-from ringcomm.comm.types import CollectiveError, CollectiveTimeoutError
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["NCCLAsyncError", "Stall", "Watchdog", "end_job", "failure", "poll",
            "wait_for_stream"]

@@ -2,7 +2,7 @@
 
 An entry names the backend, says what its communicator spans (for messages) and builds the
 Communicator with every option at once. A new backend is its module (a Transport and a
-Communicator subclass, under ``ringcomm/comm/``) plus one :func:`register` call here; the
+Communicator subclass, under ``ringcomm/backends/``) plus one :func:`register` call here; the
 choice of ``backend="auto"`` is :func:`choose_auto`.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ringcomm.comm import launch
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.launch import LaunchInfo
 from ringcomm.comm.settings import Settings
+from ringcomm.core import launch
+from ringcomm.core.launch import LaunchInfo
 
 __all__ = ["REGISTRY", "Backend", "choose_auto", "mpi_world_text", "register"]
 
@@ -60,7 +60,7 @@ def _options(settings: Settings, startup_error: Exception | None) -> dict[str, A
 
 def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                startup_error: Exception | None) -> Communicator:
-    from ringcomm.comm.mpi import MPICommunicator
+    from ringcomm.backends.mpi import MPICommunicator
 
     return MPICommunicator(mpi_comm, timeout=settings.timeout,
                            **_options(settings, startup_error))
@@ -68,7 +68,7 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
 
 def _build_nccl(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                 startup_error: Exception | None) -> Communicator:
-    from ringcomm.comm.nccl import NCCLCommunicator
+    from ringcomm.backends.nccl import NCCLCommunicator
 
     return NCCLCommunicator(mpi_comm=mpi_comm, timeout=settings.timeout,
                             **_options(settings, startup_error))
@@ -77,7 +77,7 @@ def _build_nccl(mpi_comm: Any, settings: Settings, info: LaunchInfo,
 def _build_gloo(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                 startup_error: Exception | None) -> Communicator:
     _start_torch_distributed(info, settings.timeout)
-    from ringcomm.torch._dist_backend import TorchDistCommunicator
+    from ringcomm.backends.gloo import TorchDistCommunicator
 
     return TorchDistCommunicator(timeout=settings.timeout, **_options(settings, startup_error))
 
@@ -93,7 +93,7 @@ def _mpi_world_size() -> int | None:
     if not launch.mpi_launched():
         return None if importlib.util.find_spec("mpi4py") is None else 1
     try:
-        from ringcomm.comm.mpi import import_mpi
+        from ringcomm.backends.mpi import import_mpi
 
         return int(import_mpi().COMM_WORLD.Get_size())
     except RuntimeError:
@@ -126,10 +126,10 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
     MPI world numbering the same processes alike): NCCL where every rank can run it, else
     gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
     """
-    from ringcomm.comm import nccl
+    from ringcomm.backends import nccl
 
     if info.over_torch and mpi_comm is None:
-        from ringcomm.comm.mpi import world_numbers_alike
+        from ringcomm.backends.mpi import world_numbers_alike
 
         world = _mpi_world_size()
         if world != info.size or not world_numbers_alike(info.rank, info.size):

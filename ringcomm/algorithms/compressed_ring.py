@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm import ring
-from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress.base import DenseCompressor
+from ringcomm.algorithms import ring
+from ringcomm.codecs.base import DenseCompressor
+from ringcomm.core.types import ReduceOp, Transport
 
 __all__ = ["CompressedCodec", "allreduce", "keep_rounding", "mix_seed"]
 

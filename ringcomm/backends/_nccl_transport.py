@@ -1,6 +1,6 @@
 """The NCCL transport: one NCCL communicator on this process's GPU, and its host transport.
 
-:class:`NCCLTransport` is documented in :mod:`ringcomm.comm.nccl` (the module users import),
+:class:`NCCLTransport` is documented in :mod:`ringcomm.backends.nccl` (the module users import),
 with the communicator over it; this module holds the transport alone.
 """
 
@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
-from ringcomm.comm.log import get_logger
+from ringcomm.backends import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -21,7 +20,8 @@ from ringcomm.comm.transport import (
     check_timeout,
     split_members,
 )
-from ringcomm.comm.types import RING, CollectiveError, ReduceOp, Request, Transport
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import RING, CollectiveError, ReduceOp, Request, Transport
 
 __all__ = ["NCCLTransport"]
 
@@ -486,7 +486,7 @@ class NCCLTransport(TransportBase):
     # --------------------------------------------------------------------------- failures
     def wait_stream(self, stream: Any, what: str, peer: int | None = None) -> None:
         """Block until the work enqueued on ``stream`` so far is done, polling the stream and
-        NCCL's asynchronous error (see :mod:`ringcomm.comm._nccl_wait`).
+        NCCL's asynchronous error (see :mod:`ringcomm.backends._nccl_wait`).
 
         Raises:
             NCCLAsyncError: NCCL reported that the communicator failed.

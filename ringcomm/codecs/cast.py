@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import DenseCompressor
+from ringcomm.codecs.base import DenseCompressor
 
 __all__ = ["BF16", "FP16"]
 

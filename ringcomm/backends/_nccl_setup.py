@@ -22,8 +22,9 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ringcomm.comm import _nccl_lib, launch
+from ringcomm.backends import _nccl_lib
 from ringcomm.comm.transport import check_timeout
+from ringcomm.core import launch
 from ringcomm.ops import _cuda_stack
 
 __all__ = [
@@ -70,7 +71,7 @@ class _MPIRendezvous:
     kind = "mpi"
 
     def __init__(self, base: Any, timeout: float | None = None) -> None:
-        from ringcomm.comm.mpi import MPITransport
+        from ringcomm.backends.mpi import MPITransport
 
         self._init(MPITransport(base, timeout=timeout))
 
@@ -230,7 +231,7 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     """
     if mpi_comm is not None:
         return _MPIRendezvous(mpi_comm, timeout)
-    from ringcomm.comm.mpi import world_numbers_alike
+    from ringcomm.backends.mpi import world_numbers_alike
 
     info = launch.detect()
     # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec

@@ -1,16 +1,16 @@
 """NCCL backend: one NCCL communicator per process on its local GPU for CuPy arrays, and a host
 transport for NumPy arrays.
 
-:class:`NCCLTransport` (in :mod:`ringcomm.comm._nccl_transport`) implements the Transport over
+:class:`NCCLTransport` (in :mod:`ringcomm.backends._nccl_transport`) implements the Transport over
 one NCCL communicator; :class:`NCCLCommunicator` is the Communicator over it.
 
 NCCL is called through ctypes over the ``libnccl.so.2`` of the nvidia-nccl-cu12 wheel (see
-:mod:`ringcomm.comm._nccl_lib`), not through ``cupy.cuda.nccl``: whether CuPy finds the wheel's
+:mod:`ringcomm.backends._nccl_lib`), not through ``cupy.cuda.nccl``: whether CuPy finds the wheel's
 library depends on the library preloading of the CuPy release (ringcomm accepts CuPy 13 and
 14), while a library loaded by path works with any CuPy and with NCCL's cu13 wheel; and CuPy's
 wrapper does not expose ``ncclGetLastError``, whose text every NCCL error here carries.
 
-Rendezvous (:mod:`ringcomm.comm._nccl_setup`): the unique id travels over MPI in
+Rendezvous (:mod:`ringcomm.backends._nccl_setup`): the unique id travels over MPI in
 mpiexec-launched jobs and over torch.distributed's store under torchrun. Before NCCL starts,
 the ranks exchange their problems (no GPU, no NCCL) and GPU identities, so that a rank that
 cannot start, or two ranks on one GPU, give a clear error on every rank instead of a hang or
@@ -19,7 +19,7 @@ NCCL's own message.
 Both kinds of arrays, as PyTorch's ``cpu:gloo,cuda:nccl``: CuPy arrays go over NCCL, NumPy
 arrays over the communicator's host transport, which is the MPI transport of the rendezvous in
 MPI-launched jobs, and otherwise (torchrun, a lone process) NCCL itself, host arrays staged
-through device buffers (:mod:`ringcomm.comm._nccl_host`). The per-call agreement covers the
+through device buffers (:mod:`ringcomm.backends._nccl_host`). The per-call agreement covers the
 array kind, so every rank takes the same path.
 
 Streams: every collective is enqueued on the caller's current CuPy stream and returns without
@@ -32,7 +32,7 @@ context each time: a shared one is not safe across threads), whichever thread ca
 
 Failures: where the host waits for the GPU (``barrier``, ``close``, the agreement without MPI,
 copies between host and device, and ringcomm.torch's results), it polls instead of
-blocking (:mod:`ringcomm.comm._nccl_wait`): an asynchronous NCCL error, or the communicator's
+blocking (:mod:`ringcomm.backends._nccl_wait`): an asynchronous NCCL error, or the communicator's
 timeout, aborts the NCCL communicator (``ncclCommAbort``) and raises an error naming the
 collective; the communicator then refuses every call.
 """
@@ -42,9 +42,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ringcomm.comm import _nccl_lib, _nccl_setup
-from ringcomm.comm._nccl_transport import NCCLTransport
-from ringcomm.comm._nccl_wait import NCCLAsyncError, wait_for_stream
+from ringcomm.backends import _nccl_lib, _nccl_setup
+from ringcomm.backends._nccl_transport import NCCLTransport
+from ringcomm.backends._nccl_wait import NCCLAsyncError, wait_for_stream
 from ringcomm.comm.base import Communicator
 
 __all__ = ["NCCLAsyncError", "NCCLCommunicator", "NCCLTransport", "usable",

@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.log import get_logger
-from ringcomm.comm.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
-from ringcomm.comm.types import ReduceOp, Transport, check_dtype
-from ringcomm.compress.algorithms import ALGORITHMS
-from ringcomm.compress.base import Compressor, check_compressed_call
-from ringcomm.compress.cast import FP16
-from ringcomm.compress.int8 import Int8
+from ringcomm.algorithms.compressed import ALGORITHMS
+from ringcomm.codecs.base import Compressor, check_compressed_call
+from ringcomm.codecs.cast import FP16
+from ringcomm.codecs.int8 import Int8
+from ringcomm.core.log import get_logger
+from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
+from ringcomm.core.types import ReduceOp, Transport, check_dtype
 
 __all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "LinkModel", "Trial", "measure_link",
            "measure_throughput"]

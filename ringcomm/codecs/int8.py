@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 from ringcomm import ops as _ops
-from ringcomm.compress.base import DenseCompressor
+from ringcomm.codecs.base import DenseCompressor
 
 __all__ = ["Int8"]
 

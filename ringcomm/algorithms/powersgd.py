@@ -75,11 +75,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm import ring
-from ringcomm.comm import trace
-from ringcomm.comm.types import ReduceOp, Transport
-from ringcomm.compress.base import Compressor
-from ringcomm.compress.ring import keep_rounding
+from ringcomm.algorithms import ring
+from ringcomm.algorithms.compressed_ring import keep_rounding
+from ringcomm.codecs.base import Compressor
+from ringcomm.core import trace
+from ringcomm.core.types import ReduceOp, Transport
 
 __all__ = ["LowRankMemory", "PowerSGD", "allreduce", "orthonormalize"]
 

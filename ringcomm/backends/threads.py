@@ -4,7 +4,7 @@ A :class:`ThreadWorld` holds what the ranks share: one FIFO mailbox per (channel
 destination) and a rendezvous for the collectives. Sends copy their bytes when posted (MPI's
 buffered semantics: the sender may reuse its buffer after ``wait()``); a receive completes in
 ``wait()`` once a message arrived and was copied into the receive buffer. Every wait has a
-timeout, and a timeout (a :class:`~ringcomm.comm.types.CollectiveTimeoutError`, as on the
+timeout, and a timeout (a :class:`~ringcomm.core.types.CollectiveTimeoutError`, as on the
 MPI backend) or a failing rank aborts the world, so a bug ends in an error naming the
 operation and the peer, never in a hang. :func:`run_ranks` runs a function on every rank.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from ringcomm.comm.agree import calls_as
 from ringcomm.comm.transport import TransportBase, adopt_ranks, check_split
-from ringcomm.comm.types import RING, USER, CollectiveTimeoutError
+from ringcomm.core.types import RING, USER, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.transport import TransportBase
-from ringcomm.comm.types import RING, ReduceOp, Request
+from ringcomm.core.types import RING, ReduceOp, Request
 
 __all__ = ["StagedHost", "host_transport", "staged_sendrecv"]
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm.log import get_logger
+from ringcomm.core.log import get_logger
 
 __all__ = ["DeviceChoice", "DeviceStaging", "ScratchOrder", "cuda_aware", "stream_identity"]
 
