@@ -19,7 +19,8 @@ import torch
 import ringcomm
 from ringcomm.codecs.base import Compressor as _RingCompressor
 
-__all__ = ["CastCompressor", "Compression", "Compressor", "RingCompressor", "as_compression"]
+__all__ = ["CastCompressor", "Compression", "Compressor", "RingCompressor", "as_compression",
+           "ring_of"]
 
 
 class Compressor:
@@ -168,3 +169,26 @@ def as_compression(compression: Any) -> Any:
     raise TypeError(
         "compression must be hvd.Compression.<name>, a ringcomm compressor, or an object with "
         f"compress() and decompress(); got {type(compression).__name__}")
+
+
+def ring_of(compression: Any) -> _RingCompressor | None:
+    """The ringcomm compressor that ``compression`` asks the ring to run (what the DDP hook
+    takes): None for none (None, ``hvd.Compression.none``), the one ``hvd.Compression.<name>``
+    wraps, an ``Auto`` for ``"auto"`` (as ``comm.allreduce`` takes it), a ringcomm compressor as
+    it is.
+
+    Raises:
+        TypeError: anything else (a Horovod-style compressor of torch tensors included: the
+            ring compresses arrays, not tensors).
+    """
+    if isinstance(compression, str) and compression == "auto":
+        return ringcomm.Auto()
+    if isinstance(compression, RingCompressor):
+        return compression.ring
+    if compression is None or isinstance(compression, NoneCompressor):
+        return None
+    if isinstance(compression, _RingCompressor):
+        return compression
+    raise TypeError(
+        "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...), "
+        f"\"auto\" or hvd.Compression.<name>, got {compression!r}")

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringcomm.algorithms.auto import Auto
 from ringcomm.codecs.base import Compressor as _RingCompressor
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
@@ -36,23 +35,9 @@ from ringcomm.torch._errors import collective_error
 from ringcomm.torch._residuals import Layout, ResidualLayouts
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
-from ringcomm.torch.compression import NoneCompressor, RingCompressor
+from ringcomm.torch.compression import ring_of
 
 __all__ = ["RingcommState", "ringcomm_hook"]
-
-
-def _ring_compressor(compression: Any) -> _RingCompressor | None:
-    if isinstance(compression, str) and compression == "auto":  # as comm.allreduce takes it
-        return Auto()
-    if isinstance(compression, RingCompressor):
-        return compression.ring
-    if compression is None or isinstance(compression, NoneCompressor):
-        return None
-    if isinstance(compression, _RingCompressor):
-        return compression
-    raise TypeError(
-        "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...), "
-        f"\"auto\" or hvd.Compression.<name>, got {compression!r}")
 
 
 class RingcommState:
@@ -107,7 +92,7 @@ class RingcommState:
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
             raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
                              f"{min_compress_bytes!r}")
-        self.compression = _ring_compressor(compression)
+        self.compression = ring_of(compression)
         self.algorithm = None if algorithm is None else check_algorithm(algorithm)
         if comm is None:
             _lifecycle.init()
