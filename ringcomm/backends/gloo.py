@@ -52,24 +52,24 @@ _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
-# The groups closed transports leave behind (see TorchDistTransport.close), destroyed at exit.
-_RETIRED: list[Any] = []
+# Every gloo group the transports made, destroyed at exit (see TorchDistTransport.close).
+_MADE: list[Any] = []
 
 
 @atexit.register
-def _destroy_retired() -> None:
-    """Destroy the groups closed transports left, before the interpreter tears down: a gloo
-    group still holding a wait (a background thread's receive) when its threads are destroyed
-    at exit ends the process (std::terminate). Nothing to do where torch.distributed's default
-    group, and every group with it, is already gone."""
-    while _RETIRED:
-        group = _RETIRED.pop()
+def _destroy_at_exit() -> None:
+    """Destroy the groups the transports made, newest first, while the interpreter is whole:
+    left to its teardown, a gloo group whose threads are destroyed in the wrong order, or with
+    a wait still posted, ends the process (std::terminate) after the job's work is done.
+    Nothing to do where torch.distributed's default group, and every group with it, is gone."""
+    while _MADE:
+        group = _MADE.pop()
         if not dist.is_initialized():
             continue
         try:
             dist.destroy_process_group(group)
         except (RuntimeError, ValueError, KeyError) as err:  # destroyed by the user already
-            _LOG.debug("retired group not destroyed at exit: %s", err)
+            _LOG.debug("group not destroyed at exit: %s", err)
 
 
 def _duration(seconds: float) -> datetime.timedelta:
@@ -171,7 +171,7 @@ class TorchDistTransport(TransportBase):
                made_here: bool) -> None:
         """Adopt ``group``, whose ``members`` (global ranks, in this transport's rank order;
         the group's own order when None) may be numbered otherwise by the group itself;
-        ``made_here``: whether ``close()`` retires it (a group the caller gave stays theirs).
+        ``made_here``: whether it is destroyed at exit (a group the caller gave stays theirs).
 
         Messages name their peers by global rank (``src``/``dst``, which every supported torch
         takes); what a collective returns in the group's order is put back in this
@@ -181,7 +181,9 @@ class TorchDistTransport(TransportBase):
         if members is None:
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
-        self._group, self._made_here = group, made_here
+        self._group = group
+        if made_here:
+            _MADE.append(group)
         self._peers = members
         self._seat = [seat_of[m] for m in members]
         self._in_order = self._seat == list(range(size))
@@ -305,8 +307,8 @@ class TorchDistTransport(TransportBase):
         return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
-        """Release the scratch buffers; the gloo group made here is destroyed at exit (or
-        with torch.distributed's default group), not now.
+        """Release the scratch buffers; a gloo group made here is destroyed at exit (or with
+        torch.distributed's default group), not now.
 
         torch names a group made by its members alone after its ranks (and, from 2.5 on, the
         number of groups it holds) and keeps its rendezvous under that name in the job's
@@ -315,9 +317,6 @@ class TorchDistTransport(TransportBase):
         one to the wrong group). Groups kept until exit keep every name new.
         """
         self.release_scratch()
-        if self._made_here:
-            self._made_here = False
-            _RETIRED.append(self._group)
 
 
 def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:
