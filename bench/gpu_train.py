@@ -2,7 +2,7 @@
 
     python bench/gpu_train.py [--models resnet18,vit_s] [--ranks 2] [--batch 64]
         [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F] [--baseline DIR]
-        [--trace-dir D]
+        [--traces ZIP]
 
 For each model, one torchrun-style job of ``--ranks`` processes (sharing the GPUs there are,
 gloo between them, as torchrun sets it up) trains the same model on the same synthetic batches
@@ -18,8 +18,8 @@ variants, bit-identical to DDP's own.
 once more with the ringcomm package of DIR (a checkout of an earlier commit), marked "[before]",
 in the same run. ``--profile F`` also profiles a few steps of DDP default and of each ringcomm
 variant with torch.profiler on rank 0 and writes the operator tables to F (where the hook's time
-goes); ``--trace-dir D`` writes the timelines (Chrome traces, gzipped) of DDP default and of
-ringcomm's uncompressed hook on the first model, from every rank, to D.
+goes); ``--traces ZIP`` writes the timelines (Chrome traces) of DDP default and of ringcomm's
+uncompressed hook on the first model, from every rank, into one zip file.
 ``--device cpu`` and ``--models mlp`` run the same on CPU (this script's own test). Part of
 bench/gpu_check.py (step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
 """
@@ -30,9 +30,12 @@ import argparse
 import gc
 import hashlib
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "PyTorch PowerSGD rank 1 (one bucket)": ("torch-powersgd", {}),
 }
 BASELINE_VARIANTS = ("ringcomm", "ringcomm Int8", "ringcomm TopK(0.01)")
-TRACED = ("DDP default", "ringcomm")  # the timelines --trace-dir writes
+TRACED = ("DDP default", "ringcomm")  # the timelines --traces writes
 PROFILE_STEPS = 3
 
 
@@ -184,14 +187,10 @@ def _profile(torch: Any, args: Any, name: str, device: str, step: Any, rank: int
     finally:
         trace.set_tracer(None)
     if traced:
-        import gzip
-
         slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-        raw = Path(args.trace_dir) / f"trace_{args.model}_{slug}_rank{rank}.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-            dst.write(src.read())
-        raw.unlink()
+        slug += "_before" if args.tree else ""
+        prof.export_chrome_trace(str(Path(args.trace_dir) /
+                                     f"trace_{args.model}_{slug}_rank{rank}.json"))
     if not args.profile or rank != 0:
         return
     tables = [prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)]
@@ -306,9 +305,9 @@ def launch_all(args: Any) -> int:
     if args.profile:
         Path(args.profile).write_text("# torch.profiler tables of ringcomm's variants\n\n")
         me += ["--profile", str(Path(args.profile).resolve())]
-    if args.trace_dir:
-        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-        me += ["--trace-dir", str(Path(args.trace_dir).resolve())]
+    if args.traces:
+        args.trace_dir = tempfile.mkdtemp(prefix="ringcomm-traces-")
+        me += ["--trace-dir", args.trace_dir]
     me += ["--models", ",".join(args.models)]  # the first one is traced
     results: list[dict[str, Any]] = []
     ok = True
@@ -340,8 +339,20 @@ def launch_all(args: Any) -> int:
             print(f"{model}{' (baseline)' if extra else ''}: exit statuses {codes}; end of "
                   f"rank 0's output:\n{texts[0][-3000:]}", flush=True)
         _write(args, results)  # after each job: a run stopped from outside keeps them
+        _zip_traces(args)
     print(_write(args, results))
+    if args.traces:
+        shutil.rmtree(args.trace_dir, ignore_errors=True)
     return 0 if ok else 1
+
+
+def _zip_traces(args: Any) -> None:
+    """The timelines written so far, into the zip file ``--traces`` names."""
+    if not args.traces:
+        return
+    with zipfile.ZipFile(args.traces, "w", zipfile.ZIP_DEFLATED) as z:
+        for trace in sorted(Path(args.trace_dir).glob("trace_*.json")):
+            z.write(trace, trace.name)
 
 
 def _write(args: Any, results: list[dict[str, Any]]) -> str:
@@ -372,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None,
                    help="a tree whose ringcomm runs the variants it has once more")
     p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--trace-dir", default=None, help="directory for Chrome traces")
+    p.add_argument("--traces", default=None, help="zip file for the Chrome traces")
+    p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

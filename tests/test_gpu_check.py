@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +256,8 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--device",
                            "cpu", "--models", "mlp", "--batch", "8", "--steps", "3", "--warmup",
                            "1", "--timeout", "240", "--json", str(out), "--markdown",
-                           str(tmp_path / "train.md"), "--profile", str(tmp_path / "p.txt")],
+                           str(tmp_path / "train.md"), "--profile", str(tmp_path / "p.txt"),
+                           "--traces", str(tmp_path / "traces.zip")],
                           cwd=ROOT, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -267,6 +269,10 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     assert results["ringcomm Int8"]["same_as_ddp"] is False  # compressed: the digest tells
     assert "| ringcomm | " in (tmp_path / "train.md").read_text()
     assert "## mlp, ringcomm Int8:" in (tmp_path / "p.txt").read_text()
+    with zipfile.ZipFile(tmp_path / "traces.zip") as z:  # both ranks, DDP default and the hook
+        assert sorted(z.namelist()) == [f"trace_mlp_{v}_rank{r}.json" for v in
+                                        ("DDP_default", "ringcomm") for r in (0, 1)]
+        assert json.loads(z.read("trace_mlp_ringcomm_rank1.json"))["traceEvents"]
 
 
 _BENCH = {"device": {"name": "Some GPU"}, "elements": 1024, "iters": 5, "results": [
