@@ -366,6 +366,10 @@ class _Call:
         self.m = residual if residual is not None else ops.empty(x.size, _F32)
         ops.compensate(x, residual, self.m)
         self.entry = comp.memory.entry(comp.name) if comp.name is not None else _Entry()
+        # Where each low-rank tensor's P sits in the first ring call's buffer, its Q in the
+        # second's (filled by first() and second()).
+        self.p_spans: dict[int, slice] = {}
+        self.q_spans: dict[int, slice] = {}
 
     def _mat(self, i: int) -> Any:
         p = self.parts[i]
@@ -376,13 +380,14 @@ class _Call:
             ring.allreduce(self.t, buf, buf, ReduceOp.SUM, segment_bytes=self.segment_bytes)
 
     def _start_q(self, i: int) -> Any:
-        """The start Q^T of tensor ``i`` on this call's device."""
+        """The start Q^T of tensor ``i``, in this call's kind of array."""
         q = _start_q(self.comp, self.entry, i, self.parts[i])
-        if type(q) is np.ndarray and q is not self.entry.qs.get(i):
-            on_device = self.ops.empty(q.shape, _F32)  # a drawn Q: to the call's device
-            self.ops.copy_from_host(on_device, q)
-            return on_device
-        return q
+        kind = _ops.get(q)
+        if kind is self.ops:
+            return q
+        moved = self.ops.empty(q.shape, _F32)  # a drawn (host) Q for a device call
+        self.ops.copy_from_host(moved, kind.to_host(q))
+        return moved
 
     def first(self) -> tuple[Any, dict[int, Any], dict[int, slice]]:
         """P of every low-rank tensor and the dense tensors, summed in one ring call."""
@@ -393,6 +398,7 @@ class _Call:
         for i, p in enumerate(self.parts):
             s = slice(offsets[i], offsets[i + 1])
             if p.rank:
+                self.p_spans[i] = s
                 pts[i] = buf[s].reshape(p.rank, p.rows)
                 mat = self._mat(i)
                 self.ops.matmul(self._start_q(i), mat.T, pts[i])
@@ -407,12 +413,12 @@ class _Call:
         self._ring(buf)
         return buf, pts, dense
 
-    def orthonormal(self, buf: Any, pts: dict[int, Any]) -> dict[int, bool]:
-        """Orthonormalize every finite reduced P in place, on the host (the same NumPy code on
-        every rank and device); whether each P is finite."""
+    def orthonormal(self, buf: Any) -> dict[int, bool]:
+        """Orthonormalize every finite reduced P of the first call's ``buf`` in place, on the
+        host (the same NumPy code on every rank and device); whether each P is finite."""
         host = self.ops.to_host(buf)  # ``buf`` itself for NumPy arrays
-        views = {i: host[_offset(pt, buf): _offset(pt, buf) + pt.size].reshape(pt.shape)
-                 for i, pt in pts.items()}
+        views = {i: host[s].reshape(self.parts[i].rank, self.parts[i].rows)
+                 for i, s in self.p_spans.items()}
         finite = {i: bool(np.isfinite(v).all()) for i, v in views.items()}
         for i, v in views.items():
             if finite[i]:
@@ -433,6 +439,7 @@ class _Call:
         for k, i in enumerate(self.low):
             s, p, mat = slice(offsets[k], offsets[k + 1]), self.parts[i], self._mat(i)
             if finite[i]:
+                self.q_spans[i] = s
                 qts[i] = buf[s].reshape(p.rank, p.cols)
                 self.ops.matmul(pts[i], mat, qts[i])
                 self.ops.subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
@@ -468,20 +475,10 @@ class _Call:
         if self.comp.warm_start and qts:
             host = self.ops.to_host(buf)  # one copy from the device for every tensor's check
             for i, qt in qts.items():
-                start = _offset(qt, buf)
                 # An overflowed Q would send the tensor dense for good.
-                if np.isfinite(host[start: start + qt.size]).all():
+                if np.isfinite(host[self.q_spans[i]]).all():
                     self.entry.qs[i] = qt.copy()
         self.entry.calls += 1
-
-
-def _offset(view: Any, buf: Any) -> int:
-    """Where the contiguous ``view`` of flat ``buf`` starts, in elements."""
-    return (_pointer(view) - _pointer(buf)) // buf.itemsize
-
-
-def _pointer(a: Any) -> int:
-    return int(a.data.ptr) if _ops.is_device_array(a) else int(a.ctypes.data)
 
 
 def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
@@ -493,7 +490,7 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
     with trace.span("COMPRESS"):
         call = _Call(t, x, comp, residual, segment_bytes)
     first, pts, dense1 = call.first()
-    finite = call.orthonormal(first, pts)
+    finite = call.orthonormal(first)
     second, qts, dense2 = call.second(pts, finite)
     # x is spent (M holds it), so the result may go straight into out, even where out is x.
     ops = call.ops
