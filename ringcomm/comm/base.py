@@ -194,9 +194,7 @@ class Communicator:
         """Collective: every rank sets the same value at the same point (one checked
         exchange agrees on it; a rank setting it alone raises the same error everywhere)."""
         with self._lock:
-            self._ensure_open()
-            self._transport.operation = "configure"
-            self._agreement.agree_setting("consistency_check", bool(value))
+            self._configure("consistency_check", bool(value))
             self._agreement.check = bool(value)
             self._plans.clear()  # prepared small calls depend on the check
 
@@ -242,14 +240,12 @@ class Communicator:
 
     @topology.setter
     def topology(self, value: str | int) -> None:
+        try:
+            setting, error = resolve_topology(value), None
+        except (TypeError, ValueError) as err:
+            setting, error = value, err  # refused on every rank by the agreement
         with self._lock:
-            self._ensure_open()
-            self._transport.operation = "configure"
-            try:
-                setting, error = resolve_topology(value), None
-            except (TypeError, ValueError) as err:
-                setting, error = value, err  # refused on every rank by the agreement
-            self._agreement.agree_setting("topology", setting, error)
+            self._configure("topology", setting, error)
             self._two_level.set_topology(setting)
 
     @property
@@ -449,6 +445,14 @@ class Communicator:
                 "segment_bytes": self.segment_bytes, "inline_bytes": self.inline_bytes,
                 "algorithm": self.algorithm, "topology": self.topology,
                 "timeout": self._transport.timeout}
+
+    def _configure(self, name: str, value: Any, error: Exception | None = None) -> None:
+        """Agree with every rank on setting ``name`` to ``value`` at this point, ``error``
+        raised on every rank if any rank has one (collective; the caller holds the lock and
+        applies the setting once this returns)."""
+        self._ensure_open()
+        self._transport.operation = "configure"
+        self._agreement.agree_setting(name, value, error)
 
     def _ensure_open(self) -> None:
         if self._closed:
