@@ -11,7 +11,9 @@ import pytest
 import ringcomm
 from ringcomm.algorithms.auto import Auto, LinkModel, predict, wire_bytes
 from ringcomm.backends.threads import run_ranks
+from ringcomm.codecs.base import Compressor, check_compressed_call
 from ringcomm.comm.base import Communicator
+from ringcomm.core.types import ReduceOp
 
 INT8, FP16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.TopK(0.01)
 CPU = {"none": 10e9, repr(FP16): 0.7e9, repr(INT8): 2.5e9, repr(TOPK): 1.0e9}
@@ -64,8 +66,15 @@ def test_bad_candidates():
         Auto((None, "int8"))
     with pytest.raises(RuntimeError, match="no link/throughput figures"):
         Auto().choose(1 << 20, 2)
-    with pytest.raises(NotImplementedError):
-        Auto().compress(None)
+    with pytest.raises(TypeError, match="compressors or None"):
+        Auto((None, Auto()))  # a policy, not a compressor
+
+
+def test_auto_is_a_policy_not_a_compressor():
+    """Auto is decided per call into one of its candidates; it compresses nothing itself."""
+    assert not isinstance(Auto(), Compressor)
+    with pytest.raises(TypeError, match="must be a ringcomm compressor"):
+        check_compressed_call(Auto(), np.ones(4, np.float32), ReduceOp.SUM, None, None)
 
 
 def test_fixed_throughput_must_cover_every_candidate():

@@ -38,15 +38,15 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms.compressed import ALGORITHMS
-from ringcomm.codecs.base import Compressor, check_compressed_call
+from ringcomm.codecs.base import Compressor, check_compressed_args
 from ringcomm.codecs.cast import FP16
 from ringcomm.codecs.int8 import Int8
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
 from ringcomm.core.types import ReduceOp, Transport, check_dtype
 
-__all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "LinkModel", "Trial", "measure_link",
-           "measure_throughput"]
+__all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "Compression", "Decision", "LinkModel", "Trial",
+           "measure_link", "measure_throughput"]
 
 _LOG = get_logger("auto")
 _PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20
@@ -113,8 +113,6 @@ class AutoFigures:
         choices: the choice made per (Auto, array kind, length), with the Auto kept alive.
         trials: the calls trying candidates in the job, per (Auto, array kind, length), until
             a choice is made.
-        pending: the trial of the call being planned and the key of its candidate, taken by
-            the communicator to time the call (``take_pending``).
     """
 
     links: dict[str, LinkModel] = field(default_factory=dict)
@@ -122,12 +120,20 @@ class AutoFigures:
     choices: dict[tuple[int, str, int, int], tuple[Auto, Compressor | None]] = field(
         default_factory=dict)
     trials: dict[tuple[int, str, int, int], tuple[Auto, Trial]] = field(default_factory=dict)
-    pending: tuple[Trial, str] | None = None
 
-    def take_pending(self) -> tuple[Trial, str] | None:
-        """The (trial, candidate key) of the call just planned, if it is a trial call; cleared."""
-        pending, self.pending = self.pending, None
-        return pending
+
+@dataclass(frozen=True)
+class Decision:
+    """What an Auto chose for one call.
+
+    Attributes:
+        choice: the compressor the call runs (None: dense), not yet bound to the call.
+        trial: for a call trying one of the candidates in the job, its trial and the
+            candidate's key: the call's time is recorded there (``Trial.record``).
+    """
+
+    choice: Compressor | None
+    trial: tuple[Trial, str] | None = None
 
 
 def wire_bytes(comp: Compressor | None, nbytes: int, n: int) -> float:
@@ -151,8 +157,12 @@ def predict(comp: Compressor | None, nbytes: int, n: int, link: LinkModel,
     return steps * link.step(wire_bytes(comp, nbytes, n)) + steps * (nbytes / n) / throughput
 
 
-class Auto(Compressor):
+class Auto:
     """Let ringcomm choose, per call, the fastest of ``candidates`` for the message's size.
+
+    A policy, not a compressor: the Communicator asks it for a :class:`Decision` per call
+    (``decide``, or ``decide_early`` before the call is agreed on) and runs the compressor
+    chosen.
 
     Args:
         candidates: what the user allows; None stands for no compression. The default allows
@@ -168,14 +178,13 @@ class Auto(Compressor):
     Every rank must pass an equal Auto; the choice is the same on every rank.
     """
 
-
     def __init__(self, candidates: tuple[Compressor | None, ...] = (None, FP16(), Int8()), *,
                  link: LinkModel | None = None,
                  throughput: dict[str, float] | None = None, trials: int | None = None) -> None:
         if not candidates:
             raise ValueError("Auto needs at least one candidate")
         for c in candidates:
-            if c is not None and (not isinstance(c, Compressor) or isinstance(c, Auto)):
+            if c is not None and not isinstance(c, Compressor):
                 raise TypeError(f"Auto candidates are compressors or None, got {c!r}")
         for c in candidates:
             if c is not None and c.allreduce_algorithm not in ALGORITHMS:
@@ -227,14 +236,20 @@ class Auto(Compressor):
 
     def resolve(self, t: Transport, figures: AutoFigures, x: Any,
                 inline_bytes: int = INLINE_BYTES) -> Compressor | None:
+        """The candidate chosen for array ``x`` (``decide``'s choice; collective where the
+        figures are still to be measured or the trial calls to be decided)."""
+        return self.decide(t, figures, x, inline_bytes).choice
+
+    def decide(self, t: Transport, figures: AutoFigures, x: Any,
+               inline_bytes: int = INLINE_BYTES) -> Decision:
         """Choose for array ``x``, measuring over ``t`` what ``figures`` lack first
         (collectively, once per communicator and array kind); during the trial calls, the
-        candidate of the next one (``figures.pending`` then names it, for timing)."""
+        candidate of the next one, with its trial to record the call's time in."""
         key = self._key(x)
         kind = key[1]
         memo = figures.choices.get(key)
         if memo is not None and memo[0] is self:
-            return memo[1]
+            return Decision(memo[1])
         link = self.link
         if link is None:
             if kind not in figures.links:
@@ -251,12 +266,11 @@ class Auto(Compressor):
         if trial is None:
             trial = self._model_choice(figures, key, t.size, x, link, throughput, inline_bytes)
             if trial is None:
-                return figures.choices[key][1]
+                return Decision(figures.choices[key][1])
         if not trial.done:
             choice = trial.pick()
-            figures.pending = (trial, self.key(choice))
-            return choice
-        return self._decide(t, figures, key, trial)
+            return Decision(choice, (trial, self.key(choice)))
+        return Decision(self._decide(t, figures, key, trial))
 
     def _trial(self, figures: AutoFigures, key: tuple[int, str, int, int]) -> Trial | None:
         memo = figures.trials.get(key)
@@ -316,45 +330,40 @@ class Auto(Compressor):
             figures.choices.clear()
         figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own
 
-    def choose_early(self, t: Transport, figures: AutoFigures, x: Any, op: Any, feedback: Any,
-                     name: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, Any]:
-        """The (compression, feedback) to agree on for ``x``: the choice itself when the
-        figures are known, so that it is agreed on (every rank chooses alike from the same
-        figures, and a choice that differs because the arguments differ is caught there);
-        else this Auto, resolved after the agreement (the first call measures, together).
+    def decide_early(self, t: Transport, figures: AutoFigures, x: Any, op: Any, feedback: Any,
+                     name: Any, inline_bytes: int = INLINE_BYTES) -> Decision | None:
+        """The decision for ``x`` made before the call is agreed on, so that the choice itself
+        is agreed on (every rank chooses alike from the same figures, and a choice that
+        differs because the arguments differ is caught there); None where it is made after
+        the agreement (``decide``: the first call measures, together).
 
-        A dense choice needs no feedback unless a residual is pending, which the compressed
-        path then sends in full. Never raises: invalid arguments keep this Auto, so that the
-        checked path raises their error on every rank.
+        None also where a dense choice meets a pending residual (the compressed path then
+        sends it in full), and for invalid arguments (the checked path raises their error on
+        every rank). Never raises.
         """
         try:
-            check_compressed_call(self, x, ReduceOp.parse(op), feedback, name)
+            check_compressed_args(x, ReduceOp.parse(op), feedback, name)
             check_dtype(x.dtype)
             if not self.ready(figures, x):
-                return self, feedback
-            choice = self.resolve(t, figures, x, inline_bytes)
+                return None
+            decision = self.decide(t, figures, x, inline_bytes)
         except (AttributeError, TypeError, ValueError):
-            return self, feedback
-        if choice is None and feedback is not None and name is not None and (
+            return None
+        if decision.choice is None and feedback is not None and name is not None and (
                 feedback.residual(name) is not None):
-            return self, feedback  # resolves to dense after the agreement
-        return choice, (None if choice is None else feedback)
+            return None
+        return decision
 
-    @property
-    def allreduce_algorithm(self) -> str:
-        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
+    def with_shapes(self, shapes: Any) -> Auto:
+        """Itself: a DDP hook tells its compressor the bucket's shapes, and the candidates
+        (casts, Int8, TopK) treat every element alike."""
+        return self
 
-    def wire_bytes(self, length: int, n: int) -> int:
-        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and repr(self) == repr(other)
 
-    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
-        raise NotImplementedError("Auto chooses a compressor per call; use that one's")
-
-    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
-        raise NotImplementedError("Auto chooses a compressor per call; compress with that one")
-
-    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
-        raise NotImplementedError("Auto chooses a compressor per call; decompress with that one")
+    def __hash__(self) -> int:
+        return hash(repr(self))
 
     def __repr__(self) -> str:
         names = ", ".join(self.key(c) for c in self.candidates)
@@ -365,6 +374,10 @@ class Auto(Compressor):
         fixed = "".join(f", {k}={v!r}" for k, v in (("link", self.link),
                                                       ("throughput", self.throughput)) if v)
         return f"Auto(candidates=({names}){trials}{fixed})"
+
+
+#: What a call's ``compression`` may be besides None: a compressor, or the policy choosing one.
+Compression = Compressor | Auto
 
 
 def _kind(x: Any) -> str:

@@ -12,7 +12,7 @@ from ringcomm import ops as _ops
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.core.types import ReduceOp
 
-__all__ = ["Compressor", "DenseCompressor", "check_compressed_call"]
+__all__ = ["Compressor", "DenseCompressor", "check_compressed_args", "check_compressed_call"]
 
 
 class Compressor(abc.ABC):
@@ -161,9 +161,21 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
     """
     if not isinstance(compression, Compressor):
         raise TypeError(
-            f"compression must be a ringcomm compressor (FP16, BF16, Int8, TopK), "
+            f"compression must be a ringcomm compressor (FP16, BF16, Int8, TopK) or \"auto\", "
             f"got {type(compression).__name__}"
         )
+    check_compressed_args(x, op, feedback, name)
+    return compression.bind(x, name)
+
+
+def check_compressed_args(x: Any, op: ReduceOp, feedback: ErrorFeedback | None,
+                          name: str | None) -> None:
+    """Check what a compressed allreduce of ``x`` needs whatever its compressor: a floating
+    dtype, op sum or avg, and ``feedback`` with a ``name`` its residual fits.
+
+    Raises:
+        TypeError, ValueError: as ``check_compressed_call``.
+    """
     _check_float(x.dtype)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"compressed allreduce supports op 'sum' and 'avg', got {op.value!r}")
@@ -173,4 +185,3 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
         if not name:
             raise ValueError("feedback needs name=... to key the residual of this tensor")
         feedback.check(name, x)
-    return compression.bind(x, name)

@@ -23,20 +23,23 @@ _LIMIT = 4096  # plans kept at most: shapes can be many
 class AllreducePlan:
     """How one allreduce runs: its agreed spec, op, compression and error feedback."""
 
-    __slots__ = ("compression", "feedback", "inline", "name", "op", "spec", "trial")
+    __slots__ = ("compression", "feedback", "inline", "name", "op", "policy", "spec", "trial")
 
     def __init__(self, spec: agree.CallSpec, op: ReduceOp, compression: Any, feedback: Any,
                  name: Any) -> None:
         self.spec, self.op = spec, op
         self.compression, self.feedback, self.name = compression, feedback, name
         self.inline: agree.InlinePlan | None = None
+        # compression="auto" decided after the agreement: its Auto (``compression`` is None).
+        self.policy: Any = None
         # A call trying one of compression="auto"'s candidates: (trial, candidate key).
         self.trial: tuple[Any, str] | None = None
 
     @property
     def dense(self) -> bool:
-        """Whether the data travels as it is (no compression, no error feedback)."""
-        return self.compression is None and self.feedback is None
+        """Whether the data travels as it is (no compression, no error feedback, no
+        compression still to be decided)."""
+        return self.compression is None and self.feedback is None and self.policy is None
 
 
 class PlanCache:

@@ -20,7 +20,6 @@ from typing import Any
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms import hierarchical
-from ringcomm.algorithms.auto import Auto
 from ringcomm.codecs.base import Compressor
 from ringcomm.comm import topology as _topology
 from ringcomm.core.env import env
@@ -121,11 +120,11 @@ class TwoLevel:
 
         Raises:
             TypeError, ValueError: an unknown algorithm; "hierarchical" with a compressor that
-                cannot reduce node shards (an ``Auto`` is judged by what it picks, later).
+                cannot reduce node shards (a compression="auto" decided after the agreement
+                is judged by what it picks, later).
         """
         chosen = self.algorithm if algorithm is None else check_algorithm(algorithm)
-        if (chosen == "hierarchical" and isinstance(compression, Compressor)
-                and not isinstance(compression, Auto)):
+        if chosen == "hierarchical" and isinstance(compression, Compressor):
             hierarchical.check_compressor(compression)
         return chosen
 

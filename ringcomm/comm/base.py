@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,13 +17,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.algorithms import compressed as algorithms
-from ringcomm.algorithms import hierarchical, ring
-from ringcomm.algorithms.auto import Auto, AutoFigures
-from ringcomm.algorithms.compressed_ring import mix_seed
-from ringcomm.codecs.base import check_compressed_call
+from ringcomm.algorithms import ring
+from ringcomm.algorithms.auto import AutoFigures
 from ringcomm.comm import _arrays, _twolevel, agree, settings
-from ringcomm.comm._plan import AllreducePlan, PlanCache
+from ringcomm.comm._allreduce import Allreduce
+from ringcomm.comm._plan import AllreducePlan
 from ringcomm.comm.topology import resolve_topology
 from ringcomm.core.types import (
     USER,
@@ -36,6 +33,7 @@ from ringcomm.core.types import (
 )
 
 if TYPE_CHECKING:
+    from ringcomm.algorithms.auto import Auto
     from ringcomm.codecs.base import Compressor
     from ringcomm.codecs.feedback import ErrorFeedback
 
@@ -119,21 +117,16 @@ class Communicator:
         inline = agree.INLINE_BYTES if inline_bytes is None else settings.check_bytes(
             int(inline_bytes), "inline_bytes", 0, 8, settings.MAX_INLINE_BYTES)
         self._transport = transport
-        # Which transport moves which kind of array (NCCL's host transport): looked up per
-        # call only where the backend routes at all (the host path stays one attribute).
-        self._router: Callable[[Any], Transport] | None = (
-            transport.transport_for if transport.routes_arrays else None)
         self._lock = threading.RLock()  # one call at a time (re-entered by nested calls)
         self._stats = transport.stats  # read on every call: one attribute, not two
         self._closed = False
         self._agreement = agree.Agreement(transport, check=bool(consistency_check),
                                           inline_bytes=inline,
                                           segment_bytes=ring.DEFAULT_SEGMENT_BYTES)
-        self._plans = PlanCache()
+        self._allreduce = Allreduce(transport, self._agreement, self._two_level)
+        self._plans = self._allreduce.plans
+        self._route = self._allreduce.route
         self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
-        self._compressed_calls = 0
-        self._auto_figures = AutoFigures()
-        self._default_auto: Auto | None = None
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -251,7 +244,7 @@ class Communicator:
     @property
     def auto_figures(self) -> AutoFigures:
         """What ``compression="auto"`` has measured on this communicator (link, codecs)."""
-        return self._auto_figures
+        return self._allreduce.figures
 
     @property
     def closed(self) -> bool:
@@ -270,7 +263,7 @@ class Communicator:
 
     # ------------------------------------------------------------------------ collectives
     def allreduce(self, x: Array, out: Array | None = None, *, op: str | ReduceOp = "sum",
-                  compression: Compressor | str | None = None,
+                  compression: Compressor | Auto | str | None = None,
                   feedback: ErrorFeedback | None = None, name: str | None = None,
                   algorithm: str | None = None) -> Array:
         """Reduce ``x`` elementwise over all ranks; every rank gets the bit-identical result.
@@ -321,7 +314,7 @@ class Communicator:
                                         algorithm=algorithm)
                 return result if out is None else out
             self._ensure_open()
-            plan = self._plan_allreduce(x, out, op, compression, feedback, name, algorithm)
+            plan = self._allreduce.plan(x, out, op, compression, feedback, name, algorithm)
             self.stats.calls += 1
             return self._execute(plan, x, out)
 
@@ -464,12 +457,6 @@ class Communicator:
                 f"refuses every call: close it and end the job (it failed with "
                 f"{type(failure).__name__}: {failure})")
 
-    def _route(self, x: Any) -> Transport:
-        """The transport that moves arrays like ``x`` (the backend's own, or NCCL's host
-        transport for host arrays)."""
-        router = self._router
-        return self._transport if router is None else router(x)
-
     def _on_device(self, *arrays: Any) -> Any:
         """A context making the backend's CUDA device current where any of ``arrays`` is a
         device array (a no-op context for host arrays, and on backends without a device)."""
@@ -477,150 +464,17 @@ class Communicator:
             return _NO_DEVICE
         return self._transport.device_scope()
 
+    def _execute(self, plan: AllreducePlan, x: Array, out: Array | None) -> Array:
+        """Run a planned allreduce (with the device current, for device arrays)."""
+        if type(x) is np.ndarray:  # the host fast path: no device to make current
+            return self._allreduce.run(plan, x, out)
+        with self._on_device(x):
+            return self._allreduce.run(plan, x, out)
+
     def _check_rank(self, r: int, label: str) -> int:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
             raise ValueError(f"{label} must be a rank in [0, {self.size}), got {r!r}")
         return int(r)
-
-    # ---------------------------------------------------------------------- allreduce plan
-    def _plan_allreduce(self, x: Any, out: Any, op: Any, compression: Any, feedback: Any,
-                        name: Any, algorithm: Any = None) -> AllreducePlan:
-        """Check the arguments of an allreduce and decide how it runs (before the agreement;
-        an argument error is kept in the plan's spec, to be raised on every rank)."""
-        trial = auto = None
-        if compression is not None:
-            if isinstance(compression, str) and compression == "auto":
-                compression = self._auto()
-            if isinstance(compression, Auto):
-                auto = compression
-                self._auto_figures.pending = None
-                compression, feedback = compression.choose_early(
-                    self._route(x), self._auto_figures, x, op, feedback, name,
-                    self.inline_bytes)
-                trial = self._auto_figures.take_pending()  # an Auto is resolved later
-        spec = agree.CallSpec("allreduce")
-        try:
-            spec.algorithm = self._two_level.call_algorithm(algorithm, compression)
-            rop, compression = self._check_allreduce(spec, x, out, op, compression, feedback,
-                                                     name)
-        except (TypeError, ValueError) as err:
-            spec.error, rop = err, ReduceOp.SUM
-        if auto is not None and auto is not compression:
-            # Resolved before the agreement: the Auto itself is agreed on too, not only what
-            # it chose (equal choices from unequal Autos would part at a later call).
-            spec.extra = f"{auto!r} chose {spec.extra or 'none'}"
-        plan = AllreducePlan(spec, rop, compression, feedback, name)
-        if not isinstance(compression, Auto):
-            plan.trial = trial
-        if (plan.dense and spec.error is None and trial is None and algorithm is None
-                and auto is None):
-            self._plans.put(x, op, plan, self._agreement)
-        return plan
-
-    def _execute(self, plan: AllreducePlan, x: Any, out: Any) -> Any:
-        """Agree on the call, then run its algorithm (with the device current, for device
-        arrays)."""
-        if type(x) is np.ndarray:  # the host fast path: no device to make current
-            return self._run(plan, x, out)
-        with self._on_device(x):
-            return self._run(plan, x, out)
-
-    def _run(self, plan: AllreducePlan, x: Any, out: Any) -> Any:
-        spec = plan.spec
-        if plan.dense and spec.error is None and x.nbytes <= self.inline_bytes:
-            if type(x) is not np.ndarray:
-                # The inline path copies x to the host: wait for the device first, within the
-                # timeout (NCCL: a dead peer's kernel could hold the copy forever).
-                self._transport.wait_gpu("allreduce")
-            return self._agreement.allreduce_inline(spec, x, out, plan.op)
-        self._agreement.agree(spec)
-        t = self._route(x)
-        xp = _ops.get(x)
-        result = out if out is not None else xp.empty(x.shape, x.dtype)
-        if x.size == 0:
-            return result
-        direct = result.flags.c_contiguous and getattr(result.flags, "aligned", True)
-        flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
-        trial = plan.trial
-        start = time.perf_counter()
-        if plan.dense:
-            self._reduce(t, plan, _arrays.flat(x), flat_out, None, 0)
-        else:
-            comp = plan.compression
-            if isinstance(comp, Auto):
-                self._auto_figures.pending = None
-                comp = comp.resolve(t, self._auto_figures, x, self.inline_bytes)
-                trial = self._auto_figures.take_pending()
-                start = time.perf_counter()  # after any measuring of the figures
-                if comp is not None:  # per-call parameters (PowerSGD: shapes, name)
-                    comp = comp.bind(x, plan.name)
-            self._compressed_calls += 1
-            seed = mix_seed(self._compressed_calls, self.rank)
-            self._reduce(t, plan, _arrays.flat(x), flat_out, comp, seed)
-        if trial is not None:  # a call trying one of auto's candidates: keep its time
-            if type(x) is not np.ndarray:
-                self._transport.wait_gpu("allreduce")  # the call's device work is done
-            trial[0].record(trial[1], time.perf_counter() - start)
-        if not direct:
-            result[...] = flat_out.reshape(x.shape)
-        return result
-
-    def _reduce(self, t: Transport, plan: AllreducePlan, x: Any, out: Any,
-                comp: Compressor | None, seed: int) -> None:
-        """Run an agreed allreduce of flat ``x`` into flat ``out``: the flat ring over ``t``,
-        or the two-level allreduce where the call's algorithm picks it."""
-        groups = self._two_level.groups(plan.spec.algorithm, x, comp)
-        if groups is None:
-            if plan.dense:
-                ring.allreduce(t, x, out, plan.op, segment_bytes=self.segment_bytes)
-            else:
-                algorithms.allreduce(t, x, out, plan.op, comp, plan.feedback, plan.name, seed,
-                                     segment_bytes=self.segment_bytes)
-            return
-        local, cross = (_twolevel.route(g, x) for g in groups)
-        local.operation = cross.operation = self._transport.operation  # for their errors
-        hierarchical.allreduce_with_feedback(local, cross, x, out, plan.op, comp, plan.feedback,
-                                             plan.name, seed, segment_bytes=self.segment_bytes)
-        for sub in (local, cross):  # the groups' traffic is this communicator's
-            self._stats.add(sub.stats.bytes_sent, sub.stats.bytes_received)
-            sub.stats.reset()
-
-    def _auto(self) -> Auto:
-        if self._default_auto is None:
-            self._default_auto = Auto()
-        return self._default_auto
-
-    def _check_allreduce(self, spec: agree.CallSpec, x: Any, out: Any, op: Any,
-                         compression: Any, feedback: Any,
-                         name: Any) -> tuple[ReduceOp, Compressor | None]:
-        """Check an allreduce's arguments, recording them in ``spec``; return the op and the
-        compressor bound to this call (``Compressor.bind``: once per call; an unresolved
-        Auto is bound after it resolves)."""
-        self._transport.check_arrays(x, out)
-        dt = spec.set_array(x)
-        rop = spec.set_op(check_op(op, dt))
-        if out is not None:
-            if type(out) is not type(x):
-                raise TypeError(f"out is a {type(out).__name__}, expected a {type(x).__name__}")
-            if out.shape != x.shape:
-                raise ValueError(f"out has shape {out.shape}, expected {x.shape}")
-            if out.dtype != x.dtype:
-                raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
-            _arrays.check_writeable(out, "out")
-            _arrays.check_overlap(x, out)
-        if compression is not None:
-            bound = check_compressed_call(compression, x, rop, feedback, name)
-            if not isinstance(compression, Auto) and (
-                    compression.allreduce_algorithm not in algorithms.ALGORITHMS):
-                raise ValueError(f"{compression!r} names allreduce algorithm "
-                                 f"{compression.allreduce_algorithm!r}; known: "
-                                 f"{', '.join(sorted(algorithms.ALGORITHMS))}")
-            # Feedback on some ranks only would keep residuals on those alone: agree on it too.
-            spec.extra = f"{compression!r}|{name}|feedback={feedback is not None}"
-            return rop, bound
-        if feedback is not None:
-            raise ValueError("feedback needs a lossy compression; got compression=None")
-        return rop, None
 
     @_serialized
     def _gather(self, kind: str, x: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import ringcomm
+from ringcomm.algorithms.auto import Compression as _RingCompression
 from ringcomm.codecs.base import Compressor as _RingCompressor
 
 __all__ = ["CastCompressor", "Compression", "Compressor", "RingCompressor", "as_compression",
@@ -171,7 +172,7 @@ def as_compression(compression: Any) -> Any:
         f"compress() and decompress(); got {type(compression).__name__}")
 
 
-def ring_of(compression: Any) -> _RingCompressor | None:
+def ring_of(compression: Any) -> _RingCompression | None:
     """The ringcomm compressor that ``compression`` asks the ring to run (what the DDP hook
     takes): None for none (None, ``hvd.Compression.none``), the one ``hvd.Compression.<name>``
     wraps, an ``Auto`` for ``"auto"`` (as ``comm.allreduce`` takes it), a ringcomm compressor as

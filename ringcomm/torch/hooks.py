@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringcomm.codecs.base import Compressor as _RingCompressor
+from ringcomm.algorithms.auto import Compression
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
@@ -109,7 +109,7 @@ class RingcommState:
         self._engine = engine_for(comm)
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
-        self._bound: dict[int, tuple[tuple[Any, ...], _RingCompressor]] = {}
+        self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}
         self._spans = False  # the communicator checked against the job, at the first bucket
 
     def check_spans_job(self) -> None:
@@ -173,7 +173,7 @@ class RingcommState:
         self._bucket_params[bucket.index()] = (ids, layout)
         return layout
 
-    def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _RingCompressor:
+    def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Compression:
         """The compressor for the bucket: ``compression`` told the shapes of its gradients, in
         buffer order (gaps between them as 1-D pieces); cached per bucket index."""
         assert self.compression is not None
@@ -203,7 +203,7 @@ def _bucket_shapes(bucket: dist.GradBucket, buffer: torch.Tensor) -> tuple[Any, 
 
 
 def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
-               compression: _RingCompressor | None, layout: Layout | None,
+               compression: Compression | None, layout: Layout | None,
                name: str | None) -> None:
     """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
     feedback = layout is not None and name is not None
@@ -219,7 +219,7 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
         raise collective_error(state.comm, err, "allreduce", buffer) from err
 
 
-def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompressor | None,
+def _reduce(state: RingcommState, buffer: torch.Tensor, compression: Compression | None,
             layout: Layout | None, name: str | None) -> torch.Tensor:
     operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
     _allreduce(state, operand.array, buffer, compression, layout, name)
@@ -228,7 +228,7 @@ def _reduce(state: RingcommState, buffer: torch.Tensor, compression: _RingCompre
 
 
 def _reduce_on_side(state: RingcommState, buffer: torch.Tensor, ready: Any,
-                    compression: _RingCompressor | None, layout: Layout | None,
+                    compression: Compression | None, layout: Layout | None,
                     name: str | None) -> torch.Tensor:
     """The bucket on the GPU, its work on the side stream after ``ready``."""
     with state._staging.side(buffer.device, ready) as stream:
@@ -238,7 +238,7 @@ def _reduce_on_side(state: RingcommState, buffer: torch.Tensor, ready: Any,
 
 
 def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int,
-                   compression: _RingCompressor | None, layout: Layout | None,
+                   compression: Compression | None, layout: Layout | None,
                    name: str | None) -> torch.Tensor:
     """The bucket through its pinned host copy: download after ``ready``, reduce, upload."""
     with trace.span("HOOK_DOWNLOAD"):
