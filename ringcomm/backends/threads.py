@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.comm.agree import calls_as
+from ringcomm.comm.callers import calls_as
 from ringcomm.comm.transport import TransportBase, adopt_ranks, check_split
 from ringcomm.core.types import RING, USER, CollectiveTimeoutError
 

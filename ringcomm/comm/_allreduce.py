@@ -21,6 +21,7 @@ from ringcomm.algorithms.auto import Auto, AutoFigures, Decision
 from ringcomm.algorithms.compressed_ring import mix_seed
 from ringcomm.codecs.base import Compressor, check_compressed_args, check_compressed_call
 from ringcomm.comm import _arrays, _twolevel, agree
+from ringcomm.comm._inline import allreduce_inline
 from ringcomm.comm._plan import AllreducePlan, PlanCache
 from ringcomm.core.types import Array, ReduceOp, Transport, check_op
 
@@ -136,7 +137,7 @@ class Allreduce:
                 # The inline path copies x to the host: wait for the device first, within the
                 # timeout (NCCL: a dead peer's kernel could hold the copy forever).
                 self._transport.wait_gpu("allreduce")
-            return self._agreement.allreduce_inline(spec, x, out, plan.op)
+            return allreduce_inline(self._agreement, spec, x, out, plan.op)
         self._agreement.agree(spec)
         t = self.route(x)
         xp = _ops.get(x)

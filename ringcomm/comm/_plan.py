@@ -3,7 +3,7 @@
 A training loop reduces the same tensors every step. The first call of a dense allreduce is
 checked in full and its plan kept (host arrays: keyed by dtype, shape and op); repeats skip the
 local checks (the cross-rank agreement still runs every call). Small host arrays also get an
-:class:`~ringcomm.comm.agree.InlinePlan`, which finishes the call within the agreement.
+:class:`~ringcomm.comm._inline.InlinePlan`, which finishes the call within the agreement.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm import agree
+from ringcomm.comm._inline import InlinePlan
 from ringcomm.core.types import ReduceOp
 
 __all__ = ["AllreducePlan", "PlanCache"]
@@ -29,7 +30,7 @@ class AllreducePlan:
                  name: Any) -> None:
         self.spec, self.op = spec, op
         self.compression, self.feedback, self.name = compression, feedback, name
-        self.inline: agree.InlinePlan | None = None
+        self.inline: InlinePlan | None = None
         # compression="auto" decided after the agreement: its Auto (``compression`` is None).
         self.policy: Any = None
         # A call trying one of compression="auto"'s candidates: (trial, candidate key).
@@ -72,8 +73,8 @@ class PlanCache:
             return
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
-        if agree.InlinePlan.applies(agreement, x):
-            plan.inline = agree.InlinePlan(agreement, plan.spec, x, plan.op)
+        if InlinePlan.applies(agreement, x):
+            plan.inline = InlinePlan(agreement, plan.spec, x, plan.op)
         try:
             self._plans[(x.dtype, x.shape, op)] = plan
         except TypeError:

@@ -22,6 +22,7 @@ from ringcomm.algorithms.auto import AutoFigures
 from ringcomm.comm import _arrays, _twolevel, agree, settings
 from ringcomm.comm._allreduce import Allreduce
 from ringcomm.comm._plan import AllreducePlan
+from ringcomm.comm.callers import caller
 from ringcomm.comm.topology import resolve_topology
 from ringcomm.core.types import (
     USER,
@@ -306,7 +307,7 @@ class Communicator:
                     self._stats.calls += 1
                     if prepared.inline is not None:
                         return prepared.inline.run(x, out)
-                    prepared.spec.caller = agree.caller()
+                    prepared.spec.caller = caller()
                     return self._execute(prepared, x, out)
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):
                 result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm import _twolevel
-from ringcomm.comm.agree import rank_groups
+from ringcomm.comm._mismatch import rank_groups
 from ringcomm.comm.topology import resolve_topology
 from ringcomm.comm.transport import check_timeout
 from ringcomm.core import log as _log

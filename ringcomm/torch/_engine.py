@@ -5,7 +5,7 @@ order. Asynchronous operations (Horovod's ``*_async``, gradient hooks that overl
 queued here and run one at a time, in the order they were submitted, on a single worker thread.
 A synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
 otherwise waits its turn behind the queue. Either way the communicator sees one caller (see
-:func:`ringcomm.comm.agree.calls_as`), the same on every rank.
+:func:`ringcomm.comm.callers.calls_as`), the same on every rank.
 
 On the worker thread every task runs with the communicator's CUDA device current (not device
 0, where a new thread starts), after the stream of the thread that submitted it: a
@@ -21,8 +21,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ringcomm.comm.agree import calls_as
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.callers import calls_as
 from ringcomm.torch._tensors import StreamFence, device_scope
 
 __all__ = ["Engine", "Handle", "engine_for"]

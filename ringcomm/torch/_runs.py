@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ringcomm.comm.agree import calls_as
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.callers import calls_as
 from ringcomm.torch._basics import ReduceOp
 from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch._fusion import reduce_fused
