@@ -30,7 +30,7 @@ import pytest
 from test_device_standins import FakeCupy, FakeGPU, on_new_thread, standin_transport
 
 import ringcomm
-from ringcomm.backends import _nccl_setup, staging
+from ringcomm.backends import _nccl_setup, cuda_device
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -95,7 +95,7 @@ def mpi_comm(gpu):
     from ringcomm.backends.mpi import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF)
-    comm.transport.device_choice = staging.DeviceChoice(local_rank=5)
+    comm.transport.device_choice = cuda_device.DeviceChoice(local_rank=5)
     yield comm
     comm.close()
 
@@ -144,7 +144,7 @@ def test_mpi_device_can_be_asked_for(gpu):
         comm.close()
     with pytest.raises(ValueError, match="device must be a CUDA device number >= 0"):
         MPICommunicator(MPI.COMM_SELF, device=-1)
-    choice = staging.DeviceChoice(0, device=7)
+    choice = cuda_device.DeviceChoice(0, device=7)
     with pytest.raises(ValueError, match="CUDA device 7 does not exist; this process sees 4"):
         choice.select(0)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms import compressed_ring as ring
-from ringcomm.algorithms import powersgd, sparse
+from ringcomm.algorithms import powersgd_ring, sparse
 from ringcomm.algorithms import ring as dense_ring
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
@@ -35,7 +35,7 @@ ALGORITHMS: dict[str, AllreduceAlgorithm] = {
     "ring": ring.allreduce,
     "sparse-ring": sparse.ring_allreduce,
     "sparse-allgather": sparse.allgather_allreduce,
-    "powersgd": powersgd.allreduce,
+    "powersgd": powersgd_ring.allreduce,
 }
 
 

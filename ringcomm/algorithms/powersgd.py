@@ -58,6 +58,9 @@ Q starts from a Gaussian drawn from (``seed``, name, tensor index), the same on 
 without warm start a new one is drawn from the same numbers plus the call count each call.
 A call without a name remembers nothing (every such call starts from the seeded Q).
 
+The two ring calls and what runs around them are in :mod:`ringcomm.algorithms.powersgd_ring`;
+this module holds the compressor, its memory and the numerics both share.
+
 Dense warm-up. PowerSGD has no warm-up of its own: ``RingcommState(start_iter=...)`` reduces
 DDP's buckets dense for the first iterations, and a direct caller passes ``compression=None``
 for as long as it wants them dense.
@@ -75,20 +78,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.algorithms import ring
-from ringcomm.algorithms.compressed_ring import keep_rounding
 from ringcomm.codecs.base import Compressor
-from ringcomm.core import trace
-from ringcomm.core.types import ReduceOp, Transport
 
-__all__ = ["LowRankMemory", "PowerSGD", "allreduce", "orthonormalize"]
+__all__ = ["LowRankMemory", "MemoryEntry", "Part", "PowerSGD", "orthonormalize", "start_q"]
 
 _F32 = np.float32
 _SHOWN_SHAPES = 8  # longer shape lists appear in repr as a count and a checksum
 
 
 @dataclass(frozen=True)
-class _Part:
+class Part:
     """One tensor of a call: its place in the flat buffer, its matrix and its rank (0: dense)."""
 
     offset: int
@@ -102,7 +101,9 @@ class _Part:
         return slice(self.offset, self.offset + self.size)
 
 
-class _Entry:
+class MemoryEntry:
+    """What a LowRankMemory keeps for one name: each tensor's last Q^T and the calls made."""
+
     __slots__ = ("calls", "qs")
 
     def __init__(self) -> None:
@@ -116,13 +117,13 @@ class LowRankMemory:
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: dict[str | None, _Entry] = {}
+        self._entries: dict[str | None, MemoryEntry] = {}
 
-    def entry(self, name: str | None) -> _Entry:
+    def entry(self, name: str | None) -> MemoryEntry:
         """The state kept under ``name`` (created empty)."""
         found = self._entries.get(name)
         if found is None:
-            found = self._entries[name] = _Entry()
+            found = self._entries[name] = MemoryEntry()
         return found
 
     def calls(self, name: str | None) -> int:
@@ -199,7 +200,7 @@ class PowerSGD(Compressor):
         self.shapes = None if shapes is None else tuple(tuple(int(d) for d in s) for s in shapes)
         if self.shapes is not None and any(d < 0 for s in self.shapes for d in s):
             raise ValueError(f"shapes must have dimensions >= 0, got {self.shapes}")
-        self._parts: tuple[_Part, ...] | None = None
+        self._parts: tuple[Part, ...] | None = None
         self._repr: str | None = None
 
     # ------------------------------------------------------------------ binding to a call
@@ -228,11 +229,11 @@ class PowerSGD(Compressor):
         bound.name = name
         return bound
 
-    def parts(self, length: int) -> tuple[_Part, ...]:
+    def parts(self, length: int) -> tuple[Part, ...]:
         """The tensors of a flat buffer of ``length`` elements (all of it one dense part when
         no shapes are known)."""
         if self.shapes is None:
-            return (_Part(0, length, length, 1, 0),)
+            return (Part(0, length, length, 1, 0),)
         if self._parts is None:
             self._parts = tuple(self._plan())
         if sum(p.size for p in self._parts) != length:
@@ -240,7 +241,7 @@ class PowerSGD(Compressor):
                              f"but the array has {length}")
         return self._parts
 
-    def _plan(self) -> list[_Part]:
+    def _plan(self) -> list[Part]:
         parts, offset = [], 0
         for shape in self.shapes or ():
             size = int(np.prod(shape, dtype=np.int64))
@@ -249,7 +250,7 @@ class PowerSGD(Compressor):
             r = min(self.rank, rows, cols)
             low = matrix is not None and size > 0 and (
                 size > self.min_compression_rate * r * (rows + cols))
-            parts.append(_Part(offset, size, rows, cols, r if low else 0))
+            parts.append(Part(offset, size, rows, cols, r if low else 0))
             offset += size
         return parts
 
@@ -335,172 +336,19 @@ def orthonormalize(pt: np.ndarray, epsilon: float) -> None:
             pt[j] -= np.sum(col * pt[j], dtype=_F32) * col
 
 
-def _draw_q(comp: PowerSGD, index: int, part: _Part, draw: int) -> np.ndarray:
+def _draw_q(comp: PowerSGD, index: int, part: Part, draw: int) -> np.ndarray:
     """A Gaussian start Q^T (r x m), the same on every rank for the same arguments."""
     key = zlib.crc32((comp.name or "").encode())
     rng = np.random.default_rng([comp.seed & 0xFFFFFFFF, key, index, draw])
     return rng.standard_normal((part.rank, part.cols), dtype=_F32)
 
 
-def _start_q(comp: PowerSGD, entry: Any, index: int, part: _Part) -> np.ndarray:
+def start_q(comp: PowerSGD, entry: MemoryEntry, index: int, part: Part) -> np.ndarray:
+    """The start Q^T of tensor ``index`` of a call: the one remembered (warm start), else a
+    seeded draw (the same on every rank)."""
     if comp.warm_start:
         q = entry.qs.get(index)
         if q is not None and q.shape == (part.rank, part.cols):
             return q
         return _draw_q(comp, index, part, 0)
     return _draw_q(comp, index, part, entry.calls)
-
-
-# ------------------------------------------------------------------------- the algorithm
-class _Call:
-    """One PowerSGD allreduce: the two ring calls and what happens around them, on the array
-    kind of ``x`` (``ops``: NumPy's or the GPU's operations)."""
-
-    def __init__(self, t: Transport, x: Any, comp: PowerSGD, residual: Any | None,
-                 segment_bytes: int) -> None:
-        self.t, self.comp, self.segment_bytes = t, comp, segment_bytes
-        self.ops = ops = _ops.get(x)
-        self.parts = comp.parts(x.size)
-        self.low = [i for i, p in enumerate(self.parts) if p.rank]
-        # M is built in the residual itself, which then receives what is not sent.
-        self.m = residual if residual is not None else ops.empty(x.size, _F32)
-        ops.compensate(x, residual, self.m)
-        self.entry = comp.memory.entry(comp.name) if comp.name is not None else _Entry()
-        # Where each low-rank tensor's P sits in the first ring call's buffer, its Q in the
-        # second's (filled by first() and second()).
-        self.p_spans: dict[int, slice] = {}
-        self.q_spans: dict[int, slice] = {}
-
-    def _mat(self, i: int) -> Any:
-        p = self.parts[i]
-        return self.m[p.span].reshape(p.rows, p.cols)
-
-    def _ring(self, buf: Any) -> None:
-        with trace.span("POWERSGD_ALLREDUCE"):
-            ring.allreduce(self.t, buf, buf, ReduceOp.SUM, segment_bytes=self.segment_bytes)
-
-    def _start_q(self, i: int) -> Any:
-        """The start Q^T of tensor ``i``, in this call's kind of array."""
-        q = _start_q(self.comp, self.entry, i, self.parts[i])
-        kind = _ops.get(q)
-        if kind is self.ops:
-            return q
-        moved = self.ops.empty(q.shape, _F32)  # a drawn (host) Q for a device call
-        self.ops.copy_from_host(moved, kind.to_host(q))
-        return moved
-
-    def first(self) -> tuple[Any, dict[int, Any], dict[int, slice]]:
-        """P of every low-rank tensor and the dense tensors, summed in one ring call."""
-        sizes = [p.rank * p.rows if p.rank else p.size for p in self.parts]
-        offsets = np.cumsum([0, *sizes]).tolist()
-        buf = self.ops.empty(offsets[-1], _F32)
-        pts, dense = {}, {}
-        for i, p in enumerate(self.parts):
-            s = slice(offsets[i], offsets[i + 1])
-            if p.rank:
-                self.p_spans[i] = s
-                pts[i] = buf[s].reshape(p.rank, p.rows)
-                mat = self._mat(i)
-                self.ops.matmul(self._start_q(i), mat.T, pts[i])
-                # A non-finite M marks the tensor for the dense fallback on every rank,
-                # whatever the products made of its NaN/Inf (a finite sum that overflows
-                # marks it too).
-                self.ops.flag_nonfinite(mat, pts[i].reshape(-1))
-            else:
-                dense[i] = s
-                buf[s] = self.m[p.span]
-                self.m[p.span] = 0  # sent in full
-        self._ring(buf)
-        return buf, pts, dense
-
-    def orthonormal(self, buf: Any) -> dict[int, bool]:
-        """Orthonormalize every finite reduced P of the first call's ``buf`` in place, on the
-        host (the same NumPy code on every rank and device); whether each P is finite."""
-        host = self.ops.to_host(buf)  # ``buf`` itself for NumPy arrays
-        views = {i: host[s].reshape(self.parts[i].rank, self.parts[i].rows)
-                 for i, s in self.p_spans.items()}
-        finite = {i: bool(np.isfinite(v).all()) for i, v in views.items()}
-        for i, v in views.items():
-            if finite[i]:
-                orthonormalize(v, self.comp.epsilon)
-        if host is not buf:
-            self.ops.copy_from_host(buf, host)
-        return finite
-
-    def second(self, pts: dict[int, Any], finite: dict[int, bool]) -> tuple[
-            Any, dict[int, Any], dict[int, Any]]:
-        """Q of every tensor whose P is finite, and M of the others (dense), summed in one
-        ring call; the residuals are written before the sum."""
-        sizes = [self.parts[i].rank * self.parts[i].cols if finite[i] else self.parts[i].size
-                 for i in self.low]
-        offsets = np.cumsum([0, *sizes]).tolist()
-        buf = self.ops.empty(offsets[-1], _F32)
-        qts, dense = {}, {}
-        for k, i in enumerate(self.low):
-            s, p, mat = slice(offsets[k], offsets[k + 1]), self.parts[i], self._mat(i)
-            if finite[i]:
-                self.q_spans[i] = s
-                qts[i] = buf[s].reshape(p.rank, p.cols)
-                self.ops.matmul(pts[i], mat, qts[i])
-                self.ops.subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
-            else:
-                dense[i] = buf[s]
-                buf[s] = self.m[p.span]
-                self.m[p.span] = 0
-        self._ring(buf)
-        return buf, qts, dense
-
-    def result(self, acc: Any, op: ReduceOp, first: Any, dense1: dict[int, slice],
-               pts: dict[int, Any], qts: dict[int, Any], dense2: dict[int, Any]) -> None:
-        """The result in float32 ``acc`` (the same bits on every rank); for "avg" the dense
-        tensors are divided, and the low-rank ones are P (Q / n)^T."""
-        n = self.t.size
-        for i, p in enumerate(self.parts):
-            dense = first[dense1[i]] if i in dense1 else dense2.get(i)
-            if dense is not None:
-                if op is ReduceOp.AVG:
-                    self.ops.divide(dense, n, acc[p.span])
-                else:
-                    acc[p.span] = dense
-            elif p.size:
-                qt = qts[i]
-                if op is ReduceOp.AVG:
-                    qt = self.ops.empty(qt.shape, _F32)
-                    self.ops.divide(qts[i], n, qt)
-                self.ops.outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
-
-    def remember(self, buf: Any, qts: dict[int, Any]) -> None:
-        if self.comp.name is None:
-            return  # without a name, nothing carries over to the next call
-        if self.comp.warm_start and qts:
-            host = self.ops.to_host(buf)  # one copy from the device for every tensor's check
-            for i, qt in qts.items():
-                # An overflowed Q would send the tensor dense for good.
-                if np.isfinite(host[self.q_spans[i]]).all():
-                    self.entry.qs[i] = qt.copy()
-        self.entry.calls += 1
-
-
-def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
-              residual: Any | None, seed: int, *,
-              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
-    """PowerSGD allreduce of flat ``x`` plus ``residual`` into flat ``out`` (see the module
-    docstring); ``residual`` receives M - P Q_i^T of the low-rank tensors, 0 elsewhere.
-    ``seed`` is unused: the start Q comes from the compressor's seed, the same on every rank."""
-    with trace.span("COMPRESS"):
-        call = _Call(t, x, comp, residual, segment_bytes)
-    first, pts, dense1 = call.first()
-    finite = call.orthonormal(first)
-    second, qts, dense2 = call.second(pts, finite)
-    # x is spent (M holds it), so the result may go straight into out, even where out is x.
-    ops = call.ops
-    acc = out if out.dtype == _F32 else ops.empty(x.size, _F32)
-    with trace.span("DECOMPRESS"):
-        call.result(acc, op, first, dense1, pts, qts, dense2)
-    if acc is not out:
-        ops.copy(out, acc)
-        # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
-        lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
-        keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi],
-                      out[lo:hi], op, t.size)
-    call.remember(second, qts)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.backends import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, staging
+from ringcomm.backends import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, cuda_device
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -306,7 +306,7 @@ class NCCLTransport(TransportBase):
         if _ops.is_device_array(like):
             with self.device_scope():
                 current = self._cuda.get_current_stream()
-                mine = staging.stream_identity(current)
+                mine = cuda_device.stream_identity(current)
                 last = self._scratch_stream
                 if last is not None and last[1] != mine:
                     self._events.order(last[0], current)

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.backends import staging
+from ringcomm.backends import cuda_device, staging
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_at_start
 from ringcomm.comm.transport import (
@@ -243,8 +243,8 @@ class MPITransport(TransportBase):
         self.moves_device_arrays = self.cuda_aware
         self._device_stage: staging.DeviceStaging | None = None
         #: Which CUDA device this rank's device arrays use (selected with the first one).
-        self.device_choice = staging.DeviceChoice(self.local_rank, device)
-        self._scratch_order = staging.ScratchOrder()
+        self.device_choice = cuda_device.DeviceChoice(self.local_rank, device)
+        self._scratch_order = cuda_device.ScratchOrder()
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
@@ -385,7 +385,7 @@ class MPITransport(TransportBase):
 
     def check_arrays(self, *arrays: Any) -> None:
         """Accept NumPy arrays, and CuPy arrays on this rank's device (selected with the first
-        one: see :class:`~ringcomm.backends.staging.DeviceChoice`).
+        one: see :class:`~ringcomm.backends.cuda_device.DeviceChoice`).
 
         Raises:
             ValueError: a CuPy array on another device, or no usable GPU.
@@ -457,7 +457,7 @@ class MPITransport(TransportBase):
     # --------------------------------------------------------------------------- staging
     def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
         """A reusable buffer (see TransportBase.scratch); device scratch is ordered after the
-        stream of its last use (see staging.ScratchOrder)."""
+        stream of its last use (see cuda_device.ScratchOrder)."""
         if _ops.is_device_array(like):
             self._scratch_order.follow(self._device_staging().cuda)
         return super().scratch(key, like, n, dtype)
