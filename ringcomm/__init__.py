@@ -266,7 +266,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     _check_spans_job(comm, info, mpi_comm)
     _log_init(comm, why, info, options)
     if abort_on_exception and comm.size > 1:
-        from ringcomm.backends.mpi import install_abort_hook
+        from ringcomm.backends.mpi_process import install_abort_hook
 
         install_abort_hook()
     return comm

@@ -93,7 +93,7 @@ def _mpi_world_size() -> int | None:
     if not launch.mpi_launched():
         return None if importlib.util.find_spec("mpi4py") is None else 1
     try:
-        from ringcomm.backends.mpi import import_mpi
+        from ringcomm.backends.mpi_process import import_mpi
 
         return int(import_mpi().COMM_WORLD.Get_size())
     except RuntimeError:
@@ -129,7 +129,7 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
     from ringcomm.backends import nccl
 
     if info.over_torch and mpi_comm is None:
-        from ringcomm.backends.mpi import world_numbers_alike
+        from ringcomm.backends.mpi_process import world_numbers_alike
 
         world = _mpi_world_size()
         if world != info.size or not world_numbers_alike(info.rank, info.size):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringcomm.backends.mpi import yield_when_oversubscribed
+from ringcomm.backends.mpi_process import yield_when_oversubscribed
 from ringcomm.core.launch import detect
 
 

@@ -231,7 +231,7 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     """
     if mpi_comm is not None:
         return _MPIRendezvous(mpi_comm, timeout)
-    from ringcomm.backends.mpi import world_numbers_alike
+    from ringcomm.backends.mpi_process import world_numbers_alike
 
     info = launch.detect()
     # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec

@@ -2,17 +2,21 @@
 
 :class:`NCCLTransport` is documented in :mod:`ringcomm.backends.nccl` (the module users import),
 with the communicator over it; this module holds the transport alone.
+
+Why one module past 400 lines: NCCLTransport's methods share one NCCL communicator, its
+streams and its failure state; the library binding, the set-up, the waits, the events and the
+host transport each have a module of their own (``_nccl_*``).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.backends import _nccl_host, _nccl_lib, _nccl_setup, _nccl_wait, cuda_device
+from ringcomm.backends._nccl_events import ENQUEUED, EventPool, Transfer
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -29,88 +33,6 @@ _LOG = get_logger("nccl")
 
 _INT32 = _nccl_lib.DTYPES["int32"]
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the pointers say where they live
-
-
-class _Transfer:
-    """A posted ring exchange; ``wait()`` makes the current stream (of the transport's GPU)
-    wait for it.
-
-    It holds the arrays until then: CuPy's pool could otherwise hand their memory to new work
-    on the current stream while the transfer stream still reads or writes it. Its event goes
-    back to the transport's pool once waited for (see ``_EventPool``); a second ``wait()`` does
-    nothing more.
-    """
-
-    __slots__ = ("_arrays", "_event", "_t")
-
-    def __init__(self, t: NCCLTransport, event: Any, arrays: tuple[Any, Any]) -> None:
-        self._t, self._event, self._arrays = t, event, arrays
-
-    def wait(self) -> None:
-        event = self._event
-        if event is None:
-            return
-        t = self._t
-        with t.device_scope():
-            t._cuda.get_current_stream().wait_event(event)
-        self._event = self._arrays = None
-        t._events.give(event)
-
-
-class _EventPool:
-    """CUDA events of the ring's exchanges, reused instead of made two per exchange.
-
-    An event may be recorded again as soon as every ``wait_event`` on its last recording has
-    been enqueued: cudaStreamWaitEvent waits for the recording current when it is called, not
-    for a later one. So the "ready" event is recorded and waited for in one step (under a lock,
-    so that no other thread records it in between), and a "done" event comes back with
-    ``give`` only from ``_Transfer.wait``, after its one wait was enqueued. At most ``keep`` idle
-    events are kept; ``clear()`` drops them (close).
-    """
-
-    __slots__ = ("_cuda", "_idle", "_lock", "_ready", "keep")
-
-    def __init__(self, cuda: Any, keep: int = 8) -> None:
-        self._cuda, self.keep = cuda, keep
-        self._idle: list[Any] = []
-        self._lock = threading.Lock()
-        self._ready: Any = None
-
-    def order(self, before: Any, after: Any) -> None:
-        """Make stream ``after`` wait for the work enqueued on stream ``before`` so far."""
-        with self._lock:
-            if self._ready is None:
-                self._ready = self._cuda.Event(disable_timing=True)
-            self._ready.record(before)
-            after.wait_event(self._ready)
-
-    def take(self) -> Any:
-        """An event no pending wait refers to (made when none is idle)."""
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return self._cuda.Event(disable_timing=True)
-
-    def give(self, event: Any) -> None:
-        """Return an event whose waits have all been enqueued."""
-        if len(self._idle) < self.keep:
-            self._idle.append(event)
-
-    def clear(self) -> None:
-        self._idle.clear()
-        self._ready = None
-
-
-class _Enqueued:
-    """An exchange enqueued on the current stream: later work there already follows it."""
-
-    __slots__ = ()
-
-    def wait(self) -> None:
-        pass
-
-
-_ENQUEUED = _Enqueued()
 
 
 def _checked_setup(rdv: _nccl_setup.Rendezvous,
@@ -210,7 +132,7 @@ class NCCLTransport(TransportBase):
         #: object: CuPy's Device context is not safe across threads).
         self.device = cupy.cuda.Device(device)
         self._fixed: dict[int, tuple[Any, Any]] = {}
-        self._events = _EventPool(cupy.cuda)
+        self._events = EventPool(cupy.cuda)
         # The stream of the last call that took device scratch, and its identity (``scratch``).
         self._scratch_stream: tuple[Any, tuple[int, int]] | None = None
         with self.device_scope():
@@ -287,13 +209,13 @@ class NCCLTransport(TransportBase):
             # it returns, so a user's message can never be taken for one of a collective's.
             with self.device_scope():
                 self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._stream())
-            return _ENQUEUED
+            return ENQUEUED
         with self.device_scope():
             self._events.order(self._cuda.get_current_stream(), self._p2p_stream)
             self._nccl.sendrecv(_span(send), dest, _span(recv), source, self._p2p_stream.ptr)
             done = self._events.take()
             done.record(self._p2p_stream)
-        return _Transfer(self, done, (send, recv))
+        return Transfer(self._events, self.device_scope, done, (send, recv))
 
     def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
         """A reusable buffer (see TransportBase.scratch), ordered after every earlier use.

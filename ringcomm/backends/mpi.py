@@ -14,6 +14,10 @@ Bounded time: every wait of the transport is a nonblocking MPI call polled with 
 until a deadline (MPI's blocking calls cannot be interrupted). A rank that died, stopped or
 never joined thus turns into a :class:`~ringcomm.core.types.CollectiveTimeoutError` naming the
 collective and the peer, and by default into ``MPI_Abort`` of the whole job.
+
+Why one module past 400 lines: every method of MPITransport works on the same three duplicated
+communicators and goes through the same polled waits; MPI's set-up in the process is in
+:mod:`ringcomm.backends.mpi_process`, device staging in :mod:`ringcomm.backends.staging`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -30,6 +33,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.backends import cuda_device, staging
+from ringcomm.backends.mpi_process import cores, import_mpi
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_at_start
 from ringcomm.comm.transport import (
@@ -41,19 +45,12 @@ from ringcomm.comm.transport import (
     timeout_error,
     write_fatal,
 )
-from ringcomm.core import launch, trace
+from ringcomm.core import trace
 from ringcomm.core.env import env_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import RING, USER, InvalidArgumentError, ReduceOp
 
-__all__ = [
-    "MPICommunicator",
-    "MPITransport",
-    "import_mpi",
-    "install_abort_hook",
-    "world_numbers_alike",
-    "yield_when_oversubscribed",
-]
+__all__ = ["MPICommunicator", "MPITransport"]
 
 _RING_TAG = 7
 _P2P_TAG = 11
@@ -93,65 +90,9 @@ _MPI_OPS = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "SUM", ReduceOp.MIN: "MIN",
             ReduceOp.MAX: "MAX", ReduceOp.PROD: "PROD"}
 
 
-def yield_when_oversubscribed() -> None:
-    """Let MPICH yield the CPU while it waits when there are more ranks than cores here.
-
-    MPICH busy-polls by default; with more ranks than cores the spinning ranks take the cores
-    from the ones with work to do (a 4-rank job on 2 cores ran 2x slower). Open MPI detects this
-    itself. Only effective before MPI starts, and never overrides the user's setting.
-    """
-    if "mpi4py.MPI" in sys.modules:
-        return
-    from ringcomm.core.launch import detect
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    if detect().local_size > cores:
-        os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-
-
-def import_mpi() -> Any:
-    """Import ``mpi4py.MPI`` or raise RuntimeError saying what to install."""
-    yield_when_oversubscribed()
-    try:
-        from mpi4py import MPI
-    except ImportError as err:
-        raise RuntimeError(
-            "the MPI backend needs mpi4py and an MPI library: pip install 'ringcomm[mpi]' "
-            f"(mpi4py + the mpich wheel), or mpi4py built against your site MPI ({err})"
-        ) from err
-    return MPI
-
-
-def world_numbers_alike(rank: int, size: int) -> bool:
-    """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
-    every rank: a collective over MPI's world where its size is ``size`` (call it on every
-    rank), False without mpi4py, and False for a job of several processes that no MPI launcher
-    started (MPI is not even started then). For a job whose torch.distributed group is up: its
-    ranks may be numbered otherwise than MPI's, and then MPI cannot stand in for it."""
-    if size > 1 and not launch.mpi_launched():
-        return False
-    try:
-        world = import_mpi().COMM_WORLD
-    except RuntimeError:
-        return False
-    if world.Get_size() != size:
-        return False
-    return bool(world.allreduce(world.Get_rank() == rank, op=import_mpi().LAND))
-
-
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """``a`` itself, or its bytes where MPI has no type for it (bfloat16 from ml_dtypes)."""
     return a.view(np.uint8) if a.dtype.kind == "V" else a
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class _Pair:
@@ -237,7 +178,7 @@ class MPITransport(TransportBase):
         local = self._ctl.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        self._yield = self.local_size > _cores()
+        self._yield = self.local_size > cores()
         self.operation = ""
         self.cuda_aware = staging.cuda_aware(MPI)
         self.moves_device_arrays = self.cuda_aware
@@ -503,29 +444,3 @@ class MPICommunicator(Communicator):
     def cuda_aware(self) -> bool:
         """Whether device arrays go to MPI directly (else staged through host memory)."""
         return self.transport.cuda_aware
-
-
-def install_abort_hook() -> None:
-    """Make an uncaught exception on one rank end the whole job instead of hanging it.
-
-    Without this, the failing rank waits in MPI_Finalize while the others wait for its messages.
-    The hook prints the traceback, then calls ``MPI_Abort`` (as ``python -m mpi4py`` does).
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_ringcomm_abort", False):
-        return
-
-    def hook(etype: Any, value: Any, tb: Any) -> None:
-        previous(etype, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        try:
-            from mpi4py import MPI
-
-            if MPI.Is_initialized() and not MPI.Is_finalized():
-                MPI.COMM_WORLD.Abort(1)
-        except Exception:
-            pass
-
-    hook._ringcomm_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = hook

@@ -4,6 +4,10 @@ A Communicator wraps a :class:`~ringcomm.core.types.Transport` (the backend). Ev
 checks its arguments, agrees on them with the other ranks (:mod:`ringcomm.comm.agree`), then
 hands the data to an algorithm over the transport: the ring (:mod:`ringcomm.algorithms.ring`), a
 compressed allreduce (:mod:`ringcomm.algorithms.compressed`), or the transport's own library.
+
+Why one module past 400 lines: the Communicator is the public surface, every collective with
+its documented contract, and each method is short; how an allreduce is planned and run is in
+:mod:`ringcomm.comm._allreduce`, the agreement in :mod:`ringcomm.comm.agree`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Every function here has a twin of the same name and signature in :mod:`ringcomm.
 that must compute the same values (bit for bit where the arithmetic is exact, to float32
 rounding otherwise). Outputs are written into caller-provided arrays so the ring can reuse
 buffers and keep peak memory down.
+
+Why one module past 400 lines: ``ringcomm.ops.get(x)`` returns one module per array kind, and
+this is NumPy's: its functions are the interface every kind implements, kept side by side with
+their twins' names so that a missing or mismatched one shows (:mod:`ringcomm.ops.cpu` is this
+module with its codecs compiled).
 """
 
 from __future__ import annotations

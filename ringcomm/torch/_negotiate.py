@@ -36,6 +36,11 @@ Unnamed operations get Horovod's automatic names: ``<kind>.noname.<k>`` for the 
 operation of that kind from this thread (the thread's name is part of the name for threads
 other than the main one), so that unnamed operations still match in submission order, per
 thread. Two operations in flight under one name raise ValueError when the second is submitted.
+
+Why one module past 400 lines: the Coordinator is one state machine (submission, the cycle,
+whose turn it is, shutdown, stalls) whose states all touch the same table; the messages are in
+:mod:`ringcomm.torch._control`, the table in :mod:`ringcomm.torch._table`, the runs in
+:mod:`ringcomm.torch._runs`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ forms are differentiable and their gradients are Horovod's: the
 gradient of an allreduce is the allreduce (same op) of the output gradients, allgather's hands
 each rank the average of the output gradients over its own rows, and broadcast's hands the
 average to the root and zeros to every other rank.
+
+Why one module past 400 lines: this is Horovod's collective surface (``hvd.allreduce`` and its
+async, in-place and grouped forms, allgather, broadcast, barrier, join), kept together as
+Horovod keeps it in ``mpi_ops``; each function is a thin operation handed to the coordinator
+(:mod:`ringcomm.torch._negotiate`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _master_addr(comm: Any, given: str | None) -> str:
         return given
     if os.environ.get("MASTER_ADDR"):
         return os.environ["MASTER_ADDR"]
-    from ringcomm.backends.mpi import import_mpi
+    from ringcomm.backends.mpi_process import import_mpi
 
     MPI = import_mpi()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -73,7 +73,7 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
         init_process_group_from_mpi(backend="gloo")
         assert dist.get_rank() == MPI.COMM_WORLD.Get_rank()
     """
-    from ringcomm.backends.mpi import import_mpi
+    from ringcomm.backends.mpi_process import import_mpi
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
