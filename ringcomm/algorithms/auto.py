@@ -36,7 +36,7 @@ from ringcomm.codecs.cast import FP16
 from ringcomm.codecs.int8 import Int8
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
-from ringcomm.core.types import ReduceOp, Transport, check_dtype
+from ringcomm.core.types import Array, ReduceOp, Transport, check_dtype
 
 __all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "Compression", "Decision", "LinkModel", "Trial",
            "measure_link", "measure_throughput", "predict", "wire_bytes"]
@@ -180,7 +180,7 @@ class Auto:
                          dense_nbytes) for c in self.candidates]
         return self.candidates[int(np.argmin(times))]
 
-    def ready(self, figures: AutoFigures, x: Any) -> bool:
+    def ready(self, figures: AutoFigures, x: Array) -> bool:
         """Whether ``resolve`` can choose for ``x`` without an exchange (measuring the
         figures, or deciding after the trial calls: both collective)."""
         kind = _kind(x)
@@ -190,16 +190,16 @@ class Auto:
         trial = self._trial(figures, self._key(x))
         return link and speed and (trial is None or not trial.done)
 
-    def _key(self, x: Any) -> tuple[int, str, int, int]:
+    def _key(self, x: Array) -> tuple[int, str, int, int]:
         return (id(self), _kind(x), x.size, x.nbytes)  # nbytes: whether dense rides inline
 
-    def resolve(self, t: Transport, figures: AutoFigures, x: Any,
+    def resolve(self, t: Transport, figures: AutoFigures, x: Array,
                 inline_bytes: int = INLINE_BYTES) -> Compressor | None:
         """The candidate chosen for array ``x`` (``decide``'s choice; collective where the
         figures are still to be measured or the trial calls to be decided)."""
         return self.decide(t, figures, x, inline_bytes).choice
 
-    def decide(self, t: Transport, figures: AutoFigures, x: Any,
+    def decide(self, t: Transport, figures: AutoFigures, x: Array,
                inline_bytes: int = INLINE_BYTES) -> Decision:
         """Choose for array ``x``, measuring over ``t`` what ``figures`` lack first
         (collectively, once per communicator and array kind); during the trial calls, the
@@ -241,7 +241,7 @@ class Auto:
         return 0 if self.link is not None and self.throughput is not None else DEFAULT_TRIALS
 
     def _model_choice(self, figures: AutoFigures, key: tuple[int, str, int, int], n: int,
-                      x: Any, link: LinkModel, throughput: dict[str, float],
+                      x: Array, link: LinkModel, throughput: dict[str, float],
                       inline_bytes: int) -> Trial | None:
         """Choose from the model and keep the choice; or, where the model puts several
         candidates close, start the trial calls that choose among them (returned)."""
@@ -289,7 +289,7 @@ class Auto:
             figures.choices.clear()
         figures.choices[key] = (self, choice)  # keeps self alive, so its id stays its own
 
-    def decide_early(self, t: Transport, figures: AutoFigures, x: Any, op: Any, feedback: Any,
+    def decide_early(self, t: Transport, figures: AutoFigures, x: Array, op: Any, feedback: Any,
                      name: Any, inline_bytes: int = INLINE_BYTES) -> Decision | None:
         """The decision for ``x`` made before the call is agreed on, so that the choice itself
         is agreed on (every rank chooses alike from the same figures, and a choice that
@@ -339,5 +339,5 @@ class Auto:
 Compression = Compressor | Auto
 
 
-def _kind(x: Any) -> str:
+def _kind(x: Array) -> str:
     return "device" if _ops.is_device_array(x) else "host"

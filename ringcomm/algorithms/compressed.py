@@ -17,7 +17,7 @@ from ringcomm.algorithms import powersgd_ring, sparse
 from ringcomm.algorithms import ring as dense_ring
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
-from ringcomm.core.types import ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["ALGORITHMS", "AllreduceAlgorithm", "allreduce"]
 
@@ -26,8 +26,8 @@ class AllreduceAlgorithm(Protocol):
     """Reduce flat ``x`` plus ``residual`` into flat ``out`` through ``comp`` over ``t``; the
     residual (None without error feedback) receives everything this rank did not send."""
 
-    def __call__(self, t: Transport, x: Any, out: Any, op: ReduceOp, comp: Any,
-                 residual: Any | None, seed: int, *, segment_bytes: int) -> None: ...
+    def __call__(self, t: Transport, x: Array, out: Array, op: ReduceOp, comp: Any,
+                 residual: Array | None, seed: int, *, segment_bytes: int) -> None: ...
 
 
 #: Compressed allreduce algorithms by the name a compressor gives in ``allreduce_algorithm``.
@@ -39,7 +39,7 @@ ALGORITHMS: dict[str, AllreduceAlgorithm] = {
 }
 
 
-def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: Compressor | None,
+def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor | None,
               feedback: ErrorFeedback | None, name: str | None, seed: int, *,
               segment_bytes: int = dense_ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Compressed allreduce of flat ``x`` into flat ``out`` (arguments already checked).

@@ -16,7 +16,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.algorithms import ring
 from ringcomm.codecs.base import DenseCompressor
-from ringcomm.core.types import ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["CompressedCodec", "allreduce", "keep_rounding", "mix_seed"]
 
@@ -39,8 +39,8 @@ class CompressedCodec:
     in a call before that call reads it.
     """
 
-    def __init__(self, t: Transport, x: Any, out: Any, op: ReduceOp,
-                 comp: DenseCompressor, residual: Any | None, seed: int,
+    def __init__(self, t: Transport, x: Array, out: Array, op: ReduceOp,
+                 comp: DenseCompressor, residual: Array | None, seed: int,
                  layout: ring.RingLayout) -> None:
         self.x, self.out, self.op, self.comp = x, out, op, comp
         self.residual, self.seed, self.layout = residual, seed, layout
@@ -90,7 +90,7 @@ class CompressedCodec:
         s = self.layout.seg(c, j)
         return self.inbox[slot][: self.comp.nbytes(s.stop - s.start)]
 
-    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+    def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         s = self.layout.seg(c, j)
         msg = self._slot(c, j)
         self.comp.hop(buf, self._own(s), msg, seed=self._seed(c), base=s.start,
@@ -102,7 +102,7 @@ class CompressedCodec:
     def ag_recv(self, c: int, j: int) -> Any:
         return self._slot(c, j)
 
-    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+    def ag_done(self, buf: Array, c: int, j: int) -> Any:
         self._write(buf, self.layout.seg(c, j))
         return buf
 
@@ -124,7 +124,7 @@ class CompressedCodec:
                 keep_rounding(self.ops, self._error(s), target, out, self.op, self.layout.n)
 
 
-def keep_rounding(ops: Any, residual: Any | None, exact: Any, out: Any, op: ReduceOp,
+def keep_rounding(ops: Any, residual: Array | None, exact: Any, out: Array, op: ReduceOp,
                   n: int) -> None:
     """Add to ``residual`` what rounding float32 ``exact`` into ``out`` lost (16-bit outputs;
     in the residual's units: times n for "avg"). Only a chunk's owner calls this, once."""
@@ -137,8 +137,8 @@ def keep_rounding(ops: Any, residual: Any | None, exact: Any, out: Any, op: Redu
     residual += lost
 
 
-def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: DenseCompressor,
-              residual: Any | None, seed: int, *,
+def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: DenseCompressor,
+              residual: Array | None, seed: int, *,
               segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Ring-allreduce flat ``x`` plus ``residual`` into ``out`` through ``comp``; the residual
     receives every error this rank makes."""

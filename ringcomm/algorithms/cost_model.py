@@ -31,7 +31,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.codecs.base import Compressor
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
-from ringcomm.core.types import ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["LinkModel", "candidate_key", "measure_link", "measure_throughput", "predict",
            "wire_bytes"]
@@ -83,7 +83,7 @@ def _slowest_median(t: Transport, samples: list[float]) -> float:
     return max(t.allgather_object(float(np.median(samples))))
 
 
-def measure_link(t: Transport, like: Any, reps: int = 5) -> LinkModel:
+def measure_link(t: Transport, like: Array, reps: int = 5) -> LinkModel:
     """Time one ring step at 8 B and 4 MiB of ``like``'s array kind; fit latency and
     bandwidth (collective)."""
     n, r = t.size, t.rank
@@ -107,7 +107,7 @@ def measure_link(t: Transport, like: Any, reps: int = 5) -> LinkModel:
     return LinkModel(latency, bandwidth)
 
 
-def _hop_work(comp: Compressor | None, x: Any, own: Any) -> Callable[[], Any]:
+def _hop_work(comp: Compressor | None, x: Array, own: Array) -> Callable[[], Any]:
     """One hop of ``comp`` (None: the dense ring's addition), for timing."""
     if comp is not None:
         return comp.hop_work(x, own)
@@ -116,7 +116,7 @@ def _hop_work(comp: Compressor | None, x: Any, own: Any) -> Callable[[], Any]:
     return lambda: xp.reduce(ReduceOp.SUM, x, own, out)
 
 
-def _synchronizer(like: Any) -> Any:
+def _synchronizer(like: Array) -> Any:
     if _ops.is_device_array(like):
         import cupy
 
@@ -124,7 +124,7 @@ def _synchronizer(like: Any) -> Any:
     return lambda: None
 
 
-def measure_throughput(t: Transport, candidates: list[Compressor | None], like: Any,
+def measure_throughput(t: Transport, candidates: list[Compressor | None], like: Array,
                        reps: int = 5) -> dict[str, float]:
     """Bytes/s of each candidate's per-hop work on 1 MiB of float32 on ``like``'s device
     (collective)."""

@@ -36,7 +36,7 @@ from ringcomm.algorithms.compressed_ring import keep_rounding
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.core import trace
-from ringcomm.core.types import ReduceOp, Transport, accumulation_dtype
+from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype
 
 __all__ = ["allreduce", "allreduce_with_feedback", "check_compressor",
            "ring_allgather", "shard_bounds"]
@@ -61,8 +61,8 @@ def shard_bounds(length: int, local_size: int) -> list[int]:
     return ring.chunk_bounds(length, local_size)
 
 
-def allreduce(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp,
-              comp: Compressor | None = None, residual: Any | None = None, seed: int = 0, *,
+def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: ReduceOp,
+              comp: Compressor | None = None, residual: Array | None = None, seed: int = 0, *,
               segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``) in two
     levels: within ``local``, across ``cross``, within ``local`` again.
@@ -113,7 +113,7 @@ def allreduce(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp
         ring_allgather(local, out, bounds)
 
 
-def allreduce_with_feedback(local: Transport, cross: Transport, x: Any, out: Any, op: ReduceOp,
+def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: Array, op: ReduceOp,
                             comp: Compressor | None, feedback: ErrorFeedback | None,
                             name: str | None, seed: int, *,
                             segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
@@ -125,7 +125,7 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Any, out: Any
         feedback.reset(name)  # spent: later dense calls need not add zeros
 
 
-def ring_allgather(t: Transport, out: Any, bounds: list[int]) -> None:
+def ring_allgather(t: Transport, out: Array, bounds: list[int]) -> None:
     """Pass every rank's chunk ``[bounds[r], bounds[r + 1])`` of flat ``out`` around the ring
     of ``t`` unchanged, so every rank ends with every owner's bytes (``t.size - 1`` steps)."""
     n, r = t.size, t.rank
@@ -141,8 +141,8 @@ def ring_allgather(t: Transport, out: Any, bounds: list[int]) -> None:
     t.stats.add(sent, received)
 
 
-def _compensated(local: Transport, ops: Any, x: Any, comp: Compressor | None,
-                 residual: Any | None) -> Any:
+def _compensated(local: Transport, ops: Any, x: Array, comp: Compressor | None,
+                 residual: Array | None) -> Any:
     """What the node-local phase reduces: ``x`` plus ``residual`` (then zeroed: it is spent),
     in float32 for compressed calls and 16-bit floats (lossless partial sums), else in
     ``x``'s dtype; ``x`` itself when nothing is to be added or widened. A scratch buffer of
@@ -159,12 +159,12 @@ def _compensated(local: Transport, ops: Any, x: Any, comp: Compressor | None,
     return work
 
 
-def _part(residual: Any | None, lo: int, hi: int) -> Any | None:
+def _part(residual: Array | None, lo: int, hi: int) -> Any | None:
     return None if residual is None else residual[lo:hi]
 
 
 def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
-           residual: Any | None, seed: int, segment_bytes: int) -> Any:
+           residual: Array | None, seed: int, segment_bytes: int) -> Any:
     """Allreduce this rank's node-reduced ``shard`` over ``cross`` (in place when dense; a new
     float32 scratch buffer of ``cross`` when compressed); ``residual`` receives what it did
     not send."""
@@ -177,7 +177,7 @@ def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
     return reduced
 
 
-def _keep_own_rounding(ops: Any, cross: Transport, residual: Any | None, exact: Any, out: Any,
+def _keep_own_rounding(ops: Any, cross: Transport, residual: Array | None, exact: Any, out: Array,
                        lo: int, op: ReduceOp, whole: int) -> None:
     """Add to the residual what rounding the float32 shard into a 16-bit ``out`` lost, on this
     rank's chunk of the shard only (every rank of the cross group holds the same shard: each

@@ -79,6 +79,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.codecs.base import Compressor
+from ringcomm.core.types import Array
 
 __all__ = ["LowRankMemory", "MemoryEntry", "Part", "PowerSGD", "orthonormalize", "start_q"]
 
@@ -211,7 +212,7 @@ class PowerSGD(Compressor):
         bound._set_shapes(shapes)
         return bound
 
-    def bind(self, x: Any, name: str | None) -> PowerSGD:
+    def bind(self, x: Array, name: str | None) -> PowerSGD:
         """The compressor for one call on ``x`` under ``name``: ``x``'s own shape unless shapes
         were given, and the name that keys Q in the memory.
 
@@ -265,11 +266,11 @@ class PowerSGD(Compressor):
                      for p in self.parts(length))
         return 4 * floats // n
 
-    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+    def hop_work(self, x: Array, own: Array) -> Callable[[], Any]:
         raise NotImplementedError("PowerSGD is no candidate of Auto: its cost depends on the "
                                   "tensors' shapes, which Auto does not know")
 
-    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+    def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
         """One rank's rank-r approximation of ``x`` alone: the payload holds P and Q (and the
         dense tensors), from the seeded start Q."""
         comp = self.bind(x, self.name)
@@ -286,7 +287,7 @@ class PowerSGD(Compressor):
         payload = np.concatenate(pieces) if pieces else np.empty(0, _F32)
         return payload.view(np.uint8), (x.shape, x.dtype, comp)
 
-    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+    def decompress(self, payload: Array, ctx: tuple[Any, ...]) -> Array:
         shape, dtype, comp = ctx
         values = payload.view(_F32)
         size = int(np.prod(shape, dtype=np.int64))

@@ -21,7 +21,7 @@ from ringcomm.algorithms.powersgd import (
     start_q,
 )
 from ringcomm.core import trace
-from ringcomm.core.types import ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["allreduce"]
 
@@ -32,7 +32,7 @@ class _Call:
     """One PowerSGD allreduce: the two ring calls and what happens around them, on the array
     kind of ``x`` (``ops``: NumPy's or the GPU's operations)."""
 
-    def __init__(self, t: Transport, x: Any, comp: PowerSGD, residual: Any | None,
+    def __init__(self, t: Transport, x: Array, comp: PowerSGD, residual: Array | None,
                  segment_bytes: int) -> None:
         self.t, self.comp, self.segment_bytes = t, comp, segment_bytes
         self.ops = ops = _ops.get(x)
@@ -51,7 +51,7 @@ class _Call:
         p = self.parts[i]
         return self.m[p.span].reshape(p.rows, p.cols)
 
-    def _ring(self, buf: Any) -> None:
+    def _ring(self, buf: Array) -> None:
         with trace.span("POWERSGD_ALLREDUCE"):
             ring.allreduce(self.t, buf, buf, ReduceOp.SUM, segment_bytes=self.segment_bytes)
 
@@ -89,7 +89,7 @@ class _Call:
         self._ring(buf)
         return buf, pts, dense
 
-    def orthonormal(self, buf: Any) -> dict[int, bool]:
+    def orthonormal(self, buf: Array) -> dict[int, bool]:
         """Orthonormalize every finite reduced P of the first call's ``buf`` in place, on the
         host (the same NumPy code on every rank and device); whether each P is finite."""
         host = self.ops.to_host(buf)  # ``buf`` itself for NumPy arrays
@@ -126,7 +126,7 @@ class _Call:
         self._ring(buf)
         return buf, qts, dense
 
-    def result(self, acc: Any, op: ReduceOp, first: Any, dense1: dict[int, slice],
+    def result(self, acc: Array, op: ReduceOp, first: Any, dense1: dict[int, slice],
                pts: dict[int, Any], qts: dict[int, Any], dense2: dict[int, Any]) -> None:
         """The result in float32 ``acc`` (the same bits on every rank); for "avg" the dense
         tensors are divided, and the low-rank ones are P (Q / n)^T."""
@@ -145,7 +145,7 @@ class _Call:
                     self.ops.divide(qts[i], n, qt)
                 self.ops.outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
 
-    def remember(self, buf: Any, qts: dict[int, Any]) -> None:
+    def remember(self, buf: Array, qts: dict[int, Any]) -> None:
         if self.comp.name is None:
             return  # without a name, nothing carries over to the next call
         if self.comp.warm_start and qts:
@@ -157,8 +157,8 @@ class _Call:
         self.entry.calls += 1
 
 
-def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: PowerSGD,
-              residual: Any | None, seed: int, *,
+def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: PowerSGD,
+              residual: Array | None, seed: int, *,
               segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """PowerSGD allreduce of flat ``x`` plus ``residual`` into flat ``out`` (see the module
     docstring); ``residual`` receives M - P Q_i^T of the low-rank tensors, 0 elsewhere.

@@ -23,7 +23,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.core import trace
-from ringcomm.core.types import ReduceOp, Transport, accumulation_dtype
+from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -122,7 +122,7 @@ class RingCodec(Protocol):
     def rs_recv(self, c: int, j: int, slot: int) -> Any:
         """A buffer to receive a partial reduction of (c, j) into."""
 
-    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+    def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         """Add this rank's contribution to the received partial; return the next message.
 
         When ``final`` the chunk is this rank's own: finish it (average, write the result) and
@@ -132,7 +132,7 @@ class RingCodec(Protocol):
     def ag_recv(self, c: int, j: int) -> Any:
         """A buffer to receive the owner's message of (c, j) into."""
 
-    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+    def ag_done(self, buf: Array, c: int, j: int) -> Any:
         """Write the result of (c, j) from the received message; return the message to forward."""
 
 
@@ -243,7 +243,7 @@ def _plan(n: int, rank: int, nseg: int, allgather: bool) -> tuple[
     return units, tuple(phases)
 
 
-def staging(t: Transport, key: str, like: Any, n: int, dtype: Any) -> list[Any]:
+def staging(t: Transport, key: str, like: Array, n: int, dtype: Any) -> list[Any]:
     """WINDOW reusable buffers of ``n`` elements, one per exchange in flight."""
     return [t.scratch(k, like, n, dtype) for k in _slot_keys(key)]
 
@@ -256,14 +256,14 @@ def _slot_keys(key: str) -> tuple[str, ...]:
 class _SameDtype:
     """Dense codec: partial sums in the output array itself; no staging copies."""
 
-    def __init__(self, t: Transport, x: Any, y: Any, op: ReduceOp,
+    def __init__(self, t: Transport, x: Array, y: Any, op: ReduceOp,
                  layout: RingLayout) -> None:
         self.x, self.y, self.op, self.layout = x, y, op, layout
         self.ops = _ops.get(x)
         self.tmp = staging(t, "ring.recv", x, layout.max_seg, self.wire_dtype(x))
 
     @staticmethod
-    def wire_dtype(x: Any) -> Any:
+    def wire_dtype(x: Array) -> Any:
         """The dtype of the reduce-scatter's messages."""
         return x.dtype
 
@@ -274,7 +274,7 @@ class _SameDtype:
         s = self.layout.seg(c, j)
         return self.tmp[slot][: s.stop - s.start]
 
-    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+    def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         s = self.layout.seg(c, j)
         out = self.y[s]
         self.ops.reduce(self.op, buf, self.x[s], out)
@@ -285,14 +285,14 @@ class _SameDtype:
     def ag_recv(self, c: int, j: int) -> Any:
         return self.y[self.layout.seg(c, j)]
 
-    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+    def ag_done(self, buf: Array, c: int, j: int) -> Any:
         return buf
 
 
 class _Widened(_SameDtype):
     """Dense codec for 16-bit floats: partial sums travel in float32, rounded once by the owner."""
 
-    def __init__(self, t: Transport, x: Any, y: Any, op: ReduceOp,
+    def __init__(self, t: Transport, x: Array, y: Any, op: ReduceOp,
                  layout: RingLayout) -> None:
         super().__init__(t, x, y, op, layout)
         acc = self.wire_dtype(x)
@@ -302,7 +302,7 @@ class _Widened(_SameDtype):
         self.partials = [self.ops.empty((widest,), acc) for _ in range(2)]
 
     @staticmethod
-    def wire_dtype(x: Any) -> Any:
+    def wire_dtype(x: Array) -> Any:
         return accumulation_dtype(np.dtype(x.dtype))
 
     def rs_first(self, c: int, j: int, slot: int) -> Any:
@@ -311,7 +311,7 @@ class _Widened(_SameDtype):
         self.ops.copy(out, self.x[s])
         return out
 
-    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+    def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         s = self.layout.seg(c, j)
         if final:
             self.ops.reduce(self.op, buf, self.x[s], buf)
@@ -327,17 +327,17 @@ class _Widened(_SameDtype):
         return out
 
 
-def _codec(t: Transport, x: Any, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
+def _codec(t: Transport, x: Array, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
     widen = accumulation_dtype(np.dtype(x.dtype)) != x.dtype
     return (_Widened if widen else _SameDtype)(t, x, y, op, layout)
 
 
-def _layout(t: Transport, x: Any, segment_bytes: int) -> RingLayout:
+def _layout(t: Transport, x: Array, segment_bytes: int) -> RingLayout:
     seg = max(1, segment_bytes // x.dtype.itemsize)
     return RingLayout.build(x.size, t.size, t.rank, seg)
 
 
-def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, *,
+def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, *,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
     """Allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``).
 
@@ -353,7 +353,7 @@ def allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, *,
     run(t, layout, _codec(t, x, out, op, layout))
 
 
-def reduce_scatter(t: Transport, x: Any, op: ReduceOp, *,
+def reduce_scatter(t: Transport, x: Array, op: ReduceOp, *,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES, work: Any | None = None) -> Any:
     """Reduce flat ``x`` and return this rank's chunk, ``[r * L // n, (r + 1) * L // n)``
     (a new array): the transport's own reduce-scatter where it has one, the ring otherwise.

@@ -11,7 +11,7 @@ from ringcomm.algorithms import ring
 from ringcomm.algorithms.compressed_ring import keep_rounding, mix_seed
 from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
-from ringcomm.core.types import ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["SparseRingCodec", "allgather_allreduce", "ring_allreduce"]
 
@@ -24,8 +24,8 @@ class SparseRingCodec:
     values, the chunk travels dense and loses nothing (SparCML's switch).
     """
 
-    def __init__(self, t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
-                 residual: Any | None, seed: int, layout: ring.RingLayout) -> None:
+    def __init__(self, t: Transport, x: Array, out: Array, op: ReduceOp, comp: TopK,
+                 residual: Array | None, seed: int, layout: ring.RingLayout) -> None:
         self.x, self.out, self.op, self.comp = x, out, op, comp
         self.residual, self.seed, self.layout = residual, seed, layout
         self.ops = _ops.get(x)
@@ -44,7 +44,7 @@ class SparseRingCodec:
     def _nbytes(self, c: int) -> int:
         return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
 
-    def _encode(self, acc: Any, c: int, msg: Any, error: Any | None) -> Any:
+    def _encode(self, acc: Array, c: int, msg: Any, error: Any | None) -> Any:
         """Select chunk c's share of k from ``acc`` into ``msg``; the rest goes to ``error``."""
         if self.dense[c]:
             self.ops.copy(msg.view(np.float32), acc)
@@ -58,7 +58,7 @@ class SparseRingCodec:
             self.ops.sparse_residual(acc, idx, error)
         return msg
 
-    def _decode_add(self, msg: Any, c: int, acc: Any) -> None:
+    def _decode_add(self, msg: Any, c: int, acc: Array) -> None:
         if self.dense[c]:
             self.ops.reduce(ReduceOp.SUM, acc, msg.view(np.float32), acc)
         else:
@@ -83,7 +83,7 @@ class SparseRingCodec:
     def rs_recv(self, c: int, j: int, slot: int) -> Any:
         return self.inbox[slot][: self._nbytes(c)]
 
-    def rs_reduce(self, buf: Any, c: int, j: int, final: bool) -> Any:
+    def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         acc, error = self._own(c)
         self._decode_add(buf, c, acc)
         msg = self._encode(acc, c, self._slot(c), error)
@@ -94,7 +94,7 @@ class SparseRingCodec:
     def ag_recv(self, c: int, j: int) -> Any:
         return self._slot(c)
 
-    def ag_done(self, buf: Any, c: int, j: int) -> Any:
+    def ag_done(self, buf: Array, c: int, j: int) -> Any:
         self._write(buf, c)
         return buf
 
@@ -118,8 +118,8 @@ class SparseRingCodec:
                 keep_rounding(self.ops, self._error(c), acc, out, self.op, self.layout.n)
 
 
-def ring_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
-                   residual: Any | None, seed: int, *, segment_bytes: int = 0) -> None:
+def ring_allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: TopK,
+                   residual: Array | None, seed: int, *, segment_bytes: int = 0) -> None:
     """Sparse-ring allreduce of flat ``x`` plus ``residual`` into ``out``.
 
     Each chunk travels as one message (its k pairs are selected over the whole chunk), so
@@ -129,8 +129,8 @@ def ring_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
     ring.run(t, layout, SparseRingCodec(t, x, out, op, comp, residual, seed, layout))
 
 
-def allgather_allreduce(t: Transport, x: Any, out: Any, op: ReduceOp, comp: TopK,
-                        residual: Any | None, seed: int, *, segment_bytes: int = 0) -> None:
+def allgather_allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: TopK,
+                        residual: Array | None, seed: int, *, segment_bytes: int = 0) -> None:
     """Gather every rank's k pairs and add them, rank by rank, on every rank (one message:
     ``segment_bytes`` does not apply)."""
     ops = _ops.get(x)

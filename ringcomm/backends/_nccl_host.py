@@ -18,7 +18,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.transport import TransportBase
-from ringcomm.core.types import RING, ReduceOp, Request
+from ringcomm.core.types import RING, Array, ReduceOp, Request
 
 __all__ = ["StagedHost", "host_transport", "staged_sendrecv"]
 
@@ -51,7 +51,7 @@ class _Staged:
         self._keep = None
 
 
-def staged_sendrecv(t: Any, send: Any | None, dest: int, recv: Any | None, source: int,
+def staged_sendrecv(t: Any, send: Array | None, dest: int, recv: Array | None, source: int,
                     channel: int) -> _Staged:
     """Post an exchange over NCCL transport ``t`` where ``send`` or ``recv`` (or both) are
     host arrays: a host send is copied to a device buffer first, a host receive lands in one
@@ -84,21 +84,21 @@ class StagedHost(TransportBase):
         self._t = t
         self.stats = t.stats
 
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> Request:
         return self._t.isendrecv(send, dest, recv, source, channel=channel)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._t.allgather_fixed(send, recv)
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         t, item = self._t, x.itemsize
         with t.device_scope():
             dout = t.cupy.empty(out.nbytes, np.uint8)
             t.allgatherv(t.upload(_bytes(x)), [c * item for c in counts], dout)
             self._download(dout, out, "allgatherv")
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         t = self._t
         with t.device_scope():
             dx = t.upload(_bytes(x))
@@ -111,7 +111,7 @@ class StagedHost(TransportBase):
     def barrier(self) -> None:
         self._t.barrier()
 
-    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """ncclAllReduce of a device copy of ``x``, copied back into ``out``; True, except for
         dtypes CuPy has no arrays of (bfloat16: the ring runs, on staged exchanges)."""
         if x.dtype.kind == "V":
@@ -123,7 +123,7 @@ class StagedHost(TransportBase):
             self._download(dx.view(np.uint8), out, "allreduce")
         return True
 
-    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+    def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """ncclReduceScatter of a device copy of ``x`` where the length divides by the size
         (and CuPy has arrays of the dtype); None otherwise (the ring runs)."""
         t = self._t
@@ -135,7 +135,7 @@ class StagedHost(TransportBase):
             self._download(part.view(np.uint8), out, "reduce_scatter")
         return out
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Raise TypeError unless every array (None skipped) is a NumPy array."""
         for a in arrays:
             if a is not None and type(a) is not np.ndarray:

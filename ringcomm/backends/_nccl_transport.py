@@ -25,7 +25,7 @@ from ringcomm.comm.transport import (
     split_members,
 )
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, CollectiveError, ReduceOp, Request, Transport
+from ringcomm.core.types import RING, Array, CollectiveError, ReduceOp, Request, Transport
 
 __all__ = ["NCCLTransport"]
 
@@ -178,7 +178,7 @@ class NCCLTransport(TransportBase):
         """A context making this transport's GPU current (a fresh one per use)."""
         return self._cuda.Device(self._device_id)
 
-    def transport_for(self, x: Any) -> Transport:
+    def transport_for(self, x: Array) -> Transport:
         """The transport that moves arrays like ``x``: this one for CuPy arrays, ``host``
         for host arrays.
 
@@ -189,7 +189,7 @@ class NCCLTransport(TransportBase):
         return self if _ops.is_device_array(x) else self.host
 
     # ------------------------------------------------------------------------ primitives
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> Request:
         """Post an exchange over NCCL; host arrays (either side, any channel) are staged
         through device buffers, so that the peers of a ``sendrecv`` may pass different kinds
@@ -200,7 +200,7 @@ class NCCLTransport(TransportBase):
             return _nccl_host.staged_sendrecv(self, send, dest, recv, source, channel)
         return self.device_isendrecv(send, dest, recv, source, channel)
 
-    def device_isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int,
+    def device_isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int,
                          channel: int) -> Request:
         """Post an exchange of CuPy arrays (either may be None) over NCCL."""
         if channel != RING:
@@ -217,7 +217,7 @@ class NCCLTransport(TransportBase):
             done.record(self._p2p_stream)
         return Transfer(self._events, self.device_scope, done, (send, recv))
 
-    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+    def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:
         """A reusable buffer (see TransportBase.scratch), ordered after every earlier use.
 
         A scratch buffer outlives the call that used it, and that call's kernels may still be
@@ -255,7 +255,7 @@ class NCCLTransport(TransportBase):
             self.wait_stream(stream, "allgather")
             drecv.get(out=recv)
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         self._check_usable()
         item = x.itemsize
         with self.device_scope():
@@ -269,7 +269,7 @@ class NCCLTransport(TransportBase):
                 at = out.data.ptr + sum(counts[: self.rank]) * item
                 self._cuda.runtime.memcpyAsync(at, x.data.ptr, mine, _MEMCPY_DEFAULT, stream)
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         self._check_usable()
         with self.device_scope():
             self._nccl.broadcast(x.data.ptr, x.nbytes, root, self._stream())
@@ -289,7 +289,7 @@ class NCCLTransport(TransportBase):
                               stream.ptr)
             self.wait_stream(stream, "barrier")
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Raise unless every array (None skipped) is a NumPy array or a CuPy array on this
         transport's GPU.
 
@@ -310,7 +310,7 @@ class NCCLTransport(TransportBase):
                 raise ValueError(f"array is on GPU {a.device.id}, but this communicator runs "
                                  f"on GPU {self._device_id}")
 
-    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """Enqueue ncclAllReduce of flat ``x`` into flat ``out`` (which may be ``x``) on the
         current stream; True, since NCCL reduces every dtype and op ringcomm takes.
 
@@ -323,7 +323,7 @@ class NCCLTransport(TransportBase):
         self.stats.add(moved, moved)
         return True
 
-    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+    def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """ncclReduceScatter when the length divides by the size; None otherwise (the ring
         runs, with the same chunks: rank r gets ``[r * L // size, (r + 1) * L // size)``)."""
         if x.size % self.size:
@@ -424,7 +424,7 @@ class NCCLTransport(TransportBase):
         with self.device_scope():
             self.wait_stream(self._cuda.get_current_stream(), what)
 
-    def upload(self, host: np.ndarray) -> Any:
+    def upload(self, host: np.ndarray) -> Array:
         """A device copy of host array ``host`` on this transport's GPU, made after a bounded
         wait for the current stream (see ``wait_gpu``)."""
         with self.device_scope():
@@ -450,7 +450,7 @@ class NCCLTransport(TransportBase):
     def _stream(self) -> int:
         return self._cuda.get_current_stream().ptr
 
-    def _reduce(self, name: str, x: Any, out: Any, count: int, op: ReduceOp) -> None:
+    def _reduce(self, name: str, x: Array, out: Array, count: int, op: ReduceOp) -> None:
         """Enqueue ncclAllReduce or ncclReduceScatter of ``count`` elements per output."""
         self._check_usable()
         code = _nccl_lib.dtype_code(x.dtype)
@@ -473,7 +473,7 @@ class NCCLTransport(TransportBase):
         return _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank)
 
 
-def _span(x: Any) -> tuple[int, int] | None:
+def _span(x: Array) -> tuple[int, int] | None:
     """(device pointer, bytes) of a CuPy array, or None."""
     if x is None:
         return None

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from ringcomm.core.log import get_logger
+from ringcomm.core.types import Array
 
 __all__ = ["DeviceChoice", "ScratchOrder", "stream_identity"]
 
@@ -63,7 +64,7 @@ class DeviceChoice:
                    self.why())
         return device
 
-    def check(self, a: Any, rank: int) -> None:
+    def check(self, a: Array, rank: int) -> None:
         """Raise unless device array ``a`` is on the selected device (selecting it first).
 
         Raises:

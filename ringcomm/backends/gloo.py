@@ -38,7 +38,7 @@ from ringcomm.comm.transport import (
     write_fatal,
 )
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING
+from ringcomm.core.types import RING, Array
 
 __all__ = ["TorchDistCommunicator", "TorchDistTransport"]
 
@@ -94,7 +94,7 @@ class _Pair:
             self._after()
 
 
-def _host(x: Any) -> np.ndarray:
+def _host(x: Array) -> np.ndarray:
     return x if type(x) is np.ndarray else _ops.get(x).to_host(x)
 
 
@@ -109,7 +109,7 @@ def _bytes(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(_flat_bytes(a))
 
 
-def _staged(recv: Any) -> tuple[np.ndarray, Any]:
+def _staged(recv: Array) -> tuple[np.ndarray, Any]:
     """Where to receive into ``recv`` on the host, and what copies it over once received."""
     if type(recv) is np.ndarray:
         return recv, None
@@ -213,7 +213,7 @@ class TorchDistTransport(TransportBase):
         raise error
 
     # ------------------------------------------------------------------------ primitives
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> _Pair:
         if dest == source == self.rank and send is not None and recv is not None:
             return self._to_self(send, recv)
@@ -230,7 +230,7 @@ class TorchDistTransport(TransportBase):
         return _Pair(self, works, source if recv is not None else dest,
                      "ring exchange" if channel == RING else "sendrecv", after)
 
-    def _to_self(self, send: Any, recv: Any) -> _Pair:
+    def _to_self(self, send: Array, recv: Array) -> _Pair:
         # gloo connects no pair from a rank to itself (MPI does): the message is a copy.
         host_recv, after = _staged(recv)
         data = _flat_bytes(_host(send))
@@ -247,7 +247,7 @@ class TorchDistTransport(TransportBase):
                      _bytes(send), group=self._group)
         _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
         item = x.dtype.itemsize
         rows = np.zeros((self.size, max(counts) * item), dtype=np.uint8)
@@ -260,7 +260,7 @@ class TorchDistTransport(TransportBase):
         flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         host = _host(x)
         self.bounded("broadcast", root, dist.broadcast, _bytes(host), src=self._peers[root],
                      group=self._group)

@@ -48,7 +48,7 @@ from ringcomm.comm.transport import (
 from ringcomm.core import trace
 from ringcomm.core.env import env_bytes
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, USER, InvalidArgumentError, ReduceOp
+from ringcomm.core.types import RING, USER, Array, InvalidArgumentError, ReduceOp
 
 __all__ = ["MPICommunicator", "MPITransport"]
 
@@ -214,7 +214,7 @@ class MPITransport(TransportBase):
         agree_at_start(self, {NATIVE_BYTES_ENV: mine}, problem)
         return mine
 
-    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """MPI's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) when it
         is small enough and MPI reduces its dtype; False otherwise (the ring runs).
 
@@ -238,7 +238,7 @@ class MPITransport(TransportBase):
         return True
 
     # ------------------------------------------------------------------------ primitives
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> Any:
         comm, tag = (self._ring, _RING_TAG) if channel == RING else (self._p2p, _P2P_TAG)
         what = _WHAT.get(channel, "sendrecv")
@@ -259,7 +259,7 @@ class MPITransport(TransportBase):
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._wait_one(self._ctl.Iallgather(send, recv), "allgather")
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
         if not (_ops.is_device_array(x) or _ops.is_device_array(out)):
             # As bytes: MPI has no type for bfloat16 and the like, and nothing is reduced.
@@ -270,7 +270,7 @@ class MPITransport(TransportBase):
             return
         self._device_staging().allgatherv(self._ctl, x, counts, displs, out)
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         if not _ops.is_device_array(x):
             self._wait_one(self._ctl.Ibcast(x.view(np.uint8), root), "broadcast")
             return
@@ -324,7 +324,7 @@ class MPITransport(TransportBase):
         """The CUDA device of this rank's device arrays (None until the first one comes)."""
         return self.device_choice.id
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Accept NumPy arrays, and CuPy arrays on this rank's device (selected with the first
         one: see :class:`~ringcomm.backends.cuda_device.DeviceChoice`).
 
@@ -396,7 +396,7 @@ class MPITransport(TransportBase):
         raise error
 
     # --------------------------------------------------------------------------- staging
-    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+    def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:
         """A reusable buffer (see TransportBase.scratch); device scratch is ordered after the
         stream of its last use (see cuda_device.ScratchOrder)."""
         if _ops.is_device_array(like):

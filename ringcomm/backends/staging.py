@@ -39,6 +39,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.core.log import get_logger
+from ringcomm.core.types import Array
 
 __all__ = ["DeviceStaging", "cuda_aware"]
 
@@ -193,7 +194,7 @@ class DeviceStaging:
     def _sync(self) -> None:
         self._cupy.cuda.get_current_stream().synchronize()
 
-    def _sync_before(self, staged_sends: bool, *arrays: Any) -> None:
+    def _sync_before(self, staged_sends: bool, *arrays: Array) -> None:
         """Wait for the current stream where MPI is about to read what it produces: a staged
         send's download, or (CUDA-aware MPI) any of ``arrays`` on the device, which MPI reads
         or writes while queued kernels may still use it. Not for staged receives (see the
@@ -202,7 +203,7 @@ class DeviceStaging:
         if staged_sends or (self.direct and any(device(a) for a in arrays)):
             self._sync()
 
-    def message(self, buf: Any, like: Any) -> tuple[Any, int]:
+    def message(self, buf: Array, like: Array) -> tuple[Any, int]:
         """The MPI buffer of ``like``'s data, and the factor from elements to its items.
 
         ``buf`` is ``like`` itself (a host array, or a device array for CUDA-aware MPI) or the
@@ -218,14 +219,14 @@ class DeviceStaging:
             return [address, self.MPI.BYTE], like.itemsize
         return [buf[: like.nbytes], self.MPI.BYTE], like.itemsize
 
-    def _stage(self, x: Any, incoming: bool) -> Any:
+    def _stage(self, x: Array, incoming: bool) -> Array:
         """What MPI reads (or, ``incoming``, writes) for array x: x itself, or a pinned buffer
         (holding a queued download of x unless incoming)."""
         if self.direct or not _ops.is_device_array(x):
             return x
         return self._pool.take(x.nbytes) if incoming else self.download(x)
 
-    def download(self, x: Any) -> np.ndarray:
+    def download(self, x: Array) -> np.ndarray:
         """A pinned host buffer with device array ``x`` copied in (queued on the current
         stream: synchronize before reading it)."""
         host = self._pool.take(x.nbytes)
@@ -234,7 +235,7 @@ class DeviceStaging:
                             self._cupy.cuda.get_current_stream().ptr)
         return host
 
-    def upload(self, host: np.ndarray, x: Any) -> None:
+    def upload(self, host: np.ndarray, x: Array) -> None:
         """Queue the copy of pinned ``host`` into device array ``x``; the buffer goes back to
         the pool with the copy's event, so it is not reused before the copy has read it."""
         stream = self._cupy.cuda.get_current_stream()
@@ -248,7 +249,7 @@ class DeviceStaging:
         self._pool.give(host)
 
     # -------------------------------------------------------------------- operations
-    def isendrecv(self, comm: Any, tag: int, send: Any | None, dest: int, recv: Any | None,
+    def isendrecv(self, comm: Any, tag: int, send: Array | None, dest: int, recv: Array | None,
                   source: int) -> _Staged:
         """Post a receive and a send, either on the device or on the host (or None)."""
         uploads: list[tuple[np.ndarray, Any]] = []
@@ -270,8 +271,8 @@ class DeviceStaging:
             reqs.append(comm.Isend(self.message(sbuf, send)[0], dest, tag))
         return _Staged(self, reqs, source if recv is not None else dest, uploads, downloads)
 
-    def allgatherv(self, comm: Any, x: Any, counts: list[int], displs: list[int],
-                   out: Any) -> None:
+    def allgatherv(self, comm: Any, x: Array, counts: list[int], displs: list[int],
+                   out: Array) -> None:
         """Allgatherv of ``x`` into ``out`` (counts and displs in elements), either or both on
         the device."""
         send_buf, recv_buf = self._stage(x, False), self._stage(out, True)
@@ -286,7 +287,7 @@ class DeviceStaging:
         if recv_buf is not out:
             self.upload(recv_buf, out)
 
-    def broadcast(self, comm: Any, x: Any, root: int) -> None:
+    def broadcast(self, comm: Any, x: Array, root: int) -> None:
         """Broadcast device array ``x`` from ``root`` in place."""
         mine = comm.Get_rank() == root
         buf = self._stage(x, not mine)
@@ -299,7 +300,7 @@ class DeviceStaging:
             self.upload(buf, x)
 
     def _collective(self, comm: Any, what: str, blocking: Callable[..., Any],
-                    nonblocking: Callable[..., Any], x: Any, out: Any, *args: Any) -> None:
+                    nonblocking: Callable[..., Any], x: Array, out: Array, *args: Any) -> None:
         """Run a collective on MPI buffers ``args`` within the timeout: its nonblocking form
         on host buffers; on device buffers (CUDA-aware MPI), the blocking form after a
         bounded barrier, since nonblocking collectives may not take device pointers."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from ringcomm.comm.callers import calls_as
 from ringcomm.comm.transport import TransportBase, adopt_ranks, check_split
-from ringcomm.core.types import RING, USER, CollectiveTimeoutError
+from ringcomm.core.types import RING, USER, Array, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
 
@@ -228,7 +228,7 @@ class ThreadTransport(TransportBase):
     def timeout(self, value: float) -> None:
         self.world.timeout = value
 
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> _Exchange:
         """Post a send of ``send`` to ``dest`` (copied now) and a receive into ``recv``
         (completed by ``wait()``); a TypeError for arrays other than NumPy's."""
@@ -247,7 +247,7 @@ class ThreadTransport(TransportBase):
                              f"buffer of {out.size}")
         out[...] = np.concatenate(parts)
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""
         self.check_arrays(x, out)
         parts = self._exchange("allgatherv", _flat_bytes(x, "x").copy())
@@ -258,7 +258,7 @@ class ThreadTransport(TransportBase):
                              f"say {expected}, out holds {dst.size}")
         dst[...] = np.concatenate(parts)
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         """Overwrite contiguous ``x`` with root's, in place."""
         self.check_arrays(x)
         root = _check_rank(root, self.size, "root")
@@ -304,7 +304,7 @@ class ThreadTransport(TransportBase):
             self.world._children.append(groups[color][1])
         return groups
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Raise TypeError unless every array (None skipped) is a NumPy array."""
         for a in arrays:
             if a is not None and not isinstance(a, np.ndarray):

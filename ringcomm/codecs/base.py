@@ -10,7 +10,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.codecs.feedback import ErrorFeedback
-from ringcomm.core.types import ReduceOp
+from ringcomm.core.types import Array, ReduceOp
 
 __all__ = ["Compressor", "DenseCompressor", "check_compressed_args", "check_compressed_call"]
 
@@ -45,16 +45,16 @@ class Compressor(abc.ABC):
         ranks (one chunk's payload)."""
 
     @abc.abstractmethod
-    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+    def hop_work(self, x: Array, own: Array) -> Callable[[], Any]:
         """A function doing one hop's work on float32 ``x`` (a received partial) and ``own``
         (this rank's contribution), for timing; it may reuse buffers between calls."""
 
     @abc.abstractmethod
-    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+    def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
         """Compress floating array ``x``; returns (payload bytes, ctx)."""
 
     @abc.abstractmethod
-    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+    def decompress(self, payload: Array, ctx: tuple[Any, ...]) -> Array:
         """Rebuild an array of ``x``'s shape and dtype from what ``compress`` returned."""
 
     def with_shapes(self, shapes: Any) -> Compressor:
@@ -62,7 +62,7 @@ class Compressor(abc.ABC):
         that treat every element alike ignore the shapes and return themselves."""
         return self
 
-    def bind(self, x: Any, name: str | None) -> Compressor:
+    def bind(self, x: Array, name: str | None) -> Compressor:
         """The compressor serving one call on array ``x`` under ``name`` (itself, unless it
         depends on the tensor's shape or name); raises TypeError or ValueError for an ``x`` it
         cannot serve."""
@@ -89,7 +89,7 @@ class DenseCompressor(Compressor):
     def wire_bytes(self, length: int, n: int) -> int:
         return self.nbytes(length // n)
 
-    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+    def hop_work(self, x: Array, own: Array) -> Callable[[], Any]:
         xp = _ops.get(x)
         payload = xp.empty((self.nbytes(x.size),), np.uint8)
         out = xp.empty((payload.size,), np.uint8)
@@ -102,7 +102,7 @@ class DenseCompressor(Compressor):
         """Payload bytes for ``n`` elements."""
 
     @abc.abstractmethod
-    def encode(self, src: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def encode(self, src: Array, out: Array, *, seed: int = 0, base: int = 0,
                error: Any | None = None) -> None:
         """Encode float32 ``src`` into ``out``; ``error`` receives src - decode(out).
 
@@ -111,16 +111,16 @@ class DenseCompressor(Compressor):
         """
 
     @abc.abstractmethod
-    def decode(self, payload: Any, out: Any) -> None:
+    def decode(self, payload: Array, out: Array) -> None:
         """Decode ``payload`` into float32 ``out``."""
 
     @abc.abstractmethod
-    def hop(self, payload: Any, own: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def hop(self, payload: Array, own: Array, out: Array, *, seed: int = 0, base: int = 0,
             error: Any | None = None) -> None:
         """Decode ``payload``, add float32 ``own``, encode the sum into ``out`` (one fused pass on
         the GPU); ``error`` receives the sum minus its decoded encoding."""
 
-    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+    def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
         _check_float(x.dtype)
         xp = _ops.get(x)
         flat = xp.empty((x.size,), np.float32)
@@ -129,7 +129,7 @@ class DenseCompressor(Compressor):
         self.encode(flat, out)
         return out, (x.shape, x.dtype)
 
-    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+    def decompress(self, payload: Array, ctx: tuple[Any, ...]) -> Array:
         shape, dtype = ctx
         xp = _ops.get(payload)
         n = int(np.prod(shape, dtype=np.int64))
@@ -146,7 +146,7 @@ def _check_float(dtype: Any) -> None:
         raise TypeError(f"compression needs a floating dtype, got {dt.name}")
 
 
-def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
+def check_compressed_call(compression: Any, x: Array, op: ReduceOp,
                           feedback: ErrorFeedback | None, name: str | None) -> Compressor:
     """Check the arguments of a compressed allreduce of ``x``.
 
@@ -168,7 +168,7 @@ def check_compressed_call(compression: Any, x: Any, op: ReduceOp,
     return compression.bind(x, name)
 
 
-def check_compressed_args(x: Any, op: ReduceOp, feedback: ErrorFeedback | None,
+def check_compressed_args(x: Array, op: ReduceOp, feedback: ErrorFeedback | None,
                           name: str | None) -> None:
     """Check what a compressed allreduce of ``x`` needs whatever its compressor: a floating
     dtype, op sum or avg, and ``feedback`` with a ``name`` its residual fits.

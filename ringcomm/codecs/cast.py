@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from ringcomm import ops as _ops
 from ringcomm.codecs.base import DenseCompressor
+from ringcomm.core.types import Array
 
 __all__ = ["BF16", "FP16"]
 
@@ -16,14 +17,14 @@ class _Cast(DenseCompressor):
     def nbytes(self, n: int) -> int:
         return _ops.numpy_ops().cast_nbytes(n)
 
-    def encode(self, src: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def encode(self, src: Array, out: Array, *, seed: int = 0, base: int = 0,
                error: Any | None = None) -> None:
         _ops.get(src).cast_encode(src, out, self.fmt, error=error)
 
-    def decode(self, payload: Any, out: Any) -> None:
+    def decode(self, payload: Array, out: Array) -> None:
         _ops.get(payload).cast_decode(payload, out, self.fmt)
 
-    def hop(self, payload: Any, own: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def hop(self, payload: Array, own: Array, out: Array, *, seed: int = 0, base: int = 0,
             error: Any | None = None) -> None:
         _ops.get(own).cast_hop(payload, own, out, self.fmt, error=error)
 

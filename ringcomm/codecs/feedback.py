@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.core.types import Array
 
 __all__ = ["ErrorFeedback"]
 
@@ -37,7 +38,7 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residuals: dict[str, Any] = {}
 
-    def residual(self, name: str) -> Any | None:
+    def residual(self, name: str) -> Array | None:
         """The residual kept under ``name`` (a flat float32 array), or None before its first
         compressed call."""
         return self._residuals.get(name)
@@ -65,7 +66,7 @@ class ErrorFeedback:
     def __repr__(self) -> str:
         return f"ErrorFeedback({len(self._residuals)} residuals)"
 
-    def check(self, name: str, like: Any) -> None:
+    def check(self, name: str, like: Array) -> None:
         """Raise ValueError if the residual kept under ``name`` cannot serve ``like``.
 
         Raises:
@@ -82,7 +83,7 @@ class ErrorFeedback:
         if _ops.is_device_array(res) != _ops.is_device_array(like):
             raise ValueError(f"residual {name!r} lives on another device than the tensor")
 
-    def take(self, name: str, like: Any) -> Any:
+    def take(self, name: str, like: Array) -> Array:
         """The residual of ``name`` for a tensor like flat ``like``, created as zeros.
 
         Raises:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ringcomm import ops as _ops
 from ringcomm.codecs.base import DenseCompressor
+from ringcomm.core.types import Array
 
 __all__ = ["Int8"]
 
@@ -40,15 +41,15 @@ class Int8(DenseCompressor):
     def nbytes(self, n: int) -> int:
         return _ops.numpy_ops().int8_nbytes(n, self.block_size)
 
-    def encode(self, src: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def encode(self, src: Array, out: Array, *, seed: int = 0, base: int = 0,
                error: Any | None = None) -> None:
         _ops.get(src).int8_encode(src, out, self.block_size, stochastic=self.stochastic,
                                   seed=seed ^ self.seed, base=base, error=error)
 
-    def decode(self, payload: Any, out: Any) -> None:
+    def decode(self, payload: Array, out: Array) -> None:
         _ops.get(payload).int8_decode(payload, out, self.block_size)
 
-    def hop(self, payload: Any, own: Any, out: Any, *, seed: int = 0, base: int = 0,
+    def hop(self, payload: Array, own: Array, out: Array, *, seed: int = 0, base: int = 0,
             error: Any | None = None) -> None:
         _ops.get(own).int8_hop(payload, own, out, self.block_size, stochastic=self.stochastic,
                                seed=seed ^ self.seed, base=base, error=error)

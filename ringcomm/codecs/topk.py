@@ -11,6 +11,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.codecs.base import Compressor, _check_float
+from ringcomm.core.types import Array
 
 __all__ = ["TopK"]
 
@@ -57,7 +58,7 @@ class TopK(Compressor):
         chunk = length // n
         return min(8 * self.k_for(chunk), 4 * chunk)
 
-    def hop_work(self, x: Any, own: Any) -> Callable[[], Any]:
+    def hop_work(self, x: Array, own: Array) -> Callable[[], Any]:
         k = self.k_for(x.size)
         return lambda: self.select(x, k)
 
@@ -65,12 +66,12 @@ class TopK(Compressor):
         """Entries kept of an array of ``n``: ceil(ratio * n), at least 1 when n > 0."""
         return min(n, max(1 if n else 0, math.ceil(self.ratio * n - 1e-9)))
 
-    def select(self, x: Any, k: int, *, seed: int = 0) -> tuple[Any, Any]:
+    def select(self, x: Array, k: int, *, seed: int = 0) -> tuple[Any, Any]:
         """The ``k`` largest-magnitude entries of float32 ``x``: (int32 indices, float32 values)."""
         return _ops.get(x).topk(x, k, approximate=self.approximate, seed=seed)
 
     @staticmethod
-    def pack(idx: Any, val: Any, out: Any) -> Any:
+    def pack(idx: Array, val: Array, out: Array) -> Any:
         """Write pairs into the payload layout: k int32 indices, then k float32 values."""
         k = idx.size
         out[: 4 * k].view(np.int32)[:] = idx
@@ -78,12 +79,12 @@ class TopK(Compressor):
         return out
 
     @staticmethod
-    def unpack(payload: Any) -> tuple[Any, Any]:
+    def unpack(payload: Array) -> tuple[Any, Any]:
         """Split a payload into its (indices, values) views."""
         k = payload.size // 8
         return payload[: 4 * k].view(np.int32), payload[4 * k: 8 * k].view(np.float32)
 
-    def compress(self, x: Any) -> tuple[Any, tuple[Any, ...]]:
+    def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
         _check_float(x.dtype)
         xp = _ops.get(x)
         flat = xp.empty((x.size,), np.float32)
@@ -91,7 +92,7 @@ class TopK(Compressor):
         idx, val = self.select(flat, self.k_for(x.size))
         return self.pack(idx, val, xp.empty((8 * idx.size,), np.uint8)), (x.shape, x.dtype)
 
-    def decompress(self, payload: Any, ctx: tuple[Any, ...]) -> Any:
+    def decompress(self, payload: Array, ctx: tuple[Any, ...]) -> Array:
         shape, dtype = ctx
         xp = _ops.get(payload)
         flat = xp.zeros((int(np.prod(shape, dtype=np.int64)),), np.float32)

@@ -102,7 +102,7 @@ class Allreduce:
             return self._default_auto
         return None
 
-    def _check(self, spec: agree.CallSpec, x: Any, out: Any, op: Any, compression: Any,
+    def _check(self, spec: agree.CallSpec, x: Array, out: Array, op: Any, compression: Any,
                feedback: Any, name: Any, decided: bool) -> tuple[ReduceOp, Compressor | None]:
         """Check an allreduce's arguments, recording them in ``spec``; return the op and the
         compressor bound to this call (``Compressor.bind``: once per call). ``decided``:
@@ -200,7 +200,7 @@ class Allreduce:
             sub.stats.reset()
 
 
-def _check_out(x: Any, out: Any) -> None:
+def _check_out(x: Array, out: Array) -> None:
     if type(out) is not type(x):
         raise TypeError(f"out is a {type(out).__name__}, expected a {type(x).__name__}")
     if out.shape != x.shape:

@@ -3,22 +3,21 @@ plain views, and the checks of ``out``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.core.types import Array
 
 __all__ = ["check_overlap", "check_writeable", "flat", "is_subclass", "plain"]
 
 
-def check_writeable(x: Any, label: str) -> None:
+def check_writeable(x: Array, label: str) -> None:
     flags = getattr(x, "flags", None)
     if flags is not None and not getattr(flags, "writeable", True):
         raise ValueError(f"{label} is read-only; the result is written into it")
 
 
-def flat(x: Any) -> Any:
+def flat(x: Array) -> Array:
     """A contiguous, aligned 1-d view of ``x`` (a copy only when ``x`` is neither).
 
     Unaligned host arrays (``np.frombuffer(buf, offset=1)``) are copied: MPI cannot send
@@ -29,18 +28,18 @@ def flat(x: Any) -> Any:
     return _ops.get(x).ascontiguous(x).reshape(-1)
 
 
-def is_subclass(a: Any) -> bool:
+def is_subclass(a: Array) -> bool:
     """Whether ``a`` is a host ndarray subclass (memmap, matrix, ...)."""
     return (type(a) is not np.ndarray and isinstance(a, np.ndarray)
             and not _ops.is_device_array(a))
 
 
-def plain(a: Any) -> Any:
+def plain(a: Array) -> Array:
     """A host ndarray subclass as a plain ndarray view of its memory; anything else as is."""
     return a.view(np.ndarray) if is_subclass(a) else a
 
 
-def check_overlap(x: Any, out: Any) -> None:
+def check_overlap(x: Array, out: Array) -> None:
     """Refuse an ``out`` that shares memory with ``x`` other than as the same elements (in
     place): the ring would read elements it has already overwritten."""
     if out is x or type(x) is not np.ndarray or not np.may_share_memory(x, out):

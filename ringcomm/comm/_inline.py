@@ -14,12 +14,12 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
-from ringcomm.core.types import ReduceOp
+from ringcomm.core.types import Array, ReduceOp
 
 __all__ = ["InlinePlan", "allreduce_inline"]
 
 
-def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Any, out: Any | None,
+def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array | None,
                      op: ReduceOp) -> Any:
     """Allreduce an array of at most ``inline_bytes`` within the agreement exchange.
 
@@ -84,12 +84,12 @@ class InlinePlan:
         return dtype.itemsize != 2 and op is not ReduceOp.AVG
 
     @staticmethod
-    def applies(agreement: Agreement, x: Any) -> bool:
+    def applies(agreement: Agreement, x: Array) -> bool:
         """Whether a plan can serve ``x``: checked, host, contiguous, small, bufferable."""
         return (agreement.check and type(x) is np.ndarray and x.flags.c_contiguous
                 and x.nbytes <= agreement.inline_bytes and x.dtype.kind != "V")
 
-    def fits(self, out: Any) -> bool:
+    def fits(self, out: Array) -> bool:
         return (type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
                 and out.flags.writeable)
 
@@ -124,7 +124,7 @@ class InlinePlan:
         return result
 
 
-def _reduce_rows(rows: np.ndarray, result: Any, op: ReduceOp) -> None:
+def _reduce_rows(rows: np.ndarray, result: Array, op: ReduceOp) -> None:
     ufunc = _UFUNCS[op]
     if rows.dtype.itemsize != 2 and type(result) is np.ndarray and result.flags.c_contiguous:
         acc = result.reshape(-1)

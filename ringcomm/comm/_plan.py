@@ -14,7 +14,7 @@ import numpy as np
 
 from ringcomm.comm import agree
 from ringcomm.comm._inline import InlinePlan
-from ringcomm.core.types import ReduceOp
+from ringcomm.core.types import Array, ReduceOp
 
 __all__ = ["AllreducePlan", "PlanCache"]
 
@@ -51,7 +51,7 @@ class PlanCache:
     def __init__(self) -> None:
         self._plans: dict[tuple[Any, ...], AllreducePlan] = {}
 
-    def get(self, x: Any, out: Any, op: Any) -> AllreducePlan | None:
+    def get(self, x: Array, out: Array, op: Any) -> AllreducePlan | None:
         """The plan of a dense allreduce seen before that this call can reuse, or None."""
         if type(x) is not np.ndarray:  # device arrays: their device is checked every call
             return None
@@ -67,7 +67,7 @@ class PlanCache:
             return plan
         return None
 
-    def put(self, x: Any, op: Any, plan: AllreducePlan, agreement: agree.Agreement) -> None:
+    def put(self, x: Array, op: Any, plan: AllreducePlan, agreement: agree.Agreement) -> None:
         """Keep the checked plan of a dense allreduce of host array ``x``."""
         if type(x) is not np.ndarray:
             return

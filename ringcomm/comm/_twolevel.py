@@ -23,7 +23,7 @@ from ringcomm.algorithms import hierarchical
 from ringcomm.codecs.base import Compressor
 from ringcomm.comm import topology as _topology
 from ringcomm.core.env import env
-from ringcomm.core.types import InvalidArgumentError, Transport
+from ringcomm.core.types import Array, InvalidArgumentError, Transport
 
 __all__ = ["ALGORITHMS", "ALGORITHM_ENV", "HIERARCHICAL_MIN_BYTES",
            "HIERARCHICAL_MIN_NODES_COMPRESSED", "TwoLevel",
@@ -128,7 +128,7 @@ class TwoLevel:
             hierarchical.check_compressor(compression)
         return chosen
 
-    def groups(self, algorithm: str, x: Any,
+    def groups(self, algorithm: str, x: Array,
                comp: Any | None) -> tuple[Transport, Transport] | None:
         """The (local, cross) transports for an allreduce of ``x`` under ``algorithm`` through
         ``comp`` (agreed on every rank already), or None to run the flat ring.
@@ -184,13 +184,13 @@ class TwoLevel:
             sub.close()
 
 
-def route(sub: Transport, x: Any) -> Transport:
+def route(sub: Transport, x: Array) -> Transport:
     """The transport of ``sub`` that moves arrays like ``x`` (its host transport for host
     arrays, on backends that have one)."""
     return sub.transport_for(x)
 
 
-def _may_help(t: Transport, x: Any, comp: Any | None) -> bool:
+def _may_help(t: Transport, x: Array, comp: Any | None) -> bool:
     """Whether "auto" considers the two-level allreduce for ``x`` at all (no exchange)."""
     if comp is not None:
         return (comp.shardable

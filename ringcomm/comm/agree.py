@@ -23,6 +23,7 @@ from ringcomm.comm.callers import ThreadNames, caller
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     SUPPORTED_DTYPES,
+    Array,
     ReduceOp,
     Transport,
     check_dtype,
@@ -70,7 +71,7 @@ class CallSpec:
         self.algorithm = ""  # allreduce: "auto", "flat" or "hierarchical"
         self.error: Exception | None = None
 
-    def set_array(self, x: Any, *, reduced: bool = True) -> np.dtype:
+    def set_array(self, x: Array, *, reduced: bool = True) -> np.dtype:
         """Record ``x``'s dtype and shape after checking it is a supported array: of a dtype
         ringcomm reduces, or, for collectives that only move bytes (``reduced=False``), of any
         dtype but object."""
@@ -275,7 +276,7 @@ def _endian(dt: np.dtype) -> str:
     return "big-endian" if dt.byteorder == ">" else "little-endian"
 
 
-def host_bytes(x: Any) -> memoryview:
+def host_bytes(x: Array) -> memoryview:
     if type(x) is not np.ndarray or not x.flags.c_contiguous:
         xp = _ops.get(x)
         x = xp.to_host(xp.ascontiguous(x))

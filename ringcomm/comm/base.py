@@ -462,7 +462,7 @@ class Communicator:
                 f"refuses every call: close it and end the job (it failed with "
                 f"{type(failure).__name__}: {failure})")
 
-    def _on_device(self, *arrays: Any) -> Any:
+    def _on_device(self, *arrays: Array) -> Any:
         """A context making the backend's CUDA device current where any of ``arrays`` is a
         device array (a no-op context for host arrays, and on backends without a device)."""
         if not any(_ops.is_device_array(a) for a in arrays):
@@ -482,7 +482,7 @@ class Communicator:
         return int(r)
 
     @_serialized
-    def _gather(self, kind: str, x: Any) -> Any:
+    def _gather(self, kind: str, x: Array) -> Any:
         self._ensure_open()
         self._transport.operation = kind
         x = _arrays.plain(x)

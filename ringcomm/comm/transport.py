@@ -18,6 +18,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.core.types import (
     DEFAULT_TIMEOUT_S,
+    Array,
     CollectiveTimeoutError,
     CommStats,
     InvalidArgumentError,
@@ -143,7 +144,7 @@ class TransportBase:
         self.world_size = self.size
         self._buffers: dict[tuple[Any, ...], Any] = {}
 
-    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+    def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:
         """A reusable buffer of ``n`` elements on ``like``'s device, kept between calls.
 
         Collectives reuse their staging buffers instead of allocating (and page-faulting) new
@@ -161,11 +162,11 @@ class TransportBase:
         """Drop every scratch buffer (they are made again on demand)."""
         self._buffers.clear()
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Accept every array kind (NumPy and CuPy); backends that cannot, override."""
         return None
 
-    def transport_for(self, x: Any) -> Any:
+    def transport_for(self, x: Array) -> Any:
         """The transport that moves arrays like ``x``: this one (a backend with a separate
         host transport overrides it, and sets ``routes_arrays``)."""
         return self
@@ -178,11 +179,11 @@ class TransportBase:
         """Wait, within the timeout, for the device work queued so far: none here."""
         return None
 
-    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """No native allreduce: the ring runs."""
         return False
 
-    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+    def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """No native reduce-scatter: the ring runs."""
         return None
 

@@ -258,7 +258,7 @@ class Transport(Protocol):
     follows_nodes_on_device: bool
     moves_device_arrays: bool
 
-    def transport_for(self, x: Any) -> Transport:
+    def transport_for(self, x: Array) -> Transport:
         """The transport that moves arrays like ``x`` (NCCL: its host transport for host
         arrays); this one by default."""
 
@@ -269,7 +269,7 @@ class Transport(Protocol):
         """Wait, within the timeout, for the device work queued so far on the current
         stream (nothing to wait for by default)."""
 
-    def isendrecv(self, send: Any | None, dest: int, recv: Any | None, source: int, *,
+    def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> Request:
         """Post a send of ``send`` to ``dest`` and a receive into ``recv`` from ``source``.
 
@@ -280,10 +280,10 @@ class Transport(Protocol):
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Allgather equal-sized host byte buffers (``recv`` holds size * send.nbytes)."""
 
-    def allgatherv(self, x: Any, counts: list[int], out: Any) -> None:
+    def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""
 
-    def broadcast(self, x: Any, root: int) -> None:
+    def broadcast(self, x: Array, root: int) -> None:
         """Overwrite contiguous ``x`` with root's, in place."""
 
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -292,17 +292,17 @@ class Transport(Protocol):
     def barrier(self) -> None:
         """Return once every rank has called ``barrier``."""
 
-    def scratch(self, key: str, like: Any, n: int, dtype: Any) -> Any:
+    def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:
         """A buffer of ``n`` elements on ``like``'s device, kept between calls under ``key``."""
 
-    def check_arrays(self, *arrays: Any) -> None:
+    def check_arrays(self, *arrays: Array) -> None:
         """Raise TypeError/ValueError if this backend cannot move ``arrays`` (None skipped)."""
 
-    def native_allreduce(self, x: Any, out: Any, op: ReduceOp) -> bool:
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """Allreduce with the library's own algorithm if it has one that suits; False if not
         (the ring runs instead)."""
 
-    def native_reduce_scatter(self, x: Any, op: ReduceOp) -> Any | None:
+    def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """This rank's chunk of the library's own reduce-scatter, or None (the ring runs)."""
 
     def split(self, color: int, key: int) -> Transport:

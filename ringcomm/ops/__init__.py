@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any
 
 import numpy as np
+
+from ringcomm.core.types import Array
 
 __all__ = ["CPU_KERNELS_VARIABLE", "get", "host_ops", "is_device_array", "numpy_ops"]
 
@@ -24,7 +25,7 @@ CPU_KERNELS_VARIABLE = "RINGCOMM_CPU_KERNELS"
 _CPU_CHOICES = ("numba", "numpy")
 
 
-def is_device_array(x: Any) -> bool:
+def is_device_array(x: Array) -> bool:
     """Whether ``x`` is a CuPy array (judged by its type's module, without importing CuPy)."""
     return type(x).__module__.split(".", 1)[0] == "cupy"
 
@@ -62,7 +63,7 @@ def host_ops() -> ModuleType:
     return module
 
 
-def get(x: Any) -> ModuleType:
+def get(x: Array) -> ModuleType:
     """The operations module for arrays like ``x``."""
     if type(x) is np.ndarray or not is_device_array(x):
         return _loaded.get("host") or host_ops()

@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ringcomm.core.types import Array
 from ringcomm.ops._cpu_jit import inline, kernel
 
 __all__: list[str] = []  # kernels are reached through ops/_cpu_jit.py's registry
@@ -126,7 +127,7 @@ def _bf16_value(h: Any) -> Any:
 
 
 @inline
-def _finite_or_zero(x: Any) -> Any:
+def _finite_or_zero(x: Array) -> Any:
     return x if np.isfinite(x) else _F(0)
 
 
@@ -134,7 +135,7 @@ def _finite_or_zero(x: Any) -> Any:
 # The per-element loops are specialized at compile time for stochastic rounding and error
 # output (one entry point per combination): a flag tested inside them costs twice the time.
 @inline
-def _absmax_bits(x: Any) -> Any:
+def _absmax_bits(x: Array) -> Any:
     """max |x| over the block, as bits: for non-negative floats the integer order is the float
     order, NaN above Inf, and an integer max vectorizes where a float one cannot (NaN)."""
     bits = x.view(np.uint32)
@@ -145,7 +146,7 @@ def _absmax_bits(x: Any) -> Any:
 
 
 @inline
-def _block_scale(x: Any, scales: Any, b: Any) -> Any:
+def _block_scale(x: Array, scales: Any, b: Array) -> Any:
     """Write block ``b``'s scale (absmax / 127, the quiet NaN for a NaN block) and return the
     factor 127 / absmax, or 0 where absmax is 0, below 127 / FLT_MAX, Inf or NaN."""
     m = _absmax_bits(x)
@@ -163,7 +164,7 @@ def _rounded(v: Any, stochastic: Any, seed: Any, base: Any, i: Any) -> Any:
 
 
 @inline
-def _quantize_block(x: Any, q: Any, inv: Any, scale: Any, stochastic: Any, seed: Any,
+def _quantize_block(x: Array, q: Any, inv: Any, scale: Any, stochastic: Any, seed: Any,
                     base: Any, error: Any, with_error: Any) -> Any:
     """q = rounded(x * inv) as ops.numpy.int8_encode; error = x - q * scale. ``base`` is the
     global index of x[0].
@@ -201,7 +202,7 @@ def _zero_errors_if(error: Any, clean: Any, overflow: Any) -> None:
 
 
 @inline
-def _encode(src: Any, scales: Any, q: Any, block: Any, stochastic: Any, seed: Any, base: Any,
+def _encode(src: Array, scales: Any, q: Any, block: Any, stochastic: Any, seed: Any, base: Any,
             error: Any, with_error: Any) -> None:
     n = src.size
     clean, overflow = True, False
@@ -218,8 +219,8 @@ def _encode(src: Any, scales: Any, q: Any, block: Any, stochastic: Any, seed: An
 
 
 @inline
-def _hop(scales_in: Any, q_in: Any, own: Any, scales: Any, q: Any, block: Any, stochastic: Any,
-         seed: Any, base: Any, error: Any, with_error: Any, acc: Any) -> None:
+def _hop(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any, stochastic: Any,
+         seed: Any, base: Any, error: Any, with_error: Any, acc: Array) -> None:
     """Decode + own into ``acc`` (one block long, stays in cache), then quantize it. A block is
     read before it is written, so ``q``/``scales`` may be the input payload's own views."""
     n = own.size
@@ -241,7 +242,7 @@ def _hop(scales_in: Any, q_in: Any, own: Any, scales: Any, q: Any, block: Any, s
 
 
 @inline
-def _decode_block(q: Any, scale: Any, out: Any) -> None:
+def _decode_block(q: Any, scale: Any, out: Array) -> None:
     for i in range(q.size):
         out[i] = _F(q[i]) * scale
 
@@ -253,26 +254,26 @@ _RNG = "uint32, uint32"  # seed, base
 
 
 @kernel(f"void({_ENC})")
-def int8_encode(src: Any, scales: Any, q: Any, block: Any) -> None:
+def int8_encode(src: Array, scales: Any, q: Any, block: Any) -> None:
     """ops.numpy.int8_encode into the payload's ``scales`` and ``q`` views."""
     _encode(src, scales, q, block, False, _U(0), _U(0), src, False)
 
 
 @kernel(f"void({_ENC}, {_F32})")
-def int8_encode_error(src: Any, scales: Any, q: Any, block: Any, error: Any) -> None:
+def int8_encode_error(src: Array, scales: Any, q: Any, block: Any, error: Any) -> None:
     """int8_encode with the error-feedback output."""
     _encode(src, scales, q, block, False, _U(0), _U(0), error, True)
 
 
 @kernel(f"void({_ENC}, {_RNG}, {_F32}, boolean)")
-def int8_encode_stochastic(src: Any, scales: Any, q: Any, block: Any, seed: Any, base: Any,
+def int8_encode_stochastic(src: Array, scales: Any, q: Any, block: Any, seed: Any, base: Any,
                            error: Any, with_error: Any) -> None:
     """int8_encode with stochastic rounding (``error`` written when ``with_error``)."""
     _encode(src, scales, q, block, True, seed, base, error, with_error)
 
 
 @kernel(f"void({_F32}, int8[::1], int64, {_F32})")
-def int8_decode(scales: Any, q: Any, block: Any, out: Any) -> None:
+def int8_decode(scales: Any, q: Any, block: Any, out: Array) -> None:
     """ops.numpy.int8_decode from the payload's ``scales`` and ``q`` views."""
     n = out.size
     for b in range(scales.size):
@@ -282,29 +283,29 @@ def int8_decode(scales: Any, q: Any, block: Any, out: Any) -> None:
 
 
 @kernel(f"void({_HOP}, {_F32})")
-def int8_hop(scales_in: Any, q_in: Any, own: Any, scales: Any, q: Any, block: Any,
-             acc: Any) -> None:
+def int8_hop(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any,
+             acc: Array) -> None:
     """ops.numpy.int8_hop, block by block in one pass (``acc``: a block of scratch)."""
     _hop(scales_in, q_in, own, scales, q, block, False, _U(0), _U(0), own, False, acc)
 
 
 @kernel(f"void({_HOP}, {_F32}, {_F32})")
-def int8_hop_error(scales_in: Any, q_in: Any, own: Any, scales: Any, q: Any, block: Any,
-                   error: Any, acc: Any) -> None:
+def int8_hop_error(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any,
+                   error: Any, acc: Array) -> None:
     """int8_hop with the error-feedback output."""
     _hop(scales_in, q_in, own, scales, q, block, False, _U(0), _U(0), error, True, acc)
 
 
 @kernel(f"void({_HOP}, {_RNG}, {_F32}, boolean, {_F32})")
-def int8_hop_stochastic(scales_in: Any, q_in: Any, own: Any, scales: Any, q: Any, block: Any,
-                        seed: Any, base: Any, error: Any, with_error: Any, acc: Any) -> None:
+def int8_hop_stochastic(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any,
+                        seed: Any, base: Any, error: Any, with_error: Any, acc: Array) -> None:
     """int8_hop with stochastic rounding (``error`` written when ``with_error``)."""
     _hop(scales_in, q_in, own, scales, q, block, True, seed, base, error, with_error, acc)
 
 
 # ------------------------------------------------------------------------------------- casts
 @inline
-def _cast_encode(src: Any, out: Any, f16: Any, error: Any, with_error: Any) -> None:
+def _cast_encode(src: Array, out: Array, f16: Any, error: Any, with_error: Any) -> None:
     for i in range(src.size):
         word = _f16_bits(src[i]) if f16 else _bf16_bits(src[i])
         out[i] = word
@@ -314,7 +315,7 @@ def _cast_encode(src: Any, out: Any, f16: Any, error: Any, with_error: Any) -> N
 
 
 @inline
-def _cast_hop(words: Any, own: Any, out: Any, f16: Any, error: Any, with_error: Any) -> None:
+def _cast_hop(words: Any, own: Array, out: Array, f16: Any, error: Any, with_error: Any) -> None:
     """Widen, add ``own`` in float32, send a NaN sum as the quiet NaN, round again; ``out``
     may be ``words`` itself (each element is read before it is written)."""
     for i in range(own.size):
@@ -331,62 +332,62 @@ _W = "uint16[::1]"
 
 
 @kernel(f"void({_F32}, {_W})")
-def f16_encode(src: Any, out: Any) -> None:
+def f16_encode(src: Array, out: Array) -> None:
     """ops.numpy.cast_encode to IEEE half."""
     _cast_encode(src, out, True, src, False)
 
 
 @kernel(f"void({_F32}, {_W}, {_F32})")
-def f16_encode_error(src: Any, out: Any, error: Any) -> None:
+def f16_encode_error(src: Array, out: Array, error: Any) -> None:
     """f16_encode with the error-feedback output."""
     _cast_encode(src, out, True, error, True)
 
 
 @kernel(f"void({_F32}, {_W})")
-def bf16_encode(src: Any, out: Any) -> None:
+def bf16_encode(src: Array, out: Array) -> None:
     """ops.numpy.cast_encode to bfloat16."""
     _cast_encode(src, out, False, src, False)
 
 
 @kernel(f"void({_F32}, {_W}, {_F32})")
-def bf16_encode_error(src: Any, out: Any, error: Any) -> None:
+def bf16_encode_error(src: Array, out: Array, error: Any) -> None:
     """bf16_encode with the error-feedback output."""
     _cast_encode(src, out, False, error, True)
 
 
 @kernel(f"void({_W}, {_F32})")
-def f16_decode(words: Any, out: Any) -> None:
+def f16_decode(words: Any, out: Array) -> None:
     """ops.numpy.cast_decode from IEEE half."""
     for i in range(out.size):
         out[i] = _f16_value(words[i])
 
 
 @kernel(f"void({_W}, {_F32})")
-def bf16_decode(words: Any, out: Any) -> None:
+def bf16_decode(words: Any, out: Array) -> None:
     """ops.numpy.cast_decode from bfloat16."""
     for i in range(out.size):
         out[i] = _bf16_value(words[i])
 
 
 @kernel(f"void({_W}, {_F32}, {_W})")
-def f16_hop(words: Any, own: Any, out: Any) -> None:
+def f16_hop(words: Any, own: Array, out: Array) -> None:
     """ops.numpy.cast_hop in IEEE half."""
     _cast_hop(words, own, out, True, own, False)
 
 
 @kernel(f"void({_W}, {_F32}, {_W}, {_F32})")
-def f16_hop_error(words: Any, own: Any, out: Any, error: Any) -> None:
+def f16_hop_error(words: Any, own: Array, out: Array, error: Any) -> None:
     """f16_hop with the error-feedback output."""
     _cast_hop(words, own, out, True, error, True)
 
 
 @kernel(f"void({_W}, {_F32}, {_W})")
-def bf16_hop(words: Any, own: Any, out: Any) -> None:
+def bf16_hop(words: Any, own: Array, out: Array) -> None:
     """ops.numpy.cast_hop in bfloat16."""
     _cast_hop(words, own, out, False, own, False)
 
 
 @kernel(f"void({_W}, {_F32}, {_W}, {_F32})")
-def bf16_hop_error(words: Any, own: Any, out: Any, error: Any) -> None:
+def bf16_hop_error(words: Any, own: Array, out: Array, error: Any) -> None:
     """bf16_hop with the error-feedback output."""
     _cast_hop(words, own, out, False, error, True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.types import Array
 from ringcomm.ops._cpu_jit import kernel
 
 __all__: list[str] = []  # reached through ops/_cpu_jit.py's registry
@@ -19,7 +20,7 @@ _MAG = np.uint32(0x7FFFFFFF)
 
 
 @kernel("int64(float32[::1], uint32, int64[::1])")
-def at_least(x: Any, threshold: Any, out: Any) -> Any:
+def at_least(x: Array, threshold: Any, out: Array) -> Any:
     """The indices, ascending, where |x|'s bits are at least ``threshold`` (the bits of a
     magnitude; 0 takes every entry): ops.numpy._at_least of |x|, NaN included. The first
     ``out.size`` are written to ``out``; returns how many there are in all (more than

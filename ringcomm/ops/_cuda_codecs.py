@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.types import Array
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _cuda_source as _src
 
@@ -28,7 +29,7 @@ def _team(block: int) -> int:
     return min(32, 1 << (runs - 1).bit_length())
 
 
-def _f32(x: Any) -> Any:
+def _f32(x: Array) -> Any:
     """``x`` as a contiguous float32 array (no copy when it already is one)."""
     return _rt.converted(x, _F32)  # not CuPy's cast: it flushes float32 subnormals
 
@@ -40,17 +41,17 @@ def _int8_vec(block: int, floats: Any, error: Any | None) -> int:
     return vec | (_VEC_E if error is not None and error.data.ptr % 16 == 0 else 0)
 
 
-def _staged(payload: Any, align: int) -> Any:
+def _staged(payload: Array, align: int) -> Any:
     """``payload`` itself when aligned to ``align`` bytes, else an aligned copy."""
     return payload if payload.data.ptr % align == 0 else payload.copy()
 
 
-def _write_back(target: Any, payload: Any, used: int) -> None:
+def _write_back(target: Any, payload: Array, used: int) -> None:
     if target is not payload:
         payload[:used] = target[:used]
 
 
-def _quantize(name: str, head: tuple[Any, ...], floats: Any, out: Any, block: int,
+def _quantize(name: str, head: tuple[Any, ...], floats: Any, out: Array, block: int,
               stochastic: bool, seed: int, base: int, error: Any | None) -> None:
     n = floats.size
     if n == 0:
@@ -65,7 +66,7 @@ def _quantize(name: str, head: tuple[Any, ...], floats: Any, out: Any, block: in
     _write_back(target, out, 4 * nb + n)
 
 
-def int8_encode(src: Any, out: Any, block: int, *, stochastic: bool = False, seed: int = 0,
+def int8_encode(src: Array, out: Array, block: int, *, stochastic: bool = False, seed: int = 0,
                 base: int = 0, error: Any | None = None) -> None:
     """Quantize float32 ``src`` into the int8 payload ``out`` (one pass; see ops/numpy.py).
 
@@ -83,7 +84,7 @@ def int8_encode(src: Any, out: Any, block: int, *, stochastic: bool = False, see
     _quantize("rc::int8_encode_kernel", (src,), src, out, block, stochastic, seed, base, error)
 
 
-def int8_decode(payload: Any, out: Any, block: int) -> None:
+def int8_decode(payload: Array, out: Array, block: int) -> None:
     """``out = q * scale`` of each block of the int8 payload (``out`` is float32).
 
     Args:
@@ -101,7 +102,7 @@ def int8_decode(payload: Any, out: Any, block: int) -> None:
                 np.int32(vec)))
 
 
-def int8_hop(payload: Any, own: Any, out: Any, block: int, *, stochastic: bool = False,
+def int8_hop(payload: Array, own: Array, out: Array, block: int, *, stochastic: bool = False,
              seed: int = 0, base: int = 0, error: Any | None = None) -> None:
     """One reduce-scatter hop in one pass: decode ``payload``, add ``own``, re-quantize into
     ``out`` and write the requantization error into ``error`` (when given).
@@ -132,7 +133,7 @@ def _cast_vec(words: Any, *floats: Any) -> int:
     return int(words.data.ptr % 8 == 0 and _rt.aligned(*floats))
 
 
-def cast_encode(src: Any, out: Any, fmt: str, *, error: Any | None = None) -> None:
+def cast_encode(src: Array, out: Array, fmt: str, *, error: Any | None = None) -> None:
     """Round float32 ``src`` to ``fmt`` ("f16" or "bf16", nearest-even) into ``out``.
 
     Args:
@@ -152,7 +153,7 @@ def cast_encode(src: Any, out: Any, fmt: str, *, error: Any | None = None) -> No
     _write_back(target, out, 2 * n)
 
 
-def cast_decode(payload: Any, out: Any, fmt: str) -> None:
+def cast_decode(payload: Array, out: Array, fmt: str) -> None:
     """Widen a 16-bit payload to float32 ``out`` (contiguous)."""
     n = out.size
     if n == 0:
@@ -163,7 +164,7 @@ def cast_decode(payload: Any, out: Any, fmt: str) -> None:
                (out, words, np.int64(n), np.int32(vec)))
 
 
-def cast_hop(payload: Any, own: Any, out: Any, fmt: str, *, error: Any | None = None) -> None:
+def cast_hop(payload: Array, own: Array, out: Array, fmt: str, *, error: Any | None = None) -> None:
     """One reduce-scatter hop of a cast payload in one pass: decode, add ``own`` in float32,
     round again into ``out`` (may be ``payload``), the rounding error into ``error``."""
     own = _f32(own)

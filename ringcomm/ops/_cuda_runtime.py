@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.types import Array
 from ringcomm.ops import _cuda_source as _src
 from ringcomm.ops import _cuda_stack
 from ringcomm.ops import _kernel_cache as _cache
@@ -111,7 +112,7 @@ def launch(name: str, blocks: int, args: tuple[Any, ...], threads: int = BLOCK) 
     function(name)((blocks,), (threads,), args)
 
 
-def elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Any) -> None:
+def elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Array) -> None:
     """Launch a grid-stride elementwise kernel: args, then n and the vector flag of arrays."""
     vec = aligned(*arrays)
     launch(name, grid(-(-n // 4) if vec else n), (*args, np.int64(n), np.int32(vec)))
@@ -120,7 +121,7 @@ def elementwise(name: str, n: int, args: tuple[Any, ...], *arrays: Any) -> None:
 _CONVERSIONS = frozenset(_src.COPY_PAIRS)
 
 
-def converted(x: Any, dtype: Any) -> Any:
+def converted(x: Array, dtype: Any) -> Any:
     """``x`` as a contiguous array of ``dtype`` (``x`` itself when it already is one).
 
     The elements are moved by CuPy (a copy, no arithmetic) and converted by ringcomm's copy
@@ -142,7 +143,7 @@ def converted(x: Any, dtype: Any) -> Any:
     return out
 
 
-def aligned(*arrays: Any) -> int:
+def aligned(*arrays: Array) -> int:
     """1 if every array (None skipped) starts where a group of 4 of its elements may move as
     one load (16 bytes, or 4 * itemsize when smaller), else 0."""
     for a in arrays:
@@ -151,7 +152,7 @@ def aligned(*arrays: Any) -> int:
     return 1
 
 
-def overlap(a: Any, b: Any) -> bool:
+def overlap(a: Array, b: Array) -> bool:
     """Whether the memory of arrays ``a`` and ``b`` overlaps."""
     pa, pb = a.data.ptr, b.data.ptr
     return pa < pb + b.nbytes and pb < pa + a.nbytes

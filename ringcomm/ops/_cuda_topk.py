@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.types import Array
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _topk_plan as _plan
 
@@ -68,7 +69,7 @@ def _i64(v: int) -> np.int64:
     return np.int64(v)
 
 
-def _select(scratch: _Scratch, x: Any, off: int, stride: int, m: int, k: int,
+def _select(scratch: _Scratch, x: Array, off: int, stride: int, m: int, k: int,
             cand: Any | None = None, plan: Any | None = None) -> Any:
     """Radix-select the k-th largest key of x[off::stride][:m], or of the candidates ``cand``
     when ``plan`` says so; returns the state (uint32[8]: key prefix, mask, ties to take as int64,
@@ -96,7 +97,7 @@ def _tile_blocks(m: int, decided: bool) -> int:
     return _rt.grid(tiles, 1) if decided else tiles
 
 
-def _count(x: Any, lims: Any, nthr: int, totals: Any | None = None, cand: Any | None = None,
+def _count(x: Array, lims: Any, nthr: int, totals: Any | None = None, cand: Any | None = None,
            plan: Any | None = None) -> Any:
     """Per-tile counts of the keys at or above each of the nthr limits (rows of x.size / tile
     entries), and their totals into ``totals`` when given."""
@@ -108,7 +109,7 @@ def _count(x: Any, lims: Any, nthr: int, totals: Any | None = None, cand: Any | 
     return counts
 
 
-def _scan(x: Any, counts: Any, rows: tuple[int, int], *, plan: Any | None = None,
+def _scan(x: Array, counts: Any, rows: tuple[int, int], *, plan: Any | None = None,
           mode: int = _SCAN_ROWS, totals: Any | None = None, k: int = 0,
           room: int = 0) -> None:
     """Turn the counts rows a compaction uses into per-tile offsets (one block per row); in a
@@ -122,9 +123,9 @@ def _scan(x: Any, counts: Any, rows: tuple[int, int], *, plan: Any | None = None
                 plan if deciding else _NULL), threads=1024)
 
 
-def _write(x: Any, lims: Any, offsets: Any, idx: Any, val: Any, *, ja: int = 0, jb: int = -1,
+def _write(x: Array, lims: Any, offsets: Any, idx: Array, val: Array, *, ja: int = 0, jb: int = -1,
            ka: int = _ALL, kb: int = 0, state: Any | None = None,
-           cand: tuple[Any, Any] | None = None, src: Any | None = None,
+           cand: tuple[Any, Any] | None = None, src: Array | None = None,
            rows: Any | None = None) -> None:
     """Write the first ka entries of class A and kb of class B (select_write in
     kernels/topk.cu) in index order into idx, val: of x, or of the candidates (values, indices)
@@ -138,7 +139,7 @@ def _write(x: Any, lims: Any, offsets: Any, idx: Any, val: Any, *, ja: int = 0, 
                 val))
 
 
-def _exact(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any,
+def _exact(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array,
            cand: tuple[Any, Any] | None = None, plan: Any | None = None) -> None:
     """The top k of x, or of the candidates (values, indices) when ``plan`` chose them, into
     idx, val."""
@@ -150,7 +151,7 @@ def _exact(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any,
     _write(x, lims, counts, idx, val, ja=0, jb=1, state=state, cand=cand, src=plan)
 
 
-def _sampled(scratch: _Scratch, x: Any, k: int, seed: int, nthr: int) -> tuple[Any, Any, Any]:
+def _sampled(scratch: _Scratch, x: Array, k: int, seed: int, nthr: int) -> tuple[Any, Any, Any]:
     """The limits of the sampled threshold (and its halvings), the per-tile counts of the keys
     reaching the first ``nthr`` of them, and their totals (all on the device)."""
     off, stride, size, want = _plan.sample_plan(x.size, k, seed)
@@ -161,7 +162,7 @@ def _sampled(scratch: _Scratch, x: Any, k: int, seed: int, nthr: int) -> tuple[A
     return lims, _count(x, lims, nthr, totals), totals
 
 
-def _prefiltered(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: int) -> None:
+def _prefiltered(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array, seed: int) -> None:
     """Exact top k, selected among the entries reaching the sampled threshold when at least k
     and at most the candidates' room do (NumPy's exact path on large arrays: the same entries,
     ties aside), else from the whole array; decided on the device."""
@@ -176,7 +177,7 @@ def _prefiltered(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: in
     _exact(scratch, x, k, idx, val, cand, plan)
 
 
-def _first_above(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: int) -> None:
+def _first_above(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array, seed: int) -> None:
     """DGC: every non-finite entry, then the earliest entries reaching the threshold (halved up
     to eight times while fewer than k do; else the earliest of all), k in all."""
     lims, counts, totals = _sampled(scratch, x, k, seed, _LIMITS)
@@ -185,11 +186,11 @@ def _first_above(scratch: _Scratch, x: Any, k: int, idx: Any, val: Any, seed: in
     _write(x, lims, counts, idx, val, rows=plan)
 
 
-def _float32(x: Any) -> Any:
+def _float32(x: Array) -> Any:
     return _rt.converted(x, _F32)  # not CuPy's cast: it flushes float32 subnormals
 
 
-def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[Any, Any]:
+def topk(x: Array, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[Any, Any]:
     """Select ``k`` entries of float32 ``x`` by magnitude (see ops/numpy.py topk).
 
     NaN ranks above Inf and Inf above every number, so non-finite entries are always sent.
@@ -232,7 +233,7 @@ def topk(x: Any, k: int, *, approximate: bool = False, seed: int = 0) -> tuple[A
     return idx, val
 
 
-def sample_threshold(mag: Any, k: int, seed: int) -> float:
+def sample_threshold(mag: Array, k: int, seed: int) -> float:
     """Estimate the k-th largest magnitude from a strided sample of about 1% (DGC).
 
     Args:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.core.log import get_logger
+from ringcomm.core.types import Array
 from ringcomm.ops import _topk_plan as _plan
 from ringcomm.ops import numpy as _ref
 from ringcomm.ops.numpy import (
@@ -156,7 +157,7 @@ def _guarded(what: str, step: Callable[[], Any]) -> Any:
         return None
 
 
-def _fits(a: Any, dtype: Any, size: int) -> bool:
+def _fits(a: Array, dtype: Any, size: int) -> bool:
     """Whether ``a`` is what a kernel's signature takes: a 1-D, contiguous, aligned NumPy array
     of ``dtype`` and ``size`` elements (anything else runs the reference, which raises where
     the arguments are wrong instead of writing past an array)."""
@@ -164,7 +165,7 @@ def _fits(a: Any, dtype: Any, size: int) -> bool:
             and a.flags.c_contiguous and a.flags.aligned)
 
 
-def _bytes(payload: Any) -> bool:
+def _bytes(payload: Array) -> bool:
     return type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1
 
 
@@ -181,7 +182,7 @@ def _stochastic_error(err: tuple[np.ndarray, ...]) -> tuple[np.ndarray, bool]:
     return (err[0], True) if err else (_NO_ERROR, False)
 
 
-def _int8_payload(payload: Any, n: int, block: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _int8_payload(payload: Array, n: int, block: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The (scales, q) views of an int8 payload of ``n`` elements, or None if they don't fit."""
     if not _bytes(payload):
         return None
@@ -249,7 +250,7 @@ def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, 
         fn(*received, own, *sent, block, *err, acc)
 
 
-def _words(payload: Any, n: int, fmt: str) -> np.ndarray | None:
+def _words(payload: Array, n: int, fmt: str) -> np.ndarray | None:
     """The 16-bit words of a cast payload of ``n`` elements, or None if they don't fit."""
     if fmt not in ("f16", "bf16") or not _bytes(payload):
         return None

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.core.types import ReduceOp
+from ringcomm.core.types import Array, ReduceOp
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _cuda_source as _src
 from ringcomm.ops._cuda_codecs import (
@@ -72,14 +72,14 @@ _REDUCE = {
 _DIVIDE = {pair: _src.divide_name(*pair) for pair in _src.DIVIDE_PAIRS}
 
 
-def _contiguous(*arrays: Any) -> bool:
+def _contiguous(*arrays: Array) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 
 
 _elementwise = _rt.elementwise
 
 
-def empty(shape: Any, dtype: Any) -> Any:
+def empty(shape: Any, dtype: Any) -> Array:
     """An uninitialised device array.
 
     Args:
@@ -95,22 +95,22 @@ def empty(shape: Any, dtype: Any) -> Any:
     return _rt.cp().empty(shape, dtype=dtype)
 
 
-def zeros(shape: Any, dtype: Any) -> Any:
+def zeros(shape: Any, dtype: Any) -> Array:
     """A device array of zeros (see ``empty``)."""
     return _rt.cp().zeros(shape, dtype=dtype)
 
 
-def ascontiguous(x: Any) -> Any:
+def ascontiguous(x: Array) -> Array:
     """``x`` itself when C-contiguous, else a contiguous copy."""
     return x if x.flags.c_contiguous else _rt.cp().ascontiguousarray(x)
 
 
-def to_host(x: Any) -> np.ndarray:
+def to_host(x: Array) -> np.ndarray:
     """``x`` copied into a NumPy array (waits for the work that produces it)."""
     return x.get()
 
 
-def copy_from_host(dst: Any, src: np.ndarray) -> None:
+def copy_from_host(dst: Array, src: np.ndarray) -> None:
     """Copy host array ``src`` into device array ``dst``, converting the dtype like ``copy``.
 
     Args:
@@ -124,7 +124,7 @@ def copy_from_host(dst: Any, src: np.ndarray) -> None:
         copy(dst, _rt.cp().asarray(src))
 
 
-def copy(dst: Any, src: Any) -> None:
+def copy(dst: Array, src: Array) -> None:
     """Copy ``src`` into ``dst`` (same length), converting the dtype if they differ.
 
     Values beyond the range of ``dst``'s dtype become infinities, as a cast does.
@@ -159,7 +159,7 @@ def copy(dst: Any, src: Any) -> None:
     _elementwise(name, n, (dst, src), dst, src)
 
 
-def reduce(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+def reduce(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
     """``out = a (op) b`` elementwise; ``out`` may alias ``a`` or ``b``.
 
     Mixed dtypes are computed in the wider one (a float32 partial sum plus a float16
@@ -181,7 +181,7 @@ def reduce(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
     _elementwise(name, n, (out, a, b), out, a, b)
 
 
-def _reduce_fallback(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+def _reduce_fallback(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
     """A dtype mix or layout without a kernel of its own: both operands converted to the wider
     dtype (contiguous), reduced by its kernel, rounded once into ``out``. Never CuPy's ufuncs
     where a kernel exists (they flush float32 subnormals)."""
@@ -196,7 +196,7 @@ def _reduce_fallback(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
     copy(out, result)
 
 
-def divide(x: Any, divisor: int, out: Any) -> None:
+def divide(x: Array, divisor: int, out: Array) -> None:
     """``out = x / divisor``, computed in float32 for 16-bit floats, else in ``x``'s dtype.
 
     Args:
@@ -222,7 +222,7 @@ def divide(x: Any, divisor: int, out: Any) -> None:
     _elementwise(name, n, (out, x, np.float64(divisor)), out, x)
 
 
-def compensate(x: Any, residual: Any | None, out: Any) -> None:
+def compensate(x: Array, residual: Array | None, out: Array) -> None:
     """``out = float32(x) + residual``: the error-feedback input of a compressed call.
 
     Args:
@@ -245,7 +245,7 @@ def compensate(x: Any, residual: Any | None, out: Any) -> None:
     _elementwise(f"rc::compensate_kernel<{ctype}>", n, (out, x, residual), out, x, residual)
 
 
-def zero_nonfinite(x: Any) -> None:
+def zero_nonfinite(x: Array) -> None:
     """Set NaN and Inf entries of ``x`` to 0, in place."""
     n = x.size
     if n == 0:
@@ -274,14 +274,14 @@ def uniform(seed: int, base: int, n: int) -> Any:
     return out
 
 
-def _pairs(idx: Any, val: Any | None = None) -> tuple[Any, Any]:
+def _pairs(idx: Array, val: Array | None = None) -> tuple[Any, Any]:
     """int32 indices and float32 values, contiguous (payload views already are)."""
     cupy = _rt.cp()
     idx = cupy.ascontiguousarray(idx, dtype=np.int32)
     return idx, None if val is None else _rt.converted(val, _F32)
 
 
-def scatter_add(out: Any, idx: Any, val: Any) -> None:
+def scatter_add(out: Array, idx: Array, val: Array) -> None:
     """``out[idx] += val`` for unique ``idx`` (one payload's indices never repeat).
 
     Args:
@@ -299,7 +299,7 @@ def scatter_add(out: Any, idx: Any, val: Any) -> None:
     _rt.launch("rc::scatter_add_kernel", _rt.grid(k), (out, idx, val, np.int64(k)))
 
 
-def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
+def sparse_residual(acc: Array, idx: Array, error: Any) -> None:
     """``error = acc`` with the selected entries zeroed (what a top-k selection did not send).
 
     Args:
@@ -327,12 +327,12 @@ def sparse_residual(acc: Any, idx: Any, error: Any) -> None:
 
 
 # ------------------------------------------------------------------------- low rank
-def matmul(a: Any, b: Any, out: Any) -> None:
+def matmul(a: Array, b: Array, out: Array) -> None:
     """``out = a @ b`` with cuBLAS (rank-local products: the bits may differ from NumPy's)."""
     _rt.cp().matmul(a, b, out=out)
 
 
-def _lowrank_args(mat: Any, pt: Any, qt: Any) -> tuple[Any, ...] | None:
+def _lowrank_args(mat: Array, pt: Array, qt: Array) -> tuple[Any, ...] | None:
     """The kernel arguments of a low-rank product, or None where a kernel does not apply."""
     arrays = (mat, pt, qt)
     if any(a.dtype != _F32 or not a.flags.c_contiguous for a in arrays) or mat.size == 0:
@@ -341,7 +341,7 @@ def _lowrank_args(mat: Any, pt: Any, qt: Any) -> tuple[Any, ...] | None:
     return (np.int64(n), np.int64(m), np.int32(pt.shape[0]))
 
 
-def outer_sum(pt: Any, qt: Any, out: Any) -> None:
+def outer_sum(pt: Array, qt: Array, out: Array) -> None:
     """``out = P Q^T`` (``pt``: r x n, ``qt``: r x m) as a sum of outer products, rounded as
     NumPy's twin rounds them."""
     dims = _lowrank_args(out, pt, qt)
@@ -354,7 +354,7 @@ def outer_sum(pt: Any, qt: Any, out: Any) -> None:
     _rt.launch("rc::outer_sum_kernel", _rt.grid(out.size), (out, pt, qt, *dims))
 
 
-def subtract_outer(mat: Any, pt: Any, qt: Any) -> None:
+def subtract_outer(mat: Array, pt: Array, qt: Array) -> None:
     """``mat -= P Q^T`` in place, one outer product at a time in k order."""
     dims = _lowrank_args(mat, pt, qt)
     if dims is None:
@@ -364,7 +364,7 @@ def subtract_outer(mat: Any, pt: Any, qt: Any) -> None:
     _rt.launch("rc::subtract_outer_kernel", _rt.grid(mat.size), (mat, pt, qt, *dims))
 
 
-def flag_nonfinite(x: Any, flag: Any) -> None:
+def flag_nonfinite(x: Array, flag: Any) -> None:
     """Set ``flag[0]`` to NaN if the float32 sum of ``x`` is not finite; no wait for the GPU."""
     cupy = _rt.cp()
     bad = ~cupy.isfinite(cupy.sum(x, dtype=_F32))
