@@ -239,13 +239,13 @@ def test_a_cached_request_against_a_whole_one_fails_naming_the_field():
 def test_a_handle_waits_through_on_wait_then_its_event():
     h = Handle()
     calls = []
-    h.on_wait = lambda handle: (calls.append(handle), handle._finish(5, None))
+    h.on_wait = lambda handle: (calls.append(handle), handle.finish(5, None))
     assert h.wait() == 5 and calls == [h]
     assert h.wait() == 5 and calls == [h]  # done: on_wait is not asked again
 
     late = Handle()
     late.on_wait = lambda handle: None  # cannot help: the event wait follows
-    threading.Timer(0.05, lambda: late._finish(None, ValueError("boom"))).start()
+    threading.Timer(0.05, lambda: late.finish(None, ValueError("boom"))).start()
     with pytest.raises(ValueError, match="boom"):
         late.wait()
     assert late.done()
@@ -377,7 +377,7 @@ def test_cached_operations_that_cross_stall_and_fail_on_both_ranks(mpiexec, subp
 def test_a_handle_done_before_anyone_waits_makes_no_event():
     """A handle finished before anyone waits never makes an event."""
     h = Handle()
-    h._finish(1, None)
+    h.finish(1, None)
     start = time.monotonic()
     assert h.wait() == 1 and h._event is None
     assert time.monotonic() - start < 1.0

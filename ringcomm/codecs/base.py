@@ -121,7 +121,7 @@ class DenseCompressor(Compressor):
         the GPU); ``error`` receives the sum minus its decoded encoding."""
 
     def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
-        _check_float(x.dtype)
+        check_float(x.dtype)
         xp = _ops.get(x)
         flat = xp.empty((x.size,), np.float32)
         xp.copy(flat, xp.ascontiguous(x).reshape(-1))
@@ -140,7 +140,8 @@ class DenseCompressor(Compressor):
         return out
 
 
-def _check_float(dtype: Any) -> None:
+def check_float(dtype: Any) -> None:
+    """Raise TypeError unless ``dtype`` is a floating dtype (bfloat16 included)."""
     dt = np.dtype(dtype)
     if dt.kind != "f" and dt.name != "bfloat16":
         raise TypeError(f"compression needs a floating dtype, got {dt.name}")
@@ -176,7 +177,7 @@ def check_compressed_args(x: Array, op: ReduceOp, feedback: ErrorFeedback | None
     Raises:
         TypeError, ValueError: as ``check_compressed_call``.
     """
-    _check_float(x.dtype)
+    check_float(x.dtype)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"compressed allreduce supports op 'sum' and 'avg', got {op.value!r}")
     if feedback is not None:

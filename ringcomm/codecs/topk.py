@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.codecs.base import Compressor, _check_float
+from ringcomm.codecs.base import Compressor, check_float
 from ringcomm.core.types import Array
 
 __all__ = ["TopK"]
@@ -85,7 +85,7 @@ class TopK(Compressor):
         return payload[: 4 * k].view(np.int32), payload[4 * k: 8 * k].view(np.float32)
 
     def compress(self, x: Array) -> tuple[Any, tuple[Any, ...]]:
-        _check_float(x.dtype)
+        check_float(x.dtype)
         xp = _ops.get(x)
         flat = xp.empty((x.size,), np.float32)
         xp.copy(flat, xp.ascontiguous(x).reshape(-1))

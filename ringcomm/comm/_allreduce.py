@@ -49,7 +49,8 @@ class Allreduce:
         self.plans = PlanCache()
         self.figures = AutoFigures()
         self._default_auto: Auto | None = None
-        self._compressed_calls = 0
+        #: Compressed calls made: with the rank, the seed of a call's stochastic rounding.
+        self.compressed_calls = 0
 
     def route(self, x: Array) -> Transport:
         """The transport that moves arrays like ``x`` (the backend's own, or NCCL's host
@@ -161,8 +162,8 @@ class Allreduce:
             decision = self._decide(plan.policy, t, x, plan.name)
             comp, trial = decision.choice, decision.trial
         start = time.perf_counter()  # after any measuring of the figures
-        self._compressed_calls += 1
-        seed = mix_seed(self._compressed_calls, self._transport.rank)
+        self.compressed_calls += 1
+        seed = mix_seed(self.compressed_calls, self._transport.rank)
         self._reduce(t, plan, _arrays.flat(x), flat_out, comp, seed)
         if trial is not None:  # a call trying one of auto's candidates: keep its time
             if type(x) is not np.ndarray:

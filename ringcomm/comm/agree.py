@@ -40,7 +40,7 @@ _WORDS = 12
 _HOST, _DEVICE = 1, 2
 _ARRAY_NAMES = {0: "none", _HOST: "host (NumPy)", _DEVICE: "device (CuPy)"}
 HEADER_BYTES = 8 * _WORDS
-_KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier",
+KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier",
           "configure")
 # Fields a collective lets differ between ranks.
 _MAY_DIFFER = {"allgatherv": (DIM0,)}
@@ -118,7 +118,7 @@ class CallSpec:
 
     def _words(self, segment_bytes: int) -> np.ndarray:
         h = np.zeros(_WORDS, dtype=np.int64)
-        h[KIND] = _KINDS.index(self.kind)
+        h[KIND] = KINDS.index(self.kind)
         h[CALLER] = _crc(self.caller)
         h[ARRAY] = self.array
         if self.error is not None:

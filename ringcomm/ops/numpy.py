@@ -128,7 +128,8 @@ def int8_nbytes(n: int, block: int) -> int:
     return pad8(4 * (-(-n // block)) + n)
 
 
-def _int8_views(payload: np.ndarray, n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+def int8_views(payload: np.ndarray, n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (scales, values) views of an int8 payload of ``n`` elements in blocks of ``block``."""
     nb = -(-n // block)
     return payload[: 4 * nb].view(_F32), payload[4 * nb: 4 * nb + n].view(np.int8)
 
@@ -182,7 +183,7 @@ def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> No
     zero_nonfinite(error)
 
 
-def _scratch(tag: str, n: int, dtype: Any = _F32) -> np.ndarray:
+def scratch(tag: str, n: int, dtype: Any = _F32) -> np.ndarray:
     """A per-thread reusable buffer: the codecs run segment after segment, and fresh arrays
     would page-fault on every one."""
     cache = _SCRATCH.__dict__
@@ -224,9 +225,9 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
     flush-to-zero). ``error``, when given, receives ``src - decode(out)`` (0 where not finite).
     """
     n = src.size
-    scales, q = _int8_views(out, n, block)
-    t = _scratch("int8.t", n)
-    absmax = _scratch("int8.absmax", scales.size)
+    scales, q = int8_views(out, n, block)
+    t = scratch("int8.t", n)
+    absmax = scratch("int8.absmax", scales.size)
     _block_absmax(src, block, absmax, t)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         np.divide(absmax, _Q, out=scales)
@@ -254,7 +255,7 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
 
 def int8_decode(payload: np.ndarray, out: np.ndarray, block: int) -> None:
     """``out = q * scale`` of each block of the int8 payload (``out`` is float32)."""
-    scales, q = _int8_views(payload, out.size, block)
+    scales, q = int8_views(payload, out.size, block)
     np.copyto(out, q, casting="unsafe")
     with np.errstate(invalid="ignore"):
         _per_block(scales, out, block, np.multiply, out)
@@ -264,7 +265,7 @@ def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, 
              stochastic: bool = False, seed: int = 0, base: int = 0,
              error: np.ndarray | None = None) -> None:
     """One reduce-scatter hop: decode ``payload``, add ``own``, re-quantize into ``out``."""
-    acc = _scratch("int8.acc", own.size)
+    acc = scratch("int8.acc", own.size)
     int8_decode(payload, acc, block)
     np.add(acc, own, out=acc)
     int8_encode(acc, out, block, stochastic=stochastic, seed=seed, base=base, error=error)
@@ -329,17 +330,17 @@ def _keys(x: np.ndarray) -> np.ndarray:
     """|x|'s float32 bits in a reused buffer: the keys the GPU's select ranks (ops/_topk_plan.py).
     Viewed as float32 they are the magnitudes, NaN (positive) included."""
     bits = np.ascontiguousarray(x, dtype=_F32).reshape(-1).view(np.uint32)
-    return np.bitwise_and(bits, _MAG_BITS, out=_scratch("topk.keys", bits.size, np.uint32))
+    return np.bitwise_and(bits, _MAG_BITS, out=scratch("topk.keys", bits.size, np.uint32))
 
 
 def _at_least(mag: np.ndarray, thr: float) -> np.ndarray:
     """Indices where ``mag >= thr`` or NaN, in one comparison pass."""
-    below = np.less(mag, thr, out=_scratch("topk.mask", mag.size, np.bool_))
+    below = np.less(mag, thr, out=scratch("topk.mask", mag.size, np.bool_))
     np.logical_not(below, out=below)
     return np.flatnonzero(below)
 
 
-def _top(keys: np.ndarray, k: int) -> np.ndarray:
+def top(keys: np.ndarray, k: int) -> np.ndarray:
     """Indices, ascending, of the ``k`` largest keys; of the entries tied at the k-th largest,
     those with the lowest indices (as the GPU's radix select takes them)."""
     n = keys.size
@@ -399,12 +400,12 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     keys = _keys(x)
     mag = keys.view(_F32)
     if not _plan.sampled(n, k):
-        idx = _top(keys, k)
+        idx = top(keys, k)
     elif approximate:
         idx = np.sort(_first_above(mag, k, sample_threshold(mag, k, seed)))
     else:
         cand = _at_least(mag, sample_threshold(mag, _plan.prefilter_rank(n, k), seed))
-        idx = cand[_top(keys[cand], k)] if cand.size >= k else _top(keys, k)
+        idx = cand[top(keys[cand], k)] if cand.size >= k else top(keys, k)
     idx = idx.astype(np.int32)
     return idx, x.reshape(-1)[idx].astype(_F32)
 

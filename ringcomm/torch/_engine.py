@@ -77,7 +77,7 @@ class Handle:
         return self._result
 
     def _blocker(self) -> threading.Event:
-        # The event is stored before ``_done`` is read, and _finish writes ``_done`` before
+        # The event is stored before ``_done`` is read, and finish writes ``_done`` before
         # reading the event: one of the two sees the other, so the event is always set. The
         # lock keeps two waiters from making two events.
         with _HANDLES:
@@ -87,7 +87,9 @@ class Handle:
                     self._event.set()
             return self._event
 
-    def _finish(self, result: Any, error: BaseException | None) -> None:
+    def finish(self, result: Any, error: BaseException | None) -> None:
+        """Complete the operation with ``result`` or ``error`` (by whoever runs it: the
+        coordinator or the engine), waking its waiters and calling its callback."""
         self._result, self._error = result, error
         self._done = True
         event = self._event
@@ -165,7 +167,7 @@ class Engine:
             result, error = self.run(fn), None
         except Exception as err:
             result, error = None, err
-        handle._finish(result, error)
+        handle.finish(result, error)
         return handle
 
     def close(self) -> None:
@@ -196,7 +198,7 @@ class Engine:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-            handle._finish(result, error)
+            handle.finish(result, error)
 
     def _device_of(self) -> int | None:
         return None if self._device is None else self._device()

@@ -367,7 +367,7 @@ class Coordinator:
             error = _interrupted(err)
             for o in outcomes:
                 if o.mine is not None and not o.mine.handle.done():
-                    o.mine.handle._finish(None, error)
+                    o.mine.handle.finish(None, error)
             raise
 
     # ----------------------------------------------------------------------- endings
@@ -382,7 +382,7 @@ class Coordinator:
             self._turns.notify_all()
             self._idle.notify()
         for m in pending:
-            m.handle._finish(None, error)
+            m.handle.finish(None, error)
 
     def _stalled_alone(self, err: CollectiveTimeoutError) -> StalledOperationError:
         with self._lock:
@@ -401,7 +401,7 @@ class Coordinator:
             self._turns.notify_all()
             self._idle.notify()
         for m in pending:
-            m.handle._finish(None, error)
+            m.handle.finish(None, error)
 
 
 def _interrupted(err: BaseException) -> RuntimeError:

@@ -63,7 +63,7 @@ def run_group(comm: Communicator, caller: str, group: list[Outcome], tl: Any,
             tl.end(n)
     for o, value in zip(group, result, strict=True):
         if o.mine is not None:
-            o.mine.handle._finish(value, error)
+            o.mine.handle.finish(value, error)
 
 
 def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list[Any]:

@@ -147,7 +147,7 @@ class _DistributedOptimizer:
         def hook(t: torch.Tensor) -> None:
             opt = me()  # weak: the parameters must not keep the optimizer alive
             if opt is not None:
-                opt._grad_ready(t)
+                opt.grad_ready(t)
 
         for p in active:
             if id(p) not in self._hooked:
@@ -155,7 +155,9 @@ class _DistributedOptimizer:
                 self._hooked.add(id(p))
 
     # ---------------------------------------------------------------------- reduction
-    def _grad_ready(self, p: Any) -> None:
+    def grad_ready(self, p: Any) -> None:
+        """Count parameter ``p``'s gradient as accumulated (its hook calls this), starting its
+        bucket's allreduce once the bucket is complete (at once where it overlaps backward)."""
         # Backward may call hooks from one thread per device.
         with self._lock:
             self._count(p)

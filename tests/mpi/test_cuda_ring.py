@@ -17,7 +17,7 @@ import pytest
 from mpi_helpers import same_on_all_ranks
 
 import ringcomm
-from ringcomm.backends import staging
+from ringcomm.backends import cuda_device, staging
 from ringcomm.comm.agree import INLINE_BYTES
 
 
@@ -41,7 +41,7 @@ def _forget_device_arrays(comm) -> None:
     selected yet."""
     t = comm.transport
     t._device_stage = None
-    t.device_choice = staging.DeviceChoice(t.local_rank)
+    t.device_choice = cuda_device.DeviceChoice(t.local_rank)
 
 
 def _cuda(comm) -> Kind:
@@ -217,9 +217,9 @@ def test_compressed_allreduce_matches_numpy(comm, world, rng, kind, name, op):
         g = rng.standard_normal(n).astype(np.float32)
         if step == 1:
             g[rng.integers(0, n)] = np.nan  # a skipped step: never a finite result, nor residual
-        calls = comm._compressed_calls  # keys the random numbers: the same for both calls
+        calls = comm._allreduce.compressed_calls  # keys the random numbers: the same for both calls
         want = comm.allreduce(g, op=op, compression=comp, feedback=host_ef, name="w")
-        comm._compressed_calls = calls
+        comm._allreduce.compressed_calls = calls
         got = comm.allreduce(kind.put(g), op=op, compression=comp, feedback=device_ef, name="w")
         _same(kind, world, got, want)
         np.testing.assert_array_equal(kind.get(device_ef.residual("w")), host_ef.residual("w"))
@@ -287,9 +287,9 @@ def test_staging_modes_agree(comm, world, rng, kind, direct):
         x = rng.standard_normal(kind.large).astype(np.float32)
         for _ in range(3):
             _same(kind, world, comm.allreduce(kind.put(x)), comm.allreduce(x))
-            calls = comm._compressed_calls
+            calls = comm._allreduce.compressed_calls
             want = comm.allreduce(x, compression=comp)
-            comm._compressed_calls = calls
+            comm._allreduce.compressed_calls = calls
             _same(kind, world, comm.allreduce(kind.put(x), compression=comp), want)
         assert len(transport._device_stage._pool._idle) <= staging._KEEP
     finally:

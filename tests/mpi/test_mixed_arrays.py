@@ -25,7 +25,7 @@ from mpi_helpers import same_on_all_ranks
 from test_device_standins import FakeCupy, FakeGPU, on_new_thread, standin_transport
 
 import ringcomm
-from ringcomm.backends import _nccl_host, _nccl_setup, nccl, staging
+from ringcomm.backends import _nccl_host, _nccl_setup, cuda_device, nccl
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -101,9 +101,9 @@ def test_host_arrays_take_the_mpi_path_and_match_the_mpi_backend(standin, comm, 
     np.testing.assert_array_equal(standin.broadcast(b.copy(), root=standin.size - 1),
                                   comm.broadcast(b.copy(), root=standin.size - 1))
     g = rng.standard_normal(50_000).astype(np.float32)
-    calls = comm._compressed_calls
+    calls = comm._allreduce.compressed_calls
     want = comm.allreduce(g, compression=ringcomm.Int8())
-    standin._compressed_calls = calls
+    standin._allreduce.compressed_calls = calls
     np.testing.assert_array_equal(standin.allreduce(g, compression=ringcomm.Int8()), want)
     assert len(_data_calls(standin)) == before  # nothing went through NCCL
     assert standin.stats.bytes_sent > sent or standin.size == 1  # and the wire was counted
@@ -199,7 +199,7 @@ def test_the_mpi_backend_agrees_on_the_array_kind_too(comm, world):
                 comm.allreduce(arg)
     finally:  # forget the stand-in's staging and device selection
         t._device_stage = None
-        t.device_choice = staging.DeviceChoice(t.local_rank)
+        t.device_choice = cuda_device.DeviceChoice(t.local_rank)
 
 
 # ----------------------------------------------------------- host transport without MPI
