@@ -354,7 +354,7 @@ def test_init_options(monkeypatch):
 
 def test_horovod_hierarchical_variable(monkeypatch):
     pytest.importorskip("torch")
-    from ringcomm.torch import _lifecycle
+    from ringcomm.torch.horovod import _lifecycle
 
     monkeypatch.delenv("HOROVOD_HIERARCHICAL_ALLREDUCE", raising=False)
     assert _lifecycle._algorithm_from_env() is None

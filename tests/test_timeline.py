@@ -19,8 +19,8 @@ from ringcomm.codecs.int8 import Int8  # noqa: E402
 from ringcomm.codecs.topk import TopK  # noqa: E402
 from ringcomm.core import trace  # noqa: E402
 from ringcomm.core.types import ReduceOp  # noqa: E402
-from ringcomm.torch import timeline  # noqa: E402
-from ringcomm.torch.timeline import Timeline  # noqa: E402
+from ringcomm.torch.horovod import timeline  # noqa: E402
+from ringcomm.torch.horovod.timeline import Timeline  # noqa: E402
 
 RING_PHASES = ["RING_REDUCE_SCATTER", "RING_ALLGATHER"]
 

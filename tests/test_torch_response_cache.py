@@ -24,15 +24,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ringcomm.backends.threads import run_ranks  # noqa: E402
-from ringcomm.torch._control import (  # noqa: E402
+from ringcomm.torch._engine import Handle  # noqa: E402
+from ringcomm.torch._errors import HorovodInternalError  # noqa: E402
+from ringcomm.torch.horovod._control import (  # noqa: E402
     DEFAULT_CACHE_CAPACITY,
     ControlChannel,
     ResponseCache,
     cache_capacity,
 )
-from ringcomm.torch._engine import Handle  # noqa: E402
-from ringcomm.torch._errors import HorovodInternalError  # noqa: E402
-from ringcomm.torch._table import PendingTable  # noqa: E402
+from ringcomm.torch.horovod._table import PendingTable  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,7 +256,7 @@ def test_a_handle_waits_through_on_wait_then_its_event():
 def coordinator():
     """A coordinator of its own over a one-rank communicator (closed afterwards)."""
     import ringcomm
-    from ringcomm.torch import _negotiate
+    from ringcomm.torch.horovod import _negotiate
 
     comm = ringcomm.init("mpi", abort_on_exception=False)
     coord = _negotiate._make(comm)
@@ -265,7 +265,7 @@ def coordinator():
 
 
 def _op(name: str, run: Any) -> Any:
-    from ringcomm.torch._ops import Op
+    from ringcomm.torch.horovod._ops import Op
 
     return Op("object", name, {}, run)
 
@@ -311,7 +311,7 @@ def test_an_interrupted_cycle_fails_what_follows(coordinator):
 
 
 def test_an_interruption_between_groups_fails_what_did_not_run(coordinator, monkeypatch):
-    from ringcomm.torch import _negotiate
+    from ringcomm.torch.horovod import _negotiate
 
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt

@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 import ringcomm  # noqa: E402
 import ringcomm.torch as hvd  # noqa: E402
 from ringcomm.torch._engine import Engine  # noqa: E402
-from ringcomm.torch._reduce import parse_op, scale_  # noqa: E402
 from ringcomm.torch._residuals import ResidualLayouts  # noqa: E402
 from ringcomm.torch._tensors import Operand, as_array  # noqa: E402
 from ringcomm.torch.compression import RingCompressor, as_compression  # noqa: E402
+from ringcomm.torch.horovod._reduce import parse_op, scale_  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

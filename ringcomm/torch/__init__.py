@@ -30,7 +30,11 @@ Example (``mpiexec -n 4 python train.py``)::
 
 from __future__ import annotations
 
-from ringcomm.torch._basics import (
+from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
+from ringcomm.torch.accelerate import register_ddp_hook
+from ringcomm.torch.compression import Compression, Compressor
+from ringcomm.torch.hooks import RingcommState, ringcomm_hook
+from ringcomm.torch.horovod._basics import (
     Adasum,
     Average,
     Max,
@@ -60,18 +64,15 @@ from ringcomm.torch._basics import (
     rocm_built,
     size,
 )
-from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
-from ringcomm.torch._lifecycle import init, shutdown
-from ringcomm.torch.accelerate import register_ddp_hook
-from ringcomm.torch.alltoall import alltoall, alltoall_async
-from ringcomm.torch.broadcast import (
+from ringcomm.torch.horovod._lifecycle import init, shutdown
+from ringcomm.torch.horovod.alltoall import alltoall, alltoall_async
+from ringcomm.torch.horovod.broadcast import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from ringcomm.torch.compression import Compression, Compressor
-from ringcomm.torch.functions import (
+from ringcomm.torch.horovod.functions import (
     allgather,
     allgather_async,
     allreduce,
@@ -92,19 +93,18 @@ from ringcomm.torch.functions import (
     sparse_allreduce_async,
     synchronize,
 )
-from ringcomm.torch.grouped_allgather import grouped_allgather, grouped_allgather_async
-from ringcomm.torch.hooks import RingcommState, ringcomm_hook
-from ringcomm.torch.optimizer import DistributedOptimizer
-from ringcomm.torch.process_sets import add_process_set, remove_process_set
-from ringcomm.torch.reducescatter import (
+from ringcomm.torch.horovod.grouped_allgather import grouped_allgather, grouped_allgather_async
+from ringcomm.torch.horovod.optimizer import DistributedOptimizer
+from ringcomm.torch.horovod.process_sets import add_process_set, remove_process_set
+from ringcomm.torch.horovod.reducescatter import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
 )
-from ringcomm.torch.sync_batch_norm import SyncBatchNorm
-from ringcomm.torch.timeline import start_timeline, stop_timeline
-from ringcomm.torch.unsupported import elastic
+from ringcomm.torch.horovod.sync_batch_norm import SyncBatchNorm
+from ringcomm.torch.horovod.timeline import start_timeline, stop_timeline
+from ringcomm.torch.horovod.unsupported import elastic
 
 __all__ = [
     "Adasum",

@@ -29,13 +29,13 @@ from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
-from ringcomm.torch import _basics, _lifecycle
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._residuals import Layout, ResidualLayouts
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
 from ringcomm.torch.compression import ring_of
+from ringcomm.torch.horovod import _basics, _lifecycle
 
 __all__ = ["RingcommState", "ringcomm_hook"]
 

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 from mpi4py import MPI  # noqa: E402
 from torch_helpers import hvd  # noqa: E402
 
-from ringcomm.torch import _negotiate  # noqa: E402
-from ringcomm.torch.functions import _reduce_op  # noqa: E402
+from ringcomm.torch.horovod import _negotiate  # noqa: E402
+from ringcomm.torch.horovod.functions import _reduce_op  # noqa: E402
 
 SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 RANKS_SUM = float(sum(range(1, SIZE + 1)))  # what a sum of (rank + 1) gives

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from mpi4py import MPI  # noqa: E402
 from torch_helpers import gathered, hvd, same_on_all_ranks  # noqa: E402
 
-from ringcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
+from ringcomm.torch.horovod.sync_batch_norm import SyncBatchNorm  # noqa: E402
 
 SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 CHANNELS = 3

@@ -15,7 +15,7 @@ from mpi4py import MPI  # noqa: E402
 from torch_helpers import hvd  # noqa: E402
 
 from ringcomm.core import trace  # noqa: E402
-from ringcomm.torch import timeline  # noqa: E402
+from ringcomm.torch.horovod import timeline  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 

@@ -3,7 +3,7 @@
 Every collective of ``ringcomm.torch`` becomes an :class:`Op`: its kind, its name (Horovod's
 key: operations are matched across ranks by name, not by order), what must be equal on every
 rank (``meta``), and the data step that runs once every rank has submitted it. The coordinator
-(:mod:`ringcomm.torch._negotiate`) matches, orders, checks and runs them.
+(:mod:`ringcomm.torch.horovod._negotiate`) matches, orders, checks and runs them.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 one gather of bytes.
 
 Each call is one named operation, negotiated like the collectives of
-:mod:`ringcomm.torch.functions`; the tensors of a call run together or not at all. Results are
-new tensors; the inputs are left alone.
+:mod:`ringcomm.torch.horovod.functions`; the tensors of a call run together or not at all.
+Results are new tensors; the inputs are left alone.
 
 Errors are raised on every rank alike: the list, a dtype or a trailing shape that differ
 between ranks, or a scalar tensor (as for allgather), fail with HorovodInternalError.
@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import Average, global_process_set
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import HorovodInternalError, collective_error
-from ringcomm.torch._exchange_util import (
+from ringcomm.torch._tensors import as_array, sync_device
+from ringcomm.torch.horovod._basics import Average, global_process_set
+from ringcomm.torch.horovod._exchange_util import (
     allgather_ints,
     byte_view,
     check_tensors,
@@ -33,10 +34,9 @@ from ringcomm.torch._exchange_util import (
     row_elems,
     total_nbytes,
 )
-from ringcomm.torch._negotiate import enqueue, execute
-from ringcomm.torch._ops import Op
-from ringcomm.torch._tensors import as_array, sync_device
-from ringcomm.torch.functions import grouped_allreduce
+from ringcomm.torch.horovod._negotiate import enqueue, execute
+from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod.functions import grouped_allreduce
 
 __all__ = ["grouped_allgather", "grouped_allgather_async"]
 

@@ -8,7 +8,7 @@ coordinator, every process runs *cycles*:
 1. every rank sends the operations submitted since its last cycle (name, kind, the fields that
    must agree, size) to every other rank, over a control channel of its own (an allgather of
    small messages, apart from the data; operations every rank already ran under the same name
-   and fields travel as a slot of a response cache, see :mod:`ringcomm.torch._control`);
+   and fields travel as a slot of a response cache, see :mod:`ringcomm.torch.horovod._control`);
 2. every rank adds them to the same table of pending operations, so every rank decides the
    same: an operation submitted by every rank is *ready*; ready operations run in one order
    (the order they were first seen, the same on every rank), allreduces of one dtype, op and
@@ -39,8 +39,8 @@ thread. Two operations in flight under one name raise ValueError when the second
 
 Why one module past 400 lines: the Coordinator is one state machine (submission, the cycle,
 whose turn it is, shutdown, stalls) whose states all touch the same table; the messages are in
-:mod:`ringcomm.torch._control`, the table in :mod:`ringcomm.torch._table`, the runs in
-:mod:`ringcomm.torch._runs`.
+:mod:`ringcomm.torch.horovod._control`, the table in :mod:`ringcomm.torch.horovod._table`,
+the runs in :mod:`ringcomm.torch.horovod._runs`.
 """
 
 from __future__ import annotations
@@ -58,15 +58,21 @@ import torch
 from ringcomm.comm.base import Communicator
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import CollectiveTimeoutError
-from ringcomm.torch import timeline as _timeline
-from ringcomm.torch._basics import communicator_of
-from ringcomm.torch._control import ControlChannel, Message, Request, ResponseCache, cache_capacity
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import StalledOperationError
-from ringcomm.torch._fusion import fusion_threshold, reduce_fused
-from ringcomm.torch._ops import Op
-from ringcomm.torch._runs import run_group
-from ringcomm.torch._table import Outcome, PendingTable, ranks_text
+from ringcomm.torch.horovod import timeline as _timeline
+from ringcomm.torch.horovod._basics import communicator_of
+from ringcomm.torch.horovod._control import (
+    ControlChannel,
+    Message,
+    Request,
+    ResponseCache,
+    cache_capacity,
+)
+from ringcomm.torch.horovod._fusion import fusion_threshold, reduce_fused
+from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod._runs import run_group
+from ringcomm.torch.horovod._table import Outcome, PendingTable, ranks_text
 
 __all__ = ["Coordinator", "coordinator_for", "enqueue", "execute", "forget", "reduce_fused"]
 

@@ -11,8 +11,8 @@ import torch
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._errors import collective_error
-from ringcomm.torch._ops import describe
 from ringcomm.torch._tensors import as_array, from_array, sync_device
+from ringcomm.torch.horovod._ops import describe
 
 __all__ = [
     "allgather_ints",

@@ -20,8 +20,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringcomm.torch._basics import Sum, size
-from ringcomm.torch.functions import allgather_async, allreduce_async, synchronize
+from ringcomm.torch.horovod._basics import Sum, size
+from ringcomm.torch.horovod.functions import allgather_async, allreduce_async, synchronize
 
 __all__ = ["SyncBatchNorm"]
 

@@ -1,17 +1,17 @@
 """Horovod's collectives on torch tensors: allreduce, allgather, broadcast, barrier, join.
 
-Every call becomes a named operation that ranks match by name (see ringcomm.torch._negotiate):
-named operations may be submitted in any order on different ranks and from several threads.
-Asynchronous calls return a handle for :func:`poll` and :func:`synchronize`. The out-of-place
-forms are differentiable and their gradients are Horovod's: the
-gradient of an allreduce is the allreduce (same op) of the output gradients, allgather's hands
-each rank the average of the output gradients over its own rows, and broadcast's hands the
-average to the root and zeros to every other rank.
+Every call becomes a named operation that ranks match by name (see
+ringcomm.torch.horovod._negotiate): named operations may be submitted in any order on different
+ranks and from several threads. Asynchronous calls return a handle for :func:`poll` and
+:func:`synchronize`. The out-of-place forms are differentiable and their gradients are
+Horovod's: the gradient of an allreduce is the allreduce (same op) of the output gradients,
+allgather's hands each rank the average of the output gradients over its own rows, and
+broadcast's hands the average to the root and zeros to every other rank.
 
 Why one module past 400 lines: this is Horovod's collective surface (``hvd.allreduce`` and its
 async, in-place and grouped forms, allgather, broadcast, barrier, join), kept together as
 Horovod keeps it in ``mpi_ops``; each function is a thin operation handed to the coordinator
-(:mod:`ringcomm.torch._negotiate`).
+(:mod:`ringcomm.torch.horovod._negotiate`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-from ringcomm.torch._basics import (
+from ringcomm.torch._engine import Handle
+from ringcomm.torch._errors import collective_error
+from ringcomm.torch._tensors import Operand
+from ringcomm.torch.compression import Compression, RingCompressor, as_compression
+from ringcomm.torch.horovod._basics import (
     Average,
     ReduceOp,
     Sum,
@@ -29,13 +33,9 @@ from ringcomm.torch._basics import (
     global_process_set,
     root_in_set,
 )
-from ringcomm.torch._engine import Handle
-from ringcomm.torch._errors import collective_error
-from ringcomm.torch._negotiate import enqueue, execute, reduce_fused
-from ringcomm.torch._ops import Op, ReduceSpec, describe
-from ringcomm.torch._reduce import parse_op
-from ringcomm.torch._tensors import Operand
-from ringcomm.torch.compression import Compression, RingCompressor, as_compression
+from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
+from ringcomm.torch.horovod._ops import Op, ReduceSpec, describe
+from ringcomm.torch.horovod._reduce import parse_op
 
 __all__ = [
     "allgather",

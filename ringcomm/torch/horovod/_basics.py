@@ -1,6 +1,6 @@
 """Process-wide state of the Horovod-style surface: the communicator, rank and size, process
 sets, reduction ops. Starting and stopping it (``hvd.init``, ``hvd.shutdown``) is
-:mod:`ringcomm.torch._lifecycle`, which sits above the modules that read this state."""
+:mod:`ringcomm.torch.horovod._lifecycle`, which sits above the modules that read this state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._engine import Engine
-from ringcomm.torch.unsupported import refusal
+from ringcomm.torch.horovod.unsupported import refusal
 
 __all__ = [
     "Adasum",
@@ -68,13 +68,15 @@ class _State:
         self.next_set = 0
 
 
-_STATE = _State()
-_LOCK = threading.Lock()
+#: The process's Horovod-style state (started and ended by :mod:`._lifecycle`).
+STATE = _State()
+#: Held while the state changes (init, shutdown, process sets).
+STATE_LOCK = threading.Lock()
 
 
 def is_initialized() -> bool:
     """Whether ``init()`` has been called (and ``shutdown()`` not since)."""
-    return _STATE.comm is not None
+    return STATE.comm is not None
 
 
 def context() -> tuple[Communicator, Engine]:
@@ -83,7 +85,7 @@ def context() -> tuple[Communicator, Engine]:
     Raises:
         ValueError: ``init()`` has not been called (Horovod's error).
     """
-    comm, engine = _STATE.comm, _STATE.engine
+    comm, engine = STATE.comm, STATE.engine
     if comm is None or engine is None:
         raise ValueError(_NOT_INITIALIZED)
     return comm, engine
@@ -210,23 +212,23 @@ global_process_set = ProcessSet._global()
 
 def register_set(ps: ProcessSet, comm: Communicator | None) -> None:
     """Record a registered process set and its communicator (None on non-members)."""
-    with _LOCK:
-        _STATE.next_set += 1
-        ps.process_set_id = _STATE.next_set
-        _STATE.sets[ps.process_set_id] = (ps, comm)
+    with STATE_LOCK:
+        STATE.next_set += 1
+        ps.process_set_id = STATE.next_set
+        STATE.sets[ps.process_set_id] = (ps, comm)
 
 
 def unregister_set(ps: ProcessSet) -> Communicator | None:
     """Forget a process set; return its communicator (None on non-members)."""
-    with _LOCK:
-        _, comm = _STATE.sets.pop(ps.process_set_id, (None, None))
+    with STATE_LOCK:
+        _, comm = STATE.sets.pop(ps.process_set_id, (None, None))
         ps.process_set_id = None
         return comm
 
 
 def registered_sets() -> list[ProcessSet]:
     """The process sets registered now (not the global one)."""
-    return [ps for ps, _ in _STATE.sets.values()]
+    return [ps for ps, _ in STATE.sets.values()]
 
 
 def communicator_of(process_set: Any) -> Communicator:
@@ -240,7 +242,7 @@ def communicator_of(process_set: Any) -> Communicator:
         return comm
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
-    entry = _STATE.sets.get(process_set.process_set_id)  # type: ignore[arg-type]
+    entry = STATE.sets.get(process_set.process_set_id)  # type: ignore[arg-type]
     if entry is None or entry[0] is not process_set:
         raise ValueError(f"{process_set} is not registered: use hvd.add_process_set first")
     if entry[1] is None:

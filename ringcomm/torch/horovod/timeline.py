@@ -39,7 +39,7 @@ from typing import Any, TextIO
 
 from ringcomm.core import trace
 from ringcomm.core.log import get_logger
-from ringcomm.torch import _basics
+from ringcomm.torch.horovod import _basics
 
 __all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "start_from_env",
            "start_timeline", "stop_timeline"]

@@ -8,17 +8,17 @@ from typing import Any
 import torch
 
 from ringcomm.torch import _objects
-from ringcomm.torch._basics import (
+from ringcomm.torch.horovod._basics import (
     Min,
     check_process_set,
     global_process_set,
     rank,
     root_in_set,
 )
-from ringcomm.torch._negotiate import execute
-from ringcomm.torch._ops import Op
-from ringcomm.torch.functions import allreduce, broadcast_async_, synchronize
-from ringcomm.torch.optimizer import base_step
+from ringcomm.torch.horovod._negotiate import execute
+from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod.functions import allreduce, broadcast_async_, synchronize
+from ringcomm.torch.horovod.optimizer import base_step
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters"]

@@ -1,7 +1,7 @@
 """Horovod features ringcomm.torch does not provide: each raises NotImplementedError saying why.
 
-Every refusal is also logged at DEBUG on ``ringcomm.torch.unsupported``, so that a test suite
-can tell a test that passed because an unsupported call raised (NotImplementedError is a
+Every refusal is also logged at DEBUG on ``ringcomm.torch.unsupported``, so that a test
+suite can tell a test that passed because an unsupported call raised (NotImplementedError is a
 RuntimeError, which Horovod's error tests expect) from one that passed on its merits.
 """
 

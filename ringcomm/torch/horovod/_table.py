@@ -1,11 +1,11 @@
 """The table of pending operations: what a negotiation cycle decides, alike on every rank.
 
 Every rank feeds the same messages (every rank's new requests, see
-:mod:`ringcomm.torch._control`) into its table in the same order, so every rank decides the
+:mod:`ringcomm.torch.horovod._control`) into its table in the same order, so every rank decides the
 same: which operations are ready (submitted by every rank, or by every rank that has not
 joined), which fail (fields that differ, a kind that cannot run with joined ranks, a stall),
 in which order they run, and which allreduces run fused. Nothing here talks to other ranks
-or runs anything (see :mod:`ringcomm.torch._negotiate`).
+or runs anything (see :mod:`ringcomm.torch.horovod._negotiate`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ringcomm.core.log import get_logger
-from ringcomm.torch._control import Message, Request, ResponseCache
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
+from ringcomm.torch.horovod._control import Message, Request, ResponseCache
 
 __all__ = ["Entry", "Outcome", "PendingTable", "meta_dtype", "ranks_text"]
 

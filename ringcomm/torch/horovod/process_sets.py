@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import (
+from ringcomm.torch.horovod._basics import (
     ProcessSet,
     global_process_set,
     register_set,
@@ -29,8 +29,8 @@ from ringcomm.torch._basics import (
     size,
     unregister_set,
 )
-from ringcomm.torch._negotiate import coordinator_for, execute, forget
-from ringcomm.torch._ops import Op
+from ringcomm.torch.horovod._negotiate import coordinator_for, execute, forget
+from ringcomm.torch.horovod._ops import Op
 
 __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
 

@@ -16,10 +16,10 @@ import torch
 
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import ReduceOp
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._tensors import Operand
-from ringcomm.torch.unsupported import refusal
+from ringcomm.torch.horovod._basics import ReduceOp
+from ringcomm.torch.horovod.unsupported import refusal
 
 __all__ = ["allreduce_tensor", "parse_op", "scale_"]
 

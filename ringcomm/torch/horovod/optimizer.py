@@ -23,19 +23,19 @@ from typing import Any
 import torch
 
 from ringcomm.codecs.feedback import ErrorFeedback
-from ringcomm.torch._basics import (
+from ringcomm.torch._residuals import ResidualLayouts
+from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
+from ringcomm.torch.horovod._basics import (
     Average,
     ReduceOp,
     communicator_of,
     global_process_set,
 )
-from ringcomm.torch._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
-from ringcomm.torch._negotiate import enqueue
-from ringcomm.torch._ops import Op
-from ringcomm.torch._reduce import parse_op
-from ringcomm.torch._residuals import ResidualLayouts
-from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
-from ringcomm.torch.functions import allreduce_async_, sparse_allreduce_async, synchronize
+from ringcomm.torch.horovod._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
+from ringcomm.torch.horovod._negotiate import enqueue
+from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod._reduce import parse_op
+from ringcomm.torch.horovod.functions import allreduce_async_, sparse_allreduce_async, synchronize
 
 __all__ = ["DistributedOptimizer", "base_step"]
 

@@ -1,7 +1,7 @@
 """Horovod's alltoall on torch tensors.
 
 Each call is one named operation, negotiated like the collectives of
-:mod:`ringcomm.torch.functions`. Results are new tensors; the inputs are left alone.
+:mod:`ringcomm.torch.horovod.functions`. Results are new tensors; the inputs are left alone.
 
 Every rank sends ``splits[d]`` rows to rank ``d`` and receives, in rank order, what each rank
 sends it. The send counts of every rank are gathered first (the same step checks every rank's
@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import global_process_set
 from ringcomm.torch._engine import Handle
-from ringcomm.torch._exchange_util import (
+from ringcomm.torch._tensors import as_array, sync_device
+from ringcomm.torch.horovod._basics import global_process_set
+from ringcomm.torch.horovod._exchange_util import (
     allgather_ints,
     byte_view,
     check_tensor,
@@ -33,9 +34,8 @@ from ringcomm.torch._exchange_util import (
     row_elems,
     total_nbytes,
 )
-from ringcomm.torch._negotiate import enqueue, execute
-from ringcomm.torch._ops import Op, describe
-from ringcomm.torch._tensors import as_array, sync_device
+from ringcomm.torch.horovod._negotiate import enqueue, execute
+from ringcomm.torch.horovod._ops import Op, describe
 
 __all__ = ["alltoall", "alltoall_async"]
 

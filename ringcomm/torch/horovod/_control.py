@@ -1,7 +1,7 @@
 """The control messages of negotiation cycles: a fixed-size header, and a response cache.
 
 Every cycle, every rank tells every other which operations it submitted since its last cycle
-(see :mod:`ringcomm.torch._negotiate`). A request is ``(name, kind, user_name, meta,
+(see :mod:`ringcomm.torch.horovod._negotiate`). A request is ``(name, kind, user_name, meta,
 fusable)``; training steps submit the same requests step after step, so, as in Horovod's
 response cache, a request that every rank once submitted identically and that a cycle found
 ready is kept under a small number (its *slot*), the same on every rank, and travels as that

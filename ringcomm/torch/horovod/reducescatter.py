@@ -1,7 +1,7 @@
 """Horovod's reducescatter and grouped_reducescatter on torch tensors.
 
 Each call is one named operation, negotiated like the collectives of
-:mod:`ringcomm.torch.functions`; a grouped call is a single operation, so its tensors run
+:mod:`ringcomm.torch.horovod.functions`; a grouped call is a single operation, so its tensors run
 together or not at all. Results are new tensors; the inputs are left alone.
 
 The result is the sum (or average) over ranks of a tensor of one shape, split along dimension
@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import Average, ReduceOp, communicator_of, global_process_set
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import HorovodInternalError, collective_error
-from ringcomm.torch._exchange_util import (
+from ringcomm.torch._tensors import Operand, from_array, sync_device
+from ringcomm.torch.compression import Compression, as_compression
+from ringcomm.torch.horovod._basics import Average, ReduceOp, communicator_of, global_process_set
+from ringcomm.torch.horovod._exchange_util import (
     check_tensor,
     check_tensors,
     describe_each,
@@ -37,13 +39,11 @@ from ringcomm.torch._exchange_util import (
     row_elems,
     total_nbytes,
 )
-from ringcomm.torch._negotiate import enqueue, execute
-from ringcomm.torch._ops import Op, describe
-from ringcomm.torch._reduce import scale_
-from ringcomm.torch._tensors import Operand, from_array, sync_device
-from ringcomm.torch.compression import Compression, as_compression
-from ringcomm.torch.functions import allgather
-from ringcomm.torch.grouped_allgather import _gather_op
+from ringcomm.torch.horovod._negotiate import enqueue, execute
+from ringcomm.torch.horovod._ops import Op, describe
+from ringcomm.torch.horovod._reduce import scale_
+from ringcomm.torch.horovod.functions import allgather
+from ringcomm.torch.horovod.grouped_allgather import _gather_op
 
 __all__ = [
     "grouped_reducescatter",
@@ -220,8 +220,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     """Start reducing ``tensor`` over all ranks and scattering the result along dimension 0.
 
     Returns:
-        A handle for :func:`~ringcomm.torch.functions.synchronize`, which returns this rank's
-        rows of the result (see :func:`reducescatter`).
+        A handle for :func:`~ringcomm.torch.horovod.functions.synchronize`, which returns this
+        rank's rows of the result (see :func:`reducescatter`).
 
     Raises:
         TypeError: ``tensor`` is not a tensor.

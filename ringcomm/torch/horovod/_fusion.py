@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._basics import ReduceOp
-from ringcomm.torch._ops import ReduceSpec
-from ringcomm.torch._reduce import allreduce_tensor
 from ringcomm.torch._residuals import Layout, ResidualLayouts
 from ringcomm.torch._tensors import Operand
+from ringcomm.torch.horovod._basics import ReduceOp
+from ringcomm.torch.horovod._ops import ReduceSpec
+from ringcomm.torch.horovod._reduce import allreduce_tensor
 
 __all__ = ["DEFAULT_FUSION_BYTES", "Bucket", "Reduction", "fusion_threshold", "plan_buckets",
            "reduce_fused"]

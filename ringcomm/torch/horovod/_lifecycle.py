@@ -1,8 +1,8 @@
 """Starting and stopping the Horovod-style surface: ``hvd.init()`` and ``hvd.shutdown()``.
 
-Above every module whose state they start (the communicator of :mod:`ringcomm.torch._basics`,
-the engine, the negotiation's coordinator, process sets, the timeline), so that those modules
-import only downwards.
+Above every module whose state they start (the communicator of
+:mod:`ringcomm.torch.horovod._basics`, the engine, the negotiation's coordinator, process
+sets, the timeline), so that those modules import only downwards.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_at_start
 from ringcomm.core.env import env, env_flag
-from ringcomm.torch import timeline
-from ringcomm.torch._basics import _LOCK, _STATE, registered_sets, unregister_set
-from ringcomm.torch._control import cache_capacity
 from ringcomm.torch._engine import engine_for
-from ringcomm.torch._fusion import fusion_threshold
-from ringcomm.torch._negotiate import coordinator_for, env_float, forget
+from ringcomm.torch.horovod import timeline
+from ringcomm.torch.horovod._basics import STATE, STATE_LOCK, registered_sets, unregister_set
+from ringcomm.torch.horovod._control import cache_capacity
+from ringcomm.torch.horovod._fusion import fusion_threshold
+from ringcomm.torch.horovod._negotiate import coordinator_for, env_float, forget
+from ringcomm.torch.horovod.process_sets import add_process_set
+from ringcomm.torch.horovod.unsupported import refusal
 from ringcomm.torch.process_group import new_communicator
-from ringcomm.torch.process_sets import add_process_set
-from ringcomm.torch.unsupported import refusal
 
 __all__ = ["init", "shutdown"]
 
@@ -52,22 +52,22 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
     if isinstance(comm, (list, tuple)):
         raise refusal("init(comm=<list of ranks>): start the job with those ranks, or use "
                       "hvd.add_process_set for collectives among some of them")
-    with _LOCK:
-        if _STATE.comm is not None and not _STATE.comm.closed:
+    with STATE_LOCK:
+        if STATE.comm is not None and not STATE.comm.closed:
             return
         # Read without raising: a bad value on one rank is raised on every rank once the
         # communicator is up (raised here alone, it would leave the others waiting for it).
         settings, problem = _horovod_settings()
         if isinstance(comm, Communicator):
-            _STATE.comm, _STATE.owned = comm, False
+            STATE.comm, STATE.owned = comm, False
         else:
-            _STATE.comm, _STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
+            STATE.comm, STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
         try:
             _start(settings, problem)
         except BaseException:
-            if _STATE.owned:
-                _STATE.comm.close()
-            _STATE.comm, _STATE.engine = None, None  # not half started: init may run again
+            if STATE.owned:
+                STATE.comm.close()
+            STATE.comm, STATE.engine = None, None  # not half started: init may run again
             raise
     if process_sets is not None and process_sets != "dynamic":
         for ps in process_sets:
@@ -77,12 +77,12 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 def _start(settings: dict[str, Any], problem: Exception | None) -> None:
     """Agree on the Horovod settings over the new communicator, then start the engine, the
     negotiation and the timeline (collective)."""
-    agree_at_start(_STATE.comm.transport, settings, problem)
-    if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and _STATE.owned:
-        _STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
-    _STATE.engine = engine_for(_STATE.comm)
-    coordinator_for(_STATE.comm)  # collective: its control channel is split here
-    timeline.start_from_env(_STATE.comm.rank)  # HOROVOD_TIMELINE
+    agree_at_start(STATE.comm.transport, settings, problem)
+    if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and STATE.owned:
+        STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
+    STATE.engine = engine_for(STATE.comm)
+    coordinator_for(STATE.comm)  # collective: its control channel is split here
+    timeline.start_from_env(STATE.comm.rank)  # HOROVOD_TIMELINE
 
 
 def _horovod_settings() -> tuple[dict[str, Any], Exception | None]:
@@ -133,11 +133,11 @@ def shutdown() -> None:
         if sub is not None:
             forget(sub)
             sub.close()
-    with _LOCK:
-        if _STATE.comm is not None:
-            forget(_STATE.comm)
-        if _STATE.engine is not None:
-            _STATE.engine.close()
-        if _STATE.comm is not None and _STATE.owned:
-            _STATE.comm.close()
-        _STATE.comm, _STATE.engine, _STATE.owned = None, None, False
+    with STATE_LOCK:
+        if STATE.comm is not None:
+            forget(STATE.comm)
+        if STATE.engine is not None:
+            STATE.engine.close()
+        if STATE.comm is not None and STATE.owned:
+            STATE.comm.close()
+        STATE.comm, STATE.engine, STATE.owned = None, None, False

@@ -1,11 +1,11 @@
 """Running what a negotiation cycle decided: one group of operations at a time.
 
 A group is one operation, or allreduces fused into one collective (see
-:meth:`ringcomm.torch._table.PendingTable.groups`). It runs on whichever thread runs the cycle
-(see :mod:`ringcomm.torch._negotiate`), in the same surroundings on every thread: as the
-coordinator's caller for the communicator's cross-rank checks, with the communicator's CUDA
-device current, outside inference mode; its outcome goes to the handles of the operations this
-rank submitted, and to the timeline.
+:meth:`ringcomm.torch.horovod._table.PendingTable.groups`). It runs on whichever thread runs the
+cycle (see :mod:`ringcomm.torch.horovod._negotiate`), in the same surroundings on every thread:
+as the coordinator's caller for the communicator's cross-rank checks, with the communicator's
+CUDA device current, outside inference mode; its outcome goes to the handles of the operations
+this rank submitted, and to the timeline.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.callers import calls_as
-from ringcomm.torch._basics import ReduceOp
 from ringcomm.torch._errors import HorovodInternalError
-from ringcomm.torch._fusion import reduce_fused
-from ringcomm.torch._ops import ReduceSpec
-from ringcomm.torch._table import Outcome, meta_dtype
 from ringcomm.torch._tensors import device_scope
+from ringcomm.torch.horovod._basics import ReduceOp
+from ringcomm.torch.horovod._fusion import reduce_fused
+from ringcomm.torch.horovod._ops import ReduceSpec
+from ringcomm.torch.horovod._table import Outcome, meta_dtype
 
 __all__ = ["run_group"]
 
