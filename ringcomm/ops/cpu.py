@@ -26,6 +26,7 @@ from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array
 from ringcomm.ops import _topk_plan as _plan
 from ringcomm.ops import numpy as _ref
+from ringcomm.ops._host import int8_views, scratch, top
 from ringcomm.ops.numpy import (
     ascontiguous,
     cast_nbytes,
@@ -186,7 +187,7 @@ def _int8_payload(payload: Array, n: int, block: int) -> tuple[np.ndarray, np.nd
     """The (scales, q) views of an int8 payload of ``n`` elements, or None if they don't fit."""
     if not _bytes(payload):
         return None
-    scales, q = _ref.int8_views(payload, n, block)
+    scales, q = int8_views(payload, n, block)
     ok = _fits(scales, _F32, -(-n // block)) and _fits(q, np.int8, n)
     return (scales, q) if ok else None
 
@@ -242,7 +243,7 @@ def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, 
         _ref.int8_hop(payload, own, out, block, stochastic=stochastic, seed=seed, base=base,
                       error=error)
         return
-    acc = _ref.scratch("int8.block", min(n, block))
+    acc = scratch("int8.block", min(n, block))
     if stochastic:
         fn(*received, own, *sent, block, seed & _MASK, base & _MASK, *_stochastic_error(err),
            acc)
@@ -323,7 +324,7 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     threshold = np.partition(sample, size - want)[size - want]
     # A NaN threshold lets every entry through, as the reference's "not below" does.
     floor = 0 if np.isnan(threshold) else int(threshold.view(np.uint32))
-    cand = _ref.scratch("topk.cand", 2 * rank + 64, np.int64)
+    cand = scratch("topk.cand", 2 * rank + 64, np.int64)
     count = fn(x, floor, cand)
     if count > cand.size:
         cand = np.empty(count, np.int64)
@@ -331,5 +332,5 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     if count < k:  # too few passed: the reference selects from the whole array
         return _ref.topk(x, k, seed=seed)
     cand = cand[:count]
-    idx = cand[_ref.top(np.bitwise_and(bits[cand], _MAG), k)].astype(np.int32)
+    idx = cand[top(np.bitwise_and(bits[cand], _MAG), k)].astype(np.int32)
     return idx, x[idx]

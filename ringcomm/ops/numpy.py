@@ -14,13 +14,13 @@ module with its codecs compiled).
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import numpy as np
 
 from ringcomm.core.types import ReduceOp
 from ringcomm.ops import _topk_plan as _plan
+from ringcomm.ops._host import int8_views, scratch, top
 
 __all__ = [
     "ascontiguous",
@@ -128,12 +128,6 @@ def int8_nbytes(n: int, block: int) -> int:
     return pad8(4 * (-(-n // block)) + n)
 
 
-def int8_views(payload: np.ndarray, n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (scales, values) views of an int8 payload of ``n`` elements in blocks of ``block``."""
-    nb = -(-n // block)
-    return payload[: 4 * nb].view(_F32), payload[4 * nb: 4 * nb + n].view(np.int8)
-
-
 def _blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """``x`` as (full blocks x block) and its partial tail block."""
     full = x.size // block * block
@@ -183,17 +177,6 @@ def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> No
     zero_nonfinite(error)
 
 
-def scratch(tag: str, n: int, dtype: Any = _F32) -> np.ndarray:
-    """A per-thread reusable buffer: the codecs run segment after segment, and fresh arrays
-    would page-fault on every one."""
-    cache = _SCRATCH.__dict__
-    buf = cache.get(tag)
-    if buf is None or buf.size < n or buf.dtype != dtype:
-        buf = cache[tag] = np.empty(max(n, 1), dtype)
-    return buf[:n]
-
-
-_SCRATCH = threading.local()
 # Blocks whose absmax lies outside [_TINY, _HUGE] (zero, subnormal-small, Inf, NaN) quantize to
 # q = 0; 127 / absmax is finite for every block inside.
 _TINY = np.float32(127) / np.finfo(np.float32).max
@@ -338,21 +321,6 @@ def _at_least(mag: np.ndarray, thr: float) -> np.ndarray:
     below = np.less(mag, thr, out=scratch("topk.mask", mag.size, np.bool_))
     np.logical_not(below, out=below)
     return np.flatnonzero(below)
-
-
-def top(keys: np.ndarray, k: int) -> np.ndarray:
-    """Indices, ascending, of the ``k`` largest keys; of the entries tied at the k-th largest,
-    those with the lowest indices (as the GPU's radix select takes them)."""
-    n = keys.size
-    if k >= n:
-        return np.arange(n)
-    kth = np.partition(keys, n - k)[n - k]
-    cand = np.flatnonzero(keys >= kth)
-    if cand.size > k:  # more ties at the k-th than fit: drop the last ones
-        tie = keys[cand] == kth
-        kept_ties = np.count_nonzero(tie) - (cand.size - k)
-        cand = cand[~tie | (np.cumsum(tie) <= kept_ties)]
-    return cand
 
 
 def sample_threshold(mag: np.ndarray, k: int, seed: int) -> float:
