@@ -188,8 +188,8 @@ def _sync_for(x: Any) -> Any:
 
 
 def time_variants(world: Any, fns: dict[str, Any], iters: int, warmup: int,
-                  sync: Any) -> dict[str, float]:
-    """Median over iterations of the slowest rank's time, each variant timed in turn.
+                  sync: Any) -> dict[str, np.ndarray]:
+    """Each iteration's slowest-rank time of every variant, each variant timed in turn.
 
     The order rotates every iteration, so each variant follows each other one equally often
     (what ran just before, e.g. a memcpy that evicted the caches, changes the next timing).
@@ -212,7 +212,13 @@ def time_variants(world: Any, fns: dict[str, Any], iters: int, warmup: int,
     from mpi4py import MPI
 
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return {name: float(np.median(times[k])) for k, name in enumerate(fns)}
+    return {name: times[k] for k, name in enumerate(fns)}
+
+
+def quartiles(values: np.ndarray) -> tuple[float, float, float]:
+    """The first quartile, median and third quartile of ``values``."""
+    q1, q2, q3 = np.percentile(values, [25, 50, 75])
+    return float(q1), float(q2), float(q3)
 
 
 def memcpy_fn(nbytes: int, rank: int) -> Any:
@@ -383,7 +389,8 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
     base = baseline_fns(baselines, world, x, args.op)
     if not args.no_memcpy:
         base["memcpy"] = memcpy_fn(nbytes, comm.rank)
-    medians = time_variants(world, {**fns, **base}, args.iters, args.warmup_iters, sync)
+    samples = time_variants(world, {**fns, **base}, args.iters, args.warmup_iters, sync)
+    medians = {name: float(np.median(s)) for name, s in samples.items()}
     memcpy = medians.get("memcpy")
     rows, dense_wire = [], None
     for label, comp in variants:
@@ -396,7 +403,9 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
         algbw = nbytes / t / 1e9
         row: dict[str, Any] = {
             "size": nbytes, "count": count, "type": args.datatype, "redop": args.op,
-            "compression": label, "time_us": t * 1e6, "algbw": algbw,
+            "compression": label, "time_us": t * 1e6,
+            "time_q1_us": quartiles(samples[label])[0] * 1e6,
+            "time_q3_us": quartiles(samples[label])[2] * 1e6, "algbw": algbw,
             "busbw": algbw * 2 * (n - 1) / n if n > 1 else algbw, "wire_bytes": wire,
         }
         if isinstance(comp, ringcomm.Auto):  # what "auto" picked at this size
@@ -415,6 +424,9 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
                 row[f"{b}_time_us"] = bt * 1e6
                 row[f"{b}_busbw"] = nbytes / bt / 1e9 * (2 * (n - 1) / n if n > 1 else 1)
                 row[f"vs_{b}"] = bt / t
+                # ringcomm's time over the baseline's, per iteration (both timed in it).
+                q1, q2, q3 = quartiles(samples[label] / samples[b])
+                row[f"over_{b}"], row[f"over_{b}_q1"], row[f"over_{b}_q3"] = q2, q1, q3
         if memcpy:
             row["memcpy_GBps"] = nbytes / memcpy / 1e9
             row["busbw_vs_memcpy"] = row["busbw"] / row["memcpy_GBps"]

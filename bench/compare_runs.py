@@ -56,6 +56,28 @@ def table(before: list[str], after: list[str]) -> list[str]:
     return lines
 
 
+def spread_table(before: list[str], after: list[str]) -> list[str]:
+    """Per size, each version's time over MPI's: the median over runs of each run's per-call
+    median, with the first and third quartiles of the per-call ratios (median over runs); empty
+    for runs made before ``allreduce_perf.py`` kept the quartiles."""
+    b, a = _rows(before), _rows(after)
+    sizes = sorted(size for size in set(a) & set(b)
+                   if all("over_mpi_q1" in r for r in a[size] + b[size]))
+    if not sizes:
+        return []
+    lines = ["| size | before / MPI: median [q1, q3] | after / MPI: median [q1, q3] |",
+             "|---|---|---|"]
+
+    def spread(rows: list[dict[str, Any]]) -> str:
+        q1, q2, q3 = (statistics.median(r[k] for r in rows)
+                      for k in ("over_mpi_q1", "over_mpi", "over_mpi_q3"))
+        return f"{q2:.2f} [{q1:.2f}, {q3:.2f}]"
+
+    for size in sizes:
+        lines.append(f"| {_size(size)} | {spread(b[size])} | {spread(a[size])} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", nargs="+", required=True, help="JSON runs of the old tree")
@@ -63,7 +85,10 @@ def main() -> None:
     parser.add_argument("--markdown", help="write the table here (else print it)")
     parser.add_argument("--title", default="Dense allreduce, before and after")
     args = parser.parse_args()
-    text = "\n".join([f"# {args.title}", "", *table(args.before, args.after), ""])
+    spread = spread_table(args.before, args.after)
+    text = "\n".join([f"# {args.title}", "", *table(args.before, args.after), "",
+                      *(["Time over MPI's in the same iterations, with the spread of the "
+                         "per-call ratios:", "", *spread, ""] if spread else [])])
     if args.markdown:
         Path(args.markdown).write_text(text)
     print(text)

@@ -169,6 +169,7 @@ class MPITransport(TransportBase):
         # More ranks than cores: spin the whole wait, yielding the core (see _SPIN_S).
         self._yield = False
         self._stranded: list[Any] = []  # requests of timed-out waits, kept with their buffers
+        self._persistent: list[Any] = []  # prepared allgathers, freed at close
         self._ctl = base  # until the duplicates exist, a timeout aborts through base
         self.operation = "init"
         dups = [base.Idup() for _ in range(3)]
@@ -259,6 +260,24 @@ class MPITransport(TransportBase):
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._wait_one(self._ctl.Iallgather(send, recv), "allgather")
 
+    def prepare_allgather(self, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]:
+        """A persistent allgather (MPI-4 ``MPI_Allgather_init``) of these buffers, started
+        and waited for within the timeout on each call: about half the time of setting up
+        a nonblocking one per call (measured with MPICH 5 at 2 ranks, bench/results/). Where
+        the library has no persistent collectives, the nonblocking one per call."""
+        try:
+            req = self._ctl.Allgather_init(send, recv)
+        except NotImplementedError:  # an MPI before 4.0
+            return super().prepare_allgather(send, recv)
+        self._persistent.append(req)
+        start, test, wait = req.Start, req.Test, self._wait
+
+        def allgather() -> None:
+            start()
+            if not test():
+                wait(test, [req], None, "allgather")
+        return allgather
+
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
         if not (_ops.is_device_array(x) or _ops.is_device_array(out)):
@@ -315,6 +334,10 @@ class MPITransport(TransportBase):
 
     def close(self) -> None:
         self.release_scratch()
+        for req in self._persistent:
+            if req.Test():  # inactive (one left running by a timeout stays allocated)
+                req.Free()
+        self._persistent.clear()
         for comm in (self._ring, self._p2p, self._ctl):
             comm.Free()
 

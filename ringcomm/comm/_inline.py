@@ -62,19 +62,21 @@ class InlinePlan:
         self.agreement, self.spec, self.op = agreement, spec, op
         self.threads = agreement.threads
         t = agreement.transport
-        self.allgather, self.stats = t.allgather_fixed, t.stats
+        self.stats = t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
         self.header = spec.header(agreement.segment_bytes)
         self.buffers = agreement.exchange_buffers()
-        self.rows = agreement.inline_rows(self.buffers[1], x.dtype, x.size)
-        self.volume = self.buffers[0].nbytes * (t.size - 1)
+        self.allgather = self.buffers.allgather
+        self.rows = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)
+        self.volume = self.buffers.send.nbytes * (t.size - 1)
         # Views made once, as each costs a few hundred ns on a path of a few microseconds:
         # where x's bytes go, each rank's received header, and the two rows of a 2-rank job.
-        _, recv, view = self.buffers
+        recv, view = self.buffers.recv, self.buffers.view
         self.data = view[HEADER_BYTES:HEADER_BYTES + self.nbytes]
+        # The other ranks' received headers (this rank's is the one it sent).
         received = memoryview(recv).cast("B")
         self.heads = [received[r * recv.shape[1]: r * recv.shape[1] + HEADER_BYTES]
-                      for r in range(t.size)]
+                      for r in range(t.size) if r != t.rank]
         self.pair = tuple(self.rows) if t.size == 2 and self._direct(x.dtype, op) else None
         self.ufunc = _UFUNCS[op]
 
@@ -100,11 +102,11 @@ class InlinePlan:
             self.header = self.spec.header(self.agreement.segment_bytes)
         if twins is not None:  # raised on every rank
             self.agreement.exchange(self.spec.with_error(twins))
-        send, recv, view = self.buffers
+        view = self.buffers.view
         view[:HEADER_BYTES] = self.header
         if self.nbytes:
             self.data[:] = memoryview(x).cast("B")
-        self.allgather(send, recv)
+        self.allgather()
         stats = self.stats
         stats.bytes_sent += self.volume
         stats.bytes_received += self.volume
@@ -112,13 +114,13 @@ class InlinePlan:
         for head in self.heads:
             if head != header:
                 self.agreement.verify(self.spec, np.ascontiguousarray(
-                    recv[:, :HEADER_BYTES]).view(np.int64))
+                    self.buffers.recv[:, :HEADER_BYTES]).view(np.int64))
                 break
         result = np.empty(self.shape, self.dtype) if out is None else out
         if self.nbytes:
             pair = self.pair
             if pair is not None and result.flags.c_contiguous:
-                self.ufunc(pair[0], pair[1], out=result.reshape(-1))
+                self.ufunc(pair[0], pair[1], result if result.ndim == 1 else result.reshape(-1))
             else:
                 _reduce_rows(self.rows, result, self.op)
         return result

@@ -62,7 +62,8 @@ class PlanCache:
         if plan is None or (plan.inline is not None and not x.flags.c_contiguous):
             return None
         if out is None or (type(out) is np.ndarray and out.shape == x.shape
-                           and out.dtype == x.dtype and out.flags.writeable
+                           and (out.dtype is x.dtype or out.dtype == x.dtype)
+                           and out.flags.writeable
                            and (out is x or not np.may_share_memory(x, out))):
             return plan
         return None

@@ -13,7 +13,8 @@ sent with every collective.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from ringcomm.core.types import (
     check_movable,
 )
 
-__all__ = ["HEADER_BYTES", "INLINE_BYTES", "Agreement", "CallSpec", "host_bytes"]
+__all__ = ["HEADER_BYTES", "INLINE_BYTES", "Agreement", "CallSpec", "ExchangeBuffers", "host_bytes"]
 
 INLINE_BYTES = DEFAULT_INLINE_BYTES
 # Header words, in order.
@@ -157,6 +158,15 @@ class CallSpec:
         }
 
 
+class ExchangeBuffers(NamedTuple):
+    """The exchange's host buffers and the allgather prepared on them."""
+
+    send: np.ndarray  #: this rank's header and inlined array
+    recv: np.ndarray  #: every rank's, one row each
+    view: memoryview  #: of ``send``, for cheap byte copies
+    allgather: Callable[[], None]  #: ``allgather_fixed(send, recv)``, prepared
+
+
 class Agreement:
     """The per-call agreement of one communicator: its exchange buffers and its settings.
 
@@ -214,15 +224,16 @@ class Agreement:
         recv = self.exchange(spec)
         return np.ascontiguousarray(recv[:, :HEADER_BYTES]).view(np.int64)
 
-    def exchange_buffers(self) -> tuple[np.ndarray, np.ndarray, memoryview]:
-        """The host buffers of the exchange (reused by every call): send, receive, and a
-        memoryview of send for cheap byte copies."""
+    def exchange_buffers(self) -> ExchangeBuffers:
+        """The host buffers of the exchange, reused by every call, with the allgather
+        prepared on them (made by the first exchange, at the same call on every rank)."""
         bufs = self._buffers.get("exchange")
         if bufs is None:
             nbytes = HEADER_BYTES + self.inline_bytes
             send = np.zeros(nbytes, np.uint8)
-            bufs = self._buffers["exchange"] = (
-                send, np.empty((self.transport.size, nbytes), np.uint8), memoryview(send))
+            recv = np.empty((self.transport.size, nbytes), np.uint8)
+            bufs = self._buffers["exchange"] = ExchangeBuffers(
+                send, recv, memoryview(send), self.transport.prepare_allgather(send, recv))
         return bufs
 
     def inline_rows(self, recv: np.ndarray, dtype: np.dtype, size: int) -> np.ndarray:
@@ -246,12 +257,12 @@ class Agreement:
             twins = self.threads.conflict(spec.caller)
             if twins is not None:
                 spec = spec.with_error(twins)
-        send, recv, view = self.exchange_buffers()
+        send, recv, view, allgather = self.exchange_buffers()
         header = spec.header(self.segment_bytes)
         view[:HEADER_BYTES] = header
         if inline is not None:
             view[HEADER_BYTES:HEADER_BYTES + inline.nbytes] = host_bytes(inline)
-        t.allgather_fixed(send, recv)
+        allgather()
         stats, volume = t.stats, send.nbytes * (t.size - 1)
         stats.bytes_sent += volume
         stats.bytes_received += volume

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -178,6 +180,10 @@ class TransportBase:
     def wait_gpu(self, what: str) -> None:
         """Wait, within the timeout, for the device work queued so far: none here."""
         return None
+
+    def prepare_allgather(self, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]:
+        """``allgather_fixed`` of these buffers, called as it is (no persistent form here)."""
+        return functools.partial(self.allgather_fixed, send, recv)
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """No native allreduce: the ring runs."""

@@ -8,6 +8,7 @@ supported dtypes), which every layer reads instead of keeping its own.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
@@ -279,6 +280,11 @@ class Transport(Protocol):
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Allgather equal-sized host byte buffers (``recv`` holds size * send.nbytes)."""
+
+    def prepare_allgather(self, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]:
+        """``allgather_fixed(send, recv)`` prepared for repeated calls on the same buffers:
+        each call of the result runs it (collective). Prepare it at the same point of the
+        call sequence on every rank (a persistent collective's setup counts as one)."""
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""

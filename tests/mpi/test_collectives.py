@@ -106,3 +106,28 @@ def test_small_bfloat16_allreduce_without_the_check(world, rng):
         np.testing.assert_allclose(c.allreduce(z).astype(np.float64), exact, rtol=2 ** -7)
     finally:
         c.close()
+
+
+def test_prepared_allgather_repeats_on_its_buffers(world):
+    """The transport's prepared allgather (a persistent MPI_Allgather_init where MPI has one)
+    gathers what the buffers hold at each call, between other collectives on the same
+    communicator, and is released with the transport."""
+    import ringcomm
+
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    try:
+        t = c.transport
+        send = np.zeros(24, np.uint8)
+        recv = np.empty((c.size, 24), np.uint8)
+        gather = t.prepare_allgather(send, recv)
+        for step in range(5):
+            send[:] = 10 * step + c.rank
+            gather()
+            expected = np.repeat((10 * step + np.arange(c.size)).astype(np.uint8)[:, None], 24, 1)
+            np.testing.assert_array_equal(recv, expected)
+            # Other collectives between the prepared one's calls keep their own matching.
+            np.testing.assert_array_equal(c.allreduce(np.full(3, step + 1.0)),
+                                          np.full(3, (step + 1.0) * c.size))
+        assert world.allgather(type(gather).__name__) == [type(gather).__name__] * c.size
+    finally:
+        c.close()
