@@ -267,6 +267,18 @@ def test_cast_compressors_compress_as_horovods(name, dtype):
     assert as_compression(getattr(ringcomm, name.upper())()).compress(x)[0].dtype == dtype
 
 
+def test_horovod_compression_takes_an_auto():
+    """hvd's DistributedOptimizer and collectives take a ringcomm.Auto as they take a ringcomm
+    compressor: run by the ring, with error feedback."""
+    import ringcomm
+    from ringcomm.torch.compression import RingCompressor, as_compression, ring_of
+
+    mine = ringcomm.Auto((None, ringcomm.Int8()))
+    wrapped = as_compression(mine)
+    assert isinstance(wrapped, RingCompressor) and wrapped.ring is mine
+    assert wrapped.error_feedback and ring_of(wrapped) is mine
+
+
 def test_ringcomm_state_takes_auto_as_comm_allreduce_does():
     """RingcommState(compression="auto") is ringcomm.Auto(); another string is refused, naming
     what it got and what it takes."""
@@ -274,5 +286,8 @@ def test_ringcomm_state_takes_auto_as_comm_allreduce_does():
     from ringcomm.torch import RingcommState
 
     assert isinstance(RingcommState(compression="auto").compression, ringcomm.Auto)
+    # An Auto of the user's own candidates, as comm.allreduce(compression=Auto(...)) takes it.
+    mine = ringcomm.Auto((None, ringcomm.Int8()))
+    assert RingcommState(compression=mine).compression is mine
     with pytest.raises(TypeError, match=r"\"auto\" or hvd.Compression.<name>, got 'int8'"):
         RingcommState(compression="int8")

@@ -38,6 +38,10 @@ class Compressor:
         raise NotImplementedError("a Compressor must define decompress()")
 
 
+#: What the ring takes as compression besides None: a compressor, or the policy choosing one.
+_RING_KINDS = (_RingCompressor, ringcomm.Auto)
+
+
 class NoneCompressor(Compressor):
     """No compression."""
 
@@ -54,7 +58,8 @@ class RingCompressor(NoneCompressor):
     """Compression applied by the ring to what it sends; the tensor itself passes unchanged.
 
     Args:
-        ring: the ringcomm compressor (``ringcomm.Int8()``, ``ringcomm.TopK(0.01)``, ...).
+        ring: the ringcomm compressor (``ringcomm.Int8()``, ``ringcomm.TopK(0.01)``, ...), or
+            a ``ringcomm.Auto`` choosing one per call.
         error_feedback: whether DistributedOptimizer keeps per-parameter residuals of what this
             compressor drops (on for int8 and top-k; the casts round like Horovod's fp16).
 
@@ -62,9 +67,10 @@ class RingCompressor(NoneCompressor):
         TypeError: ``ring`` is not a ringcomm compressor.
     """
 
-    def __init__(self, ring: _RingCompressor, *, error_feedback: bool) -> None:
-        if not isinstance(ring, _RingCompressor):
-            raise TypeError(f"expected a ringcomm compressor, got {type(ring).__name__}")
+    def __init__(self, ring: _RingCompression, *, error_feedback: bool) -> None:
+        if not isinstance(ring, _RING_KINDS):
+            raise TypeError(f"expected a ringcomm compressor or ringcomm.Auto, got "
+                            f"{type(ring).__name__}")
         self.ring = ring
         self.error_feedback = bool(error_feedback)
 
@@ -153,7 +159,8 @@ def as_compression(compression: Any) -> Any:
     """Return ``compression`` as something with Horovod's compress/decompress.
 
     Accepts None (no compression), a Horovod-style compressor (class or instance), or a ringcomm
-    compressor (wrapped; lossy ones other than the casts get error feedback).
+    compressor or ``ringcomm.Auto`` (wrapped; lossy ones other than the casts get error
+    feedback).
 
     Raises:
         TypeError: anything else.
@@ -162,7 +169,7 @@ def as_compression(compression: Any) -> Any:
         return Compression.none
     if isinstance(compression, (ringcomm.FP16, ringcomm.BF16)):
         return _cast(compression)
-    if isinstance(compression, _RingCompressor):
+    if isinstance(compression, _RING_KINDS):
         return RingCompressor(compression, error_feedback=True)
     if callable(getattr(compression, "compress", None)) and callable(
             getattr(compression, "decompress", None)):
@@ -175,8 +182,8 @@ def as_compression(compression: Any) -> Any:
 def ring_of(compression: Any) -> _RingCompression | None:
     """The ringcomm compressor that ``compression`` asks the ring to run (what the DDP hook
     takes): None for none (None, ``hvd.Compression.none``), the one ``hvd.Compression.<name>``
-    wraps, an ``Auto`` for ``"auto"`` (as ``comm.allreduce`` takes it), a ringcomm compressor as
-    it is.
+    wraps, an ``Auto`` for ``"auto"`` (as ``comm.allreduce`` takes it), a ringcomm compressor or
+    an ``Auto`` as it is.
 
     Raises:
         TypeError: anything else (a Horovod-style compressor of torch tensors included: the
@@ -188,7 +195,7 @@ def ring_of(compression: Any) -> _RingCompression | None:
         return compression.ring
     if compression is None or isinstance(compression, NoneCompressor):
         return None
-    if isinstance(compression, _RingCompressor):
+    if isinstance(compression, _RING_KINDS):
         return compression
     raise TypeError(
         "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...), "

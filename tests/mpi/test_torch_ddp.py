@@ -178,7 +178,9 @@ def digits_accuracy():
         pytest.skip(f"the global batch of {DIGITS_BATCH} does not split over {SIZE} ranks")
     steps = len(digits()[1]) // DIGITS_BATCH
     settings = {"none": (None, 0), "int8": (ringcomm.Int8(), 2),
-                "topk": (ringcomm.TopK(0.01), DIGITS_WARMUP_EPOCHS * steps)}
+                "topk": (ringcomm.TopK(0.01), DIGITS_WARMUP_EPOCHS * steps),
+                # An Auto of the user's own candidates (a policy, not a compressor).
+                "auto": (ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8())), 2)}
     accuracy = {}
     for name, (compression, start) in settings.items():
         model = DDP(digits_mlp())
@@ -196,6 +198,11 @@ def test_digits_through_hook_dense_learns(digits_accuracy):
 @pytest.mark.slow
 def test_digits_through_hook_int8_within_one_point(digits_accuracy):
     assert digits_accuracy["int8"] >= digits_accuracy["none"] - 0.01
+
+
+@pytest.mark.slow
+def test_digits_through_hook_auto_within_one_point(digits_accuracy):
+    assert digits_accuracy["auto"] >= digits_accuracy["none"] - 0.01
 
 
 @pytest.mark.slow
