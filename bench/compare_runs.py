@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _rows(paths: list[str]) -> dict[int, list[dict[str, Any]]]:
+def _rows(paths: list[str], compression: str = "none") -> dict[int, list[dict[str, Any]]]:
     by_size: dict[int, list[dict[str, Any]]] = {}
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
-            if row.get("compression", "none") == "none":
+            if row.get("compression", "none") == compression:
                 by_size.setdefault(int(row["size"]), []).append(row)
     return by_size
 
@@ -37,9 +37,9 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def table(before: list[str], after: list[str]) -> list[str]:
-    """The Markdown lines comparing the two sets of runs."""
-    b, a = _rows(before), _rows(after)
+def table(before: list[str], after: list[str], compression: str = "none") -> list[str]:
+    """The Markdown lines comparing the two sets of runs (rows of one ``compression``)."""
+    b, a = _rows(before, compression), _rows(after, compression)
     lines = [
         "| size | before (µs) | after (µs) | after / before | before / MPI | after / MPI "
         "| after / before, MPI-normalised |",
@@ -84,9 +84,12 @@ def main() -> None:
     parser.add_argument("--after", nargs="+", required=True, help="JSON runs of the new tree")
     parser.add_argument("--markdown", help="write the table here (else print it)")
     parser.add_argument("--title", default="Dense allreduce, before and after")
+    parser.add_argument("--compression", default="none",
+                        help="the variant compared (allreduce_perf's label: none, int8, ...)")
     args = parser.parse_args()
     spread = spread_table(args.before, args.after)
-    text = "\n".join([f"# {args.title}", "", *table(args.before, args.after), "",
+    text = "\n".join([f"# {args.title}", "",
+                      *table(args.before, args.after, args.compression), "",
                       *(["Time over MPI's in the same iterations, with the spread of the "
                          "per-call ratios:", "", *spread, ""] if spread else [])])
     if args.markdown:
