@@ -4,7 +4,8 @@ The library is looked up in the nvidia-nccl-cu12 / nvidia-nccl-cu13 wheels first
 it as ``nvidia/nccl/lib/libnccl.so.2``; ``nvidia/cu13/lib`` is searched too), then wherever the
 dynamic loader finds ``libnccl.so.2`` (a site NCCL on ``LD_LIBRARY_PATH``). Loading, version
 and unique-id calls need no GPU. Reduce ops take their ncclRedOp_t from the one table of
-reduce ops (``ReduceOp.X.spec.nccl``).
+reduce ops (``ReduceOp.X.spec.nccl``). One module, about 400 lines: the prototypes and the
+calls of one C library, side by side.
 """
 
 from __future__ import annotations
