@@ -248,8 +248,12 @@ def digits_accuracy(h):
     pytest.importorskip("sklearn")
     if DIGITS_BATCH % SIZE:
         pytest.skip(f"the global batch of {DIGITS_BATCH} does not split over {SIZE} ranks")
+    import ringcomm
+
     settings = {"none": h.Compression.none, "int8": h.Compression.int8,
-                "topk": h.Compression.topk(0.01)}
+                "topk": h.Compression.topk(0.01),
+                # A ringcomm.Auto as the compression (a policy, wrapped as a compressor is).
+                "auto": ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8()))}
     accuracy = {}
     for name, compression in settings.items():
         model = digits_mlp()
@@ -267,6 +271,11 @@ def test_digits_through_optimizer_dense_learns(digits_accuracy):
 @pytest.mark.slow
 def test_digits_through_optimizer_int8_within_one_point(digits_accuracy):
     assert digits_accuracy["int8"] >= digits_accuracy["none"] - 0.01
+
+
+@pytest.mark.slow
+def test_digits_through_optimizer_auto_within_one_point(digits_accuracy):
+    assert digits_accuracy["auto"] >= digits_accuracy["none"] - 0.01
 
 
 @pytest.mark.slow
