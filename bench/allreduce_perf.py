@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the rows and the machine as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot busbw and time against size (PNG)")
     p.add_argument("--title", help="the plot's title")
+    p.add_argument("--phases", type=int, default=0, metavar="CALLS",
+                   help="after the timing, run each variant CALLS more times with a tracer and "
+                        "report the seconds per call of every phase span (slowest rank)")
     args = p.parse_args(argv)
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1:
         p.error("need minbytes <= maxbytes, stepfactor >= 2, iters >= 1")
@@ -219,6 +222,40 @@ def quartiles(values: np.ndarray) -> tuple[float, float, float]:
     """The first quartile, median and third quartile of ``values``."""
     q1, q2, q3 = np.percentile(values, [25, 50, 75])
     return float(q1), float(q2), float(q3)
+
+
+class PhaseTimes:
+    """A tracer (``ringcomm.core.trace``) adding up the seconds each span label takes; nested
+    spans count in their own label and in the enclosing one's."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._open: dict[str, list[float]] = {}
+
+    def begin(self, label: str) -> None:
+        self._open.setdefault(label, []).append(time.perf_counter())
+
+    def end(self, label: str) -> None:
+        start = self._open[label].pop()
+        self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+
+def phase_ms(world: Any, fn: Any, calls: int, sync: Any) -> dict[str, float]:
+    """Milliseconds per call of every span ``fn`` runs, the slowest rank's (collective)."""
+    from ringcomm.core import trace
+
+    tracer = PhaseTimes()
+    trace.set_tracer(tracer)
+    try:
+        for _ in range(calls):
+            world.Barrier()
+            fn()
+            sync()
+    finally:
+        trace.set_tracer(None)
+    everyone = world.allgather(tracer.seconds)
+    labels = sorted({label for mine in everyone for label in mine})
+    return {label: 1e3 * max(m.get(label, 0.0) for m in everyone) / calls for label in labels}
 
 
 def memcpy_fn(nbytes: int, rank: int) -> Any:
@@ -427,6 +464,8 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
                 # ringcomm's time over the baseline's, per iteration (both timed in it).
                 q1, q2, q3 = quartiles(samples[label] / samples[b])
                 row[f"over_{b}"], row[f"over_{b}_q1"], row[f"over_{b}_q3"] = q2, q1, q3
+        if args.phases:
+            row["phases_ms"] = phase_ms(world, fns[label], args.phases, sync)
         if memcpy:
             row["memcpy_GBps"] = nbytes / memcpy / 1e9
             row["busbw_vs_memcpy"] = row["busbw"] / row["memcpy_GBps"]

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--traffic-bytes", default="16M",
                    help="size of the traffic-check jobs (above RINGCOMM_MPI_ALLREDUCE_BYTES, "
                         "or MPI's own allreduce runs instead of the ring)")
+    p.add_argument("--phases", type=int, default=0, metavar="CALLS",
+                   help="also time the phases of every variant over CALLS more calls "
+                        "(allreduce_perf --phases; in the JSON)")
     p.add_argument("--prefix", default=PREFIX, help="namespace name prefix")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster2"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
@@ -166,7 +169,7 @@ def bench_rate(rate: str, intra: str, args: argparse.Namespace, out: Path, names
             "bench/allreduce_perf.py", "-b", args.minbytes, "-e", args.maxbytes,
             "-f", args.stepfactor, "-n", str(args.iters), "-w", str(args.warmup),
             "--compression", ",".join(names), "--baseline", "mpi", "--no-memcpy",
-            "--json", str(json_path), "--plot", str(png_path),
+            "--phases", str(args.phases), "--json", str(json_path), "--plot", str(png_path),
             "--title", f"allreduce, {args.nodes} nodes x {args.ranks_per_node} ranks, "
                        f"NICs {rate}, intra-node {intra}"], args.timeout)
     print(text, flush=True)

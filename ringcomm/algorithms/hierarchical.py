@@ -97,13 +97,16 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
     combine = ReduceOp.SUM if op is ReduceOp.AVG else op  # divided once, by the whole job
     bounds = shard_bounds(x.size, local.size)
     lo, hi = bounds[local.rank], bounds[local.rank + 1]
-    work = _compensated(local, ops, x, comp, residual)
-    # Partial sums go into an array of this call's (the widened input, or the result, which
-    # the later phases overwrite), never into the caller's input.
-    shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
-                                work=out if work is x else work)
+    with trace.span("LOCAL_REDUCE_SCATTER"):
+        work = _compensated(local, ops, x, comp, residual)
+        # Partial sums go into an array of this call's (the widened input, or the result,
+        # which the later phases overwrite), never into the caller's input.
+        shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
+                                    work=out if work is x else work)
     if hi > lo:  # every rank of a cross group has the same shard length: they skip together
-        shard = _cross(cross, shard, combine, comp, _part(residual, lo, hi), seed, segment_bytes)
+        with trace.span("CROSS_ALLREDUCE"):
+            shard = _cross(cross, shard, combine, comp, _part(residual, lo, hi), seed,
+                           segment_bytes)
         if op is ReduceOp.AVG:
             ops.divide(shard, whole, shard)
         ops.copy(out[lo:hi], shard)  # onto itself where the ring reduced into out already

@@ -120,7 +120,7 @@ class InlinePlan:
         if self.nbytes:
             pair = self.pair
             if pair is not None and result.flags.c_contiguous:
-                self.ufunc(pair[0], pair[1], result if result.ndim == 1 else result.reshape(-1))
+                self.ufunc(pair[0], pair[1], out=result if result.ndim == 1 else result.reshape(-1))
             else:
                 _reduce_rows(self.rows, result, self.op)
         return result
