@@ -212,6 +212,61 @@ def test_residual_is_zero_outside_the_shard():
         assert residual[lo:hi].any()
 
 
+def test_residual_declared_within_the_shard_and_forgotten_when_handed_out():
+    """After a compressed two-level call the residual is declared zero outside the rank's shard
+    (so the next call lets the cross-node phase add it, instead of three passes over the whole
+    array); handing the residual out (``residual()``) or to another algorithm (``take``)
+    forgets the declaration."""
+    x = np.random.default_rng(5).standard_normal((6, 999)).astype(np.float32)
+    bounds = hierarchical.shard_bounds(999, 3)
+
+    def body(local, cross, rank):
+        ef = ringcomm.ErrorFeedback()
+        assert ef.within("w") == (0, 0)  # nothing kept yet: zero everywhere
+        out = np.empty(999, np.float32)
+        hierarchical.allreduce_with_feedback(local, cross, x[rank], out, ReduceOp.SUM,
+                                             COMPRESSORS["int8-b64"], ef, "w", rank,
+                                             segment_bytes=SEGMENT)
+        declared = ef.within("w")
+        ef.residual("w")
+        return declared, ef.within("w"), ef.holds("w")
+
+    for rank, (declared, after, holds) in enumerate(on_grid((2, 3), body)):
+        assert declared == (bounds[rank % 3], bounds[rank % 3 + 1])
+        assert after is None and holds
+
+
+@pytest.mark.parametrize("comp", ["int8-b64", "topk-ring", "fp16"])
+def test_residual_written_by_its_holder_is_added_in_full(comp):
+    """Mass a caller writes into a residual anywhere (outside the shard too) between two-level
+    calls is sent by the next call (nothing stays behind outside the shard), and conservation
+    counts it."""
+    rng = np.random.default_rng(6)
+    xs = rng.standard_normal((2, 6, 700)).astype(np.float32)
+    extra = rng.standard_normal((6, 700)).astype(np.float32)
+
+    def body(local, cross, rank):
+        ef = ringcomm.ErrorFeedback()
+        results = []
+        for step, x in enumerate(xs):
+            out = np.empty(700, np.float32)
+            hierarchical.allreduce_with_feedback(local, cross, x[rank], out, ReduceOp.SUM,
+                                                 COMPRESSORS[comp], ef, "w", step * 6 + rank,
+                                                 segment_bytes=SEGMENT)
+            results.append(out)
+            if step == 0:
+                ef.residual("w")[...] += extra[rank]  # everywhere, not only the shard
+        return results, ef.residual("w")
+
+    per_rank = on_grid((3, 2), body)
+    assert all(identical([res[s] for res, _ in per_rank]) for s in range(2))
+    assert_conserved(per_rank, np.concatenate([xs, extra[None]]), "sum")
+    bounds = hierarchical.shard_bounds(700, 2)
+    for rank, (_, residual) in enumerate(per_rank):
+        lo, hi = bounds[rank % 2], bounds[rank % 2 + 1]
+        assert not residual[:lo].any() and not residual[hi:].any(), "mass left behind"
+
+
 @pytest.mark.parametrize("comp", ["int8-b64", "int8-b32-stochastic", "fp16", "topk-ring",
                                   "topk-allgather", None])
 def test_nonfinite_stays_nonfinite(comp):

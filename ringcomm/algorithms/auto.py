@@ -309,7 +309,7 @@ class Auto:
         except (AttributeError, TypeError, ValueError):
             return None
         if decision.choice is None and feedback is not None and name is not None and (
-                feedback.residual(name) is not None):
+                feedback.holds(name)):
             return None
         return decision
 

@@ -63,7 +63,8 @@ def shard_bounds(length: int, local_size: int) -> list[int]:
 
 def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: ReduceOp,
               comp: Compressor | None = None, residual: Array | None = None, seed: int = 0, *,
-              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
+              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES,
+              residual_within: tuple[int, int] | None = None) -> None:
     """Allreduce flat contiguous ``x`` into flat contiguous ``out`` (which may be ``x``) in two
     levels: within ``local``, across ``cross``, within ``local`` again.
 
@@ -84,6 +85,11 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
         seed: keys the random numbers of the compressor (stochastic rounding, sampling); it
             should differ per call and per rank.
         segment_bytes: the rings' segment size.
+        residual_within: ``[lo, hi)`` outside which ``residual`` is zero, where known (None:
+            anywhere). Within this rank's shard, as the previous call of this algorithm left
+            it, the residual is not added to the input before the node-local phase: only this
+            rank's shard of it is nonzero, and the cross-node phase adds that to the shard
+            itself (one pass over the shard instead of three over the whole array).
 
     Raises:
         ValueError: ``comp`` cannot reduce shards (``check_compressor``), on every rank before
@@ -98,14 +104,17 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
     bounds = shard_bounds(x.size, local.size)
     lo, hi = bounds[local.rank], bounds[local.rank + 1]
     with trace.span("LOCAL_REDUCE_SCATTER"):
-        work = _compensated(local, ops, x, comp, residual)
+        if _shard_residual(residual, residual_within, lo, hi, comp, cross, x):
+            work, cross_residual = x, residual  # compensated by the cross-node phase
+        else:
+            work, cross_residual = _compensated(local, ops, x, comp, residual), residual
         # Partial sums go into an array of this call's (the widened input, or the result,
         # which the later phases overwrite), never into the caller's input.
         shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
                                     work=out if work is x else work)
     if hi > lo:  # every rank of a cross group has the same shard length: they skip together
         with trace.span("CROSS_ALLREDUCE"):
-            shard = _cross(cross, shard, combine, comp, _part(residual, lo, hi), seed,
+            shard = _cross(cross, shard, combine, comp, _part(cross_residual, lo, hi), seed,
                            segment_bytes)
         if op is ReduceOp.AVG:
             ops.divide(shard, whole, shard)
@@ -122,10 +131,20 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: A
                             segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """:func:`allreduce` with the residual kept by ``feedback`` under ``name`` (created as zeros
     on first use); ``comp`` None sends input plus residual dense, spending the residual."""
-    residual = feedback.take(name, x) if feedback is not None else None
-    allreduce(local, cross, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)
-    if comp is None and feedback is not None:
+    if feedback is None:
+        allreduce(local, cross, x, out, op, comp, None, seed, segment_bytes=segment_bytes)
+        return
+    within = feedback.within(name)  # before ``take``, which forgets it
+    residual = feedback.take(name, x)
+    allreduce(local, cross, x, out, op, comp, residual, seed, segment_bytes=segment_bytes,
+              residual_within=within)
+    if comp is None:
         feedback.reset(name)  # spent: later dense calls need not add zeros
+        return
+    # What this call left: zero outside this rank's shard (the node-local phase spent the
+    # rest, the cross-node phase wrote only the shard).
+    bounds = shard_bounds(x.size, local.size)
+    feedback.declare_within(name, bounds[local.rank], bounds[local.rank + 1])
 
 
 def ring_allgather(t: Transport, out: Array, bounds: list[int]) -> None:
@@ -160,6 +179,16 @@ def _compensated(local: Transport, ops: Any, x: Array, comp: Compressor | None,
         ops.reduce(ReduceOp.SUM, x, residual, work)
         residual[...] = 0
     return work
+
+
+def _shard_residual(residual: Array | None, within: tuple[int, int] | None, lo: int, hi: int,
+                    comp: Compressor | None, cross: Transport, x: Array) -> bool:
+    """Whether the cross-node phase can add ``residual`` itself: it is nonzero within this
+    rank's shard ``[lo, hi)`` only, the call is compressed across several nodes (whose
+    algorithm adds its residual to the shard), and ``x`` is float32 (nothing to widen)."""
+    return (residual is not None and within is not None and comp is not None
+            and cross.size > 1 and x.dtype == np.float32
+            and (within[0] == within[1] or lo <= within[0] <= within[1] <= hi))
 
 
 def _part(residual: Array | None, lo: int, hi: int) -> Any | None:

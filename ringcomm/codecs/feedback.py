@@ -33,22 +33,45 @@ class ErrorFeedback:
                                    name="fc1.weight")
     """
 
-    __slots__ = ("_residuals",)
+    __slots__ = ("_residuals", "_within")
 
     def __init__(self) -> None:
         self._residuals: dict[str, Any] = {}
+        # Where a residual may be nonzero, as an algorithm declared after writing it (the
+        # hierarchical allreduce: this rank's shard); absent: anywhere.
+        self._within: dict[str, tuple[int, int]] = {}
+
+    def within(self, name: str) -> tuple[int, int] | None:
+        """The span ``[lo, hi)`` outside which the residual of ``name`` is zero, as the last
+        call that wrote it declared; (0, 0) before the first call; None: anywhere."""
+        if name not in self._residuals:
+            return (0, 0)
+        return self._within.get(name)
+
+    def declare_within(self, name: str, lo: int, hi: int) -> None:
+        """Declare the residual of ``name`` zero outside ``[lo, hi)`` (by the algorithm that
+        has just written it); ``take`` forgets the declaration."""
+        self._within[name] = (lo, hi)
 
     def residual(self, name: str) -> Array | None:
         """The residual kept under ``name`` (a flat float32 array), or None before its first
-        compressed call."""
+        compressed call. It may be written by whoever it is handed to: the next call adds all
+        of it (a declaration of where it is zero is forgotten)."""
+        self._within.pop(name, None)
         return self._residuals.get(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether a residual is kept under ``name`` (without handing it out)."""
+        return name in self._residuals
 
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of ``name``, or all residuals."""
         if name is None:
             self._residuals.clear()
+            self._within.clear()
         else:
             self._residuals.pop(name, None)
+            self._within.pop(name, None)
 
     def names(self) -> list[str]:
         """Names that hold a residual."""
@@ -90,6 +113,7 @@ class ErrorFeedback:
             ValueError: as ``check``.
         """
         self.check(name, like)
+        self._within.pop(name, None)  # its taker may write anywhere
         res = self._residuals.get(name)
         if res is None:
             res = self._residuals[name] = _ops.get(like).zeros((like.size,), np.float32)
