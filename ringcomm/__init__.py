@@ -218,8 +218,8 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             "flat" (one ring over every rank), "hierarchical" (within each node, across
             nodes, within each node; every node must hold the same number of ranks) or
             "auto" (hierarchical where the job has several nodes of several ranks each, for
-            dense calls of at least 1 MiB, and compressed ones on 64 nodes or more; flat
-            otherwise). Env
+            calls of at least 1 MiB dense or through a cast or Int8, and top-k ones on 64
+            nodes or more; flat otherwise). Env
             ``RINGCOMM_ALGORITHM``; "auto" by default.
         topology: which ranks share a node (``comm.topology``): "auto" (the same host name,
             as launchers place ranks) or ``k``, consecutive blocks of ``k`` ranks, for

@@ -472,15 +472,24 @@ def test_communicator_default_algorithm_and_small_calls():
     assert all(r[2] == r[3] and r[4] is None for r in per_rank)
 
 
-@pytest.mark.parametrize("min_nodes, expect_two_level", [(64, False), (2, True)])
-def test_communicator_auto_compressed_needs_many_nodes(monkeypatch, min_nodes, expect_two_level):
-    """Under "auto" a compressed call goes two-level only on HIERARCHICAL_MIN_NODES_COMPRESSED
-    nodes or more (below that the flat ring measured and simulated faster)."""
+@pytest.mark.parametrize("comp, length, min_nodes, expect_two_level", [
+    ("int8", 5000, 64, False),  # encoded, below HIERARCHICAL_MIN_BYTES: flat
+    ("int8", 300_000, 64, True),  # encoded, 1.2 MB on 2 nodes: two-level
+    ("topk", 300_000, 64, False),  # sparse: only from HIERARCHICAL_MIN_NODES_COMPRESSED
+    ("topk", 5000, 2, True),  # sparse, that many nodes: two-level at any size
+])
+def test_communicator_auto_compressed_two_level_where_it_helps(monkeypatch, comp, length,
+                                                                min_nodes, expect_two_level):
+    """Under "auto" a call through a compressor that encodes every element goes two-level
+    from HIERARCHICAL_MIN_BYTES on 2 nodes or more, as a dense call does; a sparse one only on
+    HIERARCHICAL_MIN_NODES_COMPRESSED nodes or more (below that its flat ring measured and
+    simulated faster)."""
     monkeypatch.setattr(_twolevel, "HIERARCHICAL_MIN_NODES_COMPRESSED", min_nodes)
-    xs = rank_inputs(np.random.default_rng(12), 4, 5000, "float32", "sum")
+    xs = rank_inputs(np.random.default_rng(12), 4, length, "float32", "sum")
+    compressor = {"int8": ringcomm.Int8(), "topk": ringcomm.TopK(0.01)}[comp]
 
     def body(comm):
-        return {algorithm: comm.allreduce(xs[comm.rank], compression=ringcomm.Int8(),
+        return {algorithm: comm.allreduce(xs[comm.rank], compression=compressor,
                                           algorithm=algorithm)
                 for algorithm in ("flat", "hierarchical", "auto")}
 

@@ -4,9 +4,9 @@ node-local and cross-node transports the latter runs over.
 ``algorithm="flat"`` always runs the flat ring; "hierarchical" always runs
 :mod:`ringcomm.algorithms.hierarchical` (and raises, the same on every rank, where the nodes hold
 different numbers of ranks); "auto" runs it only where it can help: more than one node, more
-than one rank per node, every node the same size, and a dense call of at least
-``HIERARCHICAL_MIN_BYTES`` or a compressed call on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED``
-nodes.
+than one rank per node, every node the same size, and a dense call, or one through a
+compressor that encodes every element (casts, Int8), of at least ``HIERARCHICAL_MIN_BYTES``,
+or a sparse one (top-k) on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED`` nodes.
 
 The topology and the two transports are made once, when the first call that may use them
 comes, after that call's cross-rank agreement: every rank then takes the same decision, so
@@ -20,7 +20,7 @@ from typing import Any
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms import hierarchical
-from ringcomm.codecs.base import Compressor
+from ringcomm.codecs.base import Compressor, DenseCompressor
 from ringcomm.comm import topology as _topology
 from ringcomm.core.env import env
 from ringcomm.core.types import Array, InvalidArgumentError, Transport
@@ -38,13 +38,20 @@ ALGORITHM_ENV = "RINGCOMM_ALGORITHM"
 # the smaller cross-node volume of each node pays for those only once transfer time
 # dominates.
 HIERARCHICAL_MIN_BYTES = 1 << 20
-#: Compressed calls go two-level under "auto" on at least this many nodes. The two-level
-# path moves float32 inside each node where the flat ring moves compressed bytes, so it is
-# slower until the flat ring's 2(n - 1) serial steps dominate: measured no faster at 2 nodes
-# (bench/results/cluster2/), simulated slower up to 32 nodes of 8 and faster from 64
-# (bench/results/scale_sim/). Its error is lower at any size (nodes - 1 re-quantizations
-# instead of ranks - 1): ask for algorithm="hierarchical" to have that.
+#: Sparse compressed calls (top-k) go two-level under "auto" on at least this many nodes. The
+# two-level path moves float32 inside each node where the flat ring moves the few selected
+# pairs, so it is slower until the flat ring's 2(n - 1) serial steps dominate: measured 0.82x
+# at 2 nodes of 2 (1 Gbit/s, bench/results/cluster2/cluster2_2x2_phases_after.md), simulated
+# slower up to 32 nodes of 8 and faster from 64 (bench/results/scale_sim/). Its error is lower
+# at any size: ask for algorithm="hierarchical" to have that.
 HIERARCHICAL_MIN_NODES_COMPRESSED = 64
+#: Compressors that encode every element (casts, Int8) go two-level under "auto" from this
+# many nodes, for calls of HIERARCHICAL_MIN_BYTES or more, as dense calls do: the cross-node
+# phase moves their payload over a node's NIC once instead of 2(n - 1) / n times per rank,
+# re-encoding it nodes - 1 times instead of ranks - 1. Measured at 2 nodes of 2 with the
+# residual added by the cross-node phase: int8 1.27x flat at 1 Gbit/s, 1.75x at 10 Gbit/s,
+# fp16 1.47x at 10 Gbit/s (64 MiB, shared memory within the node).
+HIERARCHICAL_MIN_NODES_ENCODED = 2
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -153,7 +160,7 @@ class TwoLevel:
                     reason="nodes of different sizes")
         elif not (topo.uniform and len(topo.nodes) > 1 and topo.local_size > 1):
             return None
-        elif comp is not None and len(topo.nodes) < HIERARCHICAL_MIN_NODES_COMPRESSED:
+        elif len(topo.nodes) < min_nodes(comp):
             return None
         return self._split(topo)
 
@@ -190,11 +197,23 @@ def route(sub: Transport, x: Array) -> Transport:
     return sub.transport_for(x)
 
 
+def min_nodes(comp: Compressor | None) -> int:
+    """The nodes from which "auto" runs a call through ``comp`` two-level (None: dense)."""
+    if comp is None:
+        return 2
+    if isinstance(comp, DenseCompressor):
+        return HIERARCHICAL_MIN_NODES_ENCODED
+    return HIERARCHICAL_MIN_NODES_COMPRESSED
+
+
 def _may_help(t: Transport, x: Array, comp: Any | None) -> bool:
     """Whether "auto" considers the two-level allreduce for ``x`` at all (no exchange)."""
-    if comp is not None:
-        return (comp.shardable
-                and t.size >= 2 * HIERARCHICAL_MIN_NODES_COMPRESSED)
-    if t.follows_nodes_on_device and _ops.is_device_array(x):
+    if comp is not None and not comp.shardable:
         return False
-    return x.nbytes >= HIERARCHICAL_MIN_BYTES
+    if comp is None and t.follows_nodes_on_device and _ops.is_device_array(x):
+        return False
+    if t.size < 2 * min_nodes(comp):  # that many nodes of at least two ranks
+        return False
+    if comp is None or isinstance(comp, DenseCompressor):
+        return x.nbytes >= HIERARCHICAL_MIN_BYTES
+    return True  # sparse: the node count decides

@@ -289,8 +289,9 @@ class Communicator:
             algorithm: "flat" (one ring over every rank), "hierarchical" (within each node,
                 across nodes, within each node: see :mod:`ringcomm.algorithms.hierarchical`;
                 nodes must hold the same number of ranks) or "auto" (hierarchical where
-                there are several nodes of several ranks, for dense calls of at least 1 MiB
-                and compressed ones on 64 nodes or more: see :mod:`ringcomm.comm._twolevel`); the
+                there are several nodes of several ranks, for calls of at least 1 MiB dense or
+                through a cast or Int8, and top-k ones on 64 nodes or more: see
+                :mod:`ringcomm.comm._twolevel`); the
                 communicator's ``algorithm`` when None.
                 Checked to match across ranks.
 
