@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from ringcomm.core import launch
@@ -65,11 +66,18 @@ def world_numbers_alike(rank: int, size: int) -> bool:
     return bool(world.allreduce(world.Get_rank() == rank, op=import_mpi().LAND))
 
 
+#: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
+_FORWARD_S = 0.2
+
+
 def install_abort_hook() -> None:
     """Make an uncaught exception on one rank end the whole job instead of hanging it.
 
     Without this, the failing rank waits in MPI_Finalize while the others wait for its messages.
-    The hook prints the traceback, then calls ``MPI_Abort`` (as ``python -m mpi4py`` does).
+    The hook prints the traceback, then calls ``MPI_Abort`` (as ``python -m mpi4py`` does),
+    after a pause of ``_FORWARD_S``: the launcher forwards each rank's output through a pipe,
+    and an abort right after the write can end the job before the traceback has left it (a job
+    under load ended once with an empty stderr).
     """
     previous = sys.excepthook
     if getattr(previous, "_ringcomm_abort", False):
@@ -79,6 +87,7 @@ def install_abort_hook() -> None:
         previous(etype, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(_FORWARD_S)
         try:
             from mpi4py import MPI
 
