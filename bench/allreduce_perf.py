@@ -437,12 +437,12 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
         if comp is None and dense_wire is None:
             dense_wire = wire
         t = medians[label]
+        q1, _, q3 = quartiles(samples[label])
         algbw = nbytes / t / 1e9
         row: dict[str, Any] = {
             "size": nbytes, "count": count, "type": args.datatype, "redop": args.op,
-            "compression": label, "time_us": t * 1e6,
-            "time_q1_us": quartiles(samples[label])[0] * 1e6,
-            "time_q3_us": quartiles(samples[label])[2] * 1e6, "algbw": algbw,
+            "compression": label, "time_us": t * 1e6, "time_q1_us": q1 * 1e6,
+            "time_q3_us": q3 * 1e6, "algbw": algbw,
             "busbw": algbw * 2 * (n - 1) / n if n > 1 else algbw, "wire_bytes": wire,
         }
         if isinstance(comp, ringcomm.Auto):  # what "auto" picked at this size
@@ -462,8 +462,8 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
                 row[f"{b}_busbw"] = nbytes / bt / 1e9 * (2 * (n - 1) / n if n > 1 else 1)
                 row[f"vs_{b}"] = bt / t
                 # ringcomm's time over the baseline's, per iteration (both timed in it).
-                q1, q2, q3 = quartiles(samples[label] / samples[b])
-                row[f"over_{b}"], row[f"over_{b}_q1"], row[f"over_{b}_q3"] = q2, q1, q3
+                low, mid, high = quartiles(samples[label] / samples[b])
+                row[f"over_{b}"], row[f"over_{b}_q1"], row[f"over_{b}_q3"] = mid, low, high
         if args.phases:
             row["phases_ms"] = phase_ms(world, fns[label], args.phases, sync)
         if memcpy:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.algorithms.compressed import ALGORITHMS
+from ringcomm.algorithms.compressed import algorithm_of
 from ringcomm.algorithms.cost_model import (
     LinkModel,
     candidate_key,
@@ -145,9 +145,11 @@ class Auto:
             if c is not None and not isinstance(c, Compressor):
                 raise TypeError(f"Auto candidates are compressors or None, got {c!r}")
         for c in candidates:
-            if c is not None and c.allreduce_algorithm not in ALGORITHMS:
-                raise ValueError(f"candidate {c!r} names allreduce algorithm "
-                                 f"{c.allreduce_algorithm!r}; known: {', '.join(ALGORITHMS)}")
+            if c is not None:
+                try:
+                    algorithm_of(c)
+                except ValueError as err:
+                    raise ValueError(f"candidate {err}") from None
         if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
                                    or trials < 0):
             raise ValueError(f"trials must be an integer >= 0 or None, got {trials!r}")

@@ -19,7 +19,7 @@ from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["ALGORITHMS", "AllreduceAlgorithm", "allreduce"]
+__all__ = ["ALGORITHMS", "AllreduceAlgorithm", "algorithm_of", "allreduce"]
 
 
 class AllreduceAlgorithm(Protocol):
@@ -37,6 +37,19 @@ ALGORITHMS: dict[str, AllreduceAlgorithm] = {
     "sparse-allgather": sparse.allgather_allreduce,
     "powersgd": powersgd_ring.allreduce,
 }
+
+
+def algorithm_of(comp: Compressor) -> AllreduceAlgorithm:
+    """The algorithm that ``comp`` names (``allreduce_algorithm``).
+
+    Raises:
+        ValueError: ``comp`` names none of ``ALGORITHMS``.
+    """
+    algorithm = ALGORITHMS.get(comp.allreduce_algorithm)
+    if algorithm is None:
+        raise ValueError(f"{comp!r} names allreduce algorithm {comp.allreduce_algorithm!r}; "
+                         f"known: {', '.join(sorted(ALGORITHMS))}")
+    return algorithm
 
 
 def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor | None,
@@ -69,7 +82,7 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor
         if residual is not None:
             residual[...] = 0
         return
-    algorithm = ALGORITHMS[comp.allreduce_algorithm]  # checked before the agreement
+    algorithm = algorithm_of(comp)  # checked before the agreement
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.
     algorithm(t, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)

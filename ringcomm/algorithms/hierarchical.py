@@ -31,7 +31,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms import ring
-from ringcomm.algorithms.compressed import ALGORITHMS
+from ringcomm.algorithms.compressed import algorithm_of
 from ringcomm.algorithms.compressed_ring import keep_rounding
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
@@ -105,16 +105,16 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
     lo, hi = bounds[local.rank], bounds[local.rank + 1]
     with trace.span("LOCAL_REDUCE_SCATTER"):
         if _shard_residual(residual, residual_within, lo, hi, comp, cross, x):
-            work, cross_residual = x, residual  # compensated by the cross-node phase
+            work = x  # the cross-node phase adds the shard's residual
         else:
-            work, cross_residual = _compensated(local, ops, x, comp, residual), residual
+            work = _compensated(local, ops, x, comp, residual)
         # Partial sums go into an array of this call's (the widened input, or the result,
         # which the later phases overwrite), never into the caller's input.
         shard = ring.reduce_scatter(local, work, combine, segment_bytes=segment_bytes,
                                     work=out if work is x else work)
     if hi > lo:  # every rank of a cross group has the same shard length: they skip together
         with trace.span("CROSS_ALLREDUCE"):
-            shard = _cross(cross, shard, combine, comp, _part(cross_residual, lo, hi), seed,
+            shard = _cross(cross, shard, combine, comp, _part(residual, lo, hi), seed,
                            segment_bytes)
         if op is ReduceOp.AVG:
             ops.divide(shard, whole, shard)
@@ -204,7 +204,7 @@ def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
         ring.allreduce(cross, shard, shard, op, segment_bytes=segment_bytes)
         return shard
     reduced = cross.scratch("hier.reduced", shard, shard.size, np.float32)
-    algorithm = ALGORITHMS[comp.allreduce_algorithm]
+    algorithm = algorithm_of(comp)
     algorithm(cross, shard, reduced, op, comp, residual, seed, segment_bytes=segment_bytes)
     return reduced
 

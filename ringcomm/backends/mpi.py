@@ -270,12 +270,11 @@ class MPITransport(TransportBase):
         except NotImplementedError:  # an MPI before 4.0
             return super().prepare_allgather(send, recv)
         self._persistent.append(req)
-        start, test, wait = req.Start, req.Test, self._wait
+        start, wait_one = req.Start, self._wait_one
 
         def allgather() -> None:
             start()
-            if not test():
-                wait(test, [req], None, "allgather")
+            wait_one(req, "allgather")
         return allgather
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:

@@ -83,7 +83,7 @@ class Allreduce:
             # unequal Autos would part at a later call).
             spec.extra = f"{policy!r} chose {spec.extra or 'none'}"
         elif policy is not None:
-            spec.extra = f"{policy!r}|{name}|feedback={feedback is not None}"
+            spec.extra = _compressed_text(policy, name, feedback)
         plan = AllreducePlan(spec, rop, compression, feedback, name)
         if decision is None:
             plan.policy = policy  # decided after the agreement
@@ -118,12 +118,8 @@ class Allreduce:
             return rop, None
         if compression is not None:
             bound = check_compressed_call(compression, x, rop, feedback, name)
-            if compression.allreduce_algorithm not in algorithms.ALGORITHMS:
-                raise ValueError(f"{compression!r} names allreduce algorithm "
-                                 f"{compression.allreduce_algorithm!r}; known: "
-                                 f"{', '.join(sorted(algorithms.ALGORITHMS))}")
-            # Feedback on some ranks only would keep residuals on those alone: agree on it too.
-            spec.extra = f"{compression!r}|{name}|feedback={feedback is not None}"
+            algorithms.algorithm_of(compression)
+            spec.extra = _compressed_text(compression, name, feedback)
             return rop, bound
         if feedback is not None:
             raise ValueError("feedback needs a lossy compression; got compression=None")
@@ -199,6 +195,13 @@ class Allreduce:
         for sub in (local, cross):  # the groups' traffic is this communicator's
             stats.add(sub.stats.bytes_sent, sub.stats.bytes_received)
             sub.stats.reset()
+
+
+def _compressed_text(compression: Compressor | Auto, name: Any, feedback: Any) -> str:
+    """What every rank agrees on of a compressed call besides its array: the compression,
+    the name, and whether feedback is kept (on some ranks only, residuals would stay there
+    alone)."""
+    return f"{compression!r}|{name}|feedback={feedback is not None}"
 
 
 def _check_out(x: Array, out: Array) -> None:

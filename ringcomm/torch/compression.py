@@ -38,10 +38,6 @@ class Compressor:
         raise NotImplementedError("a Compressor must define decompress()")
 
 
-#: What the ring takes as compression besides None: a compressor, or the policy choosing one.
-_RING_KINDS = (_RingCompressor, ringcomm.Auto)
-
-
 class NoneCompressor(Compressor):
     """No compression."""
 
@@ -68,7 +64,7 @@ class RingCompressor(NoneCompressor):
     """
 
     def __init__(self, ring: _RingCompression, *, error_feedback: bool) -> None:
-        if not isinstance(ring, _RING_KINDS):
+        if not isinstance(ring, _RingCompression):
             raise TypeError(f"expected a ringcomm compressor or ringcomm.Auto, got "
                             f"{type(ring).__name__}")
         self.ring = ring
@@ -169,7 +165,7 @@ def as_compression(compression: Any) -> Any:
         return Compression.none
     if isinstance(compression, (ringcomm.FP16, ringcomm.BF16)):
         return _cast(compression)
-    if isinstance(compression, _RING_KINDS):
+    if isinstance(compression, _RingCompression):
         return RingCompressor(compression, error_feedback=True)
     if callable(getattr(compression, "compress", None)) and callable(
             getattr(compression, "decompress", None)):
@@ -195,7 +191,7 @@ def ring_of(compression: Any) -> _RingCompression | None:
         return compression.ring
     if compression is None or isinstance(compression, NoneCompressor):
         return None
-    if isinstance(compression, _RING_KINDS):
+    if isinstance(compression, _RingCompression):
         return compression
     raise TypeError(
         "compression must be a ringcomm compressor (ringcomm.Int8(), ringcomm.TopK(0.01), ...), "
