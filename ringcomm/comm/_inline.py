@@ -91,10 +91,6 @@ class InlinePlan:
         return (agreement.check and type(x) is np.ndarray and x.flags.c_contiguous
                 and x.nbytes <= agreement.inline_bytes and x.dtype.kind != "V")
 
-    def fits(self, out: Array) -> bool:
-        return (type(out) is np.ndarray and out.shape == self.shape and out.dtype == self.dtype
-                and out.flags.writeable)
-
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         name, twins = self.threads.caller()
         if name != self.spec.caller:  # another thread repeats the call: its own header
