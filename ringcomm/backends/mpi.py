@@ -238,6 +238,26 @@ class MPITransport(TransportBase):
         self.stats.add(moved, moved)
         return True
 
+    def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                                 ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """``native_allreduce`` for repeats of one call (dtype, size, op): the lookups and
+        checks made once, so a repeat costs the MPI call and its wait."""
+        if (nbytes > self.native_allreduce_bytes or dtype not in _NATIVE_DTYPES
+                or not dtype.isnative):
+            return None
+        iallreduce, mpi_op, in_place = self._ctl.Iallreduce, self._mpi_ops[op], self._MPI.IN_PLACE
+        wait_one, stats, size = self._wait_one, self.stats, self.size
+        divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
+        moved = 2 * (size - 1) * nbytes // size  # as native_allreduce counts it
+
+        def allreduce(x: np.ndarray, out: np.ndarray) -> None:
+            with trace.span("MPI_ALLREDUCE"):
+                wait_one(iallreduce(in_place if x is out else x, out, op=mpi_op), "allreduce")
+            if divide is not None:
+                divide(out, size, out)
+            stats.add(moved, moved)
+        return allreduce
+
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
                   channel: int = RING) -> Any:

@@ -90,7 +90,8 @@ class Allreduce:
         else:
             plan.trial = decision.trial
         if (plan.dense and spec.error is None and algorithm is None and policy is None):
-            self.plans.put(x, op, plan, self._agreement)
+            self.plans.put(x, op, plan, self._agreement, self.route(x),
+                           self._two_level.surely_flat(spec.algorithm, x))
         return plan
 
     def _policy(self, compression: Any) -> Auto | None:

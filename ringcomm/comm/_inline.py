@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm._prepared import PreparedCall
 from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
 from ringcomm.core.types import Array, ReduceOp
 
@@ -44,7 +45,7 @@ def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array 
     return out
 
 
-class InlinePlan:
+class InlinePlan(PreparedCall):
     """A small host allreduce seen before, prepared for its repeats (every training step).
 
     Holds the call's header and views of the exchange buffers (where the array goes, every
@@ -53,30 +54,18 @@ class InlinePlan:
     still fails the header comparison and raises the full error.
     """
 
-    __slots__ = ("agreement", "allgather", "buffers", "data", "dtype", "header",
-                 "heads", "nbytes", "op", "pair", "rows", "shape", "spec", "stats", "threads",
-                 "ufunc", "volume")
+    __slots__ = ("dtype", "nbytes", "op", "pair", "rows", "shape", "ufunc")
 
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
-        self.agreement, self.spec, self.op = agreement, spec, op
-        self.threads = agreement.threads
+        super().__init__(agreement, spec)
+        self.op = op
         t = agreement.transport
-        self.stats = t.stats
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
-        self.header = spec.header(agreement.segment_bytes)
-        self.buffers = agreement.exchange_buffers()
-        self.allgather = self.buffers.allgather
         self.rows = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)
-        self.volume = self.buffers.send.nbytes * (t.size - 1)
-        # Views made once, as each costs a few hundred ns on a path of a few microseconds:
-        # where x's bytes go, each rank's received header, and the two rows of a 2-rank job.
-        recv, view = self.buffers.recv, self.buffers.view
-        self.data = view[HEADER_BYTES:HEADER_BYTES + self.nbytes]
-        # The other ranks' received headers (this rank's is the one it sent).
-        received = memoryview(recv).cast("B")
-        self.heads = [received[r * recv.shape[1]: r * recv.shape[1] + HEADER_BYTES]
-                      for r in range(t.size) if r != t.rank]
+        if self.nbytes:
+            self.data = self.buffers.view[HEADER_BYTES:HEADER_BYTES + self.nbytes]
+        # The two rows of a 2-rank job, reduced with one ufunc call.
         self.pair = tuple(self.rows) if t.size == 2 and self._direct(x.dtype, op) else None
         self.ufunc = _UFUNCS[op]
 
@@ -91,27 +80,13 @@ class InlinePlan:
         return (agreement.check and type(x) is np.ndarray and x.flags.c_contiguous
                 and x.nbytes <= agreement.inline_bytes and x.dtype.kind != "V")
 
+    @staticmethod
+    def accepts(x: np.ndarray, out: np.ndarray | None) -> bool:
+        """Whether this call's array can be copied into the exchange as it is."""
+        return x.flags.c_contiguous
+
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        name, twins = self.threads.caller()
-        if name != self.spec.caller:  # another thread repeats the call: its own header
-            self.spec.caller = name
-            self.header = self.spec.header(self.agreement.segment_bytes)
-        if twins is not None:  # raised on every rank
-            self.agreement.exchange(self.spec.with_error(twins))
-        view = self.buffers.view
-        view[:HEADER_BYTES] = self.header
-        if self.nbytes:
-            self.data[:] = memoryview(x).cast("B")
-        self.allgather()
-        stats = self.stats
-        stats.bytes_sent += self.volume
-        stats.bytes_received += self.volume
-        header = self.header
-        for head in self.heads:
-            if head != header:
-                self.agreement.verify(self.spec, np.ascontiguousarray(
-                    self.buffers.recv[:, :HEADER_BYTES]).view(np.int64))
-                break
+        self.exchange(x)
         result = np.empty(self.shape, self.dtype) if out is None else out
         if self.nbytes:
             pair = self.pair

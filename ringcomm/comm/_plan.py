@@ -3,7 +3,9 @@
 A training loop reduces the same tensors every step. The first call of a dense allreduce is
 checked in full and its plan kept (host arrays: keyed by dtype, shape and op); repeats skip the
 local checks (the cross-rank agreement still runs every call). Small host arrays also get an
-:class:`~ringcomm.comm._inline.InlinePlan`, which finishes the call within the agreement.
+:class:`~ringcomm.comm._inline.InlinePlan`, which finishes the call within the agreement, and
+medium ones a :class:`~ringcomm.comm._prepared.NativePlan` where the transport's own allreduce
+runs them (:mod:`ringcomm.comm._prepared`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import numpy as np
 
 from ringcomm.comm import agree
 from ringcomm.comm._inline import InlinePlan
-from ringcomm.core.types import Array, ReduceOp
+from ringcomm.comm._prepared import NativePlan
+from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["AllreducePlan", "PlanCache"]
 
@@ -24,13 +27,14 @@ _LIMIT = 4096  # plans kept at most: shapes can be many
 class AllreducePlan:
     """How one allreduce runs: its agreed spec, op, compression and error feedback."""
 
-    __slots__ = ("compression", "feedback", "inline", "name", "op", "policy", "spec", "trial")
+    __slots__ = ("compression", "feedback", "name", "op", "policy", "repeat", "spec", "trial")
 
     def __init__(self, spec: agree.CallSpec, op: ReduceOp, compression: Any, feedback: Any,
                  name: Any) -> None:
         self.spec, self.op = spec, op
         self.compression, self.feedback, self.name = compression, feedback, name
-        self.inline: InlinePlan | None = None
+        #: The prepared call that runs this plan's repeats, where there is one.
+        self.repeat: InlinePlan | NativePlan | None = None
         # compression="auto" decided after the agreement: its Auto (``compression`` is None).
         self.policy: Any = None
         # A call trying one of compression="auto"'s candidates: (trial, candidate key).
@@ -59,7 +63,10 @@ class PlanCache:
             plan = self._plans.get((x.dtype, x.shape, op))
         except TypeError:  # an unhashable op: the full check will say so
             return None
-        if plan is None or (plan.inline is not None and not x.flags.c_contiguous):
+        if plan is None:
+            return None
+        repeat = plan.repeat
+        if repeat is not None and not repeat.accepts(x, out):
             return None
         if out is None or (type(out) is np.ndarray and out.shape == x.shape
                            and (out.dtype is x.dtype or out.dtype == x.dtype)
@@ -68,14 +75,18 @@ class PlanCache:
             return plan
         return None
 
-    def put(self, x: Array, op: Any, plan: AllreducePlan, agreement: agree.Agreement) -> None:
-        """Keep the checked plan of a dense allreduce of host array ``x``."""
+    def put(self, x: Array, op: Any, plan: AllreducePlan, agreement: agree.Agreement,
+            t: Transport, flat: bool) -> None:
+        """Keep the checked plan of a dense allreduce of host array ``x``, which runs over
+        ``t``; ``flat``: the call surely runs the flat ring (never the two-level allreduce)."""
         if type(x) is not np.ndarray:
             return
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
         if InlinePlan.applies(agreement, x):
-            plan.inline = InlinePlan(agreement, plan.spec, x, plan.op)
+            plan.repeat = InlinePlan(agreement, plan.spec, x, plan.op)
+        elif flat:
+            plan.repeat = NativePlan.prepare(agreement, t, plan.spec, x, plan.op)
         try:
             self._plans[(x.dtype, x.shape, op)] = plan
         except TypeError:

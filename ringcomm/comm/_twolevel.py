@@ -164,6 +164,12 @@ class TwoLevel:
             return None
         return self._split(topo)
 
+    def surely_flat(self, algorithm: str, x: Array) -> bool:
+        """Whether a dense allreduce of ``x`` under ``algorithm`` runs the flat ring whatever
+        the topology (no exchange: decided from the call alone)."""
+        return (algorithm == "flat" or self.transport.size == 1
+                or (algorithm == "auto" and not _may_help(self.transport, x, None)))
+
     def close(self) -> None:
         """Close the node-local and cross-node transports, if made."""
         self._close_groups()

@@ -310,8 +310,8 @@ class Communicator:
                 prepared = self._plans.get(x, out, op)
                 if prepared is not None and not self._closed:
                     self._stats.calls += 1
-                    if prepared.inline is not None:
-                        return prepared.inline.run(x, out)
+                    if prepared.repeat is not None:
+                        return prepared.repeat.run(x, out)
                     prepared.spec.caller = caller()
                     return self._execute(prepared, x, out)
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):

@@ -189,6 +189,11 @@ class TransportBase:
         """No native allreduce: the ring runs."""
         return False
 
+    def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                                 ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """No native allreduce to prepare."""
+        return None
+
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """No native reduce-scatter: the ring runs."""
         return None

@@ -308,6 +308,13 @@ class Transport(Protocol):
         """Allreduce with the library's own algorithm if it has one that suits; False if not
         (the ring runs instead)."""
 
+    def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                                 ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """The library's own allreduce of contiguous host arrays of ``dtype`` and ``nbytes``
+        with ``op``, prepared for repeated calls: the result, called with ``(x, out)``
+        (``out`` may be ``x``), does what ``native_allreduce(x, out, op)`` would do. None
+        where ``native_allreduce`` would return False for such arrays."""
+
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """This rank's chunk of the library's own reduce-scatter, or None (the ring runs)."""
 

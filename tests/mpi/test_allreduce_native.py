@@ -18,20 +18,37 @@ LIMIT = 64 << 10  # small, so both sides of it stay quick to test
 
 @pytest.fixture
 def paths(comm) -> Iterator[list[bool]]:
-    """Whether each ring allreduce of ``comm`` ran natively (True) or as the ring (False)."""
+    """Whether each ring allreduce of ``comm`` ran natively (True) or as the ring (False),
+    the prepared repeats (NativePlan) included; plans made before are forgotten, as they
+    carry the limit they were made under."""
     t = comm.transport
     seen: list[bool] = []
-    native, saved = t.native_allreduce, t.native_allreduce_bytes
+    native, prepare = t.native_allreduce, t.prepare_native_allreduce
+    saved = t.native_allreduce_bytes
 
     def spy(x, out, op):
         seen.append(native(x, out, op))
         return seen[-1]
 
-    t.native_allreduce, t.native_allreduce_bytes = spy, LIMIT
+    def spy_prepare(dtype, nbytes, op):
+        prepared = prepare(dtype, nbytes, op)
+        if prepared is None:
+            return None
+
+        def run(x, out):
+            prepared(x, out)
+            seen.append(True)
+        return run
+
+    t.native_allreduce, t.prepare_native_allreduce = spy, spy_prepare
+    t.native_allreduce_bytes = LIMIT
+    comm._allreduce.plans.clear()
     try:
         yield seen
     finally:
-        t.native_allreduce, t.native_allreduce_bytes = native, saved
+        t.native_allreduce, t.prepare_native_allreduce = native, prepare
+        t.native_allreduce_bytes = saved
+        comm._allreduce.plans.clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16"])
@@ -61,6 +78,54 @@ def test_native_results_are_identical_on_every_rank(comm, world, rng, paths):
             x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
             check(world, x, comm.allreduce(x), "sum")  # identical bits on every rank too
     assert all(paths)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("shape", [(5000,), (50, 100)])
+def test_repeats_take_the_prepared_native_path(comm, world, rng, paths, op, shape):
+    """A medium call seen before runs MPI's allreduce straight from the prepared plan: the
+    same bits as its first run, on every rank, into a new array, ``out`` or in place."""
+    x = make(rng, int(np.prod(shape)), "float32", op).reshape(shape)
+    first = comm.allreduce(x, op=op)
+    check(world, x.reshape(-1), first.reshape(-1), op)
+    out = np.empty_like(x)
+    for _ in range(3):
+        again = comm.allreduce(x, op=op)
+        assert again is not first and again.shape == shape
+        np.testing.assert_array_equal(again, first)
+        assert comm.allreduce(x, out=out, op=op) is out
+        np.testing.assert_array_equal(out, first)
+        z = x.copy()
+        assert comm.allreduce(z, out=z, op=op) is z
+        np.testing.assert_array_equal(z, first)
+    prepared = comm._allreduce.plans.get(x, None, op)
+    if comm.size > 1:
+        assert type(prepared.repeat).__name__ == "NativePlan"
+        assert paths == [True] * 10
+    # Arrays MPI cannot take as they are go the full way, with the same result.
+    strided = np.repeat(x.reshape(-1), 2)[::2].reshape(shape)
+    np.testing.assert_array_equal(comm.allreduce(strided, op=op), first)
+    wide = np.empty((*shape[:-1], shape[-1] * 2), np.float32)[..., ::2]
+    np.testing.assert_array_equal(comm.allreduce(x, out=wide, op=op), first)
+
+
+def test_prepared_native_repeat_still_checked(comm, rng, paths):
+    """A rank that changes a prepared medium call's arguments is caught on every rank."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    x = rng.standard_normal(5000).astype(np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    op = "max" if comm.rank == 1 else "sum"
+    with pytest.raises(ValueError, match="op differs between ranks"):
+        comm.allreduce(x, op=op)
+    y = rng.standard_normal(5001).astype(np.float32) if comm.rank == 1 else x
+    with pytest.raises(ValueError, match="shape differs between ranks"):
+        comm.allreduce(y)
+    y = x.astype(np.float64) if comm.rank == 0 else x
+    with pytest.raises(TypeError, match="dtype differs between ranks"):
+        comm.allreduce(y)
+    np.testing.assert_array_equal(comm.allreduce(x), comm.allreduce(x.copy()))
 
 
 def test_limit_zero_always_takes_the_ring(comm, world, rng, paths):

@@ -120,6 +120,35 @@ def test_same_as_flat_within_tolerance(hcomm, world, rng):
     assert auto.tobytes() == (two if several else flat).tobytes()
 
 
+def test_repeats_stay_hierarchical(hcomm, world, rng):
+    """Repeats of a medium call are prepared (the flat ones run MPI's allreduce straight from
+    the plan); a hierarchical communicator's repeats still run the two-level allreduce."""
+    from ringcomm.core import trace
+
+    class Spans:
+        def __init__(self):
+            self.labels = []
+
+        def begin(self, label):
+            self.labels.append(label)
+
+        def end(self, label):
+            pass
+
+    x = rng.standard_normal(10_007).astype(np.float32)
+    first = hcomm.allreduce(x)
+    for _ in range(2):
+        spans = Spans()
+        trace.set_tracer(spans)
+        try:
+            again = hcomm.allreduce(x)
+        finally:
+            trace.set_tracer(None)
+        assert again.tobytes() == first.tobytes() and same_on_all_ranks(world, again)
+        if hcomm.size > 1:
+            assert "LOCAL_REDUCE_SCATTER" in spans.labels, spans.labels
+
+
 def test_algorithm_differing_between_ranks(hcomm, world):
     if hcomm.size < 2:
         pytest.skip("needs at least 2 ranks")

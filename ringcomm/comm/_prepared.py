@@ -1,0 +1,125 @@
+"""Repeated dense host allreduces, prepared so that a repeat does only what must be done again.
+
+A training step reduces the same small and medium tensors every time. The first call is
+checked in full (:mod:`ringcomm.comm._allreduce`); its repeats run a prepared call that holds
+the call's header and views of the agreement's buffers, so a repeat costs the header exchange
+(one prepared allgather, compared against the other ranks' headers), the data's movement and
+nothing else. Two kinds:
+
+- :class:`~ringcomm.comm._inline.InlinePlan`: arrays of at most ``inline_bytes`` ride in the
+  header exchange itself;
+- :class:`NativePlan`: larger ones up to the transport's native limit (MPI's own allreduce,
+  ``RINGCOMM_MPI_ALLREDUCE_BYTES``) run the transport's prepared allreduce after the header
+  exchange, skipping the per-call planning, routing and checks of the general path.
+
+A repeat with other arguments on another rank still fails the header comparison and raises the
+full error on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec
+from ringcomm.core.types import ReduceOp, Transport
+
+__all__ = ["NativePlan", "PreparedCall"]
+
+
+class PreparedCall:
+    """The header half of a prepared call: its header, and views of the exchange buffers.
+
+    Args:
+        agreement: the communicator's agreement (its prepared allgather and buffers).
+        spec: the call's checked spec, as the full path agreed on it the first time.
+    """
+
+    __slots__ = ("agreement", "allgather", "buffers", "data", "header", "heads", "spec",
+                 "stats", "threads", "volume")
+
+    def __init__(self, agreement: Agreement, spec: CallSpec) -> None:
+        self.agreement, self.spec = agreement, spec
+        self.threads = agreement.threads
+        t = agreement.transport
+        self.stats = t.stats
+        self.header = spec.header(agreement.segment_bytes)
+        self.buffers = agreement.exchange_buffers()
+        self.allgather = self.buffers.allgather
+        self.volume = self.buffers.send.nbytes * (t.size - 1)
+        # Views made once, as each costs a few hundred ns on a path of a few microseconds:
+        # the other ranks' received headers (this rank's is the one it sent).
+        recv = self.buffers.recv
+        received = memoryview(recv).cast("B")
+        self.heads = [received[r * recv.shape[1]: r * recv.shape[1] + HEADER_BYTES]
+                      for r in range(t.size) if r != t.rank]
+        #: Where an array riding in the exchange goes (set by the plans that inline one).
+        self.data: memoryview | None = None
+
+    def exchange(self, x: np.ndarray) -> None:
+        """Exchange the call's header (and ``x``'s bytes, where this plan inlines them),
+        raising on every rank if another rank's header differs."""
+        name, twins = self.threads.caller()
+        if name != self.spec.caller:  # another thread repeats the call: its own header
+            self.spec.caller = name
+            self.header = self.spec.header(self.agreement.segment_bytes)
+        if twins is not None:  # raised on every rank
+            self.agreement.exchange(self.spec.with_error(twins))
+        view = self.buffers.view
+        view[:HEADER_BYTES] = self.header
+        if self.data is not None:
+            self.data[:] = memoryview(x).cast("B")
+        self.allgather()
+        stats = self.stats
+        stats.bytes_sent += self.volume
+        stats.bytes_received += self.volume
+        header = self.header
+        for head in self.heads:
+            if head != header:
+                self.agreement.verify(self.spec, np.ascontiguousarray(
+                    self.buffers.recv[:, :HEADER_BYTES]).view(np.int64))
+                break
+
+
+class NativePlan(PreparedCall):
+    """A dense host allreduce above ``inline_bytes`` that the transport's own allreduce runs
+    (MPI's, up to ``RINGCOMM_MPI_ALLREDUCE_BYTES``), prepared for its repeats: the header
+    exchange, then the prepared allreduce straight from ``x`` into the result.
+
+    Made only where the general path would run that same allreduce: a flat call (the
+    two-level allreduce cannot be chosen for it) that the transport reduces natively.
+    """
+
+    __slots__ = ("check", "dtype", "native", "shape")
+
+    def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
+                 native: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        super().__init__(agreement, spec)
+        self.check = agreement.check
+        self.shape, self.dtype = x.shape, x.dtype
+        self.native = native
+
+    @staticmethod
+    def prepare(agreement: Agreement, t: Transport, spec: CallSpec, x: np.ndarray,
+                op: ReduceOp) -> NativePlan | None:
+        """A NativePlan for repeats of ``x``'s call over ``t``, or None where the transport
+        has no native allreduce for it (dtype, size) or the array is not plain contiguous."""
+        if not (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.aligned
+                and x.nbytes > agreement.inline_bytes):
+            return None
+        native = t.prepare_native_allreduce(x.dtype, x.nbytes, op)
+        return None if native is None else NativePlan(agreement, spec, x, native)
+
+    @staticmethod
+    def accepts(x: np.ndarray, out: np.ndarray | None) -> bool:
+        """Whether this call's arrays can go to the transport as they are."""
+        return (x.flags.c_contiguous and x.flags.aligned
+                and (out is None or (out.flags.c_contiguous and out.flags.aligned)))
+
+    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if self.check:
+            self.exchange(x)
+        result = np.empty(self.shape, self.dtype) if out is None else out
+        self.native(x, result)
+        return result
