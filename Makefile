@@ -7,35 +7,39 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi test-horovod layers gpu-test gpu-bench gpu-check bench-ddp \
+.PHONY: demo test test-unit test-mpi test-horovod layers ruff gpu-test gpu-bench gpu-check bench-ddp \
 	lint clean
 
 $(BIN)/python:
+	@echo "== creating $(VENV)/ and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # The demo needs the package with its MPI extra and the examples' data (scikit-learn).
 $(VENV)/.demo: pyproject.toml | $(BIN)/python
+	@echo "== installing ringcomm with its mpi and examples extras (numpy, numba, mpich, mpi4py, scikit-learn)"
 	$(BIN)/python -m pip install -q -e '.[mpi,examples]'
 	touch $@
 
 # Tests: torch first (the CPU build here), so that nothing pulls in another, CUDA-sized build.
 $(VENV)/.test: pyproject.toml | $(BIN)/python
+	@echo "== installing torch $(TORCH_VERSION) first (the largest download)"
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	@echo "== installing ringcomm with its test extras (CuPy, NVRTC, Lightning, Accelerate, ...)"
 	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test]'
 	touch $@ $(VENV)/.demo
 
 demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/python examples/train_digits.py --compression int8
-	$(BIN)/mpiexec -n $(NP) $(BIN)/python bench/allreduce_perf.py -b 4K -e 16M -f 4 -n 10 \
+	$(BIN)/mpiexec -n $(NP) $(BIN)/ringcomm-perf -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: layers test-unit test-mpi test-horovod
+test: layers ruff test-unit test-mpi test-horovod
 
 # The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
 # layers below it.
 layers: $(VENV)/.test
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports --no-logo
 
 test-unit: $(VENV)/.test
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -76,8 +80,10 @@ bench-ddp: $(VENV)/.test
 	$(BIN)/mpiexec -n 2 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n2.md
 	$(BIN)/mpiexec -n 4 $(BIN)/python bench/ddp_perf.py --markdown bench/results/ddp_perf_n4.md
 
-lint: layers
+ruff: $(VENV)/.test
 	$(BIN)/ruff check ringcomm tests bench examples
+
+lint: layers ruff
 
 clean:
 	rm -rf $(VENV) logs build dist *.egg-info

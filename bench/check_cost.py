@@ -19,7 +19,7 @@ import numpy as np
 import ringcomm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_perf import parse_size
+from ringcomm.perf.options import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,7 +96,7 @@ def bench_rate(rate: str | None, args: argparse.Namespace, out: Path) -> dict[st
         text = run_in_cluster(cluster, [
             "bench/allreduce_perf.py", "-b", args.minbytes, "-e", args.maxbytes,
             "-f", args.stepfactor, "-n", str(args.iters), "-w", str(args.warmup),
-            "--compression", args.variants, "--baseline", "mpi", "--no-memcpy",
+            "--compression", args.variants, "--baseline", "mpi", "--no-memcpy", "--no-inplace",
             "--json", str(json_path), "--plot", str(png_path),
             "--title", f"allreduce, {args.ranks} ranks, links {tag}, MPI over TCP"], args.timeout)
         crossed = sum(a - b for a, b in zip(cluster.tx_bytes(), before, strict=True))

@@ -124,7 +124,7 @@ def traffic_check(cluster: Cluster, variant: str, args: argparse.Namespace,
                   scratch: Path) -> dict[str, Any]:
     """One dense job of ``variant``: the NIC and loopback bytes per node and call, measured
     and modelled."""
-    from allreduce_perf import parse_size
+    from ringcomm.perf.options import parse_size
 
     size = parse_size(args.traffic_bytes)
     json_path = scratch / "traffic.json"
@@ -132,7 +132,7 @@ def traffic_check(cluster: Cluster, variant: str, args: argparse.Namespace,
     nic0, lo0 = cluster.tx_bytes(), cluster.local_bytes()
     run_in_cluster(cluster, [
         "bench/allreduce_perf.py", "-b", str(size), "-e", str(size), "-n", str(iters), "-w", "0",
-        "-c", "0", "--compression", variant, "--baseline", "none", "--no-memcpy",
+        "-c", "0", "--compression", variant, "--baseline", "none", "--no-memcpy", "--no-inplace",
         "--json", str(json_path)], args.timeout)
     nic = [b - a for a, b in zip(nic0, cluster.tx_bytes(), strict=True)]
     lo = [b - a for a, b in zip(lo0, cluster.local_bytes(), strict=True)]
@@ -168,7 +168,7 @@ def bench_rate(rate: str, intra: str, args: argparse.Namespace, out: Path, names
         text = run_in_cluster(cluster, [
             "bench/allreduce_perf.py", "-b", args.minbytes, "-e", args.maxbytes,
             "-f", args.stepfactor, "-n", str(args.iters), "-w", str(args.warmup),
-            "--compression", ",".join(names), "--baseline", "mpi", "--no-memcpy",
+            "--compression", ",".join(names), "--baseline", "mpi", "--no-memcpy", "--no-inplace",
             "--phases", str(args.phases), "--json", str(json_path), "--plot", str(png_path),
             "--title", f"allreduce, {args.nodes} nodes x {args.ranks_per_node} ranks, "
                        f"NICs {rate}, intra-node {intra}"], args.timeout)

@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from allreduce_perf import machine, parse_size
 
 from ringcomm.ops import cpu
 from ringcomm.ops import numpy as ref
+from ringcomm.perf.options import parse_size
+from ringcomm.perf.report import machine
 
 Run = Callable[[], Any]
 _RESULTS = Path(__file__).resolve().parent / "results"

@@ -34,7 +34,8 @@ import torch
 import ringcomm.torch as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_perf import machine, parse_size
+from ringcomm.perf.options import parse_size
+from ringcomm.perf.report import machine
 
 
 def timed(fn: Callable[[], object], iters: int, world) -> float:

@@ -20,7 +20,8 @@ import numpy as np
 import ringcomm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_perf import machine, parse_size
+from ringcomm.perf.options import parse_size
+from ringcomm.perf.report import machine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,15 +246,3 @@ def test_cluster2_small_run(tmp_path):
     assert set(res["median_time_s"]) == {*data["meta"]["variants"], "mpi"}
     assert all(t > 0 for v in res["median_time_s"].values() for t in v.values())
     assert (tmp_path / "cluster2_2x2.md").exists() and netns.existing(prefix) == []
-
-
-def test_allreduce_perf_variant_suffix_picks_the_algorithm():
-    import allreduce_perf
-
-    assert allreduce_perf.algorithm_kw("int8") == {}
-    assert allreduce_perf.algorithm_kw("int8@hier") == {"algorithm": "hierarchical"}
-    assert allreduce_perf.algorithm_kw("topk:0.01@flat") == {"algorithm": "flat"}
-    assert allreduce_perf.parse_compression("none@hier") is None
-    assert allreduce_perf.parse_compression("topk:0.01@hier").ratio == 0.01
-    with pytest.raises(ValueError, match="unknown algorithm"):
-        allreduce_perf.parse_compression("int8@ring")

@@ -106,3 +106,51 @@ def test_installed_package_finds_and_compiles_its_kernels(wheel, tmp_path):
     except ImportError:
         return
     assert report["compiled"], "the installed topk.cu did not compile"
+
+
+@pytest.mark.slow
+def test_installed_benchmark_runs_from_outside_the_tree(wheel, tmp_path):
+    """What a pip user does: the wheel with its mpi extra into a new virtual environment
+    (dependencies from the package index), then the benchmark under that environment's
+    mpiexec, from a directory that holds no source."""
+    from test_perf import _check_output
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    bin_dir = env_dir / "bin"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+           and not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
+    install = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         f"{wheel}[mpi]"], env=env, capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stdout + install.stderr
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    run = subprocess.run([str(bin_dir / "mpiexec"), "-n", "2", str(bin_dir / "ringcomm-perf"),
+                          "-b", "8", "-e", "16M", "-f", "4"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    _check_output(run.stdout, 11)  # 8 B to 8 MiB
+    where = subprocess.run(
+        [str(bin_dir / "python"), "-c", "import ringcomm; print(ringcomm.__file__)"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert Path(where.stdout.strip()).is_relative_to(env_dir), where.stdout + where.stderr
+
+
+@pytest.mark.slow
+def test_wheel_carries_the_licence_metadata_and_command(wheel):
+    import ringcomm
+
+    archive = zipfile.ZipFile(wheel)
+    info = f"ringcomm-{ringcomm.__version__}.dist-info"
+    names = set(archive.namelist())
+    assert f"{info}/licenses/LICENSE" in names, sorted(n for n in names if "dist-info" in n)
+    assert "Apache License" in archive.read(f"{info}/licenses/LICENSE").decode()
+    meta = archive.read(f"{info}/METADATA").decode()
+    assert f"Version: {ringcomm.__version__}" in meta  # the one version, from the package
+    assert "License-Expression: Apache-2.0" in meta
+    assert "Classifier: Typing :: Typed" in meta and "Requires-Python: >=3.10" in meta
+    scripts = archive.read(f"{info}/entry_points.txt").decode()
+    assert "ringcomm-perf = ringcomm.perf.run:main" in scripts
+    assert "ringcomm/py.typed" in names and "ringcomm/perf/__main__.py" in names

@@ -291,3 +291,32 @@ def test_ringcomm_state_takes_auto_as_comm_allreduce_does():
     assert RingcommState(compression=mine).compression is mine
     with pytest.raises(TypeError, match=r"\"auto\" or hvd.Compression.<name>, got 'int8'"):
         RingcommState(compression="int8")
+
+
+def test_elastic_is_a_module_that_says_what_to_do_instead():
+    import importlib
+
+    elastic = importlib.import_module("ringcomm.torch.elastic")
+    assert hvd.elastic is elastic
+    for name in ("run", "State", "ObjectState", "TorchState", "ElasticSampler"):
+        assert not hasattr(hvd.elastic, name)  # feature detection sees no elastic support
+        with pytest.raises(NotImplementedError, match="restart a job that lost a rank"):
+            getattr(hvd.elastic, name)
+    with pytest.raises(ImportError, match="cannot import name 'TorchState' from "
+                                          "'ringcomm.torch.elastic'"):
+        exec("from ringcomm.torch.elastic import TorchState", {})
+    assert elastic.ElasticUnsupportedError.__mro__[1:3] == (NotImplementedError, RuntimeError)
+
+
+def test_without_torch_the_error_names_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import ringcomm.torch\n"
+            "except ModuleNotFoundError as err:\n    print(err.name, '|', err)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    name, message = run.stdout.strip().split(" | ", 1)
+    assert name == "torch" and "pip install 'ringcomm[torch]'" in message, run.stdout

@@ -30,6 +30,17 @@ Example (``mpiexec -n 4 python train.py``)::
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # noqa: F401  (the adapters' one hard requirement, checked first)
+except ModuleNotFoundError as _err:
+    if _err.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "ringcomm.torch needs PyTorch, which is not installed here: pip install "
+        "'ringcomm[torch]' (torch 2.4 or newer; install the torch build for your CUDA or CPU "
+        "first, as pytorch.org says, then ringcomm)", name="torch") from _err
+
+from ringcomm.torch import elastic
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
 from ringcomm.torch.accelerate import register_ddp_hook
 from ringcomm.torch.compression import Compression, Compressor
@@ -104,7 +115,6 @@ from ringcomm.torch.horovod.reducescatter import (
 )
 from ringcomm.torch.horovod.sync_batch_norm import SyncBatchNorm
 from ringcomm.torch.horovod.timeline import start_timeline, stop_timeline
-from ringcomm.torch.horovod.unsupported import elastic
 
 __all__ = [
     "Adasum",

@@ -25,12 +25,6 @@ _AGREE = MPI.COMM_WORLD.Dup()
 RANK, SIZE = _AGREE.Get_rank(), _AGREE.Get_size()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Everything here needs MPI: let pytest-mpi run these tests without --with-mpi on the
-    # command line (and without its MPI-information section in every run's summary).
-    config.option.with_mpi = True
-
-
 def _summary(report: pytest.TestReport) -> str:
     text = report.longreprtext or ""
     lines = text.strip().splitlines()

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from ringcomm.core.log import get_logger
 
-__all__ = ["elastic", "refusal"]
+__all__ = ["ELASTIC_REASON", "ElasticUnsupportedError", "elastic_refusal", "refusal"]
 
 _LOG = get_logger("torch.unsupported")
 
@@ -33,15 +33,20 @@ def _unsupported(name: str, reason: str) -> Any:
 
 
 
-class _Elastic:
-    """Stands in for ``hvd.elastic``: every attribute raises NotImplementedError."""
-
-    def __getattr__(self, name: str) -> NoReturn:
-        if name.startswith("__"):  # introspection (copy, pickle, inspect) must see no such name
-            raise AttributeError(name)
-        raise refusal(
-            f"elastic.{name}: elastic training is not supported: ringcomm jobs have a fixed set "
-            "of ranks (restart the job from a checkpoint instead)")
+class ElasticUnsupportedError(NotImplementedError, AttributeError):
+    """Elastic training is not supported. A NotImplementedError, as Horovod's refusals are,
+    and an AttributeError, so that ``hasattr(hvd.elastic, "run")`` is False: code that
+    detects elastic support falls back to a fixed set of ranks."""
 
 
-elastic = _Elastic()
+ELASTIC_REASON = ("elastic training is not supported: ringcomm jobs have a fixed set of ranks; "
+                  "run without elastic (hvd.elastic.run, State and ElasticSampler have no "
+                  "ringcomm counterpart) and restart a job that lost a rank from a checkpoint, "
+                  "with hvd.broadcast_parameters and hvd.broadcast_optimizer_state after loading")
+
+
+def elastic_refusal(name: str) -> ElasticUnsupportedError:
+    """The error of ``elastic.<name>`` (logged at DEBUG, as every refusal)."""
+    message = f"elastic.{name}: {ELASTIC_REASON}"
+    _LOG.debug("not supported: %s", message)
+    return ElasticUnsupportedError(message)

@@ -1,4 +1,4 @@
-"""NCCL's own allreduce, the NCCL baseline of allreduce_perf: no agreement, no checks.
+"""NCCL's own allreduce, the NCCL baseline of ringcomm-perf: no agreement, no checks.
 
 The baseline runs on an NCCLTransport of its own over the benchmark's MPI communicator, so it
 times ``ncclAllReduce`` on the same library, GPU and buffers as ringcomm's NCCL backend,

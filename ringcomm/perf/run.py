@@ -1,0 +1,188 @@
+"""The benchmark's run: each size's variants (ringcomm with each compression, out-of-place and
+in-place) and baselines timed side by side, checked, and printed as rows on rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ringcomm
+from ringcomm.perf import baselines as _baselines
+from ringcomm.perf import checks, options, report, timing
+
+__all__ = ["main", "run_size"]
+
+
+def _make_input(comm: Any, count: int, dtype: np.dtype, rank: int) -> Any:
+    rng = np.random.default_rng(1234 + rank)
+    if dtype.kind == "i":
+        host = rng.integers(-8, 9, count).astype(dtype)
+    else:
+        host = rng.standard_normal(count).astype(dtype)
+    if comm.backend == "nccl":
+        import cupy
+
+        return cupy.asarray(host)
+    return host
+
+
+class _Variant:
+    """One ringcomm variant of one size: its out-of-place and in-place calls and buffers."""
+
+    def __init__(self, comm: Any, x: Any, label: str, comp: Any, op: str,
+                 feedback: ringcomm.ErrorFeedback) -> None:
+        self.label, self.comp = label, comp
+        self.out, self.inplace = x.copy(), x.copy()
+        kw: dict[str, Any] = dict(options.algorithm_kw(label), op=op)
+        if comp is not None:
+            kw.update(compression=comp, feedback=feedback, name=label)
+        out, z = self.out, self.inplace
+        self.run: Callable[[], Any] = lambda: comm.allreduce(x, out=out, **kw)
+        self.run_in_place: Callable[[], Any] = lambda: comm.allreduce(z, out=z, **kw)
+        self.restore: Callable[[], Any] = lambda: z.__setitem__(Ellipsis, x)
+
+
+def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype: np.dtype,
+             variants: list[tuple[str, Any]], baselines: list[str]) -> list[dict[str, Any]]:
+    """Time, check and describe every variant at ``nbytes`` per rank (collective)."""
+    n = comm.size
+    count = nbytes // dtype.itemsize
+    x = _make_input(comm, count, dtype, comm.rank)
+    sync = timing.sync_for(x)
+    feedback = ringcomm.ErrorFeedback()
+    runs = [_Variant(comm, x, label, comp, args.op, feedback) for label, comp in variants]
+    fns: dict[str, Callable[[], Any]] = {v.label: v.run for v in runs}
+    before: dict[str, Callable[[], Any]] = {}
+    if not args.no_inplace:
+        for v in runs:
+            fns[f"{v.label} in-place"] = v.run_in_place
+            before[f"{v.label} in-place"] = v.restore
+    base = _baselines.baseline_fns(baselines, world, x, args.op)
+    if not args.no_memcpy:
+        base["memcpy"] = timing.memcpy_fn(nbytes, comm.rank)
+    samples = timing.time_variants(world, {**fns, **base}, args.iters, args.warmup_iters, sync,
+                                   before)
+    medians = {name: float(np.median(s)) for name, s in samples.items()}
+    busbw_factor = 2 * (n - 1) / n if n > 1 else 1.0
+    rows, dense_wire = [], None
+    for v in runs:
+        comm.stats.reset()
+        v.run()
+        wire = comm.stats.bytes_sent
+        if v.comp is None and dense_wire is None:
+            dense_wire = wire
+        t = medians[v.label]
+        q1, _, q3 = timing.quartiles(samples[v.label])
+        algbw = nbytes / t / 1e9
+        row: dict[str, Any] = {
+            "size": nbytes, "count": count, "type": args.datatype, "redop": args.op,
+            "compression": v.label, "time_us": t * 1e6, "time_q1_us": q1 * 1e6,
+            "time_q3_us": q3 * 1e6, "spread": (q3 - q1) / t, "algbw": algbw,
+            "busbw": algbw * busbw_factor, "wire_bytes": wire,
+        }
+        if not args.no_inplace:
+            ip = medians[f"{v.label} in-place"]
+            row.update(ip_time_us=ip * 1e6, ip_algbw=nbytes / ip / 1e9,
+                       ip_busbw=nbytes / ip / 1e9 * busbw_factor)
+        if isinstance(v.comp, ringcomm.Auto):  # what "auto" picked at this size
+            choice = v.comp.resolve(comm.transport, comm.auto_figures, x, comm.inline_bytes)
+            row["chose"] = "none" if choice is None else options.label_of(choice)
+        if args.check:
+            _check(row, args, comm, world, x, v, feedback)
+        for b in baselines:
+            if b in medians:
+                bt = medians[b]
+                row[f"{b}_time_us"] = bt * 1e6
+                row[f"{b}_busbw"] = nbytes / bt / 1e9 * busbw_factor
+                row[f"vs_{b}"] = bt / t
+                # ringcomm's time over the baseline's, per iteration (both timed in it).
+                low, mid, high = timing.quartiles(samples[v.label] / samples[b])
+                row[f"over_{b}"], row[f"over_{b}_q1"], row[f"over_{b}_q3"] = mid, low, high
+        if args.phases:
+            row["phases_ms"] = timing.phase_ms(world, v.run, args.phases, sync)
+        if "memcpy" in medians and medians["memcpy"] > 0:
+            row["memcpy_GBps"] = nbytes / medians["memcpy"] / 1e9
+            row["busbw_vs_memcpy"] = row["busbw"] / row["memcpy_GBps"]
+        rows.append(row)
+    for row in rows:
+        if dense_wire and row["wire_bytes"]:
+            row["ratio"] = dense_wire / row["wire_bytes"]
+    return rows
+
+
+def _check(row: dict[str, Any], args: argparse.Namespace, comm: Any, world: Any, x: Any,
+           v: _Variant, feedback: ringcomm.ErrorFeedback) -> None:
+    """#wrong (dense: out-of-place and in-place, from fresh inputs) or the relative error
+    (compressed: one call without feedback)."""
+    if v.comp is None:
+        row["wrong"] = checks.count_wrong(world, x, v.out, args.op)
+        if not args.no_inplace:
+            v.restore()
+            v.run_in_place()
+            row["ip_wrong"] = checks.count_wrong(world, x, v.inplace, args.op)
+        return
+    feedback.reset()
+    y = comm.allreduce(x, op=args.op, compression=v.comp, **options.algorithm_kw(v.label))
+    row["relerr"] = checks.relative_error(world, x, y, args.op)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (under the launcher, on every rank); 0 when every check passed."""
+    args = options.parse_args(argv)
+    comm = ringcomm.init(args.backend, segment_bytes=args.segment_bytes)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD.Dup()
+    dtype = options.dtype_of(args.datatype)
+    variants = [(s.strip(), options.parse_compression(s)) for s in args.compression.split(",")]
+    if variants[0][1] is not None:
+        variants.insert(0, ("none", None))  # the dense ring is the ratio's reference
+    baseline = args.baseline or ("nccl" if comm.backend == "nccl" else "mpi")
+    baselines = [b.strip() for b in baseline.split(",") if b.strip() not in ("", "none")]
+    unknown = sorted(set(baselines) - set(_baselines.KNOWN))
+    if unknown:
+        comm.close()
+        raise SystemExit(f"ringcomm-perf: unknown baseline {', '.join(unknown)}; known: "
+                         f"{', '.join(_baselines.KNOWN)}, none")
+    table = report.Table(baselines, not args.no_inplace, not args.no_memcpy)
+    info = report.machine()
+    warning = report.load_warning(comm.transport.local_size
+                                  if hasattr(comm.transport, "local_size") else comm.size)
+    if comm.rank == 0:
+        print(f"# ringcomm-perf {ringcomm.__version__}: nranks {comm.size}, backend "
+              f"{comm.backend}, segment {comm.segment_bytes} B, iters {args.iters}, warmup "
+              f"{args.warmup_iters}")
+        gpu = f" | {info['gpu']}, NCCL {info['nccl']}" if "gpu" in info else ""
+        print(f"# {info.get('cpu', '')} | {info.get('mpi', '')} | numpy {info['numpy']}{gpu}")
+        if warning:
+            print(warning)
+        print(table.header())
+    rows = []
+    for nbytes in options.sizes(args, dtype.itemsize):
+        for row in run_size(args, comm, world, nbytes, dtype, variants, baselines):
+            rows.append(row)
+            if comm.rank == 0:
+                print(table.row(row), flush=True)
+    if comm.rank == 0:
+        print("\n".join(report.summary(rows)), flush=True)
+        if args.json:
+            meta = {"nranks": comm.size, "backend": comm.backend, "machine": info,
+                    "segment_bytes": comm.segment_bytes, "args": vars(args),
+                    "load_warning": warning}
+            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if args.plot:
+            report.plot(rows, args.plot,
+                        args.title or f"allreduce, {comm.size} ranks, {comm.backend}")
+    comm.close()
+    failed = any(r.get("wrong") or r.get("ip_wrong") for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The allreduce benchmark that ships with the package (``ringcomm-perf``, ``python -m
+ringcomm.perf``): its options, table and closing lines in one process, and a real run under
+mpiexec from outside the source tree."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringcomm.perf import options, report
+
+
+def test_variant_suffix_picks_the_algorithm():
+    assert options.algorithm_kw("int8") == {}
+    assert options.algorithm_kw("int8@hier") == {"algorithm": "hierarchical"}
+    assert options.algorithm_kw("topk:0.01@flat") == {"algorithm": "flat"}
+    assert options.parse_compression("none@hier") is None
+    assert options.parse_compression("topk:0.01@hier").ratio == 0.01
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        options.parse_compression("int8@ring")
+
+
+def test_sizes_and_flags_as_nccl_tests_spells_them():
+    args = options.parse_args(["-b", "8", "-e", "16M", "-f", "4", "-n", "3", "-w", "1",
+                               "-c", "0", "-d", "half", "-o", "max"])
+    assert (args.minbytes, args.maxbytes, args.stepfactor) == (8, 16 << 20, 4)
+    assert (args.iters, args.warmup_iters, args.check, args.op) == (3, 1, 0, "max")
+    assert options.sizes(args, 2) == [8 * 4 ** k for k in range(11)]
+    assert options.dtype_of(args.datatype) == np.float16
+    assert options.sizes(options.parse_args(["-b", "6", "-e", "6"]), 4) == [4]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-b", "1M", "-e", "4K"], "need minbytes <= maxbytes"),
+    (["-f", "1"], "stepfactor >= 2"),
+    (["-b", "lots"], "expected a size like 8, 4K, 16M or 1G"),
+    (["--compression", "int8,zip"], "unknown compression 'zip'"),
+])
+def test_bad_options_say_what_was_expected(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        options.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def _row(size, label="none", **extra):
+    row = {"size": size, "count": size // 4, "type": "float", "redop": "sum",
+           "compression": label, "time_us": 10.0, "algbw": 1.0, "busbw": 2.0, "wrong": 0,
+           "ip_time_us": 9.0, "ip_algbw": 1.1, "ip_busbw": 4.0, "ip_wrong": 0,
+           "spread": 0.1, "wire_bytes": size, "ratio": 1.0}
+    row.update(extra)
+    return row
+
+
+def test_table_has_nccl_tests_columns_and_ours():
+    table = report.Table(["mpi"], in_place=True, memcpy=False)
+    head = table.header().splitlines()
+    assert "out-of-place" in head[0] and "in-place" in head[0]
+    assert head[0].index("out-of-place") < head[0].index("in-place")
+    names = head[1].split()
+    assert names[:13] == ["#", "size", "count", "type", "redop", "compression", "time(us)",
+                          "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw"][:13]
+    assert {"iqr", "wire(B)", "mpi_time_us", "vs_mpi"} <= set(names)
+    line = table.row(_row(1024, mpi_time_us=5.0, mpi_busbw=1.0, vs_mpi=0.5))
+    assert len(line.split()) == len(names) - 1 and "10%" in line and " - " in line
+    assert "in-place" not in report.Table([], in_place=False, memcpy=True).header()
+
+
+def test_summary_averages_every_bus_bandwidth_per_variant():
+    rows = [_row(8), _row(16), _row(8, "int8", busbw=6.0, ip_busbw=6.0, wrong=None,
+                                     ip_wrong=None)]
+    lines = report.summary(rows)
+    assert lines[0] == "# Out of bounds values : 0 OK"
+    assert lines[1] == "# Avg bus bandwidth (none)    : 3 GB/s"
+    assert lines[2] == "# Avg bus bandwidth (int8)    : 6 GB/s"
+    assert report.summary([_row(8), _row(16, ip_wrong=3)])[0] == \
+        "# Out of bounds values : 3 FAILED"
+    assert report.summary([_row(8)])[1] == "# Avg bus bandwidth    : 3 GB/s"
+
+
+def test_load_warning_names_the_load(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("os.getloadavg", lambda: (9.5, 1.0, 1.0))
+    warning = report.load_warning(2)
+    assert warning.startswith("# WARNING: load average 9.50 on 4 cores with 2 ranks")
+    monkeypatch.setattr("os.getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert report.load_warning(2) is None
+
+
+def _check_output(text: str, sizes: int) -> None:
+    lines = text.splitlines()
+    rows = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert len(rows) == sizes, text
+    for row in rows:
+        cols = row.split()
+        assert cols[2:5] == ["float", "sum", "none"], row
+        assert cols[8] == "0" and cols[12] == "0", row  # #wrong, out-of-place and in-place
+    assert "# Out of bounds values : 0 OK" in lines, text
+    assert re.search(r"^# Avg bus bandwidth    : [0-9.e+-]+ GB/s$", text, re.M), text
+
+
+@pytest.mark.slow
+def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "ringcomm.perf", "-b", "8", "-e", "64K",
+         "-f", "8", "-n", "3", "-w", "1", "--json", str(out)],
+        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_output(proc.stdout, 5)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"] for r in rows] == [8, 64, 512, 4096, 32768]
+    assert all(r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] for r in rows)
