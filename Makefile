@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi test-horovod layers ruff gpu-test gpu-bench gpu-check bench-ddp \
-	lint clean
+.PHONY: demo test test-unit test-mpi test-horovod layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+	bench-ddp lint clean
 
 $(BIN)/python:
 	@echo "== creating $(VENV)/ and upgrading pip"
@@ -25,8 +25,8 @@ $(VENV)/.demo: pyproject.toml | $(BIN)/python
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	@echo "== installing torch $(TORCH_VERSION) first (the largest download)"
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	@echo "== installing ringcomm with its test extras (CuPy, NVRTC, Lightning, Accelerate, ...)"
-	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test]'
+	@echo "== installing ringcomm with its test and docs extras (CuPy, NVRTC, Lightning, Accelerate, MkDocs, ...)"
+	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test,docs]'
 	touch $@ $(VENV)/.demo
 
 demo: $(VENV)/.demo
@@ -34,7 +34,7 @@ demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/ringcomm-perf -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: layers ruff test-unit test-mpi test-horovod
+test: layers ruff typecheck docs test-unit test-mpi test-horovod
 
 # The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
 # layers below it.
@@ -83,7 +83,16 @@ bench-ddp: $(VENV)/.test
 ruff: $(VENV)/.test
 	$(BIN)/ruff check ringcomm tests bench examples
 
-lint: layers ruff
+# mypy over ringcomm/, as [tool.mypy] in pyproject.toml configures it.
+typecheck: $(VENV)/.test
+	$(BIN)/mypy
+
+# The documentation (mkdocs.yml): the README's guides and the API reference from the
+# docstrings, into site/; any warning fails the build.
+docs: $(VENV)/.test
+	$(BIN)/mkdocs build --strict --quiet
+
+lint: layers ruff typecheck
 
 clean:
 	rm -rf $(VENV) logs build dist *.egg-info

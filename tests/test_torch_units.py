@@ -302,8 +302,8 @@ def test_elastic_is_a_module_that_says_what_to_do_instead():
         assert not hasattr(hvd.elastic, name)  # feature detection sees no elastic support
         with pytest.raises(NotImplementedError, match="restart a job that lost a rank"):
             getattr(hvd.elastic, name)
-    with pytest.raises(ImportError, match="cannot import name 'TorchState' from "
-                                          "'ringcomm.torch.elastic'"):
+    with pytest.raises(ImportError, match=r"cannot import name 'TorchState' from "
+                                          r"'ringcomm.torch.elastic'"):
         exec("from ringcomm.torch.elastic import TorchState", {})
     assert elastic.ElasticUnsupportedError.__mro__[1:3] == (NotImplementedError, RuntimeError)
 

@@ -63,12 +63,16 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor
     of stochastic rounding and sampling; it differs per call and rank.
     """
     ops = _ops.get(x)
-    residual = feedback.take(name, x) if feedback is not None else None
+    residual = None
+    if feedback is not None:
+        if name is None:
+            raise ValueError("feedback needs name=... to key the residual of this tensor")
+        residual = feedback.take(name, x)
     if comp is None:
         # Dense: the input plus the pending residual, in the input's own dtype; the residual
         # is spent.
         work = x
-        if residual is not None:
+        if feedback is not None:
             work = ops.empty((x.size,), x.dtype)
             ops.reduce(ReduceOp.SUM, x, residual, work)
             feedback.reset(name)  # later dense calls need not add zeros

@@ -134,6 +134,8 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: A
     if feedback is None:
         allreduce(local, cross, x, out, op, comp, None, seed, segment_bytes=segment_bytes)
         return
+    if name is None:
+        raise ValueError("feedback needs name=... to key the residual of this tensor")
     within = feedback.within(name)  # before ``take``, which forgets it
     residual = feedback.take(name, x)
     allreduce(local, cross, x, out, op, comp, residual, seed, segment_bytes=segment_bytes,

@@ -220,10 +220,11 @@ class PowerSGD(Compressor):
             ValueError: the shapes hold another number of elements than ``x``.
         """
         bound = self if self.shapes is not None else self.with_shapes([tuple(x.shape)])
-        total = sum(int(np.prod(s, dtype=np.int64)) for s in bound.shapes)
+        shapes = bound.shapes or ()  # set either way
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
         if total != x.size:
             raise ValueError(f"PowerSGD shapes hold {total} elements but the array has "
-                             f"{x.size}: {_shapes_text(bound.shapes)}")
+                             f"{x.size}: {_shapes_text(shapes)}")
         if bound is self and name == self.name:
             return self
         bound = copy.copy(bound) if bound is self else bound

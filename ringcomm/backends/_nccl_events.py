@@ -25,7 +25,8 @@ class Transfer:
 
     def __init__(self, events: EventPool, scope: Callable[[], Any], event: Any,
                  arrays: tuple[Any, Any]) -> None:
-        self._events, self._scope, self._event, self._arrays = events, scope, event, arrays
+        self._events, self._scope, self._event = events, scope, event
+        self._arrays: tuple[Any, Any] | None = arrays
 
     def wait(self) -> None:
         event = self._event

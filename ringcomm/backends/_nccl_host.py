@@ -37,7 +37,8 @@ class _Staged:
     def __init__(self, t: Any, inner: Request, recv: np.ndarray | None, device_recv: Any,
                  source: int, keep: tuple[Any, Any]) -> None:
         self._t, self._inner, self._recv, self._device_recv = t, inner, recv, device_recv
-        self._source, self._keep = source, keep
+        self._source = source
+        self._keep: tuple[Any, Any] | None = keep
 
     def wait(self) -> None:
         t = self._t
@@ -61,7 +62,7 @@ def staged_sendrecv(t: Any, send: Array | None, dest: int, recv: Array | None, s
         cupy = t.cupy
         dsend = send if send is None or device(send) else t.upload(_bytes(send))
         host_recv = recv is not None and not device(recv)
-        drecv = cupy.empty(recv.nbytes, np.uint8) if host_recv else recv
+        drecv = cupy.empty(recv.nbytes, np.uint8) if host_recv and recv is not None else recv
         inner = t.device_isendrecv(dsend, dest, drecv, source, channel)
     return _Staged(t, inner, recv if host_recv else None, drecv, source, (dsend, drecv))
 

@@ -294,7 +294,7 @@ class TorchDistTransport(TransportBase):
         ranked = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
         order = [r for _, r in ranked]
         members = [self._peers[r] for r in order]
-        keep_order = {"sort_ranks": False} if _KEEPS_ORDER else {}
+        keep_order: dict[str, Any] = {"sort_ranks": False} if _KEEPS_ORDER else {}
         group = dist.new_group(ranks=members, backend="gloo", use_local_synchronization=True,
                                timeout=_duration(self.timeout), **keep_order)
         # The launcher's local rank describes the whole job; a sub-group counts its own.

@@ -27,7 +27,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -325,7 +325,7 @@ class MPITransport(TransportBase):
         out = np.empty(ends[-1], np.uint8)
         self._wait_one(self._ctl.Iallgatherv(data, [out, (sizes.tolist(), starts)]),
                        "allgather of objects")
-        return [pickle.loads(out[a:b]) for a, b in zip(starts, ends, strict=True)]
+        return [pickle.loads(out[a:b].data) for a, b in zip(starts, ends, strict=True)]
 
     def barrier(self) -> None:
         self._wait_one(self._ctl.Ibarrier(), "barrier")
@@ -485,4 +485,4 @@ class MPICommunicator(Communicator):
     @property
     def cuda_aware(self) -> bool:
         """Whether device arrays go to MPI directly (else staged through host memory)."""
-        return self.transport.cuda_aware
+        return cast(MPITransport, self.transport).cuda_aware

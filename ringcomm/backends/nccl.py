@@ -40,7 +40,7 @@ collective; the communicator then refuses every call.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 from ringcomm.backends import _nccl_lib, _nccl_setup
 from ringcomm.backends._nccl_transport import NCCLTransport
@@ -132,10 +132,10 @@ class NCCLCommunicator(Communicator):
     @property
     def device(self) -> Any:
         """The cupy.cuda.Device this communicator runs on."""
-        return self.transport.device
+        return cast(NCCLTransport, self.transport).device
 
     @property
     def nccl_version(self) -> str:
         """The NCCL library's version, as "2.21.5"."""
-        return self.transport.nccl_version
+        return cast(NCCLTransport, self.transport).nccl_version
 

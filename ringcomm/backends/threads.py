@@ -180,7 +180,7 @@ class _Exchange:
 
     def wait(self) -> None:
         """Return once the receive buffer holds the message (at once for a pure send)."""
-        if self._box is None:
+        if self._box is None or self._recv is None:  # a pure send (no box without a recv)
             return
         box, self._box, world = self._box, None, self._world
         world._check_alive(self._rank, self._what)
@@ -219,7 +219,7 @@ class ThreadTransport(TransportBase):
         super().__init__(_check_rank(rank, world.size, "rank"), world.size)
         self.world = world
 
-    @property  # type: ignore[override]
+    @property
     def timeout(self) -> float:
         """The world's: every wait of its ranks lasts at most this long."""
         return self.world.timeout
@@ -363,7 +363,7 @@ def run_ranks(n: int, fn: Callable[[ThreadTransport], Any], *,
     with lock:
         # An aborted wait is the consequence of another rank's error: report the cause.
         causes = [f for f in failures if not isinstance(f[1], WorldAbortedError)]
-        first = (causes or failures or [None])[0]
+        first = (causes or failures)[0] if failures else None
     if stuck:  # wake the stuck ranks, so their errors say what each was waiting for
         world.abort(f"run_ranks timed out after {timeout:g} s")
         for th in threads:

@@ -29,6 +29,9 @@ class Int8(DenseCompressor):
         ValueError: ``block_size`` < 1.
     """
 
+    block_size: int
+    stochastic: bool
+    seed: int
 
     def __init__(self, block_size: int = 256, stochastic: bool = False, seed: int = 0) -> None:
         if (not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool)

@@ -37,6 +37,9 @@ class TopK(Compressor):
         ValueError: ratio outside (0, 1], or unknown algorithm.
     """
 
+    ratio: float
+    algorithm: str
+    approximate: bool
 
     def __init__(self, ratio: float = 0.01, algorithm: str = "ring",
                  approximate: bool = False) -> None:

@@ -74,6 +74,6 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
     if "array" in differences:
         hint += (" (every rank must pass the same kind of array, host or device: on the NCCL "
                  "backend they travel different paths)")
-    cls = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
+    mismatch = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
     message = f"{kind}: " + "; ".join(parts or ["arguments differ between ranks"]) + hint
-    return cls(message, kind=kind, ranks=everyone, differences=differences)
+    return mismatch(message, kind=kind, ranks=everyone, differences=differences)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -66,7 +66,7 @@ class CallSpec:
         self.array = 0  # _HOST or _DEVICE once set_array has seen the array
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
-        self.op: str = ""
+        self.op: ReduceOp | Literal[""] = ""
         self.root = 0
         self.extra = ""
         self.algorithm = ""  # allreduce: "auto", "flat" or "hierarchical"
@@ -233,7 +233,7 @@ class Agreement:
             send = np.zeros(nbytes, np.uint8)
             recv = np.empty((self.transport.size, nbytes), np.uint8)
             bufs = self._buffers["exchange"] = ExchangeBuffers(
-                send, recv, memoryview(send), self.transport.prepare_allgather(send, recv))
+                send, recv, send.data, self.transport.prepare_allgather(send, recv))
         return bufs
 
     def inline_rows(self, recv: np.ndarray, dtype: np.dtype, size: int) -> np.ndarray:

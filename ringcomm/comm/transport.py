@@ -119,11 +119,6 @@ class TransportBase:
     timeout: float = DEFAULT_TIMEOUT_S
     #: End the job on a timeout (True), or raise CollectiveTimeoutError (False).
     abort_on_timeout: bool = True
-    #: The error that aborted this transport, after which it refuses every call; None.
-    failure: Exception | None = None
-    #: The CUDA device of this transport's device work; None without one (or before one
-    #: was chosen).
-    device_id: int | None = None
     #: Whether ``transport_for`` may answer another transport than this one.
     routes_arrays: bool = False
     #: Whether the library's own collectives of device arrays already follow the nodes
@@ -145,6 +140,20 @@ class TransportBase:
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))
         self.world_size = self.size
         self._buffers: dict[tuple[Any, ...], Any] = {}
+
+    #: Allgather equal-sized host byte buffers: every backend implements it.
+    allgather_fixed: Callable[[np.ndarray, np.ndarray], None]
+
+    @property
+    def failure(self) -> Exception | None:
+        """The error that aborted this transport, after which it refuses every call; None."""
+        return None
+
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device of this transport's device work; None without one (or before one
+        was chosen)."""
+        return None
 
     def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:
         """A reusable buffer of ``n`` elements on ``like``'s device, kept between calls.

@@ -197,6 +197,7 @@ def _from_launcher(env: Mapping[str, str]) -> LaunchInfo:
             continue
         rank, size = _int(env, rank_var), _int(env, size_var)
         local_rank = _int(env, lrank_var) if lrank_var and lrank_var in env else None
+        local_size: int | None
         if lsize_var and lsize_var in env:
             local_size = _int(env, lsize_var)
         elif launcher == "slurm":

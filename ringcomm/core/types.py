@@ -253,11 +253,17 @@ class Transport(Protocol):
     world_size: int
     timeout: float
     abort_on_timeout: bool
-    failure: Exception | None
-    device_id: int | None
     routes_arrays: bool
     follows_nodes_on_device: bool
     moves_device_arrays: bool
+
+    @property
+    def failure(self) -> Exception | None:
+        """The error that aborted the transport, or None (read-only)."""
+
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device of the transport's device work, or None (read-only)."""
 
     def transport_for(self, x: Array) -> Transport:
         """The transport that moves arrays like ``x`` (NCCL: its host transport for host

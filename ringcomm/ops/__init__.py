@@ -37,9 +37,9 @@ def numpy_ops() -> ModuleType:
     """The NumPy operations module: the reference implementation."""
     module = _loaded.get("numpy")
     if module is None:
-        from ringcomm.ops import numpy as module
+        from ringcomm.ops import numpy as reference
 
-        _loaded["numpy"] = module
+        module = _loaded["numpy"] = reference
     return module
 
 
@@ -58,7 +58,9 @@ def host_ops() -> ModuleType:
         if raw == "numpy":
             module = numpy_ops()
         else:
-            from ringcomm.ops import cpu as module
+            from ringcomm.ops import cpu
+
+            module = cpu
         _loaded["host"] = module
     return module
 
@@ -69,7 +71,7 @@ def get(x: Array) -> ModuleType:
         return _loaded.get("host") or host_ops()
     module = _loaded.get("cuda")
     if module is None:
-        from ringcomm.ops import cuda as module
+        from ringcomm.ops import cuda
 
-        _loaded["cuda"] = module
+        module = _loaded["cuda"] = cuda
     return module

@@ -19,7 +19,7 @@ wrappers in ops/cpu.py, which check every array against the signature first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llvmlite import ir
@@ -35,23 +35,29 @@ _U = np.uint32
 _F = np.float32
 
 
-@intrinsic
-def _f32_from_bits(typingctx: Any, u: Any) -> Any:
-    """The float32 whose bits are the low 32 bits of integer ``u``."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        v = args[0]
-        if v.type.width > 32:
-            v = builder.trunc(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-    return types.float32(u), codegen
+if TYPE_CHECKING:
+    # What the kernels call: Numba passes the typing context itself (numba's stubs give an
+    # intrinsic's __call__ the definition's parameters, typingctx included).
+    def _f32_from_bits(u: Any) -> Any: ...
 
+    def _bits_of_f32(f: Any) -> Any: ...
+else:
+    @intrinsic
+    def _f32_from_bits(typingctx: Any, u: Any) -> Any:
+        """The float32 whose bits are the low 32 bits of integer ``u``."""
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            v = args[0]
+            if v.type.width > 32:
+                v = builder.trunc(v, ir.IntType(32))
+            return builder.bitcast(v, ir.FloatType())
+        return types.float32(u), codegen
 
-@intrinsic
-def _bits_of_f32(typingctx: Any, f: Any) -> Any:
-    """The bits of float32 ``f`` as a uint32."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
+    @intrinsic
+    def _bits_of_f32(typingctx: Any, f: Any) -> Any:
+        """The bits of float32 ``f`` as a uint32."""
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(types.float32), codegen
 
 
 # ------------------------------------------------------------------------------ scalar helpers

@@ -12,10 +12,17 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
-from importlib.resources.abc import Traversable
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ringcomm.core.types import ReduceOp
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 __all__ = [
     "COPY_PAIRS",

@@ -33,7 +33,7 @@ _TILE = 256 * 16  # SEL_TILE of kernels/topk.cu: elements per block of the count
 _PASSES = ((20, 11), (10, 10), (0, 10))  # (shift, bits) of the digits, most significant first
 _BINS = 2048
 _F32 = np.float32
-_ALL = np.int64(1 << 62)  # "every one of them"
+_ALL = 1 << 62  # "every one of them"
 _LIMITS = 11  # rows of sample_limits: the threshold halved 0..8 times, the non-finite, every key
 _SCAN_ROWS, _PLAN_PREFILTER, _PLAN_DGC = 0, 1, 2  # select_scan's modes
 _HIST_VEC_X, _HIST_VEC_CAND = 1, 2  # bits of select_hist's vec
@@ -109,7 +109,7 @@ def _count(x: Array, lims: Any, nthr: int, totals: Any | None = None, cand: Any 
     return counts
 
 
-def _scan(x: Array, counts: Any, rows: tuple[int, int], *, plan: Any | None = None,
+def _scan(x: Array, counts: Any, rows: tuple[int, ...], *, plan: Any | None = None,
           mode: int = _SCAN_ROWS, totals: Any | None = None, k: int = 0,
           room: int = 0) -> None:
     """Turn the counts rows a compaction uses into per-tile offsets (one block per row); in a

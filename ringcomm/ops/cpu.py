@@ -89,7 +89,7 @@ _LOG = get_logger("ops.cpu")
 _F32 = np.dtype(np.float32)
 _LOCK = threading.Lock()
 # name -> compiled kernel, filled on first use of each.
-_COMPILED: dict[str, Callable[..., None]] = {}
+_COMPILED: dict[str, Callable[..., Any]] = {}
 # "module": the kernel registry once Numba is imported; None once the compiled path is off.
 _STATE: dict[str, Any] = {}
 # Passed where a kernel takes an error array but none is wanted (Numba's signatures are fixed).
@@ -109,7 +109,7 @@ def kernels() -> ModuleType | None:
     return _STATE["module"]
 
 
-def kernel(name: str) -> Callable[..., None] | None:
+def kernel(name: str) -> Callable[..., Any] | None:
     """Compiled kernel ``name`` (compiled, or loaded from Numba's cache, on first use), or None
     when the compiled codecs are unusable."""
     fn = _COMPILED.get(name)
@@ -206,7 +206,7 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
     err = _error_args(error, n)
     fn = None if views is None or err is None else kernel(
         _variant("int8_encode", stochastic, error))
-    if fn is None:
+    if fn is None or views is None or err is None:
         _ref.int8_encode(src, out, block, stochastic=stochastic, seed=seed, base=base,
                          error=error)
     elif stochastic:
@@ -221,7 +221,7 @@ def int8_decode(payload: np.ndarray, out: np.ndarray, block: int) -> None:
     n = out.size
     views = _int8_payload(payload, n, block) if _fits(out, _F32, n) else None
     fn = None if views is None else kernel("int8_decode")
-    if fn is None:
+    if fn is None or views is None:
         _ref.int8_decode(payload, out, block)
     else:
         fn(*views, block, out)
@@ -239,7 +239,7 @@ def int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, block: int, 
     err = _error_args(error, n)
     fn = None if received is None or sent is None or err is None else kernel(
         _variant("int8_hop", stochastic, error))
-    if fn is None:
+    if fn is None or received is None or sent is None or err is None:
         _ref.int8_hop(payload, own, out, block, stochastic=stochastic, seed=seed, base=base,
                       error=error)
         return
@@ -268,7 +268,7 @@ def cast_encode(src: np.ndarray, out: np.ndarray, fmt: str, *,
     err = _error_args(error, n)
     fn = None if words is None or err is None else kernel(
         _variant(f"{fmt}_encode", False, error))
-    if fn is None:
+    if fn is None or words is None or err is None:
         _ref.cast_encode(src, out, fmt, error=error)
     else:
         fn(src, words, *err)
@@ -280,7 +280,7 @@ def cast_decode(payload: np.ndarray, out: np.ndarray, fmt: str) -> None:
     n = out.size
     words = _words(payload, n, fmt) if _fits(out, _F32, n) else None
     fn = None if words is None else kernel(f"{fmt}_decode")
-    if fn is None:
+    if fn is None or words is None:
         _ref.cast_decode(payload, out, fmt)
     else:
         fn(words, out)
@@ -297,7 +297,7 @@ def cast_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, fmt: str, *,
     err = _error_args(error, n)
     fn = None if received is None or sent is None or err is None else kernel(
         _variant(f"{fmt}_hop", False, error))
-    if fn is None:
+    if fn is None or received is None or sent is None or err is None:
         _ref.cast_hop(payload, own, out, fmt, error=error)
     else:
         fn(received, own, sent, *err)

@@ -17,7 +17,7 @@ def sync_for(x: Any) -> Callable[[], None]:
     if type(x).__module__.split(".")[0] == "cupy":
         import cupy
 
-        return cupy.cuda.get_current_stream().synchronize  # type: ignore[no-any-return]
+        return cupy.cuda.get_current_stream().synchronize
     return lambda: None
 
 

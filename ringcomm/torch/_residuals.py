@@ -80,7 +80,7 @@ class ResidualLayouts:
             return self._stash[key]
         owner = self._owner.get(key)
         residual = None if owner is None else self.feedback.residual(owner)
-        if residual is None:
+        if residual is None or owner is None:
             return None
         for k, off, n in self._layouts[owner]:
             if k == key:

@@ -206,8 +206,9 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
                compression: Compression | None, layout: Layout | None,
                name: str | None) -> None:
     """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
-    feedback = layout is not None and name is not None
-    if feedback:
+    feedback = False
+    if layout is not None and name is not None:
+        feedback = True
         # Here, on the thread that runs the collectives, so no allreduce is using the residuals
         # while they move.
         state._residuals.align(name, layout, array.reshape(-1))
@@ -279,7 +280,8 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
             layout = state.layout(bucket, buffer)
     if bucket.is_last():
         state.iter += 1
-    devices = [buffer.device] if buffer.device.type == "cuda" else None
+    devices: list[int | str | torch.device] | None = (
+        [buffer.device] if buffer.device.type == "cuda" else None)
     future: torch.futures.Future = torch.futures.Future(devices=devices)
     if state.through_host(buffer):
         ready = torch.cuda.Event()  # where backward's stream is now: the bucket is written

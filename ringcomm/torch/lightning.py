@@ -24,7 +24,9 @@ Example (``python train.py``; Lightning starts the other processes)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
+
+from torch.nn.parallel import DistributedDataParallel
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -103,7 +105,9 @@ class RingcommDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Wrap the model in DDP (as ``DDPStrategy`` does), then register ringcomm's hook."""
         super().configure_ddp()
+        # configure_ddp wrapped it in DistributedDataParallel (register_ddp_hook checks that).
+        model = cast(DistributedDataParallel, self.model)
         if self._ringcomm_state is None:
-            self._ringcomm_state = register_ddp_hook(self.model, **self._ringcomm_kwargs)
+            self._ringcomm_state = register_ddp_hook(model, **self._ringcomm_kwargs)
         else:
-            register_ddp_hook(self.model, self._ringcomm_state)
+            register_ddp_hook(model, self._ringcomm_state)

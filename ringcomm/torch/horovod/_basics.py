@@ -221,7 +221,9 @@ def register_set(ps: ProcessSet, comm: Communicator | None) -> None:
 def unregister_set(ps: ProcessSet) -> Communicator | None:
     """Forget a process set; return its communicator (None on non-members)."""
     with STATE_LOCK:
-        _, comm = STATE.sets.pop(ps.process_set_id, (None, None))
+        comm = None
+        if ps.process_set_id is not None:
+            _, comm = STATE.sets.pop(ps.process_set_id, (ps, None))
         ps.process_set_id = None
         return comm
 

@@ -13,12 +13,13 @@ reduced in place in its gradient, larger ones through a persistent flat buffer.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
 from ringcomm.comm.base import Communicator
-from ringcomm.torch._residuals import Layout, ResidualLayouts
+from ringcomm.torch._residuals import ResidualLayouts
 from ringcomm.torch._tensors import Operand
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod._ops import ReduceSpec
@@ -89,7 +90,7 @@ def _scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
     """Copy consecutive pieces of ``flat`` into ``outs`` (one batched copy where torch has
     it: the per-tensor copies from Python cost more than the bytes at small sizes)."""
     # torch.split_with_sizes, not Tensor.split: the method's Python wrapper doubles the cost.
-    pieces = torch.split_with_sizes(flat, [o.numel() for o in outs])
+    pieces: Sequence[torch.Tensor] = torch.split_with_sizes(flat, [o.numel() for o in outs])
     if any(o.dim() != 1 for o in outs):
         pieces = [p.view(o.shape) for p, o in zip(pieces, outs, strict=True)]
     with torch.no_grad():
@@ -112,7 +113,7 @@ class Bucket:
         for p, n in zip(params, names, strict=True):
             offsets.append((n, off, p.numel()))
             off += p.numel()
-        self.layout: Layout = tuple(offsets)
+        self.layout: tuple[tuple[str, int, int], ...] = tuple(offsets)  # a Layout
         self.numel = off
         self.buffer: torch.Tensor | None = None
         self.ready = 0
@@ -145,18 +146,24 @@ class Reduction:
 
     __slots__ = ("comm", "compression", "op", "postscale", "prescale", "residuals", "ring")
 
-    def __init__(self, comm: Communicator, op: ReduceOp, prescale: float, postscale: float,
-                 compression: Any, ring: Any, residuals: ResidualLayouts | None) -> None:
+    def __init__(self, comm: Communicator | None, op: ReduceOp, prescale: float,
+                 postscale: float, compression: Any, ring: Any,
+                 residuals: ResidualLayouts | None) -> None:
         self.comm, self.op = comm, op
         self.prescale, self.postscale = prescale, postscale
         self.compression, self.ring, self.residuals = compression, ring, residuals
 
     def __call__(self, bucket: Bucket) -> None:
         """Reduce the gradients of ``bucket`` in place (runs on the engine's thread)."""
-        grads = [p.grad for p in bucket.params]
+        comm = self.comm
+        if comm is None:
+            raise RuntimeError("this rank is outside the optimizer's process set: it reduces "
+                               "no gradients")
+        # DistributedOptimizer gives every parameter of a bucket a gradient before submitting it.
+        grads = cast("list[torch.Tensor]", [p.grad for p in bucket.params])
         if self.ring is None and self.compression is not None:
             for g in grads:
-                self._custom(g)
+                self._custom(comm, g)
             return
         fused = len(grads) > 1 or not grads[0].is_contiguous()
         if fused:
@@ -166,24 +173,24 @@ class Reduction:
             torch.cat([g.reshape(-1) for g in grads], out=flat)
         else:
             flat = grads[0]
-        name = None
+        name = feedback = None
         if self.residuals is not None:
-            name = bucket.name
+            name, feedback = bucket.name, self.residuals.feedback
             self.residuals.align(name, bucket.layout, lambda: Operand(flat).array.reshape(-1))
         # A compressor working per tensor (PowerSGD) needs the fused gradients' shapes.
         ring = self.ring
         if fused and ring is not None:
             ring = ring.with_shapes([g.shape for g in grads])
-        allreduce_tensor(self.comm, flat, flat, op=self.op, prescale=self.prescale,
+        allreduce_tensor(comm, flat, flat, op=self.op, prescale=self.prescale,
                          postscale=self.postscale, compression=ring,
-                         feedback=self.residuals.feedback if name else None, name=name)
+                         feedback=feedback if name else None, name=name)
         if fused:
             for g, (_, off, n) in zip(grads, bucket.layout, strict=True):
                 g.copy_(flat[off: off + n].view(g.shape))
 
-    def _custom(self, grad: torch.Tensor) -> None:
+    def _custom(self, comm: Communicator, grad: torch.Tensor) -> None:
         """A Horovod-style compressor: compress, reduce uncompressed, decompress."""
         compressed, ctx = self.compression.compress(grad)
-        allreduce_tensor(self.comm, compressed, compressed, op=self.op, prescale=self.prescale,
+        allreduce_tensor(comm, compressed, compressed, op=self.op, prescale=self.prescale,
                          postscale=self.postscale)
         grad.copy_(self.compression.decompress(compressed, ctx))

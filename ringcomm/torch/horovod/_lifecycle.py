@@ -63,7 +63,7 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         else:
             STATE.comm, STATE.owned = new_communicator(backend=backend, mpi_comm=comm), True
         try:
-            _start(settings, problem)
+            _start(STATE.comm, settings, problem)
         except BaseException:
             if STATE.owned:
                 STATE.comm.close()
@@ -74,15 +74,15 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
             add_process_set(ps)
 
 
-def _start(settings: dict[str, Any], problem: Exception | None) -> None:
-    """Agree on the Horovod settings over the new communicator, then start the engine, the
-    negotiation and the timeline (collective)."""
-    agree_at_start(STATE.comm.transport, settings, problem)
+def _start(comm: Communicator, settings: dict[str, Any], problem: Exception | None) -> None:
+    """Agree on the Horovod settings over the new communicator ``comm``, then start the
+    engine, the negotiation and the timeline (collective)."""
+    agree_at_start(comm.transport, settings, problem)
     if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and STATE.owned:
-        STATE.comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
-    STATE.engine = engine_for(STATE.comm)
-    coordinator_for(STATE.comm)  # collective: its control channel is split here
-    timeline.start_from_env(STATE.comm.rank)  # HOROVOD_TIMELINE
+        comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
+    STATE.engine = engine_for(comm)
+    coordinator_for(comm)  # collective: its control channel is split here
+    timeline.start_from_env(comm.rank)  # HOROVOD_TIMELINE
 
 
 def _horovod_settings() -> tuple[dict[str, Any], Exception | None]:

@@ -40,7 +40,7 @@ def run_group(comm: Communicator, caller: str, group: list[Outcome], tl: Any,
         tl: the active timeline, or None.
         last_joined: the rank that joined last, for a join's result.
     """
-    error = group[0].error  # a failed entry is never fused
+    error: BaseException | None = group[0].error  # a failed entry is never fused
     result: list[Any] = [None] * len(group)
     names = [] if tl is None else [o.entry.name for o in group if o.mine is not None]
     if tl is not None:

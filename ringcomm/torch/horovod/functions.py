@@ -16,8 +16,8 @@ Horovod keeps it in ``mpi_ops``; each function is a thin operation handed to the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -74,7 +74,12 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
 def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:
     meta = describe(tensor, trailing=True)
     meta["dim"] = tensor.dim()
+    return Op("allgather", name, meta, _gather_run(tensor),
+              nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 
+
+def _gather_run(tensor: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """The data step of an allgather of ``tensor``."""
     def run(comm: Any) -> torch.Tensor:
         x = Operand(tensor)
         # A 0-d tensor goes as it is, so that the communicator refuses it on every rank.
@@ -84,8 +89,7 @@ def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:
         except (ValueError, TypeError) as err:
             raise collective_error(comm, err, "allgatherv", tensor) from err
         return x.result(gathered)
-    return Op("allgather", name, meta, run, nbytes=tensor.numel() * tensor.element_size(),
-              process_set=process_set)
+    return run
 
 
 def _broadcast_op(tensor: torch.Tensor, out: torch.Tensor | None, root: int, name: str | None,
@@ -261,8 +265,10 @@ def _check_tensors(tensors: Any) -> None:
 def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | None,
                 op: ReduceOp, pre: float, post: float, process_set: Any) -> Op:
     _check_tensors(tensors)
-    specs = [_reduce_op(t, t if in_place else None, None, op, pre, post, None,
-                        process_set).reduce for t in tensors]
+    # _reduce_op's Op always carries its ReduceSpec.
+    specs = cast("list[ReduceSpec]", [_reduce_op(t, t if in_place else None, None, op, pre,
+                                                 post, None, process_set).reduce
+                                      for t in tensors])
     meta = {"tensors": tuple((str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors),
             "op": op.name, "prescale": float(pre), "postscale": float(post)}
     return Op("grouped_allreduce", name, meta, lambda comm: reduce_fused(comm, specs),
@@ -477,7 +483,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
             "op": rop.name}
 
     def run(comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return _gather_op(indices, None, None).run(comm), _gather_op(values, None, None).run(comm)
+        return _gather_run(indices)(comm), _gather_run(values)(comm)
 
     handle = enqueue(Op("sparse_allreduce", name, meta, run,
                         nbytes=indices.numel() * 8 + values.numel() * values.element_size(),

@@ -17,8 +17,9 @@ import threading
 import warnings
 import weakref
 import zlib
+from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,8 +61,7 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
     if any(not isinstance(item, tuple) for item in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
                          "usually produced by model.named_parameters().")
-    seen: set[str] = set()
-    dups = sorted({k for k, _ in named if k in seen or seen.add(k)})
+    dups = sorted(k for k, count in Counter(k for k, _ in named).items() if count > 1)
     if dups:
         raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
                          + ", ".join(dups))
@@ -73,7 +73,14 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
     return {v: k for k, v in named}
 
 
-class _DistributedOptimizer:
+if TYPE_CHECKING:
+    # A mixin: DistributedOptimizer makes a class with it first and the optimizer's class after.
+    _OptimizerMixin = torch.optim.Optimizer
+else:
+    _OptimizerMixin = object
+
+
+class _DistributedOptimizer(_OptimizerMixin):
     """The methods DistributedOptimizer adds to the class of the optimizer it wraps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[Any, str],
@@ -83,7 +90,8 @@ class _DistributedOptimizer:
         try:
             super().__init__(optimizer.param_groups, **optimizer.defaults)
         except TypeError:  # an optimizer whose defaults are not its constructor's arguments
-            super().__init__(optimizer.param_groups)
+            # The next class is the wrapped optimizer's, whose constructor may take params only.
+            super().__init__(optimizer.param_groups)  # type: ignore[call-arg]
         self.defaults = optimizer.defaults
         self.state.update(optimizer.state)
         self._parameter_names = names
@@ -184,39 +192,43 @@ class _DistributedOptimizer:
 
     def _submit(self, bucket: Bucket) -> None:
         self._submitted.add(id(bucket))
+        grads: list[torch.Tensor] = []
         for p in bucket.params:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 # Another rank may have a gradient for it: reduce zeros rather than hang it.
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif p.grad.is_sparse and self._sparse_as_dense:
+                grad = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif grad.is_sparse and self._sparse_as_dense:
                 # Reduced dense, handed back sparse (as Horovod): optimizers such as
                 # SparseAdam take sparse gradients only.
                 self._densified.append(p)
-                p.grad = p.grad.to_dense()
-        if any(p.grad.is_sparse for p in bucket.params):
-            self._submit_apart(bucket)
+                grad = p.grad = grad.to_dense()
+            grads.append(grad)
+        if any(g.is_sparse for g in grads):
+            self._submit_apart(bucket, grads)
             return
-        grad = bucket.params[0].grad
+        grad = grads[0]
         meta = {"dtype": str(grad.dtype), "device": grad.device.type,
                 "shape": (bucket.numel,), "op": self.op.name,
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
                 "parameters": zlib.crc32(repr(bucket.layout).encode())}
-        op = Op("allreduce", bucket.name, meta, lambda comm, b=bucket: self._reduction(b),
+        op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
                 nbytes=bucket.numel * grad.element_size(), process_set=self._process_set)
         self._handles.append((None, enqueue(op)))
 
-    def _submit_apart(self, bucket: Bucket) -> None:
-        """A bucket holding a sparse gradient: each gradient reduced on its own, the sparse
-        ones by allgather of their entries (Horovod's default for sparse gradients)."""
+    def _submit_apart(self, bucket: Bucket, grads: list[torch.Tensor]) -> None:
+        """A bucket holding a sparse gradient: each gradient (``grads``, of the bucket's
+        parameters) reduced on its own, the sparse ones by allgather of their entries
+        (Horovod's default for sparse gradients)."""
         red = self._reduction
-        for p, (name, _, _) in zip(bucket.params, bucket.layout, strict=True):
-            if p.grad.is_sparse:
+        for p, grad, (name, _, _) in zip(bucket.params, grads, bucket.layout, strict=True):
+            if grad.is_sparse:
                 self._handles.append((p, sparse_allreduce_async(
-                    p.grad, name, self.op, process_set=self._process_set)))
+                    grad, name, self.op, process_set=self._process_set)))
             else:
                 self._handles.append((None, allreduce_async_(
-                    p.grad, name=name, op=self.op, prescale_factor=red.prescale,
+                    grad, name=name, op=self.op, prescale_factor=red.prescale,
                     postscale_factor=red.postscale, process_set=self._process_set)))
 
     def synchronize(self) -> None:

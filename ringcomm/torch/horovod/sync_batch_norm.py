@@ -194,9 +194,12 @@ class SyncBatchNorm(_BatchNorm):
         """Count this batch and return its weight in the running statistics (as torch does)."""
         if not (self.training and self.track_running_stats):
             return 0.0
-        self.num_batches_tracked.add_(1)
+        tracked = self.num_batches_tracked
+        if tracked is None:
+            raise RuntimeError("track_running_stats is set but num_batches_tracked is None")
+        tracked.add_(1)
         if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
+            return 1.0 / float(tracked)
         return self.momentum
 
     @torch.no_grad()
@@ -204,6 +207,9 @@ class SyncBatchNorm(_BatchNorm):
                               factor: float) -> None:
         unbiased = var * (total / (total - 1))
         for buf, new in ((self.running_mean, mean), (self.running_var, unbiased)):
+            if buf is None:
+                raise RuntimeError("no running statistics to update: running_mean or running_var "
+                                   "is None")
             buf.copy_(buf.to(torch.float64) * (1 - factor) + new * factor)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
