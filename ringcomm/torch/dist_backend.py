@@ -1,0 +1,239 @@
+"""ringcomm as a torch.distributed backend: ``torch.distributed.init_process_group("ringcomm")``.
+
+``import ringcomm.torch`` registers the backend "ringcomm" (:func:`register`), so that DDP,
+FSDP and every framework built on torch.distributed can use ringcomm's ring without a hook::
+
+    import ringcomm.torch  # registers "ringcomm"
+    torch.distributed.init_process_group("ringcomm")     # under torchrun or mpiexec
+    model = torch.nn.parallel.DistributedDataParallel(net)
+
+The process group (:class:`RingcommProcessGroup`) runs allreduce (sum, avg, min, max,
+product), broadcast, allgather (list and tensor forms), reduce-scatter (tensor form) and
+barrier through a ringcomm communicator over the job's processes: MPI under an MPI launcher,
+a gloo group of its own under torchrun (``ringcomm.init``'s choice). Results are exact and
+bit-identical on every rank (no compression here: compression stays opt-in, through the DDP
+hook). A reduce op ringcomm does not have (BAND, BOR, BXOR, PREMUL_SUM) raises the same
+ValueError on every rank, naming the op and the backend. Every other collective (send/recv,
+all_to_all, gather, scatter, reduce, the coalesced forms) runs on a gloo process group over
+the same store, registered as this group's backend for CPU tensors: correct, though not
+ringcomm's ring.
+
+Limits: contiguous CPU tensors of NumPy's dtypes (other tensors, CUDA ones included, and
+groups smaller than the job made by ``new_group`` run on the gloo fallback); the collectives
+run when called and their work objects are complete on return (DDP then waits for each
+bucket's allreduce during backward instead of overlapping it).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from ringcomm.comm.base import Communicator
+from ringcomm.core.log import get_logger
+from ringcomm.torch._tensors import Operand, as_array
+
+__all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
+
+#: The name to pass to ``torch.distributed.init_process_group``.
+BACKEND_NAME = "ringcomm"
+_LOG = get_logger("torch.dist_backend")
+
+# torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
+_OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}
+
+
+def _op_name(op: Any) -> str:
+    """The name of a torch.distributed reduce op (a ReduceOp, or its RedOpType)."""
+    op = getattr(op, "op", op)  # ReduceOp wraps a RedOpType
+    return str(getattr(op, "name", op)).rsplit(".", 1)[-1]
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the communicator as a NumPy view: a contiguous CPU tensor of a
+    dtype NumPy has (the others run on the gloo fallback)."""
+    return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _NUMPY_DTYPES
+
+
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
+                           torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
+def _done(result: Any) -> Any:
+    """A completed torch.distributed work object holding ``result``."""
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+class RingcommProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on a ringcomm communicator.
+
+    Made by torch.distributed (``init_process_group("ringcomm")`` or ``new_group(...,
+    backend="ringcomm")``) through the creator :func:`register` installs; users do not make
+    one themselves.
+
+    Args:
+        store: the rendezvous store torch.distributed made for this group.
+        rank, size: this process's rank in the group, and the group's size.
+        timeout: the group's timeout (also the communicator's).
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)
+        self._timeout = timeout
+        # gloo over the same store: the control plane while the communicator is made, and the
+        # backend of every collective this group does not run itself.
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("ringcomm-gloo", store), rank, size,
+                                           timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                               self._gloo)
+        self._comm: Communicator | None = None
+        self._making = self._apart = False
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def communicator(self) -> Communicator | None:
+        """The ringcomm communicator, once the first collective made it."""
+        return self._comm
+
+    def _communicator(self) -> Communicator | None:
+        """The communicator, made by the first collective (on every rank at the same call);
+        None while it is being made, and for a group smaller than the job (the collectives
+        then run on gloo)."""
+        if self._comm is not None or self._making or self._apart:
+            return self._comm
+        if self.size() != dist.get_world_size():
+            # A sub-group: its members alone reach this call, and ringcomm's communicator
+            # would be made by a collective of the whole job. gloo runs its collectives.
+            _LOG.debug("group of %d of the job's %d ranks: its collectives run on gloo",
+                       self.size(), dist.get_world_size())
+            self._apart = True
+            return None
+        self._making = True
+        try:
+            from ringcomm import init
+
+            comm = init(timeout=self._timeout.total_seconds(), abort_on_exception=False)
+            if (comm.rank, comm.size) != (self.rank(), self.size()):
+                comm.close()
+                raise RuntimeError(
+                    f"the ringcomm backend's group is rank {self.rank()} of {self.size()}, but "
+                    f"ringcomm.init() gave rank {comm.rank} of {comm.size}: the launcher and "
+                    f"torch.distributed number the processes differently")
+            self._comm = comm
+        finally:
+            self._making = False
+        return self._comm
+
+    # ------------------------------------------------------------------------ collectives
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        name = _op_name(opts.reduceOp)
+        comm = self._communicator()
+        if comm is None or any(t.device.type != "cpu" for t in tensors):
+            return self._gloo.allreduce(tensors, opts)
+        op = _OPS.get(name)
+        if op is None:  # the same on every rank: every rank passes the same op
+            raise ValueError(f"all_reduce: the {BACKEND_NAME} backend reduces with "
+                             f"{', '.join(_OPS)}; got ReduceOp.{name}")
+        for t in tensors:
+            x = Operand(t)
+            comm.allreduce(x.array, out=x.array, op=op)
+            x.write_back()
+        return _done(tensors)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if opts is None:
+            opts = dist.BroadcastOptions()
+        comm = self._communicator()
+        if comm is None or any(t.device.type != "cpu" for t in tensors):
+            return self._gloo.broadcast(tensors, opts)
+        for t in tensors:
+            x = Operand(t)
+            comm.broadcast(x.array, root=opts.rootRank)
+            x.write_back()
+        return _done(tensors)
+
+    def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
+        comm = self._communicator()
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        if comm is None or not all(_plain(t) for t in inputs):
+            return self._gloo.allgather(output_lists, inputs, opts)
+        for outs, t in zip(output_lists, inputs, strict=True):
+            gathered = comm.allgather(as_array(t).reshape(1, -1))
+            for r, out in enumerate(outs):
+                out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
+        return _done(output_lists)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any = None) -> Any:
+        comm = self._communicator()
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        if comm is None or not _plain(input):
+            return self._gloo._allgather_base(output, input, opts)
+        gathered = comm.allgather(as_array(input).reshape(1, -1))
+        output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
+        return _done(output)
+
+    all_gather_single = _allgather_base
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> Any:
+        comm = self._communicator()
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        if comm is None or not _plain(input):
+            return self._gloo._reduce_scatter_base(output, input, opts)
+        name = _op_name(opts.reduceOp)
+        op = _OPS.get(name)
+        if op is None:
+            raise ValueError(f"reduce_scatter: the {BACKEND_NAME} backend reduces with "
+                             f"{', '.join(_OPS)}; got ReduceOp.{name}")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} elements, "
+                             f"expected {output.numel() * self.size()} (the output's "
+                             f"{output.numel()} times the group's {self.size()} ranks)")
+        chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+        output.copy_(torch.from_numpy(chunk).view(output.shape))
+        return _done(output)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def barrier(self, opts: Any = None) -> Any:
+        comm = self._communicator()
+        if comm is None:
+            return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+        comm.barrier()
+        return _done(None)
+
+    def shutdown(self) -> None:
+        """Close the communicator (torch.distributed.destroy_process_group calls this)."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+
+def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    return RingcommProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register the "ringcomm" backend with torch.distributed (done by ``import
+    ringcomm.torch``; calling it again does nothing)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    _LOG.debug("registered the torch.distributed backend %r", BACKEND_NAME)

@@ -1,0 +1,130 @@
+"""torch.distributed's "ringcomm" backend (ringcomm/torch/dist_backend.py), as users start it:
+init_process_group("ringcomm") under torchrun (gloo underneath) and under mpiexec (MPI
+underneath), its collectives checked against exact values, a refused op refused on every rank,
+a sub-group on the gloo fallback, and DDP training whose parameters are bit-identical to the
+same training on gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = r'''
+import hashlib, json, sys
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+backend, launcher = sys.argv[1], sys.argv[2]
+if launcher == "mpiexec":
+    from ringcomm.torch.process_group import init_process_group_from_mpi
+    init_process_group_from_mpi(backend=backend)
+else:
+    dist.init_process_group(backend)
+r, n = dist.get_rank(), dist.get_world_size()
+report = {"backend": dist.get_backend()}
+if backend == "ringcomm":
+    t = torch.arange(6, dtype=torch.float32) + r
+    dist.all_reduce(t)
+    expected = (torch.arange(6, dtype=torch.float32) * n + sum(range(n)))
+    assert torch.equal(t, expected), (t, expected)
+    for op, want in ((dist.ReduceOp.MAX, float(n)), (dist.ReduceOp.MIN, 1.0),
+                     (dist.ReduceOp.PRODUCT, float(torch.arange(1, n + 1).prod())),
+                     (dist.ReduceOp.AVG, (n + 1) / 2)):
+        v = torch.full((5,), float(r + 1))
+        work = dist.all_reduce(v, op=op, async_op=True)
+        work.wait()
+        assert torch.allclose(v, torch.full((5,), want)), (op, v)
+        assert torch.equal(work.get_future().value()[0], v)
+    i = torch.tensor([3, 7], dtype=torch.int64) * (r + 1)
+    dist.all_reduce(i)
+    assert i.tolist() == [3 * n * (n + 1) // 2, 7 * n * (n + 1) // 2]
+    b = torch.full((3,), float(r))
+    dist.broadcast(b, src=n - 1)
+    assert b.tolist() == [float(n - 1)] * 3
+    outs = [torch.empty(2) for _ in range(n)]
+    dist.all_gather(outs, torch.tensor([r, r + 0.5]))
+    assert [o.tolist() for o in outs] == [[k, k + 0.5] for k in range(n)]
+    o = torch.empty(2 * n)
+    dist.all_gather_into_tensor(o, torch.tensor([r, r + 0.5]))
+    assert o.tolist() == [v for k in range(n) for v in (k, k + 0.5)]
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, torch.arange(2.0 * n) + r)
+    assert o.tolist() == [n * (2 * r + j) + sum(range(n)) for j in range(2)], o
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
+    except ValueError as err:
+        report["refused"] = str(err)
+    # Collectives the backend leaves to gloo still give exact results.
+    g = torch.full((2,), float(r))
+    dist.reduce(g, dst=0)
+    if r == 0:
+        assert g.tolist() == [float(sum(range(n)))] * 2
+    sub = dist.new_group([0])
+    if r == 0:
+        s = torch.ones(3)
+        dist.all_reduce(s, group=sub)
+        assert s.tolist() == [1.0, 1.0, 1.0]
+    dist.barrier()
+    comm = dist.group.WORLD.communicator
+    report["communicator"] = comm.backend
+    report["calls"] = comm.stats.calls
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(100 + r)
+for _ in range(6):
+    opt.zero_grad()
+    ddp(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+    opt.step()
+report["params"] = hashlib.sha256(
+    b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+if backend == "ringcomm":
+    report["calls_after_ddp"] = dist.group.WORLD.communicator.stats.calls
+print("REPORT " + json.dumps({"rank": r, **report}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def _reports(text: str) -> list[dict]:
+    rows = [json.loads(line[len("REPORT "):]) for line in text.splitlines()
+            if line.startswith("REPORT ")]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> list[dict]:
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(job), backend, launcher]
+    else:
+        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable,
+               str(job), backend, launcher]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    reports = _reports(proc.stdout)
+    assert [row["rank"] for row in reports] == [0, 1], proc.stdout[-3000:]
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, underneath", [("torchrun", "gloo"), ("mpiexec", "mpi")])
+def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpiexec, launcher,
+                                                  underneath):
+    ours = _run(tmp_path, subprocess_env, launcher, "ringcomm")
+    theirs = _run(tmp_path, subprocess_env, launcher, "gloo")
+    for row in ours:
+        assert row["backend"] == "ringcomm" and row["communicator"] == underneath, row
+        assert row["refused"] == ("all_reduce: the ringcomm backend reduces with SUM, AVG, MIN, "
+                                  "MAX, PRODUCT; got ReduceOp.BAND"), row
+        # DDP's broadcast of the parameters and its bucket allreduces went through ringcomm.
+        assert row["calls_after_ddp"] >= row["calls"] + 6, row
+    # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.
+    digests = {row["params"] for row in ours + theirs}
+    assert len(digests) == 1, (ours, theirs)
