@@ -68,12 +68,19 @@ def fit(tag, strategy, state=None):
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader())
     state = state or getattr(strategy, "ringcomm_state", None)
+    comm = None if state is None else state.comm
+    if tag == "backend":  # the process group's own communicator
+        comm = torch.distributed.group.WORLD.communicator
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                "calls": None if state is None else state.comm.stats.calls,
-                "size": None if state is None else state.comm.size},
+                "calls": None if comm is None else comm.stats.calls,
+                "size": None if comm is None else comm.size,
+                "backend": torch.distributed.get_backend()},
                OUT / f"{tag}_{trainer.global_rank}.pt")
 
 
+if sys.argv[3:] == ["backend"]:  # torch.distributed's "ringcomm" backend, no hook
+    fit("backend", pl.strategies.DDPStrategy(process_group_backend="ringcomm"))
+    sys.exit(0)
 fit("plain", pl.strategies.DDPStrategy())
 fit("ringcomm", RingcommDDPStrategy())
 fit("int8", RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8(), "start_iter": 1,
@@ -217,6 +224,26 @@ def test_lightning_strategy_on_cpu(tmp_path, subprocess_env):
     _check_runs(tmp_path)
     ignored = _ranks(tmp_path, "ignored")
     assert [run["calls"] for run in ignored] == [0, 0]  # DDPStrategy(ddp_comm_hook=) on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """DDPStrategy(process_group_backend="ringcomm"): Lightning's own DDP on torch.distributed's
+    "ringcomm" backend trains to the parameters of its gloo run, bit for bit (2 ranks)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    for mode in ("backend", "hooks"):
+        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+        _run([sys.executable, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path)
+    backend, plain = _ranks(tmp_path, "backend"), _ranks(tmp_path, "plain")
+    for run in backend:
+        assert run["backend"] == "ringcomm" and run["size"] == 2, run
+        assert run["calls"] >= STEPS, run  # DDP's bucket allreduces went through ringcomm
+    assert [run["backend"] for run in plain] == ["gloo", "gloo"]
+    assert torch.equal(backend[0]["params"], backend[1]["params"])
+    assert torch.equal(backend[0]["params"], plain[0]["params"])
 
 
 @pytest.mark.slow
