@@ -85,14 +85,16 @@ report["params"] = hashlib.sha256(
     b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 if backend == "ringcomm":
     report["calls_after_ddp"] = dist.group.WORLD.communicator.stats.calls
-print("REPORT " + json.dumps({"rank": r, **report}), flush=True)
+with open(f"report_{r}.json", "w") as f:  # a file each: the ranks' stdout interleaves
+    json.dump({"rank": r, **report}, f)
 dist.destroy_process_group()
 '''
 
 
-def _reports(text: str) -> list[dict]:
-    rows = [json.loads(line[len("REPORT "):]) for line in text.splitlines()
-            if line.startswith("REPORT ")]
+def _reports(where: Path) -> list[dict]:
+    rows = [json.loads(path.read_text()) for path in where.glob("report_*.json")]
+    for path in where.glob("report_*.json"):
+        path.unlink()
     return sorted(rows, key=lambda row: row["rank"])
 
 
@@ -108,7 +110,7 @@ def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> li
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    reports = _reports(proc.stdout)
+    reports = _reports(tmp_path)
     assert [row["rank"] for row in reports] == [0, 1], proc.stdout[-3000:]
     return reports
 

@@ -18,15 +18,21 @@ all_to_all, gather, scatter, reduce, the coalesced forms) runs on a gloo process
 the same store, registered as this group's backend for CPU tensors: correct, though not
 ringcomm's ring.
 
+The collectives run on one thread per group, in the order they were called (the same on every
+rank), and return at once with a work object, so that DDP overlaps its bucket allreduces with
+backward as on torch's own backends; ``work.wait()`` (what a call without ``async_op=True``
+does) raises the collective's error, if any, on the caller's thread.
+
 Limits: contiguous CPU tensors of NumPy's dtypes (other tensors, CUDA ones included, and
-groups smaller than the job made by ``new_group`` run on the gloo fallback); the collectives
-run when called and their work objects are complete on return (DDP then waits for each
-bucket's allreduce during backward instead of overlapping it).
+groups smaller than the job made by ``new_group`` run on the gloo fallback).
 """
 
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,11 +70,36 @@ _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.in
                            torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
-def _done(result: Any) -> Any:
-    """A completed torch.distributed work object holding ``result``."""
-    future: Future[Any] = Future()
-    future.set_result(result)
-    return _create_work_from_future(future)
+class _Worker:
+    """One thread that runs a group's collectives in the order they were queued, so that the
+    caller (DDP's autograd thread, say) goes on while they run, as with torch's own backends."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, run: Callable[[], Any], future: Future[Any]) -> None:
+        self._queue.put((run, future))
+
+    def stop(self) -> None:
+        """Run what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            run, future = item
+            try:
+                result = run()
+            except BaseException as err:  # handed to whoever waits for the work
+                future.set_exception(err)
+            else:
+                future.set_result(result)
 
 
 class RingcommProcessGroup(dist.ProcessGroup):
@@ -95,6 +126,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                self._gloo)
         self._comm: Communicator | None = None
         self._making = self._apart = False
+        self._worker: _Worker | None = None
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -146,11 +178,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if op is None:  # the same on every rank: every rank passes the same op
             raise ValueError(f"all_reduce: the {BACKEND_NAME} backend reduces with "
                              f"{', '.join(_OPS)}; got ReduceOp.{name}")
-        for t in tensors:
-            x = Operand(t)
-            comm.allreduce(x.array, out=x.array, op=op)
-            x.write_back()
-        return _done(tensors)
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                x = Operand(t)
+                comm.allreduce(x.array, out=x.array, op=op)
+                x.write_back()
+            return tensors
+        return self._submit(run)
 
     def broadcast(self, tensors: Any, opts: Any = None) -> Any:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -159,11 +193,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
             return self._gloo.broadcast(tensors, opts)
-        for t in tensors:
-            x = Operand(t)
-            comm.broadcast(x.array, root=opts.rootRank)
-            x.write_back()
-        return _done(tensors)
+        root = opts.rootRank
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                x = Operand(t)
+                comm.broadcast(x.array, root=root)
+                x.write_back()
+            return tensors
+        return self._submit(run)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         comm = self._communicator()
@@ -171,11 +209,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
             return self._gloo.allgather(output_lists, inputs, opts)
-        for outs, t in zip(output_lists, inputs, strict=True):
-            gathered = comm.allgather(as_array(t).reshape(1, -1))
-            for r, out in enumerate(outs):
-                out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
-        return _done(output_lists)
+        def run() -> Any:
+            for outs, t in zip(output_lists, inputs, strict=True):
+                gathered = comm.allgather(as_array(t).reshape(1, -1))
+                for r, out in enumerate(outs):
+                    out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
+            return output_lists
+        return self._submit(run)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -184,9 +224,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllgatherOptions()
         if comm is None or not _plain(input):
             return self._gloo._allgather_base(output, input, opts)
-        gathered = comm.allgather(as_array(input).reshape(1, -1))
-        output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
-        return _done(output)
+        def run() -> torch.Tensor:
+            gathered = comm.allgather(as_array(input).reshape(1, -1))
+            output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
+            return output
+        return self._submit(run)
 
     all_gather_single = _allgather_base
 
@@ -206,9 +248,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} elements, "
                              f"expected {output.numel() * self.size()} (the output's "
                              f"{output.numel()} times the group's {self.size()} ranks)")
-        chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
-        output.copy_(torch.from_numpy(chunk).view(output.shape))
-        return _done(output)
+        def run() -> torch.Tensor:
+            chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+            output.copy_(torch.from_numpy(chunk).view(output.shape))
+            return output
+        return self._submit(run)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -216,11 +260,25 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm = self._communicator()
         if comm is None:
             return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
-        comm.barrier()
-        return _done(None)
+        return self._submit(comm.barrier)
+
+    def _submit(self, run: Callable[[], Any]) -> Any:
+        """Queue ``run`` for the group's worker thread, which runs the collectives one after
+        another in the order they were called (the same on every rank), and return the work
+        object whose future ``run``'s result (or error) completes."""
+        future: Future[Any] = Future()
+        if self._worker is None:
+            # Named alike on every rank: the caller's name is part of each call's agreement.
+            self._worker = _Worker("ringcomm-process-group")
+        self._worker.put(run, future)
+        return _create_work_from_future(future)
 
     def shutdown(self) -> None:
-        """Close the communicator (torch.distributed.destroy_process_group calls this)."""
+        """Finish the queued collectives and close the communicator
+        (torch.distributed.destroy_process_group calls this)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close()
