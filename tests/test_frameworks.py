@@ -264,6 +264,63 @@ def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
     _check_runs(tmp_path)
 
 
+ACCELERATE_BACKEND_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+import ringcomm.torch  # registers "ringcomm"
+
+torch.set_num_threads(1)
+OUT, STEPS, BACKEND = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if BACKEND == "ringcomm":
+    # On CPU Accelerate takes gloo or mpi only; a group made first is the one it keeps.
+    dist.init_process_group("ringcomm")
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+gen = torch.Generator().manual_seed(rank)
+for _ in range(STEPS):
+    x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    opt.zero_grad()
+    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+    opt.step()
+comm = getattr(dist.group.WORLD, "communicator", None)
+torch.save({"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+            "backend": dist.get_backend(),
+            "calls": None if comm is None else comm.stats.calls},
+           OUT / f"accelerate_{BACKEND}_{rank}.pt")
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_accelerate_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """Accelerate's DDP on torch.distributed's "ringcomm" backend (the group made before the
+    Accelerator) trains to the parameters of its gloo run, bit for bit (2 ranks)."""
+    pytest.importorskip("accelerate")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_BACKEND_SCRIPT)
+    for backend in ("ringcomm", "gloo"):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+               str(script), str(tmp_path), str(STEPS), backend]
+        proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path)
+        assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    ours, theirs = _ranks(tmp_path, "accelerate_ringcomm"), _ranks(tmp_path, "accelerate_gloo")
+    for run in ours:
+        assert run["backend"] == "ringcomm" and run["calls"] >= STEPS, run
+    assert [run["backend"] for run in theirs] == ["gloo", "gloo"]
+    for run in ours + theirs:
+        assert torch.equal(run["params"], theirs[0]["params"])
+
+
 def test_register_ddp_hook_refuses_a_module():
     with pytest.raises(TypeError, match=r"expects a torch.nn.parallel.DistributedDataParallel"
                                         r".*got torch.nn.modules.linear.Linear"):

@@ -130,3 +130,56 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.
     digests = {row["params"] for row in ours + theirs}
     assert len(digests) == 1, (ours, theirs)
+
+
+FSDP_JOB = r'''
+import hashlib, json, sys
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+from torch.distributed.fsdp import fully_shard
+
+backend = sys.argv[1]
+dist.init_process_group(backend)
+r = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(7 + r)
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+    opt.step()
+full = [p.full_tensor() for p in model.parameters()]
+comm = getattr(dist.group.WORLD, "communicator", None)
+with open(f"report_{r}.json", "w") as f:
+    json.dump({"rank": r, "backend": dist.get_backend(),
+               "params": hashlib.sha256(b"".join(t.detach().numpy().tobytes()
+                                                  for t in full)).hexdigest(),
+               "calls": None if comm is None else comm.stats.calls}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """FSDP (fully_shard) shards, gathers and reduce-scatters through the backend's
+    all_gather_into_tensor and reduce_scatter_tensor, to gloo's parameters (2 ranks)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    job = tmp_path / "fsdp.py"
+    job.write_text(FSDP_JOB)
+    runs = {}
+    for backend in ("ringcomm", "gloo"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", str(job), backend],
+                              capture_output=True, text=True, timeout=240, env=subprocess_env,
+                              cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+        runs[backend] = _reports(tmp_path)
+        assert [row["rank"] for row in runs[backend]] == [0, 1]
+    for row in runs["ringcomm"]:
+        assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
+    assert len({row["params"] for rows in runs.values() for row in rows}) == 1, runs
