@@ -68,6 +68,13 @@ if backend == "ringcomm":
         s = torch.ones(3)
         dist.all_reduce(s, group=sub)
         assert s.tolist() == [1.0, 1.0, 1.0]
+    # Arguments that differ between ranks: the same error on every rank, not a hang or a mix.
+    for bad in (torch.ones(3 if r == 0 else 4), torch.ones(3, dtype=torch.float64 if r else
+                                                               torch.float32)):
+        try:
+            dist.all_reduce(bad)
+        except Exception as err:
+            report.setdefault("mismatch", []).append(f"{type(err).__name__}: {err}")
     dist.barrier()
     comm = dist.group.WORLD.communicator
     report["communicator"] = comm.backend
@@ -125,6 +132,9 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
         assert row["backend"] == "ringcomm" and row["communicator"] == underneath, row
         assert row["refused"] == ("all_reduce: the ringcomm backend reduces with SUM, AVG, MIN, "
                                   "MAX, PRODUCT; got ReduceOp.BAND"), row
+        shape, dtype = row["mismatch"]
+        assert "ArgumentMismatchError" in shape and "shape differs between ranks" in shape, row
+        assert "dtype differs between ranks" in dtype, row
         # DDP's broadcast of the parameters and its bucket allreduces went through ringcomm.
         assert row["calls_after_ddp"] >= row["calls"] + 6, row
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from ringcomm.comm.base import Communicator
@@ -68,6 +67,36 @@ def _plain(t: torch.Tensor) -> bool:
 
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
                            torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
+class _Work(dist._Work):
+    """The work object of one collective: ``wait()`` raises the collective's error on the
+    caller's thread, and ``get_future()`` (what DDP waits on) is completed with its result or
+    its error. (A work made by torch's ``_create_work_from_future`` would return from
+    ``wait()`` without raising the future's error: a failed collective would pass silently.)"""
+
+    def __init__(self, future: Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()  # raises the collective's error, if any
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
 
 
 class _Worker:
@@ -271,7 +300,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             # Named alike on every rank: the caller's name is part of each call's agreement.
             self._worker = _Worker("ringcomm-process-group")
         self._worker.put(run, future)
-        return _create_work_from_future(future)
+        return _Work(future)
 
     def shutdown(self) -> None:
         """Finish the queued collectives and close the communicator
