@@ -59,6 +59,17 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "name", op)).rsplit(".", 1)[-1]
 
 
+def _reduce_op(collective: str, opts: Any) -> str:
+    """ringcomm's name of the reduce op in ``opts``; ValueError for one it does not have (the
+    same on every rank: every rank passes the same op)."""
+    name = _op_name(opts.reduceOp)
+    op = _OPS.get(name)
+    if op is None:
+        raise ValueError(f"{collective}: the {BACKEND_NAME} backend reduces with "
+                         f"{', '.join(_OPS)}; got ReduceOp.{name}")
+    return op
+
+
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``t`` goes to the communicator as a NumPy view: a contiguous CPU tensor of a
     dtype NumPy has (the others run on the gloo fallback)."""
@@ -199,14 +210,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if opts is None:
             opts = dist.AllreduceOptions()
-        name = _op_name(opts.reduceOp)
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
             return self._gloo.allreduce(tensors, opts)
-        op = _OPS.get(name)
-        if op is None:  # the same on every rank: every rank passes the same op
-            raise ValueError(f"all_reduce: the {BACKEND_NAME} backend reduces with "
-                             f"{', '.join(_OPS)}; got ReduceOp.{name}")
+        op = _reduce_op("all_reduce", opts)
+
         def run() -> list[torch.Tensor]:
             for t in tensors:
                 x = Operand(t)
@@ -238,6 +246,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
             return self._gloo.allgather(output_lists, inputs, opts)
+
         def run() -> Any:
             for outs, t in zip(output_lists, inputs, strict=True):
                 gathered = comm.allgather(as_array(t).reshape(1, -1))
@@ -253,6 +262,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllgatherOptions()
         if comm is None or not _plain(input):
             return self._gloo._allgather_base(output, input, opts)
+
         def run() -> torch.Tensor:
             gathered = comm.allgather(as_array(input).reshape(1, -1))
             output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
@@ -268,15 +278,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.ReduceScatterOptions()
         if comm is None or not _plain(input):
             return self._gloo._reduce_scatter_base(output, input, opts)
-        name = _op_name(opts.reduceOp)
-        op = _OPS.get(name)
-        if op is None:
-            raise ValueError(f"reduce_scatter: the {BACKEND_NAME} backend reduces with "
-                             f"{', '.join(_OPS)}; got ReduceOp.{name}")
+        op = _reduce_op("reduce_scatter", opts)
         if input.numel() != output.numel() * self.size():
             raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} elements, "
                              f"expected {output.numel() * self.size()} (the output's "
                              f"{output.numel()} times the group's {self.size()} ranks)")
+
         def run() -> torch.Tensor:
             chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
             output.copy_(torch.from_numpy(chunk).view(output.shape))
