@@ -53,6 +53,7 @@ VARIANTS = {
     "ringcomm-auto": "ringcomm auto",
     "ringcomm-powersgd": "ringcomm PowerSGD rank 1 (DDP's buckets)",
     "ringcomm-powersgd-gloo": "ringcomm PowerSGD rank 1 (DDP's buckets), over gloo",
+    "backend": "DDP on the \"ringcomm\" torch.distributed backend (no hook)",
     "local": "no communication (compute floor)",
 }
 DEFAULT_VARIANTS = ("ddp,fp16,powersgd,ringcomm,ringcomm-int8,ringcomm-topk,ringcomm-auto,"

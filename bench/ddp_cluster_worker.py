@@ -151,6 +151,7 @@ def wrap(variant: str, net: torch.nn.Module, comm: Any,
     """The model as ``variant`` trains it, and its hook state (None without a hook)."""
     if variant == "local":
         return net, None
+    # "backend": no hook; the process group is the "ringcomm" backend's (see main)
     cap = SINGLE_BUCKET_MB if variant == "powersgd" else None
     model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
     state: Any = None
@@ -272,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", args.iface)
     load_before = load_average()
-    init_process_group_from_mpi("gloo", master_addr=args.master_addr)
+    # "backend": DDP without a hook on torch.distributed's "ringcomm" backend, whose process
+    # group runs DDP's bucket allreduces on a ringcomm communicator (MPI here).
+    backend = "ringcomm" if args.variant == "backend" else "gloo"
+    init_process_group_from_mpi(backend, master_addr=args.master_addr)
     comm = ringcomm.init("mpi")
     if args.variant.endswith("-gloo"):
         # ringcomm's ring over torch.distributed's gloo group (as under torchrun): its waits
@@ -283,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         trace.set_tracer(timer)
     model, state = wrap(args.variant, build(args.hidden, args.seed), comm, timer)
     trainer = Trainer(args, world.Get_rank(), world.Get_size())
-    trainer.run(model, timer, world, comm.stats)
+    stats = comm.stats
+    if args.variant == "backend":  # the process group's communicator (made by DDP's broadcast)
+        stats = torch.distributed.group.WORLD.communicator.stats
+    trainer.run(model, timer, world, stats)
     trace.set_tracer(None)
     mine = {"step_s": trainer.step_s, "phase_s": trainer.phase_s, "tx_bytes": trainer.tx,
             "ringcomm_bytes": trainer.ringcomm_bytes,
