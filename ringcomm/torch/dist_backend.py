@@ -29,9 +29,11 @@ groups smaller than the job made by ``new_group`` run on the gloo fallback).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -165,8 +167,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
         self._comm: Communicator | None = None
-        self._making = self._apart = False
+        self._making = self._apart = self._shut = False
         self._worker: _Worker | None = None
+        _LIVE.add(self)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -310,14 +313,38 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return _Work(future)
 
     def shutdown(self) -> None:
-        """Finish the queued collectives and close the communicator
-        (torch.distributed.destroy_process_group calls this)."""
+        """Finish the queued collectives, close the communicator and shut the gloo group
+        down (torch.distributed.destroy_process_group calls this).
+
+        The gloo group is shut down here, while the interpreter is whole: left to the
+        interpreter's teardown, a gloo group's threads can be destroyed while joinable, which
+        ends the process (``terminate called without an active exception``) after the job's
+        work is done."""
+        if self._shut:
+            return
+        self._shut = True
+        _LIVE.discard(self)
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close()
+        self._gloo.shutdown()
+
+
+# Groups not shut down yet: shut down at exit, while the interpreter is whole (see shutdown),
+# where the program never called torch.distributed.destroy_process_group.
+_LIVE: weakref.WeakSet[RingcommProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for group in list(_LIVE):
+        try:
+            group.shutdown()
+        except Exception as err:  # a peer already gone: nothing is left to finish
+            _LOG.debug("process group not shut down at exit: %s", err)
 
 
 def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
