@@ -224,8 +224,7 @@ class MPITransport(TransportBase):
         (each partial sum is formed once, or by both partners as a + b = b + a);
         ``tests/mpi/test_allreduce_native.py`` holds the MPI here to that.
         """
-        if (type(x) is not np.ndarray or x.nbytes > self.native_allreduce_bytes
-                or x.dtype not in _NATIVE_DTYPES or not x.dtype.isnative):
+        if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes):
             return False
         # out=x reaches here as another view of the same memory (partial overlaps are refused).
         send = self._MPI.IN_PLACE if np.may_share_memory(x, out) else x
@@ -233,22 +232,30 @@ class MPITransport(TransportBase):
             self._wait_one(self._ctl.Iallreduce(send, out, op=self._mpi_ops[op]), "allreduce")
         if op is ReduceOp.AVG:
             _ops.get(out).divide(out, self.size, out)
-        # Counted as the ring would move it: 2 (n - 1) / n of the array each way.
-        moved = 2 * (self.size - 1) * x.nbytes // self.size
+        moved = self._native_volume(x.nbytes)
         self.stats.add(moved, moved)
         return True
+
+    def _reduces_natively(self, dtype: np.dtype, nbytes: int) -> bool:
+        """Whether MPI's own allreduce takes a host array of ``dtype`` and ``nbytes``."""
+        return (nbytes <= self.native_allreduce_bytes and dtype in _NATIVE_DTYPES
+                and dtype.isnative)
+
+    def _native_volume(self, nbytes: int) -> int:
+        """The bytes a native allreduce counts each way: what the ring would move, 2 (n - 1)
+        / n of the array."""
+        return 2 * (self.size - 1) * nbytes // self.size
 
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
                                  ) -> Callable[[np.ndarray, np.ndarray], None] | None:
         """``native_allreduce`` for repeats of one call (dtype, size, op): the lookups and
         checks made once, so a repeat costs the MPI call and its wait."""
-        if (nbytes > self.native_allreduce_bytes or dtype not in _NATIVE_DTYPES
-                or not dtype.isnative):
+        if not self._reduces_natively(dtype, nbytes):
             return None
         iallreduce, mpi_op, in_place = self._ctl.Iallreduce, self._mpi_ops[op], self._MPI.IN_PLACE
         wait_one, stats, size = self._wait_one, self.stats, self.size
         divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
-        moved = 2 * (size - 1) * nbytes // size  # as native_allreduce counts it
+        moved = self._native_volume(nbytes)
 
         def allreduce(x: np.ndarray, out: np.ndarray) -> None:
             with trace.span("MPI_ALLREDUCE"):

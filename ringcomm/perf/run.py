@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{', '.join(_baselines.KNOWN)}, none")
     table = report.Table(baselines, not args.no_inplace, not args.no_memcpy)
     info = report.machine()
-    warning = report.load_warning(comm.transport.local_size
-                                  if hasattr(comm.transport, "local_size") else comm.size)
+    warning = report.load_warning(comm.local_size)
     if comm.rank == 0:
         print(f"# ringcomm-perf {ringcomm.__version__}: nranks {comm.size}, backend "
               f"{comm.backend}, segment {comm.segment_bytes} B, iters {args.iters}, warmup "
