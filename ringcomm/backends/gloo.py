@@ -18,6 +18,7 @@ import functools
 import inspect
 import math
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm import ops as _ops
+from ringcomm.backends.gloo_held import hold
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.transport import (
     TransportBase,
@@ -104,9 +106,27 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
 
 
 def _bytes(a: np.ndarray) -> torch.Tensor:
-    """A uint8 tensor over the memory of contiguous ``a``: gloo only moves the bytes, and some
-    dtypes (bfloat16 from ml_dtypes) have no torch twin that from_numpy would accept."""
-    return torch.from_numpy(_flat_bytes(a))
+    """A uint8 tensor over the memory of contiguous ``a``, to hand to gloo (held until gloo
+    lets go of it: gloo_held): gloo only moves the bytes, and some dtypes (bfloat16 from
+    ml_dtypes) have no torch twin that from_numpy would accept."""
+    t = torch.from_numpy(_flat_bytes(a))
+    hold(t)
+    return t
+
+
+def _gather_objects(group: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in the group's order: pickled, the lengths gathered, then the
+    bytes padded to the longest (torch's all_gather_object would hand gloo tensors of its own,
+    which gloo_held could not hold)."""
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    size = dist.get_world_size(group)
+    lengths = np.zeros(size, dtype=np.int64)
+    _all_gather(_bytes(lengths), _bytes(np.array([data.size], dtype=np.int64)), group=group)
+    rows = np.zeros((size, int(lengths.max())), dtype=np.uint8)
+    mine = np.zeros(rows.shape[1], dtype=np.uint8)
+    mine[: data.size] = data
+    _all_gather(_bytes(rows), _bytes(mine), group=group)
+    return [pickle.loads(rows[g, : lengths[g]].tobytes()) for g in range(size)]
 
 
 def _staged(recv: Array) -> tuple[np.ndarray, Any]:
@@ -160,8 +180,7 @@ class TorchDistTransport(TransportBase):
             group = dist.new_group(backend="gloo", timeout=_duration(seconds))
         # From the group's host names, not the launcher's variables: Lightning's launcher
         # sets no local size, and a guess could differ between the ranks of one node.
-        hosts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        hosts = _gather_objects(group, socket.gethostname())
         rank = dist.get_rank(group)
         self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
                     bool(abort_on_timeout), made_here=made_here)
@@ -243,8 +262,8 @@ class TorchDistTransport(TransportBase):
                          group=self._group)
             return
         rows = np.empty((self.size, send.nbytes), dtype=np.uint8)
-        self.bounded("allgather", None, _all_gather, torch.from_numpy(rows).view(-1),
-                     _bytes(send), group=self._group)
+        self.bounded("allgather", None, _all_gather, _bytes(rows), _bytes(send),
+                     group=self._group)
         _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
@@ -254,8 +273,8 @@ class TorchDistTransport(TransportBase):
         mine = _flat_bytes(_host(x))
         seat = self._seat[self.rank]
         rows[seat, : mine.size] = mine
-        self.bounded("allgatherv", None, _all_gather, torch.from_numpy(rows).view(-1),
-                     torch.from_numpy(rows[seat].copy()), group=self._group)
+        self.bounded("allgatherv", None, _all_gather, _bytes(rows), _bytes(rows[seat].copy()),
+                     group=self._group)
         ordered = self._in_rank_order(list(rows))
         flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))
@@ -268,9 +287,7 @@ class TorchDistTransport(TransportBase):
             _ops.get(x).copy_from_host(x, host)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        self.bounded("allgather of objects", None, dist.all_gather_object, out, obj,
-                     group=self._group)
+        out = self.bounded("allgather of objects", None, _gather_objects, self._group, obj)
         return self._in_rank_order(out)
 
     def barrier(self) -> None:

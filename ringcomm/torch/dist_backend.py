@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ringcomm.backends.gloo_held import hold
 from ringcomm.comm.base import Communicator
 from ringcomm.core.log import get_logger
 from ringcomm.torch._tensors import Operand, as_array
@@ -215,6 +216,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
+            hold(*tensors)
             return self._gloo.allreduce(tensors, opts)
         op = _reduce_op("all_reduce", opts)
 
@@ -232,6 +234,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.BroadcastOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
+            hold(*tensors)
             return self._gloo.broadcast(tensors, opts)
         root = opts.rootRank
 
@@ -248,6 +251,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
+            hold(*inputs, *(t for outs in output_lists for t in outs))
             return self._gloo.allgather(output_lists, inputs, opts)
 
         def run() -> Any:
@@ -264,6 +268,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllgatherOptions()
         if comm is None or not _plain(input):
+            hold(output, input)
             return self._gloo._allgather_base(output, input, opts)
 
         def run() -> torch.Tensor:
@@ -280,6 +285,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if comm is None or not _plain(input):
+            hold(output, input)
             return self._gloo._reduce_scatter_base(output, input, opts)
         op = _reduce_op("reduce_scatter", opts)
         if input.numel() != output.numel() * self.size():
@@ -301,6 +307,26 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
         return self._submit(comm.barrier)
 
+    # Point-to-point and all-to-all run on gloo (ringcomm's communicator has neither a one-sided
+    # send nor an all-to-all); they pass through here, where torch lets a Python group take
+    # them, so that their tensors are held until gloo lets go of them (gloo_held).
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:
+        hold(*tensors)
+        return self._gloo.send(tensors, dstRank, tag)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:
+        hold(*tensors)
+        return self._gloo.recv(tensors, srcRank, tag)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> Any:
+        hold(output, input)
+        return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                        opts if opts is not None else dist.AllToAllOptions())
+
+    all_to_all_single = alltoall_base
+
     def _submit(self, run: Callable[[], Any]) -> Any:
         """Queue ``run`` for the group's worker thread, which runs the collectives one after
         another in the order they were called (the same on every rank), and return the work
@@ -314,12 +340,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Finish the queued collectives, close the communicator and shut the gloo group
-        down (torch.distributed.destroy_process_group calls this).
-
-        The gloo group is shut down here, while the interpreter is whole: left to the
-        interpreter's teardown, a gloo group's threads can be destroyed while joinable, which
-        ends the process (``terminate called without an active exception``) after the job's
-        work is done."""
+        down (torch.distributed.destroy_process_group calls this; groups never destroyed are
+        shut down at exit). The tensors of this group's gloo collectives are held until gloo
+        lets go of them (ringcomm.backends.gloo_held), except those of reduce, gather and
+        scatter, which torch hands to the gloo group without passing through Python."""
         if self._shut:
             return
         self._shut = True
