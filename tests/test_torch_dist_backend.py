@@ -209,3 +209,56 @@ def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
     for row in runs["ringcomm"]:
         assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
     assert len({row["params"] for rows in runs.values() for row in rows}) == 1, runs
+
+
+NUMBERING_JOB = r'''
+import functools, json, os, sys
+import torch, torch.distributed as dist
+import ringcomm, ringcomm.torch  # registers "ringcomm"
+
+if sys.argv[2] == "mpi":  # the group's communicator over MPI, numbered as mpiexec numbers
+    ringcomm.init = functools.partial(ringcomm.init, "mpi")
+mpi_rank = int(os.environ["PMI_RANK"])
+torch_rank = [0, 2, 1][mpi_rank]  # numbered otherwise than the launcher numbers them
+dist.init_process_group("ringcomm", init_method=f"file://{sys.argv[1]}", rank=torch_rank,
+                        world_size=3)
+try:
+    t = torch.full((2,), float(torch_rank))
+    dist.all_reduce(t)
+    outcome = f"ok {t.tolist()}"
+except RuntimeError as err:
+    outcome = f"{type(err).__name__}: {err}"
+comm = dist.group.WORLD.communicator
+with open(f"report_{torch_rank}.json", "w") as f:
+    json.dump({"rank": torch_rank, "outcome": outcome,
+               "communicator": None if comm is None else comm.backend}, f)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("underneath", ["auto", "mpi"])
+def test_a_group_numbered_unlike_the_launcher(tmp_path, subprocess_env, mpiexec, underneath):
+    """mpiexec numbers the 3 processes 0, 1, 2 and init_process_group 0, 2, 1. ringcomm.init
+    sees it and runs gloo over torch's numbering (auto); a communicator numbered as the
+    launcher numbers (MPI, asked for) makes the first collective raise the same error on every
+    rank, rank 0 too, whose numbers match (before, it alone went on into MPI's collective and
+    waited there until the timeout)."""
+    job = tmp_path / "job.py"
+    job.write_text(NUMBERING_JOB)
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(job),
+                           str(tmp_path / "store"), underneath],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env,
+                          cwd=tmp_path)
+    reports = _reports(tmp_path)
+    assert [row["rank"] for row in reports] == [0, 1, 2], proc.stdout[-2000:] + proc.stderr[-3000:]
+    if underneath == "auto":
+        assert all(row == {"rank": row["rank"], "outcome": "ok [3.0, 3.0]",
+                           "communicator": "gloo"} for row in reports), reports
+        return
+    outcomes = {row["outcome"] for row in reports}
+    assert outcomes == {
+        "RuntimeError: the ringcomm backend's group of 3 numbers its processes unlike "
+        "ringcomm.init(): rank 1 is ringcomm's rank 2 of 3; rank 2 is ringcomm's rank 1 of 3 "
+        "(the launcher and torch.distributed.init_process_group number the processes "
+        "differently)"}, reports
+    assert all(row["communicator"] is None for row in reports), reports

@@ -52,6 +52,9 @@ __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
 BACKEND_NAME = "ringcomm"
 _LOG = get_logger("torch.dist_backend")
 
+# torch.distributed exports the other options types, but not this one.
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
+
 # torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
 _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}
 
@@ -198,16 +201,33 @@ class RingcommProcessGroup(dist.ProcessGroup):
             from ringcomm import init
 
             comm = init(timeout=self._timeout.total_seconds(), abort_on_exception=False)
-            if (comm.rank, comm.size) != (self.rank(), self.size()):
+            try:
+                self._check_numbering(comm)
+            except RuntimeError:
                 comm.close()
-                raise RuntimeError(
-                    f"the ringcomm backend's group is rank {self.rank()} of {self.size()}, but "
-                    f"ringcomm.init() gave rank {comm.rank} of {comm.size}: the launcher and "
-                    f"torch.distributed number the processes differently")
+                raise
             self._comm = comm
         finally:
             self._making = False
         return self._comm
+
+    def _check_numbering(self, comm: Communicator) -> None:
+        """Raise the same RuntimeError on every rank unless ``comm`` numbers every process as
+        this group does (a job whose launcher and torch.distributed number the processes
+        differently would otherwise sum the wrong ranks' data, or hang on the ranks that do
+        match): each rank's (rank, size) in ``comm``, gathered over the gloo group."""
+        mine = torch.tensor([comm.rank, comm.size], dtype=torch.int64)
+        table = torch.empty(2 * self.size(), dtype=torch.int64)
+        hold(table, mine)
+        self._gloo._allgather_base(table, mine, _AllgatherOptions()).wait()
+        seen = [tuple(pair) for pair in table.view(-1, 2).tolist()]
+        wrong = [f"rank {g} is ringcomm's rank {r} of {n}"
+                 for g, (r, n) in enumerate(seen) if (r, n) != (g, self.size())]
+        if wrong:
+            raise RuntimeError(
+                f"the ringcomm backend's group of {self.size()} numbers its processes unlike "
+                f"ringcomm.init(): {'; '.join(wrong)} (the launcher and "
+                f"torch.distributed.init_process_group number the processes differently)")
 
     # ------------------------------------------------------------------------ collectives
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
@@ -249,7 +269,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         comm = self._communicator()
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
             hold(*inputs, *(t for outs in output_lists for t in outs))
             return self._gloo.allgather(output_lists, inputs, opts)
@@ -266,7 +286,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                         opts: Any = None) -> Any:
         comm = self._communicator()
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = _AllgatherOptions()
         if comm is None or not _plain(input):
             hold(output, input)
             return self._gloo._allgather_base(output, input, opts)
