@@ -40,10 +40,11 @@ ALGORITHM_ENV = "RINGCOMM_ALGORITHM"
 HIERARCHICAL_MIN_BYTES = 1 << 20
 #: Sparse compressed calls (top-k) go two-level under "auto" on at least this many nodes. The
 # two-level path moves float32 inside each node where the flat ring moves the few selected
-# pairs, so it is slower until the flat ring's 2(n - 1) serial steps dominate: measured 0.82x
-# at 2 nodes of 2 (1 Gbit/s, bench/results/cluster2/cluster2_2x2_phases_after.md), simulated
-# slower up to 32 nodes of 8 and faster from 64 (bench/results/scale_sim/). Its error is lower
-# at any size: ask for algorithm="hierarchical" to have that.
+# pairs, so it is no faster until the flat ring's 2(n - 1) serial steps dominate: measured
+# 0.87-1.07x at 2 nodes of 2 (1 Gbit/s, 0.83-1.04x at 10 Gbit/s; sparse node phases instead
+# were 0.78x, as every rank then selects twice: bench/results/cluster2/topk_two_level/),
+# simulated slower up to 32 nodes of 8 and faster from 64 (bench/results/scale_sim/). Its
+# error is lower at any size: ask for algorithm="hierarchical" to have that.
 HIERARCHICAL_MIN_NODES_COMPRESSED = 64
 #: Compressors that encode every element (casts, Int8) go two-level under "auto" from this
 # many nodes, for calls of HIERARCHICAL_MIN_BYTES or more, as dense calls do: the cross-node
