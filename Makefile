@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-unit test-mpi test-horovod layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+.PHONY: demo test test-unit test-mpi test-horovod test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 
 $(BIN)/python:
@@ -34,7 +34,7 @@ demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/ringcomm-perf -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: layers ruff typecheck docs test-unit test-mpi test-horovod
+test: layers ruff typecheck docs test-unit test-mpi test-horovod test-torch-dist
 
 # The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
 # layers below it.
@@ -57,6 +57,22 @@ test-horovod: $(VENV)/.test
 	mkdir -p logs
 	$(BIN)/python tests/upstream/run_horovod.py --json logs/horovod_test_torch.json
 	$(BIN)/python tests/upstream/run_horovod_examples.py --json logs/horovod_examples.json
+
+# PyTorch's own distributed tests (DistributedTest, shipped in the torch wheel) on the
+# "ringcomm" backend, 3 processes per test: the collectives, point-to-point and CPU DDP here
+# (about 3 minutes); test-torch-dist-all runs every one of them (about 15 minutes; results in
+# tests/upstream/results/torch_distributed.md).
+TORCH_DIST_SUBSET ?= all_reduce_sum or all_reduce_max or broadcast or barrier or all_gather or \
+	send_recv_with_tag or scatter_full_group or gather_full_group or DistributedDataParallelCPU
+test-torch-dist: $(VENV)/.test
+	mkdir -p logs
+	$(BIN)/python tests/upstream/run_torch_distributed.py -k "$(TORCH_DIST_SUBSET)" \
+		--json logs/torch_distributed.json
+
+test-torch-dist-all: $(VENV)/.test
+	$(BIN)/python tests/upstream/run_torch_distributed.py \
+		--json tests/upstream/results/torch_distributed.json \
+		--md tests/upstream/results/torch_distributed.md
 
 # GPU tests and kernel benchmarks (on a machine with a CUDA GPU).
 gpu-test: $(VENV)/.test

@@ -262,3 +262,44 @@ def test_a_group_numbered_unlike_the_launcher(tmp_path, subprocess_env, mpiexec,
         "(the launcher and torch.distributed.init_process_group number the processes "
         "differently)"}, reports
     assert all(row["communicator"] is None for row in reports), reports
+
+
+AUTOLOAD_JOB = r'''
+import json, sys
+import torch, torch.distributed as dist  # no import of ringcomm: PyTorch's entry point
+
+dist.init_process_group("ringcomm")
+r, n = dist.get_rank(), dist.get_world_size()
+t = torch.full((3,), float(r + 1))
+dist.all_reduce(t)
+with open(f"report_{r}.json", "w") as f:
+    json.dump({"rank": r, "sum": t.tolist(), "backend": dist.get_backend(),
+               "communicator": dist.group.WORLD.communicator.backend}, f)
+dist.destroy_process_group()
+'''
+
+
+def test_the_backend_is_registered_as_torch_starts(tmp_path, subprocess_env):
+    """The "torch.backends" entry point (pyproject.toml) registers "ringcomm" at the end of
+    ``import torch``, so a program that never imports ringcomm can name the backend (here a
+    torchrun job); TORCH_DEVICE_BACKEND_AUTOLOAD=0, PyTorch's switch, turns it off."""
+    code = ("import sys, torch, torch.distributed as dist; "
+            "print('ringcomm' in dist.Backend.backend_list, 'ringcomm.torch' in sys.modules)")
+    seen = {}
+    for autoload in ("1", "0"):
+        env = {**subprocess_env, "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[autoload] = proc.stdout.split()
+    assert seen == {"1": ["True", "True"], "0": ["False", "False"]}, seen
+    job = tmp_path / "job.py"
+    job.write_text(AUTOLOAD_JOB)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(job)], capture_output=True, text=True,
+                          timeout=240, env=subprocess_env, cwd=tmp_path)
+    reports = _reports(tmp_path)
+    _check_exit(proc, reports, "init_process_group('ringcomm') without importing ringcomm")
+    for row in reports:
+        assert row["sum"] == [3.0, 3.0, 3.0] and row["backend"] == "ringcomm", row
+        assert row["communicator"] == "gloo", row

@@ -1,0 +1,38 @@
+"""PyTorch's own distributed tests (``DistributedTest._DistTestBase``, shipped in the torch
+wheel as ``torch.testing._internal.distributed.distributed_test``) on the "ringcomm" backend,
+as PyTorch runs them on gloo (its test/distributed/test_distributed_spawn.py): every test
+spawns ``WORLD_SIZE`` processes, each calling ``init_process_group("ringcomm")`` through a file
+store. Run by tests/upstream/run_torch_distributed.py, which sets the environment.
+
+PyTorch's suite states which backends a test needs through ``DistTestCases.backend_feature``;
+"ringcomm" is named there for what it does: a plugin backend, DDP on CPU, and sub-groups
+(which it runs on its gloo fallback). It is not named for "gpu" or "cuda".
+"""
+
+from __future__ import annotations
+
+import os
+
+import ringcomm.torch  # noqa: F401  (registers "ringcomm", in every spawned process too)
+
+os.environ.setdefault("BACKEND", "ringcomm")
+os.environ.setdefault("WORLD_SIZE", "3")
+
+from torch.testing._internal.common_distributed import DistTestCases
+
+# Before distributed_test is imported: its decorators read these sets as its classes are made.
+for feature in ("plugin", "ddp", "subgroup"):
+    DistTestCases.backend_feature[feature].add("ringcomm")
+
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+
+class TestRingcommBackend(TestDistBackend, DistributedTest._DistTestBase):
+    """Each of PyTorch's distributed tests, its processes spawned afresh."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
