@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -127,15 +128,30 @@ def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> li
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
                           cwd=tmp_path)
     reports = _reports(tmp_path)
-    _check_exit(proc, reports, f"{backend} under {launcher}")
+    # Under mpiexec ringcomm's init_process_group_from_mpi made the gloo group, and its exit
+    # pause (gloo_held.pause_at_exit) must keep even PyTorch's gloo from aborting.
+    _check_exit(proc, reports, f"{backend} under {launcher}",
+                gloo_baseline=backend == "gloo" and launcher == "torchrun")
     return reports
 
 
-def _check_exit(proc: subprocess.CompletedProcess[str], reports: list[dict], what: str) -> None:
+def _check_exit(proc: subprocess.CompletedProcess[str], reports: list[dict], what: str, *,
+                gloo_baseline: bool = False) -> None:
     """The job ended well, every rank having written its report: a process that aborts at
-    exit after its work is done (as one did, now and then, before gloo_held) fails it."""
+    exit after its work is done (as one on this backend did, now and then, before gloo_held)
+    fails it.
+
+    ``gloo_baseline``: the same job on PyTorch's own gloo backend, where gloo's threads drop
+    tensors of PyTorch's during the interpreter's finalization as they did ringcomm's, and a
+    process aborts now and then at exit (``terminate called without an active exception``)
+    after its work: reported as a warning, as it is PyTorch's; the work is checked."""
     out = proc.stdout[-3000:] + proc.stderr[-4000:]
     assert [row["rank"] for row in reports] == [0, 1], f"{what}\n{out}"
+    if gloo_baseline and proc.returncode != 0 and "terminate called without an active " \
+            "exception" in proc.stdout + proc.stderr:
+        warnings.warn(f"{what}: a process of PyTorch's gloo backend aborted at exit after "
+                      f"its work was done", stacklevel=2)
+        return
     assert proc.returncode == 0, f"{what}\n{out}"
 
 
@@ -205,7 +221,7 @@ def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
                               capture_output=True, text=True, timeout=240, env=subprocess_env,
                               cwd=tmp_path)
         runs[backend] = _reports(tmp_path)
-        _check_exit(proc, runs[backend], f"FSDP, {backend}")
+        _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
     for row in runs["ringcomm"]:
         assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
     assert len({row["params"] for rows in runs.values() for row in rows}) == 1, runs

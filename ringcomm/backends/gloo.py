@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm import ops as _ops
-from ringcomm.backends.gloo_held import hold
+from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.transport import (
     TransportBase,
@@ -201,6 +201,7 @@ class TorchDistTransport(TransportBase):
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
         self._group = group
+        pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
         if made_here:
             _MADE.append(group)
         self._peers = members

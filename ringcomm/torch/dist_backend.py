@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ringcomm.backends.gloo_held import hold
+from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
 from ringcomm.core.log import get_logger
 from ringcomm.torch._tensors import Operand, as_array
@@ -170,6 +170,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                            timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
+        pause_at_exit()  # for the tensors PyTorch hands this gloo group itself (reduce, ...)
         self._comm: Communicator | None = None
         self._making = self._apart = self._shut = False
         self._worker: _Worker | None = None

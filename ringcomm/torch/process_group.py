@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringcomm.backends.gloo_held import pause_at_exit
 from ringcomm.comm.base import Communicator
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
@@ -97,6 +98,7 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
     if rank != 0:
         store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    pause_at_exit()  # gloo's threads finish with PyTorch's tensors before the interpreter ends
 
 
 def launched_by_torchrun() -> bool:
