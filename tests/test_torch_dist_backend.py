@@ -86,6 +86,13 @@ if backend == "ringcomm":
             dist.all_reduce(bad)
         except Exception as err:
             report.setdefault("mismatch", []).append(f"{type(err).__name__}: {err}")
+    # An output of the wrong size on one rank: that rank raises, the others finish (no hang).
+    o = torch.empty(2 if r else 3)
+    try:
+        dist.reduce_scatter_tensor(o, torch.arange(2.0 * n))
+        report["reduce_scatter_bad_output"] = o.tolist()
+    except ValueError as err:
+        report["reduce_scatter_bad_output"] = str(err)
     dist.barrier()
     comm = dist.group.WORLD.communicator
     report["communicator"] = comm.backend
@@ -168,6 +175,9 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
         shape, dtype = row["mismatch"]
         assert "ArgumentMismatchError" in shape and "shape differs between ranks" in shape, row
         assert "dtype differs between ranks" in dtype, row
+        assert row["reduce_scatter_bad_output"] == (
+            "reduce_scatter_tensor: the input has 4 elements, expected 6 (the output's 3 "
+            "times the group's 2 ranks)" if row["rank"] == 0 else [4.0, 6.0]), row
         # DDP's broadcast of the parameters and its bucket allreduces went through ringcomm.
         assert row["calls_after_ddp"] >= row["calls"] + 6, row
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.

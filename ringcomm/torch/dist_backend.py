@@ -309,13 +309,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
             hold(output, input)
             return self._gloo._reduce_scatter_base(output, input, opts)
         op = _reduce_op("reduce_scatter", opts)
-        if input.numel() != output.numel() * self.size():
-            raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} elements, "
-                             f"expected {output.numel() * self.size()} (the output's "
-                             f"{output.numel()} times the group's {self.size()} ranks)")
+        size = self.size()
 
         def run() -> torch.Tensor:
+            # The collective runs first (its agreement raises on every rank where the inputs
+            # differ), so that an output of the wrong size on one rank raises there instead
+            # of leaving the other ranks waiting in the collective.
             chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+            if input.numel() != output.numel() * size:
+                raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} "
+                                 f"elements, expected {output.numel() * size} (the output's "
+                                 f"{output.numel()} times the group's {size} ranks)")
             output.copy_(torch.from_numpy(chunk).view(output.shape))
             return output
         return self._submit(run)
