@@ -59,6 +59,11 @@ if backend == "ringcomm":
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
     except ValueError as err:
         report["refused"] = str(err)
+    try:  # refused on one rank only: every rank raises, none waits in the collective
+        dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                        op=dist.ReduceOp.BXOR if r == 0 else dist.ReduceOp.SUM)
+    except ValueError as err:
+        report["refused_on_one"] = str(err)
     # Collectives the backend leaves to gloo still give exact results.
     g = torch.full((2,), float(r))
     dist.reduce(g, dst=0)
@@ -170,8 +175,14 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
     theirs = _run(tmp_path, subprocess_env, launcher, "gloo")
     for row in ours:
         assert row["backend"] == "ringcomm" and row["communicator"] == underneath, row
-        assert row["refused"] == ("all_reduce: the ringcomm backend reduces with SUM, AVG, MIN, "
-                                  "MAX, PRODUCT; got ReduceOp.BAND"), row
+        assert row["refused"] == (
+            "all_reduce: the ringcomm backend reduces with SUM, AVG, MIN, MAX, PRODUCT; "
+            "allreduce failed on ranks 0, 1: unknown op 'band'; expected one of 'sum', 'avg', "
+            "'min', 'max', 'prod'"), row
+        assert row["refused_on_one"] == (
+            "all_reduce: the ringcomm backend reduces with SUM, AVG, MIN, MAX, PRODUCT; "
+            "allreduce failed on rank 0: unknown op 'bxor'; expected one of 'sum', 'avg', "
+            "'min', 'max', 'prod'"), row
         shape, dtype = row["mismatch"]
         assert "ArgumentMismatchError" in shape and "shape differs between ranks" in shape, row
         assert "dtype differs between ranks" in dtype, row

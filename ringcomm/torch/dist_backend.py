@@ -30,11 +30,12 @@ groups smaller than the job made by ``new_group`` run on the gloo fallback).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torch.futures import Future
 from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
 from ringcomm.core.log import get_logger
+from ringcomm.core.types import InvalidArgumentError
 from ringcomm.torch._tensors import Operand, as_array
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
@@ -65,15 +67,25 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "name", op)).rsplit(".", 1)[-1]
 
 
-def _reduce_op(collective: str, opts: Any) -> str:
-    """ringcomm's name of the reduce op in ``opts``; ValueError for one it does not have (the
-    same on every rank: every rank passes the same op)."""
+def _reduce_op(opts: Any) -> str:
+    """ringcomm's name of the reduce op in ``opts``; for an op ringcomm does not have (BAND,
+    BOR, BXOR, PREMUL_SUM), its own name in lower case, which the communicator refuses in its
+    agreement, so that every rank raises (where only some ranks passed it too)."""
     name = _op_name(opts.reduceOp)
-    op = _OPS.get(name)
-    if op is None:
+    return _OPS.get(name, name.lower())
+
+
+@contextlib.contextmanager
+def _refusing_ops(collective: str) -> Iterator[None]:
+    """Say which ops the backend has when the communicator refuses an unknown one (the same
+    message on every rank: the communicator's names the rank that passed it)."""
+    try:
+        yield
+    except InvalidArgumentError as err:
+        if "unknown op" not in str(err):
+            raise
         raise ValueError(f"{collective}: the {BACKEND_NAME} backend reduces with "
-                         f"{', '.join(_OPS)}; got ReduceOp.{name}")
-    return op
+                         f"{', '.join(_OPS)}; {err}") from err
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -239,12 +251,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if comm is None or any(t.device.type != "cpu" for t in tensors):
             hold(*tensors)
             return self._gloo.allreduce(tensors, opts)
-        op = _reduce_op("all_reduce", opts)
+        op = _reduce_op(opts)
 
         def run() -> list[torch.Tensor]:
             for t in tensors:
                 x = Operand(t)
-                comm.allreduce(x.array, out=x.array, op=op)
+                with _refusing_ops("all_reduce"):
+                    comm.allreduce(x.array, out=x.array, op=op)
                 x.write_back()
             return tensors
         return self._submit(run)
@@ -308,14 +321,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if comm is None or not _plain(input):
             hold(output, input)
             return self._gloo._reduce_scatter_base(output, input, opts)
-        op = _reduce_op("reduce_scatter", opts)
+        op = _reduce_op(opts)
         size = self.size()
 
         def run() -> torch.Tensor:
             # The collective runs first (its agreement raises on every rank where the inputs
             # differ), so that an output of the wrong size on one rank raises there instead
             # of leaving the other ranks waiting in the collective.
-            chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+            with _refusing_ops("reduce_scatter"):
+                chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
             if input.numel() != output.numel() * size:
                 raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} "
                                  f"elements, expected {output.numel() * size} (the output's "
