@@ -188,9 +188,10 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, *,
     must end well, every process included (an abort at exit fails the test).
 
     ``gloo_baseline``: a job whose process group is PyTorch's own gloo backend, where gloo's
-    threads drop PyTorch's tensors during the interpreter's finalization now and then, and a
-    process aborts at exit after its work (``terminate called without an active
-    exception``): reported as a warning, as it is PyTorch's; the caller checks the work."""
+    threads dropped PyTorch's tensors during the interpreter's finalization now and then, and
+    a process aborted at exit after its work (``terminate called without an active
+    exception``) before ringcomm's exit pause (gloo_held): should it happen again, it is
+    reported as a warning, as the abort is PyTorch's; the caller checks the work."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

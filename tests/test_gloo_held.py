@@ -74,3 +74,22 @@ def test_let_go_gives_up_after_its_timeout():
     assert time.monotonic() - start < 2.0
     del holder
     assert gloo_held.let_go(timeout=0) == 0
+
+
+def test_gloo_threads_are_seen_while_a_gloo_group_lives(tmp_path, subprocess_env):
+    """The exit pauses where gloo's worker threads still run: they are found by name, in a
+    process that made a gloo group (a fresh one, whose threads are its own), and not before."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from ringcomm.backends import gloo_held\n"
+        "before = gloo_held._gloo_threads_alive()\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, "
+        "world_size=1)\n"
+        "print(before, gloo_held._gloo_threads_alive())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True"], proc.stdout

@@ -16,9 +16,10 @@ is forgotten as soon as its count is back where it was.
 PyTorch's own collectives on a gloo group (DDP's, on a gloo process group that ringcomm's
 ``init_process_group_from_mpi`` made) leave their tensors to gloo's threads the same way, and
 those ringcomm cannot hold: where ringcomm made or used a gloo group (:func:`pause_at_exit`),
-the exit also pauses briefly with the GIL released, so that those threads can finish (a plain
-gloo DDP job under mpiexec aborted at exit in 5 of 8 runs without the pause, none in 8 with
-5 ms of it, none in 16 with the 20 ms kept).
+or gloo's worker threads still run at exit (any gloo group of the process: ringcomm is loaded
+into every torch process through its entry point), the exit also pauses briefly with the GIL
+released, so that those threads can finish (a plain gloo DDP job under mpiexec aborted at exit
+in 5 of 8 runs without the pause, none in 8 with 5 ms of it, none in 16 with the 20 ms kept).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ringcomm.core.log import get_logger
@@ -88,6 +90,16 @@ def let_go(timeout: float = EXIT_WAIT_S) -> int:
         time.sleep(0.001)
 
 
+def _gloo_threads_alive() -> bool:
+    """Whether a gloo process group's worker threads (named ``pt_gloo_runloop`` by PyTorch)
+    still run in this process (Linux: /proc; elsewhere, False)."""
+    try:
+        return any(comm.read_text().startswith("pt_gloo")
+                   for comm in Path("/proc/self/task").glob("*/comm"))
+    except OSError:
+        return False
+
+
 def pause_at_exit() -> None:
     """Ask for a pause at exit, the GIL released, for gloo's threads to let go of tensors this
     module does not hold (PyTorch's own, of a gloo group ringcomm made or used)."""
@@ -101,5 +113,5 @@ def _let_go_at_exit() -> None:
     left = let_go()
     if left:
         _LOG.debug("%d tensors still held by gloo at exit", left)
-    if _PAUSE[0]:
+    if _PAUSE[0] or _gloo_threads_alive():
         time.sleep(EXIT_PAUSE_S)
