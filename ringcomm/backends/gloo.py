@@ -114,19 +114,25 @@ def _bytes(a: np.ndarray) -> torch.Tensor:
     return t
 
 
+def _gather_rows(group: Any, mine: np.ndarray, width: int) -> np.ndarray:
+    """Every rank's bytes ``mine`` (at most ``width`` of them), one row of ``width`` bytes per
+    rank in the group's order, padded with zeros: gloo has no allgatherv."""
+    rows = np.zeros((dist.get_world_size(group), width), dtype=np.uint8)
+    padded = np.zeros(width, dtype=np.uint8)
+    padded[: mine.size] = mine
+    _all_gather(_bytes(rows), _bytes(padded), group=group)
+    return rows
+
+
 def _gather_objects(group: Any, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in the group's order: pickled, the lengths gathered, then the
     bytes padded to the longest (torch's all_gather_object would hand gloo tensors of its own,
     which gloo_held could not hold)."""
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    size = dist.get_world_size(group)
-    lengths = np.zeros(size, dtype=np.int64)
-    _all_gather(_bytes(lengths), _bytes(np.array([data.size], dtype=np.int64)), group=group)
-    rows = np.zeros((size, int(lengths.max())), dtype=np.uint8)
-    mine = np.zeros(rows.shape[1], dtype=np.uint8)
-    mine[: data.size] = data
-    _all_gather(_bytes(rows), _bytes(mine), group=group)
-    return [pickle.loads(rows[g, : lengths[g]].tobytes()) for g in range(size)]
+    lengths = _gather_rows(group, _flat_bytes(np.array([data.size], dtype=np.int64)), 8)
+    lengths = lengths.view(np.int64).reshape(-1)
+    rows = _gather_rows(group, data, int(lengths.max()))
+    return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, lengths, strict=True)]
 
 
 def _staged(recv: Array) -> tuple[np.ndarray, Any]:
@@ -268,14 +274,10 @@ class TorchDistTransport(TransportBase):
         _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
-        # gloo has no allgatherv: gather rows padded to the longest, then drop the padding.
+        # Rows padded to the longest, then the padding dropped.
         item = x.dtype.itemsize
-        rows = np.zeros((self.size, max(counts) * item), dtype=np.uint8)
-        mine = _flat_bytes(_host(x))
-        seat = self._seat[self.rank]
-        rows[seat, : mine.size] = mine
-        self.bounded("allgatherv", None, _all_gather, _bytes(rows), _bytes(rows[seat].copy()),
-                     group=self._group)
+        rows = self.bounded("allgatherv", None, _gather_rows, self._group,
+                            _flat_bytes(_host(x)), max(counts) * item)
         ordered = self._in_rank_order(list(rows))
         flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))

@@ -102,7 +102,8 @@ def _gloo_threads_alive() -> bool:
 
 def pause_at_exit() -> None:
     """Ask for a pause at exit, the GIL released, for gloo's threads to let go of tensors this
-    module does not hold (PyTorch's own, of a gloo group ringcomm made or used)."""
+    module does not hold (PyTorch's own, of a gloo group ringcomm made or used). On Linux the
+    threads themselves are found at exit; this covers systems without /proc."""
     _PAUSE[0] = True
 
 

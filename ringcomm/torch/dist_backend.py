@@ -378,9 +378,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return _Work(future)
 
     def shutdown(self) -> None:
-        """Finish the queued collectives, close the communicator and shut the gloo group
-        down (torch.distributed.destroy_process_group calls this; groups never destroyed are
-        shut down at exit). The tensors of this group's gloo collectives are held until gloo
+        """Finish the queued collectives, close the communicator and ask the gloo group to
+        shut down, which torch 2.13's gloo does nothing for: its threads end with the group
+        (torch.distributed.destroy_process_group calls this; groups never destroyed are shut
+        down at exit). The tensors of this group's gloo collectives are held until gloo
         lets go of them (ringcomm.backends.gloo_held), except those of reduce, gather and
         scatter, which torch hands to the gloo group without passing through Python."""
         if self._shut:
