@@ -3,8 +3,9 @@
 torchrun starts plain processes, each its own one-process MPI world (and MPICH's singletons
 cannot connect to each other), so under torchrun the ring's point-to-point messages, the
 agreement allgather and the broadcasts travel over a gloo group of torch.distributed instead.
-The ring, compression and error feedback are ringcomm's own, as on every backend. Host arrays
-only: device arrays are staged through host memory.
+The ring, compression and error feedback are ringcomm's own, as on every backend, except for
+dense float sums and averages, which run as gloo's own allreduce (see ``native_allreduce``).
+Host arrays only: device arrays are staged through host memory.
 
 :class:`TorchDistTransport` implements the Transport; :class:`TorchDistCommunicator` is the
 Communicator over it.
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from ringcomm import ops as _ops
 from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.settings import agree_at_start
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -39,8 +41,10 @@ from ringcomm.comm.transport import (
     timeout_error,
     write_fatal,
 )
+from ringcomm.core import trace
+from ringcomm.core.env import env_bytes
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, Array
+from ringcomm.core.types import RING, Array, ReduceOp
 
 __all__ = ["TorchDistCommunicator", "TorchDistTransport"]
 
@@ -54,6 +58,17 @@ _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
+# Dense float32/float64 sums and averages larger than the inline slot run as gloo's own
+# allreduce: over gloo, ringcomm's ring pays a torch send and receive per segment, and gloo's
+# allreduce was faster at every size from 16 KiB to 64 MiB (2 ranks on 2 cores, median of
+# 28 alternating calls: 16 KiB 0.42 vs 2.6 ms, 1 MiB 1.1 vs 1.9 ms, 16 MiB 12.9 vs 16.9 ms,
+# 64 MiB 48 vs 71 ms; bench/results/gloo_native/). gloo's allreduce forms each element's sum
+# once and hands it to every rank, so every rank gets the same bits (tests/mpi/
+# test_gloo_native.py holds it to that). 16-bit floats take the ring, which sums them in
+# float32; MIN, MAX and PROD too (NumPy's NaN rules, which gloo's do not follow).
+NATIVE_BYTES_ENV = "RINGCOMM_GLOO_ALLREDUCE_BYTES"
+_NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
+_NATIVE_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 # Every gloo group the transports made, destroyed at exit (see TorchDistTransport.close).
 _MADE: list[Any] = []
 
@@ -190,6 +205,28 @@ class TorchDistTransport(TransportBase):
         rank = dist.get_rank(group)
         self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
                     bool(abort_on_timeout), made_here=made_here)
+        #: Dense float sums and averages up to this many bytes run as gloo's own allreduce
+        #: (all of them by default); the same on every rank.
+        self.native_allreduce_bytes = self._agree_native_bytes()
+
+    def _agree_native_bytes(self) -> int:
+        """The native allreduce limit: RINGCOMM_GLOO_ALLREDUCE_BYTES, or no limit, checked to be
+        the same on every rank (ranks that chose different algorithms for one call would wait
+        for each other until the timeout).
+
+        Raises:
+            ArgumentMismatchError: the variable differs between ranks (on every rank).
+            InvalidArgumentError: the variable is not a byte count (on every rank).
+        """
+        try:
+            mine = env_bytes(NATIVE_BYTES_ENV)
+            if mine is None:
+                mine = -1  # no limit
+            problem = None
+        except ValueError as err:
+            mine, problem = 0, err
+        agree_at_start(self, {NATIVE_BYTES_ENV: mine}, problem)
+        return mine
 
     def _setup(self, group: Any, local_rank: int, local_size: int,
                timeout: float, abort_on_timeout: bool, members: list[int] | None = None, *,
@@ -207,6 +244,7 @@ class TorchDistTransport(TransportBase):
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
         self._group = group
+        self.native_allreduce_bytes = -1
         pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
         if made_here:
             _MADE.append(group)
@@ -237,6 +275,44 @@ class TorchDistTransport(TransportBase):
             write_fatal(error, "Ending this process (exit status 1).")
             os._exit(1)
         raise error
+
+    # ------------------------------------------------------------------ native allreduce
+    def _reduces_natively(self, dtype: np.dtype, nbytes: int, op: ReduceOp) -> bool:
+        """Whether gloo's own allreduce takes a host array of ``dtype``, ``nbytes`` and ``op``."""
+        limit = self.native_allreduce_bytes
+        return (op in _NATIVE_OPS and dtype in _NATIVE_DTYPES and dtype.isnative
+                and (limit < 0 or nbytes <= limit))
+
+    def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
+        """gloo's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) for dense
+        float32/float64 sums and averages (up to ``native_allreduce_bytes``); False otherwise
+        (the ring runs). Every rank decides alike: the size, dtype and op were agreed, and
+        the limit is the same everywhere."""
+        if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes, op):
+            return False
+        self._native(x, out, op is ReduceOp.AVG)
+        return True
+
+    def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                                 ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """``native_allreduce`` for repeats of one call (dtype, size, op)."""
+        if not self._reduces_natively(dtype, nbytes, op):
+            return None
+        return functools.partial(self._native, average=op is ReduceOp.AVG)
+
+    def _native(self, x: np.ndarray, out: np.ndarray, average: bool) -> None:
+        """Sum ``x`` into ``out`` with gloo's allreduce (in place on ``out``), then divide by
+        the size for an average, as the ring does."""
+        if out is not x and not np.may_share_memory(x, out):
+            np.copyto(out, x)
+        tensor = torch.from_numpy(out.reshape(-1))
+        hold(tensor)
+        with trace.span("GLOO_ALLREDUCE"):
+            self.bounded("allreduce", None, dist.all_reduce, tensor, group=self._group)
+        if average:
+            _ops.get(out).divide(out, self.size, out)
+        moved = 2 * (self.size - 1) * x.nbytes // self.size  # what the ring would move
+        self.stats.add(moved, moved)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
@@ -324,6 +400,7 @@ class TorchDistTransport(TransportBase):
         sub._setup(group, hosts[:new_rank].count(hosts[new_rank]),
                    hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members,
                    made_here=True)
+        sub.native_allreduce_bytes = self.native_allreduce_bytes  # agreed by every member
         return adopt_ranks(sub, self, order)
 
     def close(self) -> None:
