@@ -298,47 +298,99 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
-        comm = self._communicator()
-        if opts is None:
-            opts = _AllgatherOptions()
-        if comm is None or not _plain(input):
-            hold(output, input)
-            return self._gloo._allgather_base(output, input, opts)
-
-        def run() -> torch.Tensor:
-            gathered = comm.allgather(as_array(input).reshape(1, -1))
-            output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
-            return output
-        return self._submit(run)
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     all_gather_single = _allgather_base
 
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        comm = self._communicator()
+        if opts is None:
+            opts = _AllgatherOptions()
+        if comm is None or not all(_plain(t) for t in inputs):
+            return self._on_gloo(self._gloo._allgather_base, outputs, inputs, opts)
+
+        def run() -> list[torch.Tensor]:
+            for output, input in zip(outputs, inputs, strict=True):
+                gathered = comm.allgather(as_array(input).reshape(1, -1))
+                output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
+            return outputs
+        return self._submit(run)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # its name before torch 2.12
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if opts is None:
+            opts = dist.AllreduceCoalescedOptions()
+        if self._communicator() is None or any(t.device.type != "cpu" for t in tensors):
+            hold(*tensors)
+            return self._gloo.allreduce_coalesced(tensors, opts)
+        plain = dist.AllreduceOptions()
+        plain.reduceOp = opts.reduceOp
+        return self.allreduce(tensors, plain)
+
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> Any:
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
         comm = self._communicator()
         if opts is None:
             opts = dist.ReduceScatterOptions()
-        if comm is None or not _plain(input):
-            hold(output, input)
-            return self._gloo._reduce_scatter_base(output, input, opts)
+        if comm is None or not all(_plain(t) for t in inputs):
+            return self._on_gloo(self._gloo._reduce_scatter_base, outputs, inputs, opts)
         op = _reduce_op(opts)
         size = self.size()
 
-        def run() -> torch.Tensor:
-            # The collective runs first (its agreement raises on every rank where the inputs
-            # differ), so that an output of the wrong size on one rank raises there instead
-            # of leaving the other ranks waiting in the collective.
-            with _refusing_ops("reduce_scatter"):
-                chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
-            if input.numel() != output.numel() * size:
-                raise ValueError(f"reduce_scatter_tensor: the input has {input.numel()} "
-                                 f"elements, expected {output.numel() * size} (the output's "
-                                 f"{output.numel()} times the group's {size} ranks)")
-            output.copy_(torch.from_numpy(chunk).view(output.shape))
-            return output
+        def run() -> list[torch.Tensor]:
+            for output, input in zip(outputs, inputs, strict=True):
+                # The collective runs first (its agreement raises on every rank where the
+                # inputs differ), so that an output of the wrong size on one rank raises there
+                # instead of leaving the other ranks waiting in the collective.
+                with _refusing_ops("reduce_scatter"):
+                    chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+                if input.numel() != output.numel() * size:
+                    raise ValueError(
+                        f"reduce_scatter_tensor: the input has {input.numel()} elements, "
+                        f"expected {output.numel() * size} (the output's {output.numel()} "
+                        f"times the group's {size} ranks)")
+                output.copy_(torch.from_numpy(chunk).view(output.shape))
+            return outputs
         return self._submit(run)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # before torch 2.12
+
+    def reduce_scatter(self, outputs: list[torch.Tensor],
+                       input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        if (self._communicator() is None
+                or not all(_plain(t) for t in (*outputs, *(t for ts in input_lists for t in ts)))
+                or any(t.shape != out.shape for out, ts in zip(outputs, input_lists, strict=True)
+                       for t in ts)):
+            hold(*outputs, *(t for ts in input_lists for t in ts))
+            return self._gloo.reduce_scatter(outputs, input_lists, opts)
+        flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in input_lists]
+        return self.reduce_scatter_single_coalesced(outputs, flat, opts)
+
+    def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
+                 inputs: list[torch.Tensor], opts: Any) -> Any:
+        """Each (output, input) pair through ``collective``, a method of the gloo fallback,
+        called here on the caller's thread (like every call of the fallback, so that they
+        reach gloo in the caller's order), as one work."""
+        hold(*outputs, *inputs)
+        works = [collective(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        if len(works) == 1:
+            return works[0]
+
+        def settled(_: Future[Any]) -> list[torch.Tensor]:
+            for work in works:
+                work.wait()  # raises the first failed collective's error
+            return outputs
+        return _Work(torch.futures.collect_all([w.get_future() for w in works]).then(settled))
 
     def barrier(self, opts: Any = None) -> Any:
         comm = self._communicator()
