@@ -66,9 +66,10 @@ class Step:
 
 
 def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str],
-         out: Path = DEFAULT_OUT) -> list[Step]:
+         out: Path = DEFAULT_OUT, train_args: tuple[str, ...] = ()) -> list[Step]:
     """Every step, in the order they run; ``unit-all`` runs only when asked for.
-    The training benchmark writes its tables to ``out`` (beside the report)."""
+    The training benchmark writes its tables to ``out`` (beside the report); ``train_args``
+    are added to its command (later options override earlier ones)."""
     run_mpi = ("tests/run_mpi.py",)
     return [
         Step("unit-gpu", "every gpu-marked test in one process",
@@ -94,7 +95,8 @@ def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str],
              "(ResNet-18, ViT-S/16; 2 ranks under torchrun through ringcomm.torch.init())",
              ("bench/gpu_train.py", "--timeout", "400", "--markdown", str(out / "gpu_train.md"),
               "--json", str(out / "gpu_train.json"), "--profile",
-              str(out / "gpu_train_profile.txt"), "--traces", str(out / "gpu_train_traces.zip")),
+              str(out / "gpu_train_profile.txt"), "--traces", str(out / "gpu_train_traces.zip"),
+              *train_args),
              ("gpu",), 420, "tool"),
         Step("unit-all", "the whole one-process suite (opt-in: --steps unit-all)",
              ("-m", "pytest", "tests", *_PYTEST), ("gpu",), 1800),
@@ -287,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="multiply every step's timeout by this")
     p.add_argument("--bench-args", default="",
                    help='extra arguments of bench/kernels_perf.py, e.g. "-n 16M --iters 20"')
+    p.add_argument("--train-args", default="",
+                   help='extra arguments of bench/gpu_train.py, e.g. "--models resnet18 '
+                        '--baseline .base"')
     p.add_argument("--dry-run", action="store_true", help="print the plan and run nothing")
     p.add_argument("--assume-gpu", action="store_true",
                    help="run the GPU steps where no GPU is seen (to test this script)")
@@ -343,7 +348,8 @@ def check(args: argparse.Namespace, report: dict[str, Any], log: TextIO, work: P
     bench_json = work / "kernels_perf.json"
     mpi_ok = not (have["mpiexec"] or have["mpi"])
     steps = [s for s in plan(bench_json, mpiexec if mpi_ok else None,
-                             shlex.split(args.bench_args), args.out)
+                             shlex.split(args.bench_args), args.out,
+                             tuple(shlex.split(args.train_args)))
              if s.name in args.selected]
     scale = args.timeout_scale
     report["steps"] = [_record(s, args.python, s.timeout * scale) for s in steps]
@@ -368,6 +374,9 @@ def check(args: argparse.Namespace, report: dict[str, Any], log: TextIO, work: P
                 step = replace(step, argv=(step.argv[0], "--timeout", f"{timeout - 20:.0f}",
                                            *step.argv[1:]))
                 rec["command"] = shlex.join([args.python, *step.argv])
+            if step.name == "train-bench":  # its jobs share what is left of the step's time
+                step = replace(step, argv=(*step.argv, "--timeout", f"{timeout - 20:.0f}"))
+                rec["command"] = shlex.join([args.python, *step.argv])
             print(f"[gpu-check] {step.name}: {step.what} ...", flush=True)
             try:
                 rec.update(run_step(step, args.python, env, timeout, log))
@@ -390,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 when every step that ran passed, 1 when one did not, 2 when none ran."""
     args = parse_args(argv)
     if args.dry_run:
-        for s in plan(Path("<tmp>/kernels_perf.json"), "<mpiexec>", shlex.split(args.bench_args)):
+        for s in plan(Path("<tmp>/kernels_perf.json"), "<mpiexec>", shlex.split(args.bench_args),
+                      args.out, tuple(shlex.split(args.train_args))):
             if s.name in args.selected:
                 print(f"{s.name:<14} needs {'+'.join(s.needs):<16} timeout "
                       f"{s.timeout * args.timeout_scale:>5.0f} s  {s.what}\n"

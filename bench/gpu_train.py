@@ -2,7 +2,7 @@
 
     python bench/gpu_train.py [--models resnet18,vit_s] [--ranks 2] [--batch 64]
         [--steps 20] [--warmup 5] [--json F] [--markdown F] [--profile F] [--baseline DIR]
-        [--traces ZIP]
+        [--baseline-variants V,...] [--traces ZIP]
 
 For each model, one torchrun-style job of ``--ranks`` processes (sharing the GPUs there are,
 gloo between them, as torchrun sets it up) trains the same model on the same synthetic batches
@@ -16,10 +16,11 @@ variants, bit-identical to DDP's own.
 
 ``--baseline DIR`` runs ringcomm's variants that an earlier tree has (uncompressed, Int8, TopK)
 once more with the ringcomm package of DIR (a checkout of an earlier commit), marked "[before]",
-in the same run. ``--profile F`` also profiles a few steps of DDP default and of each ringcomm
-variant with torch.profiler on rank 0 and writes the operator tables to F (where the hook's time
-goes); ``--traces ZIP`` writes the timelines (Chrome traces) of DDP default and of ringcomm's
-uncompressed hook on the first model, from every rank, into one zip file.
+in the same run (``--baseline-variants`` picks fewer). ``--profile F`` also profiles a few
+steps of DDP default and of each ringcomm variant with torch.profiler on rank 0 and writes the
+operator tables to F (where the hook's time goes); ``--traces ZIP`` writes the timelines
+(Chrome traces) of DDP default and of ringcomm's uncompressed hook on the first model, from
+every rank, into one zip file.
 ``--device cpu`` and ``--models mlp`` run the same on CPU (this script's own test). Part of
 bench/gpu_check.py (step ``train-bench``), which reads the ``RESULT`` lines rank 0 prints.
 """
@@ -312,7 +313,8 @@ def launch_all(args: Any) -> int:
     results: list[dict[str, Any]] = []
     ok = True
     base = gpu_check_ddp.launcher_env()
-    before = [v for v in BASELINE_VARIANTS if v in args.variants] if args.baseline else []
+    before = ([v for v in args.baseline_variants if v in args.variants] if args.baseline
+              else [])
     jobs = []  # per model: this tree's variants, then the earlier tree's
     for model in args.models:
         jobs.append((model, [], len(args.variants)))
@@ -382,13 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="file for the profiler's tables")
     p.add_argument("--baseline", default=None,
                    help="a tree whose ringcomm runs the variants it has once more")
+    p.add_argument("--baseline-variants", default=",".join(BASELINE_VARIANTS),
+                   help="which of the variants the --baseline tree runs")
     p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     p.add_argument("--traces", default=None, help="zip file for the Chrome traces")
     p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    args.baseline_variants = [v for v in args.baseline_variants.split(",") if v]
+    unknown = [v for v in args.variants + args.baseline_variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     args.models = [m for m in args.models.split(",") if m]
