@@ -19,7 +19,6 @@ Whether to skip is decided from what every rank reports, so that all ranks take 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +32,6 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core.types import RING, ReduceOp
 
 GPU_TIMEOUT = 300  # the first calls compile CuPy kernels
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _gpus_here() -> int:
@@ -224,12 +222,11 @@ def test_world_size_one_compressed_and_native(self_pair, rng):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(GPU_TIMEOUT)
-def test_benchmark_baseline_is_nccl_allreduce(self_pair, rng, monkeypatch):
-    """bench/nccl_baseline.py: NCCL's allreduce on a transport of its own, made once."""
+def test_benchmark_baseline_is_nccl_allreduce(self_pair, rng):
+    """ringcomm.perf.nccl_baseline: NCCL's allreduce on a transport of its own, made once."""
     import cupy
 
-    monkeypatch.syspath_prepend(str(BENCH))
-    import nccl_baseline
+    from ringcomm.perf import nccl_baseline
 
     x = rng.standard_normal(5000).astype(np.float32)
     dx, y = cupy.asarray(x), cupy.empty(5000, np.float32)
