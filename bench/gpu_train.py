@@ -64,6 +64,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 BASELINE_VARIANTS = ("ringcomm", "ringcomm Int8", "ringcomm TopK(0.01)")
 TRACED = ("DDP default", "ringcomm")  # the timelines --traces writes
 PROFILE_STEPS = 3
+_JOB_START = 2  # what starting a job costs, in variants' time (see launch_all)
 
 
 def emit(kind: str, payload: dict[str, Any]) -> None:
@@ -321,12 +322,14 @@ def launch_all(args: Any) -> int:
         if before:
             jobs.append((model, ["--tree", str(Path(args.baseline).resolve()), "--variants",
                                  ",".join(before)], len(before)))
-    total = sum(expected for _, _, expected in jobs)
-    for model, extra, expected in jobs:  # each job's share of the time, by its variants
+    # Each job's share of the time: by its variants, plus two variants' worth for starting
+    # (a job of one variant, the baseline's, would not start in its share otherwise).
+    total = sum(expected + _JOB_START for _, _, expected in jobs)
+    for model, extra, expected in jobs:
         envs = gpu_check_ddp.torchrun_envs(base, args.ranks)
         codes, texts = gpu_check_ddp.run_processes(
             [[*me, "--model", model, *extra]] * args.ranks, envs,
-            args.timeout * expected / total)
+            args.timeout * (expected + _JOB_START) / total)
         got = [json.loads(line.split(" ", 1)[1]) for line in texts[0].splitlines()
                if line.startswith("RESULT ")]
         ddp = next((r.get("digest") for r in results
