@@ -8,12 +8,6 @@ bucket is one asynchronous download on a side stream of its own (after the point
 reached when the hook was called), the ring runs on the host copy, and one upload brings the
 result back: the GPU goes on with backward meanwhile, as DDP's own gloo allreduce does.
 
-The download is queued where the hook is called (on the thread running backward), so that it
-runs as soon as the bucket is written, while the background thread is still busy with the
-bucket before; an uncompressed bucket is divided by the number of ranks there too, on the GPU
-before the copy (as DDP's own allreduce divides), and the host copies are summed: dividing 25
-MB on one core of the host took milliseconds of each step's critical path.
-
 Compressed buckets keep their codecs on the GPU; their work runs on the same side stream
 (:meth:`HostStaging.side`, for torch and CuPy alike), ordered after backward's by an event
 instead of in lockstep with it on the default stream.
@@ -29,24 +23,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["STAGED_DTYPES", "Download", "HostStaging"]
+__all__ = ["STAGED_DTYPES", "HostStaging"]
 
 #: Dtypes staged whole (NumPy holds them as they are; others take the widening path).
 STAGED_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
-
-
-class Download:
-    """A bucket's copy to its pinned host tensor, queued on the side stream."""
-
-    __slots__ = ("_copied", "host")
-
-    def __init__(self, host: torch.Tensor, copied: Any) -> None:
-        self.host, self._copied = host, copied
-
-    def wait(self) -> torch.Tensor:
-        """The host tensor, once the copy has landed (the GIL released meanwhile)."""
-        self._copied.synchronize()
-        return self.host
 
 
 class HostStaging:
@@ -101,22 +81,16 @@ class HostStaging:
                     stream.cuda_stream, index)
         return ext
 
-    def download(self, key: Any, buffer: torch.Tensor, ready: Any,
-                 divide_by: int = 1) -> Download:
-        """Queue the copy of ``buffer`` into its pinned host tensor on the side stream, once
-        the event ``ready`` (recorded where the bucket was handed over) has passed, after
-        dividing ``buffer`` by ``divide_by`` there when it is not 1; returns at once, with
-        what waits for the copy (:meth:`Download.wait`) on the thread that reduces it."""
+    def download(self, key: Any, buffer: torch.Tensor, ready: Any) -> torch.Tensor:
+        """Copy ``buffer`` into its pinned host tensor once the event ``ready`` (recorded where
+        the bucket was handed over) has passed; return the host tensor, filled."""
         host = self.host(key, buffer)
         stream = self.stream(buffer.device)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            if divide_by != 1:
-                buffer.div_(divide_by)
             host.copy_(buffer.reshape(-1), non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        return Download(host, copied)
+        stream.synchronize()
+        return host
 
     def upload(self, host: torch.Tensor, buffer: torch.Tensor) -> None:
         """Copy the host result back into ``buffer``; complete when this returns."""

@@ -32,7 +32,7 @@ from ringcomm.core import trace
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._residuals import Layout, ResidualLayouts
-from ringcomm.torch._staging import STAGED_DTYPES, Download, HostStaging
+from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
 from ringcomm.torch.compression import ring_of
 from ringcomm.torch.horovod import _basics, _lifecycle
@@ -204,9 +204,8 @@ def _bucket_shapes(bucket: dist.GradBucket, buffer: torch.Tensor) -> tuple[Any, 
 
 def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
                compression: Compression | None, layout: Layout | None,
-               name: str | None, op: str = "avg") -> None:
-    """Average ``array`` (the bucket's, or its host copy) in place over every rank (sum it,
-    with ``op="sum"``, where it was divided already)."""
+               name: str | None) -> None:
+    """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
     feedback = False
     if layout is not None and name is not None:
         feedback = True
@@ -214,7 +213,7 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
         # while they move.
         state._residuals.align(name, layout, array.reshape(-1))
     try:
-        state.comm.allreduce(array, out=array, op=op, compression=compression,
+        state.comm.allreduce(array, out=array, op="avg", compression=compression,
                              feedback=state.feedback if feedback else None, name=name,
                              algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
@@ -239,14 +238,13 @@ def _reduce_on_side(state: RingcommState, buffer: torch.Tensor, ready: Any,
     return buffer
 
 
-def _reduce_staged(state: RingcommState, buffer: torch.Tensor, download: Download,
+def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int,
                    compression: Compression | None, layout: Layout | None,
-                   name: str | None, op: str) -> torch.Tensor:
-    """The bucket through its pinned host copy (``download``, queued by the hook): wait for
-    the copy, reduce it with ``op``, upload."""
+                   name: str | None) -> torch.Tensor:
+    """The bucket through its pinned host copy: download after ``ready``, reduce, upload."""
     with trace.span("HOOK_DOWNLOAD"):
-        host = download.wait()
-    _allreduce(state, host.numpy(), buffer, compression, layout, name, op)
+        host = state._staging.download(index, buffer, ready)
+    _allreduce(state, host.numpy(), buffer, compression, layout, name)
     with trace.span("HOOK_UPLOAD"):
         state._staging.upload(host, buffer)
     return buffer
@@ -289,13 +287,8 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         ready = torch.cuda.Event()  # where backward's stream is now: the bucket is written
         ready.record(torch.cuda.current_stream(buffer.device))
         if state.stages(buffer, compression is not None):
-            # Uncompressed: divided on the GPU before the copy, as DDP's own allreduce does
-            # (the same bits as dividing the sum, barring subnormals), and the copies summed.
-            divide = compression is None and buffer.is_floating_point()
-            download = state._staging.download(bucket.index(), buffer, ready,
-                                               state.comm.size if divide else 1)
-            task = functools.partial(_reduce_staged, state, buffer, download, compression,
-                                     layout, name, "sum" if divide else "avg")
+            task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
+                                     compression, layout, name)
         else:
             task = functools.partial(_reduce_on_side, state, buffer, ready, compression,
                                      layout, name)
