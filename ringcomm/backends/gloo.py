@@ -60,12 +60,12 @@ _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
 # Dense float32/float64 sums and averages larger than the inline slot run as gloo's own
 # allreduce: over gloo, ringcomm's ring pays a torch send and receive per segment, and gloo's
-# allreduce was faster at every size from 16 KiB to 64 MiB (2 ranks on 2 cores, median of
-# 28 alternating calls: 16 KiB 0.42 vs 2.6 ms, 1 MiB 1.1 vs 1.9 ms, 16 MiB 12.9 vs 16.9 ms,
-# 64 MiB 48 vs 71 ms; bench/results/gloo_native/). gloo's allreduce forms each element's sum
-# once and hands it to every rank, so every rank gets the same bits (tests/mpi/
-# test_gloo_native.py holds it to that). 16-bit floats take the ring, which sums them in
-# float32; MIN, MAX and PROD too (NumPy's NaN rules, which gloo's do not follow).
+# allreduce was 1.08-1.24x faster from 256 KiB to 64 MiB and no slower beyond the noise below
+# (2 ranks on 2 cores, median of 30 alternating calls; bench/results/gloo_native/, made with
+# bench/gloo_transport_perf.py). gloo's allreduce forms each element's sum once and hands it
+# to every rank, so every rank gets the same bits (tests/mpi/test_gloo_native.py holds it to
+# that). 16-bit floats take the ring, which sums them in float32; MIN, MAX and PROD too
+# (NumPy's NaN rules, which gloo's do not follow).
 NATIVE_BYTES_ENV = "RINGCOMM_GLOO_ALLREDUCE_BYTES"
 _NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
 _NATIVE_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
