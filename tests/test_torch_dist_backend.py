@@ -277,6 +277,15 @@ for i in range(int(sys.argv[1])):
     assert [t.tolist() for t in got] == [[float(n)] * 2, [float(n * r)]], got
     half = done(fc.all_gather_tensor(torch.full((3,), float(r), dtype=torch.bfloat16), 0, g))
     assert half.tolist() == [float(k) for k in range(n) for _ in range(3)], half  # on gloo
+    got = [done(t) for t in fc.all_gather_into_tensor_coalesced(   # on gloo, as one work
+        [torch.full((2,), float(r), dtype=torch.bfloat16), torch.full((1,), r + 0.5,
+                                                                      dtype=torch.bfloat16)], g)]
+    assert [t.tolist() for t in got] == [[float(k) for k in range(n) for _ in range(2)],
+                                         [k + 0.5 for k in range(n)]], got
+    got = [done(t) for t in fc.reduce_scatter_tensor_coalesced(
+        [torch.ones(2 * n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)], "sum",
+        [0, 0], g)]
+    assert [t.tolist() for t in got] == [[float(n)] * 2, [float(n)]], got
 with open(f"report_{r}.json", "w") as f:
     json.dump({"rank": r, "calls": g.communicator.stats.calls}, f)
 dist.destroy_process_group()

@@ -128,6 +128,37 @@ class _Work(dist._Work):
         return True
 
 
+class _Works(dist._Work):
+    """Several works of the gloo fallback as one: ``wait()`` waits for each (raising the first
+    failed one's error); the future completes with ``result`` once all have, or with the
+    first error. (Nothing here waits inside a future's callback: gloo completes its futures
+    on its own worker thread.)"""
+
+    def __init__(self, works: list[Any], result: Any) -> None:
+        super().__init__()
+        self._works, self._result = works, result
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def get_future(self) -> Future[Any]:
+        result = self._result
+
+        def settled(everyone: Future[list[Future[Any]]]) -> Any:
+            for done in everyone.value():
+                done.value()  # raises a failed collective's error
+            return result
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(settled)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+
 class _Worker:
     """One thread that runs a group's collectives in the order they were queued, so that the
     caller (DDP's autograd thread, say) goes on while they run, as with torch's own backends."""
@@ -383,14 +414,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         reach gloo in the caller's order), as one work."""
         hold(*outputs, *inputs)
         works = [collective(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        if len(works) == 1:
-            return works[0]
-
-        def settled(_: Future[Any]) -> list[torch.Tensor]:
-            for work in works:
-                work.wait()  # raises the first failed collective's error
-            return outputs
-        return _Work(torch.futures.collect_all([w.get_future() for w in works]).then(settled))
+        return works[0] if len(works) == 1 else _Works(works, outputs)
 
     def barrier(self, opts: Any = None) -> Any:
         comm = self._communicator()
