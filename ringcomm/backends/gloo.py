@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ringcomm import ops as _ops
 from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.settings import agree_at_start
+from ringcomm.comm.settings import agree_byte_limit
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -42,7 +42,6 @@ from ringcomm.comm.transport import (
     write_fatal,
 )
 from ringcomm.core import trace
-from ringcomm.core.env import env_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import RING, Array, ReduceOp
 
@@ -206,27 +205,8 @@ class TorchDistTransport(TransportBase):
         self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
                     bool(abort_on_timeout), made_here=made_here)
         #: Dense float sums and averages up to this many bytes run as gloo's own allreduce
-        #: (all of them by default); the same on every rank.
-        self.native_allreduce_bytes = self._agree_native_bytes()
-
-    def _agree_native_bytes(self) -> int:
-        """The native allreduce limit: RINGCOMM_GLOO_ALLREDUCE_BYTES, or no limit, checked to be
-        the same on every rank (ranks that chose different algorithms for one call would wait
-        for each other until the timeout).
-
-        Raises:
-            ArgumentMismatchError: the variable differs between ranks (on every rank).
-            InvalidArgumentError: the variable is not a byte count (on every rank).
-        """
-        try:
-            mine = env_bytes(NATIVE_BYTES_ENV)
-            if mine is None:
-                mine = -1  # no limit
-            problem = None
-        except ValueError as err:
-            mine, problem = 0, err
-        agree_at_start(self, {NATIVE_BYTES_ENV: mine}, problem)
-        return mine
+        #: (all of them by default, -1); the same on every rank.
+        self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
 
     def _setup(self, group: Any, local_rank: int, local_size: int,
                timeout: float, abort_on_timeout: bool, members: list[int] | None = None, *,

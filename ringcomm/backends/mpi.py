@@ -35,7 +35,7 @@ from ringcomm import ops as _ops
 from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_process import cores, import_mpi
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.settings import agree_at_start
+from ringcomm.comm.settings import agree_byte_limit
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -46,7 +46,6 @@ from ringcomm.comm.transport import (
     write_fatal,
 )
 from ringcomm.core import trace
-from ringcomm.core.env import env_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import RING, USER, Array, InvalidArgumentError, ReduceOp
 
@@ -190,30 +189,12 @@ class MPITransport(TransportBase):
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
-            self.native_allreduce_bytes = self._agree_native_bytes()
+            self.native_allreduce_bytes = agree_byte_limit(
+                self, NATIVE_BYTES_ENV, (self.size - 1) * _NATIVE_BYTES_PER_PEER)
         except ValueError:  # refused on every rank: nothing of this transport stays behind
             self.close()
             raise
         self._mpi_ops = {op: getattr(MPI, name) for op, name in _MPI_OPS.items()}
-
-    def _agree_native_bytes(self) -> int:
-        """The native allreduce limit: RINGCOMM_MPI_ALLREDUCE_BYTES or the default, checked to
-        be the same on every rank (ranks that chose different algorithms for one call would
-        wait for each other until the timeout).
-
-        Raises:
-            ArgumentMismatchError: the variable differs between ranks (on every rank).
-            InvalidArgumentError: the variable is not a byte count (on every rank).
-        """
-        try:
-            mine = env_bytes(NATIVE_BYTES_ENV)
-            if mine is None:
-                mine = (self.size - 1) * _NATIVE_BYTES_PER_PEER
-            problem = None
-        except ValueError as err:
-            mine, problem = 0, err
-        agree_at_start(self, {NATIVE_BYTES_ENV: mine}, problem)
-        return mine
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """MPI's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) when it

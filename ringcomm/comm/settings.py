@@ -31,8 +31,8 @@ from ringcomm.core.types import (
     Transport,
 )
 
-__all__ = ["MAX_INLINE_BYTES", "MAX_SEGMENT_BYTES", "Settings", "agree_at_start", "check_bytes",
-           "read"]
+__all__ = ["MAX_INLINE_BYTES", "MAX_SEGMENT_BYTES", "Settings", "agree_at_start",
+           "agree_byte_limit", "check_bytes", "read"]
 
 #: The largest inline slot: it travels with every collective, to every rank.
 MAX_INLINE_BYTES = 1 << 20
@@ -194,6 +194,26 @@ def agree_at_start(t: Transport, settings: dict[str, Any],
             f"init: {parts}. Every rank must be given the same settings (init's options and "
             "their environment variables)", kind="init",
             ranks=tuple(range(len(everyone))), differences=differences)
+
+
+def agree_byte_limit(t: Transport, name: str, default: int) -> int:
+    """A transport's byte limit from the environment variable ``name`` (``default`` when it is
+    unset), checked to be the same on every rank: ranks that chose different algorithms for
+    one call would wait for each other until the timeout (collective over ``t``).
+
+    Raises:
+        ArgumentMismatchError: the variable differs between ranks (on every rank).
+        InvalidArgumentError: the variable is not a byte count (on every rank).
+    """
+    try:
+        mine = env_bytes(name)
+        if mine is None:
+            mine = default
+        problem = None
+    except ValueError as err:
+        mine, problem = 0, err
+    agree_at_start(t, {name: mine}, problem)
+    return mine
 
 
 def _raise_problems(problems: list[tuple[str, str] | None]) -> None:
