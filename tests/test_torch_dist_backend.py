@@ -98,6 +98,15 @@ if backend == "ringcomm":
         report["reduce_scatter_bad_output"] = o.tolist()
     except ValueError as err:
         report["reduce_scatter_bad_output"] = str(err)
+    o = torch.empty(2)  # the list form: rank r's output sums every rank's r-th input
+    dist.reduce_scatter(o, [torch.full((2,), float(q + 10 * r)) for q in range(n)])
+    assert o.tolist() == [float(r * n + 10 * sum(range(n)))] * 2, o
+    pieces = [torch.ones(3), torch.ones(1)] if r == 0 else [torch.ones(2), torch.ones(2)]
+    try:  # the same total, pieces of another size on rank 0: it raises, nobody waits
+        dist.reduce_scatter(torch.empty(2), pieces)
+        report["reduce_scatter_bad_piece"] = "ok"
+    except ValueError as err:
+        report["reduce_scatter_bad_piece"] = str(err)
     dist.barrier()
     comm = dist.group.WORLD.communicator
     report["communicator"] = comm.backend
@@ -190,6 +199,9 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
         assert row["reduce_scatter_bad_output"] == (
             "reduce_scatter_tensor: the input has 4 elements, expected 6 (the output's 3 "
             "times the group's 2 ranks)" if row["rank"] == 0 else [4.0, 6.0]), row
+        assert row["reduce_scatter_bad_piece"] == (
+            "reduce_scatter: input list 0's tensor for rank 0 has 3 elements, its output 2"
+            if row["rank"] == 0 else "ok"), row
         # DDP's broadcast of the parameters and its bucket allreduces went through ringcomm.
         assert row["calls_after_ddp"] >= row["calls"] + 6, row
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.

@@ -368,6 +368,32 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._reduce_scatter(outputs, inputs, opts, "reduce_scatter_tensor")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # before torch 2.12
+
+    def reduce_scatter(self, outputs: list[torch.Tensor],
+                       input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        pieces = [t for ts in input_lists for t in ts]
+        if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
+            hold(*outputs, *pieces)
+            return self._gloo.reduce_scatter(outputs, input_lists,
+                                             opts if opts is not None
+                                             else dist.ReduceScatterOptions())
+        # One input per rank, each of its output's size: a piece of another size on one rank
+        # raises there after the collective (the others are not left waiting in it).
+        wrong = [f"input list {i}'s tensor for rank {r} has {t.numel()} elements, its output "
+                 f"{o.numel()}"
+                 for i, (o, ts) in enumerate(zip(outputs, input_lists, strict=True))
+                 for r, t in enumerate(ts) if t.numel() != o.numel()]
+        flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in input_lists]
+        return self._reduce_scatter(outputs, flat, opts, "reduce_scatter",
+                                    wrong[0] if wrong else None)
+
+    def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                        opts: Any, what: str, wrong: str | None = None) -> Any:
+        """Reduce-scatter each of ``inputs`` into its output; ``wrong``: an error of this
+        rank's arguments, raised here once the collective has run."""
         comm = self._communicator()
         if opts is None:
             opts = dist.ReduceScatterOptions()
@@ -377,35 +403,24 @@ class RingcommProcessGroup(dist.ProcessGroup):
         size = self.size()
 
         def run() -> list[torch.Tensor]:
+            # Every collective runs first (its agreement raises on every rank where the
+            # inputs differ), so that an output of the wrong size on one rank raises there
+            # instead of leaving the other ranks waiting in the collective.
+            problem = wrong
             for output, input in zip(outputs, inputs, strict=True):
-                # The collective runs first (its agreement raises on every rank where the
-                # inputs differ), so that an output of the wrong size on one rank raises there
-                # instead of leaving the other ranks waiting in the collective.
                 with _refusing_ops("reduce_scatter"):
                     chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
                 if input.numel() != output.numel() * size:
-                    raise ValueError(
-                        f"reduce_scatter_tensor: the input has {input.numel()} elements, "
-                        f"expected {output.numel() * size} (the output's {output.numel()} "
-                        f"times the group's {size} ranks)")
-                output.copy_(torch.from_numpy(chunk).view(output.shape))
+                    problem = problem or (
+                        f"the input has {input.numel()} elements, expected "
+                        f"{output.numel() * size} (the output's {output.numel()} times the "
+                        f"group's {size} ranks)")
+                elif problem is None:
+                    output.copy_(torch.from_numpy(chunk).view(output.shape))
+            if problem is not None:
+                raise ValueError(f"{what}: {problem}")
             return outputs
         return self._submit(run)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # before torch 2.12
-
-    def reduce_scatter(self, outputs: list[torch.Tensor],
-                       input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        if opts is None:
-            opts = dist.ReduceScatterOptions()
-        if (self._communicator() is None
-                or not all(_plain(t) for t in (*outputs, *(t for ts in input_lists for t in ts)))
-                or any(t.shape != out.shape for out, ts in zip(outputs, input_lists, strict=True)
-                       for t in ts)):
-            hold(*outputs, *(t for ts in input_lists for t in ts))
-            return self._gloo.reduce_scatter(outputs, input_lists, opts)
-        flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in input_lists]
-        return self.reduce_scatter_single_coalesced(outputs, flat, opts)
 
     def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
                  inputs: list[torch.Tensor], opts: Any) -> Any:
