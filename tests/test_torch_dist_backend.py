@@ -98,6 +98,14 @@ if backend == "ringcomm":
         report["reduce_scatter_bad_output"] = o.tolist()
     except ValueError as err:
         report["reduce_scatter_bad_output"] = str(err)
+    try:  # an output of the wrong size on rank 0, coalesced with a good one: no hang
+        outs = [torch.empty(2 * n + (1 if r == 0 else 0)), torch.empty(n)]
+        with dist._coalescing_manager():
+            for out, x in zip(outs, (torch.ones(2), torch.ones(1))):
+                dist.all_gather_into_tensor(out, x)
+        report["all_gather_bad_output"] = outs[1].tolist()
+    except (ValueError, RuntimeError) as err:
+        report["all_gather_bad_output"] = str(err)
     o = torch.empty(2)  # the list form: rank r's output sums every rank's r-th input
     dist.reduce_scatter(o, [torch.full((2,), float(q + 10 * r)) for q in range(n)])
     assert o.tolist() == [float(r * n + 10 * sum(range(n)))] * 2, o
@@ -199,6 +207,9 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
         assert row["reduce_scatter_bad_output"] == (
             "reduce_scatter_tensor: the input has 4 elements, expected 6 (the output's 3 "
             "times the group's 2 ranks)" if row["rank"] == 0 else [4.0, 6.0]), row
+        assert row["all_gather_bad_output"] == (
+            "all_gather_into_tensor: the output has 5 elements, expected 4 (the input's 2 "
+            "times the group's 2 ranks)" if row["rank"] == 0 else [1.0, 1.0]), row
         assert row["reduce_scatter_bad_piece"] == (
             "reduce_scatter: input list 0's tensor for rank 0 has 3 elements, its output 2"
             if row["rank"] == 0 else "ok"), row

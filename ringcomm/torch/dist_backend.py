@@ -341,10 +341,22 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if comm is None or not all(_plain(t) for t in inputs):
             return self._on_gloo(self._gloo._allgather_base, outputs, inputs, opts)
 
+        size = self.size()
+
         def run() -> list[torch.Tensor]:
+            # Every collective runs before an output of the wrong size raises on its rank.
+            problem = None
             for output, input in zip(outputs, inputs, strict=True):
                 gathered = comm.allgather(as_array(input).reshape(1, -1))
-                output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
+                if output.numel() != gathered.size:
+                    problem = problem or (
+                        f"all_gather_into_tensor: the output has {output.numel()} elements, "
+                        f"expected {gathered.size} (the input's {input.numel()} times the "
+                        f"group's {size} ranks)")
+                elif problem is None:
+                    output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
+            if problem is not None:
+                raise ValueError(problem)
             return outputs
         return self._submit(run)
 
