@@ -318,9 +318,7 @@ class NCCLTransport(TransportBase):
         """
         if x.size:
             self._reduce("ncclAllReduce", x, out, x.size, op)
-        # Counted as NCCL's ring moves it: 2 (n - 1) / n of the array each way.
-        moved = 2 * (self.size - 1) * x.nbytes // self.size
-        self.stats.add(moved, moved)
+        self.count_native(x.nbytes)  # as NCCL's ring moves it
         return True
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:

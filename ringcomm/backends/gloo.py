@@ -291,8 +291,7 @@ class TorchDistTransport(TransportBase):
             self.bounded("allreduce", None, dist.all_reduce, tensor, group=self._group)
         if average:
             _ops.get(out).divide(out, self.size, out)
-        moved = 2 * (self.size - 1) * x.nbytes // self.size  # what the ring would move
-        self.stats.add(moved, moved)
+        self.count_native(x.nbytes)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,

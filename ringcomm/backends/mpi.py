@@ -213,19 +213,13 @@ class MPITransport(TransportBase):
             self._wait_one(self._ctl.Iallreduce(send, out, op=self._mpi_ops[op]), "allreduce")
         if op is ReduceOp.AVG:
             _ops.get(out).divide(out, self.size, out)
-        moved = self._native_volume(x.nbytes)
-        self.stats.add(moved, moved)
+        self.count_native(x.nbytes)
         return True
 
     def _reduces_natively(self, dtype: np.dtype, nbytes: int) -> bool:
         """Whether MPI's own allreduce takes a host array of ``dtype`` and ``nbytes``."""
         return (nbytes <= self.native_allreduce_bytes and dtype in _NATIVE_DTYPES
                 and dtype.isnative)
-
-    def _native_volume(self, nbytes: int) -> int:
-        """The bytes a native allreduce counts each way: what the ring would move, 2 (n - 1)
-        / n of the array."""
-        return 2 * (self.size - 1) * nbytes // self.size
 
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
                                  ) -> Callable[[np.ndarray, np.ndarray], None] | None:
@@ -236,7 +230,7 @@ class MPITransport(TransportBase):
         iallreduce, mpi_op, in_place = self._ctl.Iallreduce, self._mpi_ops[op], self._MPI.IN_PLACE
         wait_one, stats, size = self._wait_one, self.stats, self.size
         divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
-        moved = self._native_volume(nbytes)
+        moved = self.native_volume(nbytes)  # once, not per call
 
         def allreduce(x: np.ndarray, out: np.ndarray) -> None:
             with trace.span("MPI_ALLREDUCE"):

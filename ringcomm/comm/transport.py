@@ -173,6 +173,16 @@ class TransportBase:
         """Drop every scratch buffer (they are made again on demand)."""
         self._buffers.clear()
 
+    def native_volume(self, nbytes: int) -> int:
+        """The bytes a native allreduce of ``nbytes`` counts each way: what the ring would
+        move, 2 (n - 1) / n of the array."""
+        return 2 * (self.size - 1) * nbytes // self.size
+
+    def count_native(self, nbytes: int) -> None:
+        """Count a native allreduce of ``nbytes`` in ``stats`` (see ``native_volume``)."""
+        moved = self.native_volume(nbytes)
+        self.stats.add(moved, moved)
+
     def check_arrays(self, *arrays: Array) -> None:
         """Accept every array kind (NumPy and CuPy); backends that cannot, override."""
         return None
