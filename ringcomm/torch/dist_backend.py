@@ -8,15 +8,20 @@ FSDP and every framework built on torch.distributed can use ringcomm's ring with
     model = torch.nn.parallel.DistributedDataParallel(net)
 
 The process group (:class:`RingcommProcessGroup`) runs allreduce (sum, avg, min, max,
-product), broadcast, allgather (list and tensor forms), reduce-scatter (tensor form) and
-barrier through a ringcomm communicator over the job's processes: MPI under an MPI launcher,
-a gloo group of its own under torchrun (``ringcomm.init``'s choice). Results are exact and
-bit-identical on every rank (no compression here: compression stays opt-in, through the DDP
-hook). A reduce op ringcomm does not have (BAND, BOR, BXOR, PREMUL_SUM) raises the same
-ValueError on every rank, naming the op and the backend. Every other collective (send/recv,
-all_to_all, gather, scatter, reduce, the coalesced forms) runs on a gloo process group over
-the same store, registered as this group's backend for CPU tensors: correct, though not
-ringcomm's ring.
+product), broadcast, allgather (list and tensor forms), reduce-scatter (list and tensor
+forms), the coalesced forms of allreduce, allgather and reduce-scatter, and barrier through a
+ringcomm communicator over the job's processes: MPI under an MPI launcher, a gloo group of its
+own under torchrun (``ringcomm.init``'s choice). Results are exact and bit-identical on every
+rank (no compression here: compression stays opt-in, through the DDP hook). A reduce op
+ringcomm does not have (BAND, BOR, BXOR, PREMUL_SUM) raises the same ValueError on every rank,
+naming the op and the backend. Every other collective (send/recv, all_to_all, gather,
+scatter, reduce) runs on a gloo process group over the same store, registered as this group's
+backend for CPU tensors: correct, though not ringcomm's ring.
+
+The group defines every collective that PyTorch's C++ trampoline for Python groups forwards:
+for a method the group lacked, the trampoline would call the gloo backend while holding the
+GIL, which deadlocks with gloo's worker thread (it takes the GIL to release a finished
+collective's tensors while holding its queue's lock).
 
 The collectives run on one thread per group, in the order they were called (the same on every
 rank), and return at once with a work object, so that DDP overlaps its bucket allreduces with
