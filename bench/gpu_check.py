@@ -93,7 +93,7 @@ def plan(bench_json: Path, mpiexec: str | None, bench_args: list[str],
              "bench"),
         Step("train-bench", "training step time: DDP default, PyTorch's hooks, ringcomm's "
              "(ResNet-18, ViT-S/16; 2 ranks under torchrun through ringcomm.torch.init())",
-             ("bench/gpu_train.py", "--timeout", "400", "--markdown", str(out / "gpu_train.md"),
+             ("bench/gpu_train.py", "--markdown", str(out / "gpu_train.md"),
               "--json", str(out / "gpu_train.json"), "--profile",
               str(out / "gpu_train_profile.txt"), "--traces", str(out / "gpu_train_traces.zip"),
               *train_args),
@@ -374,7 +374,7 @@ def check(args: argparse.Namespace, report: dict[str, Any], log: TextIO, work: P
                 step = replace(step, argv=(step.argv[0], "--timeout", f"{timeout - 20:.0f}",
                                            *step.argv[1:]))
                 rec["command"] = shlex.join([args.python, *step.argv])
-            if step.name == "train-bench":  # its jobs share what is left of the step's time
+            if step.name == "train-bench":  # its jobs share the step's time, less a margin
                 step = replace(step, argv=(*step.argv, "--timeout", f"{timeout - 20:.0f}"))
                 rec["command"] = shlex.join([args.python, *step.argv])
             print(f"[gpu-check] {step.name}: {step.what} ...", flush=True)
