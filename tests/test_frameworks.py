@@ -16,10 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+from exit_checks import check_exit
 
 torch = pytest.importorskip("torch")
 
@@ -185,13 +185,8 @@ def _env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, *,
          gloo_baseline: bool = False) -> subprocess.CompletedProcess[str]:
     """Run a launcher to its end (180 s at most, then its whole process group is killed); it
-    must end well, every process included (an abort at exit fails the test).
-
-    ``gloo_baseline``: a job whose process group is PyTorch's own gloo backend, where gloo's
-    threads dropped PyTorch's tensors during the interpreter's finalization now and then, and
-    a process aborted at exit after its work (``terminate called without an active
-    exception``) before ringcomm's exit pause (gloo_held): should it happen again, it is
-    reported as a warning, as the abort is PyTorch's; the caller checks the work."""
+    must end well, every process included (an abort at exit fails the test);
+    ``gloo_baseline``: a job on PyTorch's own gloo backend (see exit_checks)."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -200,12 +195,8 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, *,
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{cmd[:4]} timed out\n{out[-3000:]}\n{err[-3000:]}")
-    if gloo_baseline and proc.returncode != 0 and \
-            "terminate called without an active exception" in out + err:
-        warnings.warn(f"{cmd[:4]}: a process of PyTorch's gloo backend aborted at exit after "
-                      f"its work was done", stacklevel=2)
-    else:
-        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    check_exit(proc.returncode, out + err, str(cmd[:4]),
+               gloo_baseline=gloo_baseline)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+from exit_checks import check_exit
 
 JOB = r'''
 import hashlib, json, sys
@@ -168,21 +168,11 @@ def _check_exit(proc: subprocess.CompletedProcess[str], reports: list[dict], wha
                 gloo_baseline: bool = False) -> None:
     """The job ended well, every rank having written its report: a process that aborts at
     exit after its work is done (as one on this backend did, now and then, before gloo_held)
-    fails it.
-
-    ``gloo_baseline``: the same job on PyTorch's own gloo backend, where gloo's threads drop
-    tensors of PyTorch's during the interpreter's finalization as they did ringcomm's, and a
-    process aborted now and then at exit (``terminate called without an active exception``)
-    after its work, before ringcomm's exit pause (gloo_held): should it happen again, it is
-    reported as a warning, as the abort is PyTorch's; the work is checked."""
+    fails it; ``gloo_baseline``: the same job on PyTorch's own gloo backend (see
+    exit_checks)."""
     out = proc.stdout[-3000:] + proc.stderr[-4000:]
     assert [row["rank"] for row in reports] == [0, 1], f"{what}\n{out}"
-    if gloo_baseline and proc.returncode != 0 and "terminate called without an active " \
-            "exception" in proc.stdout + proc.stderr:
-        warnings.warn(f"{what}: a process of PyTorch's gloo backend aborted at exit after "
-                      f"its work was done", stacklevel=2)
-        return
-    assert proc.returncode == 0, f"{what}\n{out}"
+    check_exit(proc.returncode, proc.stdout + proc.stderr, what, gloo_baseline=gloo_baseline)
 
 
 @pytest.mark.slow
