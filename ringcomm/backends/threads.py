@@ -202,6 +202,28 @@ class _Exchange:
         dst[...] = msg
 
 
+class _SizedExchange:
+    """Each rank's first ``nbytes`` of ``send`` into the start of its row of every rank's
+    ``recv``; the rest of a row keeps what was there (see core.types.Exchange)."""
+
+    sized = True
+
+    def __init__(self, t: ThreadTransport, row_bytes: int) -> None:
+        self._t = t
+        self.recv = np.zeros((t.size, row_bytes), np.uint8)
+        self.send = self.recv[t.rank]
+
+    def __call__(self, nbytes: int) -> None:
+        if not 0 < nbytes <= self.send.nbytes:
+            raise ValueError(f"an exchange sends 1 to {self.send.nbytes} bytes, got {nbytes}")
+        parts = self._t._exchange("agreement exchange", self.send[:nbytes].copy())
+        for row, part in zip(self.recv, parts, strict=True):
+            row[:part.size] = part
+
+    def moved(self, nbytes: int) -> int:
+        return nbytes * (self._t.size - 1)
+
+
 class ThreadTransport(TransportBase):
     """The Transport of one rank of a :class:`ThreadWorld` (NumPy arrays only).
 
@@ -246,6 +268,10 @@ class ThreadTransport(TransportBase):
             raise ValueError(f"allgather_fixed: ranks sent {sizes} bytes into a receive "
                              f"buffer of {out.size}")
         out[...] = np.concatenate(parts)
+
+    def prepare_exchange(self, row_bytes: int) -> _SizedExchange:
+        """The agreement's exchange with each rank's own length, as MPI's (``sized``)."""
+        return _SizedExchange(self, row_bytes)
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""

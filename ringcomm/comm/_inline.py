@@ -1,9 +1,9 @@
 """Small allreduces that finish within the agreement exchange.
 
-A dense array of at most ``comm.inline_bytes`` rides in the same allgather as the call's header
+A dense array of at most ``comm.inline_bytes`` rides in the same exchange as the call's header
 (:mod:`ringcomm.comm.agree`): every rank receives every rank's array and reduces them in rank
 order, so all ranks compute the same bits, in one exchange. An :class:`InlinePlan` prepares a
-repeated call (every training step) so that it costs a copy in, the allgather and a reduction.
+repeated call (every training step) so that it costs a copy in, the exchange and a reduction.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm._prepared import PreparedCall
-from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
+from ringcomm.comm.agree import Agreement, CallSpec, host_bytes
 from ringcomm.core.types import Array, ReduceOp
 
 __all__ = ["InlinePlan", "allreduce_inline"]
@@ -25,7 +25,7 @@ def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array 
     """Allreduce an array of at most ``inline_bytes`` within the agreement exchange.
 
     Every rank receives every rank's array and reduces them in rank order, so all ranks
-    compute the same bits; latency is one allgather. The small-message path, kept lean.
+    compute the same bits; latency is one exchange. The small-message path, kept lean.
     """
     t = agreement.transport
     if spec.error is not None and not agreement.check:
@@ -49,24 +49,24 @@ class InlinePlan(PreparedCall):
     """A small host allreduce seen before, prepared for its repeats (every training step).
 
     Holds the call's header and views of the exchange buffers (where the array goes, every
-    rank's received header and inlined row), so a repeat costs one copy in, one allgather, a
+    rank's received header and inlined row), so a repeat costs one copy in, one exchange, a
     comparison per rank and one reduction. A repeat with other arguments on another rank
     still fails the header comparison and raises the full error.
     """
 
-    __slots__ = ("dtype", "nbytes", "op", "pair", "rows", "shape", "ufunc")
+    __slots__ = ("dtype", "nbytes", "op", "pair", "pair_new", "rows", "shape", "ufunc")
 
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
-        super().__init__(agreement, spec)
+        super().__init__(agreement, spec, x)
         self.op = op
         t = agreement.transport
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
         self.rows = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)
-        if self.nbytes:
-            self.data = self.buffers.view[HEADER_BYTES:HEADER_BYTES + self.nbytes]
         # The two rows of a 2-rank job, reduced with one ufunc call.
         self.pair = tuple(self.rows) if t.size == 2 and self._direct(x.dtype, op) else None
+        # ... straight into a new result, where it needs no reshaping.
+        self.pair_new = self.pair if x.ndim == 1 else None
         self.ufunc = _UFUNCS[op]
 
     @staticmethod
@@ -87,6 +87,9 @@ class InlinePlan(PreparedCall):
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         self.exchange(x)
+        if out is None and self.pair_new is not None:
+            first, second = self.pair_new
+            return self.ufunc(first, second)
         result = np.empty(self.shape, self.dtype) if out is None else out
         if self.nbytes:
             pair = self.pair

@@ -3,8 +3,8 @@
 A training step reduces the same small and medium tensors every time. The first call is
 checked in full (:mod:`ringcomm.comm._allreduce`); its repeats run a prepared call that holds
 the call's header and views of the agreement's buffers, so a repeat costs the header exchange
-(one prepared allgather, compared against the other ranks' headers), the data's movement and
-nothing else. Two kinds:
+(the transport's prepared exchange, compared against the other ranks' headers), the data's
+movement and nothing else. Two kinds:
 
 - :class:`~ringcomm.comm._inline.InlinePlan`: arrays of at most ``inline_bytes`` ride in the
   header exchange itself;
@@ -32,30 +32,36 @@ class PreparedCall:
     """The header half of a prepared call: its header, and views of the exchange buffers.
 
     Args:
-        agreement: the communicator's agreement (its prepared allgather and buffers).
+        agreement: the communicator's agreement (its exchange and buffers).
         spec: the call's checked spec, as the full path agreed on it the first time.
+        inline: an array like those that ride in the exchange with the header (None: none).
     """
 
-    __slots__ = ("agreement", "allgather", "buffers", "data", "header", "heads", "spec",
+    __slots__ = ("agreement", "buffers", "data", "header", "heads", "message", "send", "spec",
                  "stats", "threads", "volume")
 
-    def __init__(self, agreement: Agreement, spec: CallSpec) -> None:
+    def __init__(self, agreement: Agreement, spec: CallSpec,
+                 inline: np.ndarray | None = None) -> None:
         self.agreement, self.spec = agreement, spec
         self.threads = agreement.threads
         t = agreement.transport
         self.stats = t.stats
         self.header = spec.header(agreement.segment_bytes)
         self.buffers = agreement.exchange_buffers()
-        self.allgather = self.buffers.allgather
-        self.volume = self.buffers.send.nbytes * (t.size - 1)
+        self.send = self.buffers.exchange
+        #: This rank's message: the header, and the array where it rides along.
+        self.message = HEADER_BYTES + (0 if inline is None else inline.nbytes)
+        self.volume = self.send.moved(self.message)
         # Views made once, as each costs a few hundred ns on a path of a few microseconds:
         # the other ranks' received headers (this rank's is the one it sent).
         recv = self.buffers.recv
         received = recv.data.cast("B")
         self.heads = [received[r * recv.shape[1]: r * recv.shape[1] + HEADER_BYTES]
                       for r in range(t.size) if r != t.rank]
-        #: Where an array riding in the exchange goes (set by the plans that inline one).
-        self.data: memoryview | None = None
+        #: Where an array riding in the exchange goes: a view of its dtype and shape.
+        self.data = None if inline is None or not inline.nbytes else (
+            self.buffers.send[HEADER_BYTES:self.message].view(inline.dtype)
+            .reshape(inline.shape))
 
     def exchange(self, x: np.ndarray) -> None:
         """Exchange the call's header (and ``x``'s bytes, where this plan inlines them),
@@ -69,8 +75,8 @@ class PreparedCall:
         view = self.buffers.view
         view[:HEADER_BYTES] = self.header
         if self.data is not None:
-            self.data[:] = x.data.cast("B")
-        self.allgather()
+            self.data[...] = x
+        self.send(self.message)
         stats = self.stats
         stats.bytes_sent += self.volume
         stats.bytes_received += self.volume

@@ -1,19 +1,20 @@
 """Cross-rank agreement on a collective's arguments, before any data moves.
 
-Every collective starts with one fixed-size allgather of a small header per rank: what the call
-is, the kind of array (host or device: on the NCCL backend they take different paths), the
-dtype, shape, op, root, compression and name, and whether the arguments were valid on that
-rank. If any rank's arguments were invalid or the headers disagree, every rank raises the same
-error naming what differs, and the communicator stays usable. Arrays of up to
-``comm.inline_bytes`` (``INLINE_BYTES`` by default) ride in the same message, so a small
-allreduce is complete after this one exchange (:mod:`ringcomm.comm._inline`); that slot is
-sent with every collective.
+Every collective starts with one exchange of a small header per rank: what the call is, the
+kind of array (host or device: on the NCCL backend they take different paths), the dtype,
+shape, op, root, compression and name, and whether the arguments were valid on that rank. If
+any rank's arguments were invalid or the headers disagree, every rank raises the same error
+naming what differs, and the communicator stays usable. Arrays of up to ``comm.inline_bytes``
+ride in the same message, so a small allreduce is complete after this one exchange
+(:mod:`ringcomm.comm._inline`). The exchange is the transport's
+(:class:`~ringcomm.core.types.Exchange`): over MPI each rank sends its own length (a header
+alone is 96 bytes); elsewhere it is a fixed-size allgather whose slot travels with every
+collective.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -25,6 +26,7 @@ from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     SUPPORTED_DTYPES,
     Array,
+    Exchange,
     ReduceOp,
     Transport,
     check_dtype,
@@ -159,12 +161,12 @@ class CallSpec:
 
 
 class ExchangeBuffers(NamedTuple):
-    """The exchange's host buffers and the allgather prepared on them."""
+    """The exchange's host buffers and the transport's exchange of them."""
 
     send: np.ndarray  #: this rank's header and inlined array
     recv: np.ndarray  #: every rank's, one row each
     view: memoryview  #: of ``send``, for cheap byte copies
-    allgather: Callable[[], None]  #: ``allgather_fixed(send, recv)``, prepared
+    exchange: Exchange  #: called with the length of this rank's message
 
 
 class Agreement:
@@ -173,7 +175,7 @@ class Agreement:
     Args:
         transport: what the headers travel over.
         check: compare the headers across ranks (the consistency check).
-        inline_bytes: size of the inline slot sent with every header.
+        inline_bytes: the largest array that rides with the header.
         segment_bytes: the ring segment size, part of every header.
     """
 
@@ -225,15 +227,13 @@ class Agreement:
         return np.ascontiguousarray(recv[:, :HEADER_BYTES]).view(np.int64)
 
     def exchange_buffers(self) -> ExchangeBuffers:
-        """The host buffers of the exchange, reused by every call, with the allgather
-        prepared on them (made by the first exchange, at the same call on every rank)."""
+        """The host buffers of the exchange, reused by every call, with the transport's
+        exchange of them (made by the first exchange, at the same call on every rank)."""
         bufs = self._buffers.get("exchange")
         if bufs is None:
-            nbytes = HEADER_BYTES + self.inline_bytes
-            send = np.zeros(nbytes, np.uint8)
-            recv = np.empty((self.transport.size, nbytes), np.uint8)
+            exchange = self.transport.prepare_exchange(HEADER_BYTES + self.inline_bytes)
             bufs = self._buffers["exchange"] = ExchangeBuffers(
-                send, recv, send.data, self.transport.prepare_allgather(send, recv))
+                exchange.send, exchange.recv, exchange.send.data, exchange)
         return bufs
 
     def inline_rows(self, recv: np.ndarray, dtype: np.dtype, size: int) -> np.ndarray:
@@ -250,20 +250,22 @@ class Agreement:
         self._buffers.clear()
 
     def exchange(self, spec: CallSpec, inline: Any | None = None) -> np.ndarray:
-        """One fixed-size allgather of every rank's header (and inlined array); with the check
-        on, raise on every rank if the headers disagree."""
+        """One exchange of every rank's header (and inlined array); with the check on, raise
+        on every rank if the headers disagree."""
         t = self.transport
         if self.check and spec.error is None:
             twins = self.threads.conflict(spec.caller)
             if twins is not None:
                 spec = spec.with_error(twins)
-        send, recv, view, allgather = self.exchange_buffers()
+        _, recv, view, exchange = self.exchange_buffers()
         header = spec.header(self.segment_bytes)
         view[:HEADER_BYTES] = header
+        nbytes = HEADER_BYTES
         if inline is not None:
-            view[HEADER_BYTES:HEADER_BYTES + inline.nbytes] = host_bytes(inline)
-        allgather()
-        stats, volume = t.stats, send.nbytes * (t.size - 1)
+            nbytes += inline.nbytes
+            view[HEADER_BYTES:nbytes] = host_bytes(inline)
+        exchange(nbytes)
+        stats, volume = t.stats, exchange.moved(nbytes)
         stats.bytes_sent += volume
         stats.bytes_received += volume
         if self.check and (spec.error is not None

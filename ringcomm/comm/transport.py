@@ -23,14 +23,15 @@ from ringcomm.core.types import (
     Array,
     CollectiveTimeoutError,
     CommStats,
+    Exchange,
     InvalidArgumentError,
     InvalidTypeError,
     ReduceOp,
     Transport,
 )
 
-__all__ = ["TransportBase", "adopt_ranks", "agree_split", "check_split", "check_timeout",
-           "split_members", "timeout_error", "write_fatal"]
+__all__ = ["FixedExchange", "TransportBase", "adopt_ranks", "agree_split", "check_split",
+           "check_timeout", "split_members", "timeout_error", "write_fatal"]
 
 _C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
 
@@ -103,6 +104,27 @@ def write_fatal(error: Exception, action: str) -> None:
     sys.stdout.flush()
     sys.stderr.write(f"ringcomm: {type(error).__name__}: {error}. {action}\n")
     sys.stderr.flush()
+
+
+class FixedExchange:
+    """The agreement's exchange as one prepared fixed-size allgather (``sized`` False): every
+    rank sends its whole ``send`` buffer, whatever the length of its message, so that the
+    collective's sizes match on every rank (see :class:`~ringcomm.core.types.Exchange`)."""
+
+    sized = False
+
+    def __init__(self, t: TransportBase, row_bytes: int) -> None:
+        self.send = np.zeros(row_bytes, np.uint8)
+        self.recv = np.zeros((t.size, row_bytes), np.uint8)
+        self._allgather = t.prepare_allgather(self.send, self.recv)
+        self._moved = row_bytes * (t.size - 1)
+
+    def __call__(self, nbytes: int) -> None:
+        self._allgather()
+
+    def moved(self, nbytes: int) -> int:
+        """The whole row to each other rank, whatever ``nbytes`` says."""
+        return self._moved
 
 
 class TransportBase:
@@ -203,6 +225,11 @@ class TransportBase:
     def prepare_allgather(self, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]:
         """``allgather_fixed`` of these buffers, called as it is (no persistent form here)."""
         return functools.partial(self.allgather_fixed, send, recv)
+
+    def prepare_exchange(self, row_bytes: int) -> Exchange:
+        """The agreement's exchange as a prepared fixed-size allgather of ``row_bytes`` per
+        rank: every call moves the whole row, whatever its message's length."""
+        return FixedExchange(self, row_bytes)
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """No native allreduce: the ring runs."""

@@ -25,6 +25,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommStats",
     "DtypeMismatchError",
+    "Exchange",
     "InvalidArgumentError",
     "InvalidTypeError",
     "OpSpec",
@@ -210,6 +211,27 @@ class Request(Protocol):
 RING, USER = 0, 1
 
 
+class Exchange(Protocol):
+    """Every rank's message to every rank, the per-call exchange of the agreement.
+
+    ``recv`` holds one row per rank; ``send`` is this rank's message (``row_bytes`` long, and
+    perhaps this rank's row of ``recv`` itself). Calling the exchange with ``nbytes`` sends the
+    first ``nbytes`` of ``send`` to every rank and waits, within the transport's timeout, until
+    every rank's message is in the start of its row (collective). With ``sized``, ranks may
+    send different lengths and each row past its rank's message keeps older bytes; without
+    it, the whole of ``send`` travels whatever ``nbytes`` says (one fixed-size allgather).
+    """
+
+    send: np.ndarray
+    recv: np.ndarray
+    sized: bool
+
+    def __call__(self, nbytes: int) -> None: ...
+
+    def moved(self, nbytes: int) -> int:
+        """Bytes one call with ``nbytes`` sends (and receives) on this rank."""
+
+
 class Transport(Protocol):
     """What the algorithms (ring, compressed rings, agreement) need from a backend.
 
@@ -291,6 +313,11 @@ class Transport(Protocol):
         """``allgather_fixed(send, recv)`` prepared for repeated calls on the same buffers:
         each call of the result runs it (collective). Prepare it at the same point of the
         call sequence on every rank (a persistent collective's setup counts as one)."""
+
+    def prepare_exchange(self, row_bytes: int) -> Exchange:
+        """The agreement's exchange of messages of up to ``row_bytes`` (see :class:`Exchange`),
+        made at the same point of the call sequence on every rank. By default a prepared
+        fixed-size allgather (``sized`` False); MPI sends each rank's own length."""
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         """Gather 1-d ``x`` from every rank into ``out``, rank r's part holding counts[r]."""
