@@ -48,7 +48,7 @@ test-unit: $(VENV)/.test
 test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py \
-		tests/mpi/test_allreduce_native.py
+		tests/mpi/test_allreduce_native.py tests/mpi/test_exchange.py
 
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
 # then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched;

@@ -97,8 +97,8 @@ _NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", 
 # 4.6 us with both copies against 5.3 us for MPI_Iallreduce, 32 KiB 16.2 against 16.3,
 # 128 KiB 43.8 against 40.5 (the copies then cost more than the set-up saved). The same
 # algorithm as MPI_Iallreduce's: bit-identical results (tests/mpi/test_allreduce_native.py).
-# At most _PERSISTENT_KEPT of them (prepared allgathers included) per transport, each
-# holding its buffer until close; later plans take MPI_Iallreduce.
+# At most _PERSISTENT_KEPT of them per transport, each holding its buffer until close; other
+# sizes take MPI_Iallreduce.
 _PERSISTENT_BYTES = 32 << 10
 _PERSISTENT_KEPT = 64
 _MPI_OPS = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "SUM", ReduceOp.MIN: "MIN",
@@ -185,8 +185,10 @@ class MPITransport(TransportBase):
         self._yield = False
         self._polls = 0
         self._stranded: list[Any] = []  # requests of timed-out waits, kept with their buffers
-        self._persistent: list[Any] = []  # prepared allgathers, freed at close
+        self._persistent: list[Any] = []  # persistent allreduces, freed at close
         self._exchanges: list[SizedExchange] = []  # the agreement's, freed at close
+        #: Persistent allreduces by (dtype, nbytes, op) (see _allreduce_of).
+        self._allreduces: dict[tuple[Any, ...], Callable[[np.ndarray, np.ndarray], None]] = {}
         self._ctl = base  # until the duplicates exist, a timeout aborts through base
         self.operation = "init"
         dups = [base.Idup() for _ in range(4)]
@@ -226,13 +228,7 @@ class MPITransport(TransportBase):
         """
         if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes):
             return False
-        # out=x reaches here as another view of the same memory (partial overlaps are refused).
-        send = self._MPI.IN_PLACE if np.may_share_memory(x, out) else x
-        with trace.span("MPI_ALLREDUCE"):  # the timeline's row, as Horovod names it
-            self._wait_one(self._ctl.Iallreduce(send, out, op=self._mpi_ops[op]), "allreduce")
-        if op is ReduceOp.AVG:
-            _ops.get(out).divide(out, self.size, out)
-        self.count_native(x.nbytes)
+        self._allreduce_of(x.dtype, x.nbytes, op)(x, out)
         return True
 
     def _reduces_natively(self, dtype: np.dtype, nbytes: int) -> bool:
@@ -243,53 +239,71 @@ class MPITransport(TransportBase):
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
                                  ) -> Callable[[np.ndarray, np.ndarray], None] | None:
         """``native_allreduce`` for repeats of one call (dtype, size, op): the lookups and
-        checks made once, so a repeat costs the MPI call and its wait. Up to
-        _PERSISTENT_BYTES, a persistent allreduce (MPI-4 ``MPI_Allreduce_init``) on a buffer
-        of its own, the array copied in and the result out (see _PERSISTENT_BYTES)."""
+        checks made once, so a repeat costs the MPI call and its wait.
+
+        Plans are prepared before their call is agreed, and on the ranks whose arguments
+        allow it only, so this sets up nothing collective: the MPI allreduce is chosen (and
+        a persistent one made) at the first call of the result, after the agreement, where
+        ``native_allreduce`` would make it."""
         if not self._reduces_natively(dtype, nbytes):
             return None
-        stats, size, moved = self.stats, self.size, self.native_volume(nbytes)
-        divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
-        persistent = self._persistent_allreduce(dtype, nbytes, op)
-        if persistent is not None:
-            req, buf = persistent
-            start, test, wait = req.Start, req.Test, self._wait
-            polls = range(self._polls)
+        ready = self._allreduces.get((dtype, nbytes, op))
+        if ready is not None:
+            return ready
+        chosen: list[Callable[[np.ndarray, np.ndarray], None]] = []
 
-            def allreduce(x: np.ndarray, out: np.ndarray) -> None:
-                buf[...] = x if x.ndim == 1 else x.reshape(-1)
-                with trace.span("MPI_ALLREDUCE"):
-                    start()
-                    if not test():
-                        for _ in polls:
-                            if test():
-                                break
-                        else:
-                            wait(test, [req], None, "allreduce")
-                if divide is not None:
-                    divide(buf, size, out if out.ndim == 1 else out.reshape(-1))
-                else:
-                    out[...] = buf if out.ndim == 1 else buf.reshape(out.shape)
-                stats.bytes_sent += moved
-                stats.bytes_received += moved
-            return allreduce
+        def allreduce(x: np.ndarray, out: np.ndarray) -> None:
+            if not chosen:
+                chosen.append(self._allreduce_of(dtype, nbytes, op))
+            chosen[0](x, out)
+        return allreduce
+
+    def _allreduce_of(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                      ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """MPI's allreduce of flat ``x`` into ``out`` (``out`` may be ``x``) for calls of
+        ``dtype``, ``nbytes`` and ``op``, counted in the stats: a persistent one where
+        _PERSISTENT_BYTES allows, else ``MPI_Iallreduce``.
+
+        The first call of a (dtype, size, op) that may be persistent makes its request, on
+        every rank at the same call (setting one up is collective, and MPI matches a
+        persistent allreduce only with persistent ones): every native allreduce of that
+        kind then runs it, whether from a prepared plan or from the general path, which
+        ranks may take differently for the same call (a rank's arrays strided, another's
+        not)."""
+        key = (dtype, nbytes, op)
+        allreduce = self._allreduces.get(key)
+        if allreduce is None:
+            allreduce = self._persistent_allreduce(dtype, nbytes, op)
+            if allreduce is None:
+                return self._iallreduce(nbytes, op)
+            self._allreduces[key] = allreduce
+        return allreduce
+
+    def _iallreduce(self, nbytes: int, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], None]:
         iallreduce, mpi_op, in_place = self._ctl.Iallreduce, self._mpi_ops[op], self._MPI.IN_PLACE
-        wait_one = self._wait_one
+        wait_one, stats, size = self._wait_one, self.stats, self.size
+        divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
+        moved = self.native_volume(nbytes)
 
-        def allreduce_nb(x: np.ndarray, out: np.ndarray) -> None:
-            with trace.span("MPI_ALLREDUCE"):
-                wait_one(iallreduce(in_place if x is out else x, out, op=mpi_op), "allreduce")
+        def allreduce(x: np.ndarray, out: np.ndarray) -> None:
+            # out=x reaches here as another view of the same memory (partial overlaps are
+            # refused before).
+            send = in_place if x is out or np.may_share_memory(x, out) else x
+            with trace.span("MPI_ALLREDUCE"):  # the timeline's row, as Horovod names it
+                wait_one(iallreduce(send, out, op=mpi_op), "allreduce")
             if divide is not None:
                 divide(out, size, out)
-            stats.add(moved, moved)
-        return allreduce_nb
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
+        return allreduce
 
     def _persistent_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
-                              ) -> tuple[Any, np.ndarray] | None:
-        """A persistent in-place allreduce of a buffer of ``nbytes`` (made at the same call
-        on every rank, as the plans that ask for it are), or None: too large, too many kept
-        already, or an MPI before 4.0."""
-        if nbytes > _PERSISTENT_BYTES or len(self._persistent) >= _PERSISTENT_KEPT:
+                              ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """A persistent in-place allreduce of a buffer of its own, the array copied in and
+        the result out; None where the size is past _PERSISTENT_BYTES, _PERSISTENT_KEPT are
+        held already (the same on every rank: they are made at the same calls), or MPI is
+        older than 4.0."""
+        if nbytes > _PERSISTENT_BYTES or len(self._allreduces) >= _PERSISTENT_KEPT:
             return None
         buf = np.empty(nbytes // dtype.itemsize, dtype)
         try:
@@ -297,7 +311,27 @@ class MPITransport(TransportBase):
         except NotImplementedError:
             return None
         self._persistent.append(req)
-        return req, buf
+        start, test, wait, polls = req.Start, req.Test, self._wait, range(self._polls)
+        stats, size, moved = self.stats, self.size, self.native_volume(nbytes)
+        divide = _ops.get(buf).divide if op is ReduceOp.AVG else None
+
+        def allreduce(x: np.ndarray, out: np.ndarray) -> None:
+            buf[...] = x if x.ndim == 1 else x.reshape(-1)
+            with trace.span("MPI_ALLREDUCE"):
+                start()
+                if not test():
+                    for _ in polls:
+                        if test():
+                            break
+                    else:
+                        wait(test, [req], None, "allreduce")
+            if divide is not None:
+                divide(buf, size, out if out.ndim == 1 else out.reshape(-1))
+            else:
+                out[...] = buf if out.ndim == 1 else buf.reshape(out.shape)
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
+        return allreduce
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
@@ -320,23 +354,6 @@ class MPITransport(TransportBase):
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._wait_one(self._ctl.Iallgather(send, recv), "allgather")
-
-    def prepare_allgather(self, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]:
-        """A persistent allgather (MPI-4 ``MPI_Allgather_init``) of these buffers, started
-        and waited for within the timeout on each call: about half the time of setting up
-        a nonblocking one per call (measured with MPICH 5 at 2 ranks, bench/results/). Where
-        the library has no persistent collectives, the nonblocking one per call."""
-        try:
-            req = self._ctl.Allgather_init(send, recv)
-        except NotImplementedError:  # an MPI before 4.0
-            return super().prepare_allgather(send, recv)
-        self._persistent.append(req)
-        start, wait_one = req.Start, self._wait_one
-
-        def allgather() -> None:
-            start()
-            wait_one(req, "allgather")
-        return allgather
 
     def prepare_exchange(self, row_bytes: int) -> SizedExchange:
         """The agreement's exchange as point-to-point messages of each rank's own length
@@ -405,6 +422,7 @@ class MPITransport(TransportBase):
             if req.Test():  # inactive (one left running by a timeout stays allocated)
                 req.Free()
         self._persistent.clear()
+        self._allreduces.clear()
         for exchange in self._exchanges:
             exchange.free()
         self._exchanges.clear()

@@ -346,7 +346,9 @@ class Transport(Protocol):
         """The library's own allreduce of contiguous host arrays of ``dtype`` and ``nbytes``
         with ``op``, prepared for repeated calls: the result, called with ``(x, out)``
         (``out`` may be ``x``), does what ``native_allreduce(x, out, op)`` would do. None
-        where ``native_allreduce`` would return False for such arrays."""
+        where ``native_allreduce`` would return False for such arrays. Plans are prepared
+        before their call is agreed, on some ranks only: this sets up nothing collective
+        (what needs a collective set-up is made at the result's first call)."""
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """This rank's chunk of the library's own reduce-scatter, or None (the ring runs)."""

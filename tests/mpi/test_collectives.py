@@ -109,9 +109,9 @@ def test_small_bfloat16_allreduce_without_the_check(world, rng):
 
 
 def test_prepared_allgather_repeats_on_its_buffers(world):
-    """The transport's prepared allgather (a persistent MPI_Allgather_init where MPI has one)
-    gathers what the buffers hold at each call, between other collectives on the same
-    communicator, and is released with the transport."""
+    """The transport's prepared allgather (what the fixed-size exchange of other transports
+    runs) gathers what the buffers hold at each call, between other collectives on the same
+    communicator."""
     import ringcomm
 
     c = ringcomm.init("mpi", abort_on_exception=False)

@@ -88,7 +88,29 @@ def test_persistent_allreduces_are_bounded(world, rng):
                 check(world, x, c.allreduce(x), "sum")
                 check(world, x, c.allreduce(x), "sum")  # the prepared repeat
         if c.size > 1:
-            assert len(t._persistent) == mpi_backend._PERSISTENT_KEPT
+            assert len(t._allreduces) == mpi_backend._PERSISTENT_KEPT
     finally:
         c.close()
-    assert t._persistent == [] and t._exchanges == []
+    assert t._persistent == [] and t._allreduces == {} and t._exchanges == []
+
+
+@pytest.mark.parametrize("where", ["x", "out"])
+def test_ranks_on_different_paths_for_one_call(comm, world, rng, where):
+    """One rank's arrays are strided (the general path every time), the others' contiguous
+    (their repeats prepared): MPI matches a persistent allreduce only with persistent ones,
+    so both paths must run the same one. Then collectives of other kinds on the same
+    communicator (a mismatch error's exchange of descriptions, a barrier) still match."""
+    for _ in range(4):
+        base = rng.standard_normal(2 * 3000).astype(np.float32)
+        x = base[::2] if where == "x" and comm.rank == 0 else base[::2].copy()
+        out = (np.empty(2 * 3000, np.float32)[::2] if where == "out" and comm.rank == 0
+               else np.empty(3000, np.float32))
+        assert comm.allreduce(x, out=out) is out
+        check(world, x, out, "sum")
+        check(world, x, comm.allreduce(x, op="avg"), "avg")
+    if comm.size > 1:
+        with pytest.raises(ArgumentMismatchError):
+            comm.allreduce(np.ones(3 + comm.rank, np.float32))
+    comm.barrier()
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3000, np.float32)),
+                                  np.full(3000, float(comm.size), np.float32))
