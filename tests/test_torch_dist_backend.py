@@ -420,3 +420,88 @@ def test_the_backend_is_registered_as_torch_starts(tmp_path, subprocess_env):
     for row in reports:
         assert row["sum"] == [3.0, 3.0, 3.0] and row["backend"] == "ringcomm", row
         assert row["communicator"] == "gloo", row
+
+
+MIXED_PATHS_JOB = r'''
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=60))
+r, n = dist.get_rank(), dist.get_world_size()
+outcomes = {}
+
+def attempt(name, call):
+    start = time.monotonic()
+    try:
+        outcomes[name] = ("ok", call())
+    except Exception as err:
+        outcomes[name] = (type(err).__name__, str(err).split(chr(10))[0])
+    outcomes[name] += (round(time.monotonic() - start, 1),)
+    t = torch.full((3,), float(r + 1))  # the group is still usable, and in step
+    dist.all_reduce(t)
+    assert t.tolist() == [n * (n + 1) / 2] * 3, (name, t)
+
+# bfloat16 (no NumPy dtype) takes the gloo fallback, float32 ringcomm's communicator:
+# here on rank 1 only.
+odd = torch.bfloat16 if r == 1 else torch.float32
+def gather_into():
+    out = torch.empty(2 * n, dtype=odd)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(r), dtype=odd))
+    return out.float().tolist()
+attempt("all_gather_into_tensor", gather_into)
+def gather_list():
+    outs = [torch.empty(2, dtype=odd) for _ in range(n)]
+    dist.all_gather(outs, torch.full((2,), float(r), dtype=odd))
+    return [o.float().tolist() for o in outs]
+attempt("all_gather", gather_list)
+def scatter():
+    out = torch.empty(2, dtype=odd)
+    dist.reduce_scatter_tensor(out, torch.ones(2 * n, dtype=odd))
+    return out.float().tolist()
+attempt("reduce_scatter_tensor", scatter)
+def queued_then_fallback():  # ringcomm's calls queued before: they run first, as on rank 0
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+    out = torch.empty(2 * n, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(r), dtype=torch.bfloat16))
+    return [w.wait() for w in works] and out.float().tolist()
+attempt("fallback on every rank", queued_then_fallback)
+def strided():  # a strided input on one rank: ringcomm's path on both
+    x = torch.arange(4.0).reshape(2, 2) + 10 * r
+    src = x.t()[0] if r == 1 else x.t()[0].contiguous()
+    out = torch.empty(2 * n)
+    dist.all_gather_into_tensor(out, src)
+    return out.tolist()
+attempt("strided", strided)
+with open(f"report_{r}.json", "w") as f:
+    json.dump({"rank": r, "outcomes": outcomes,
+               "calls": dist.group.WORLD.communicator.stats.calls}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
+    """Which path a collective takes (ringcomm's communicator, or the gloo fallback for
+    tensors it cannot take) depends on each rank's own tensors. A rank on the other path used
+    to wait there until the timeout (60 s here); now every rank raises the same
+    ArgumentMismatchError at once, and the group goes on in step. Strided tensors take
+    ringcomm's path, which copies them."""
+    job = tmp_path / "mixed.py"
+    job.write_text(MIXED_PATHS_JOB)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(job)],
+                          capture_output=True, text=True, timeout=240, env=subprocess_env,
+                          cwd=tmp_path)
+    reports = _reports(tmp_path)
+    _check_exit(proc, reports, "collectives whose ranks take different paths")
+    for name in ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor"):
+        got = [row["outcomes"][name] for row in reports]
+        assert all(kind == "ArgumentMismatchError" and seconds < 20
+                   for kind, _, seconds in got), (name, got)
+        assert got[0][1] == got[1][1], got  # the same message on both ranks
+        assert "on the gloo fallback on rank 1" in got[0][1], got
+    for row in reports:
+        outcomes = row["outcomes"]
+        assert outcomes["fallback on every rank"][:2] == ["ok", [0.0, 0.0, 1.0, 1.0]]
+        assert outcomes["strided"][:2] == ["ok", [0.0, 2.0, 10.0, 12.0]], outcomes

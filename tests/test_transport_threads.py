@@ -385,6 +385,44 @@ def test_communicator_misuse_same_error_everywhere(n):
     np.testing.assert_array_equal(per_rank[0][1], x * n)
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_checkpoint_meets_only_the_same_point(check):
+    """``checkpoint(label)``: ranks at the same point pass (with the consistency check on or
+    off); a rank at another point, in a collective, or with a label that is not a str makes
+    every rank raise the same error, naming what each rank was at; the communicator stays
+    usable. (With the check off a collective exchanges no header for a checkpoint to meet:
+    that case runs with the check on only.)"""
+    n = 3
+    x = np.arange(4, dtype=np.float32)
+    expected = [(ArgumentMismatchError, "checkpoint: point differs between ranks: step 2 on "
+                                        "ranks 0, 2; step 3 on rank 1")]
+    if check:
+        expected.append((ArgumentMismatchError, "collective calls differ between ranks: "
+                                                "gather on ranks 0, 1; allreduce on rank 2"))
+    expected.append((InvalidTypeError, "checkpoint failed on rank 0: checkpoint's label must "
+                                       "be a str, got int"))
+
+    def body(t):
+        comm = Communicator(t, consistency_check=check)
+        r = t.rank
+        comm.checkpoint("step 1")
+        outcomes = [_outcome(lambda: comm.checkpoint("step 2" if r != 1 else "step 3"))]
+        if check:
+            outcomes.append(_outcome(
+                lambda: comm.allreduce(x) if r == 2 else comm.checkpoint("gather")))
+        outcomes.append(_outcome(lambda: comm.checkpoint(5 if r == 0 else "five")))
+        return outcomes, comm.allreduce(x)
+
+    per_rank = run_ranks(n, body)
+    for i, (cls, words) in enumerate(expected):
+        outcomes = [o[0][i] for o in per_rank]
+        assert outcomes[0] is not None and issubclass(outcomes[0][0], cls), outcomes
+        assert all(o == outcomes[0] for o in outcomes), outcomes
+        assert words in outcomes[0][1], outcomes[0][1]
+    for _, y in per_rank:
+        np.testing.assert_array_equal(y, x * n)
+
+
 # ------------------------------------------------------------------------------- split
 def test_split_subgroups_reduce_their_own_ranks():
     n = 8

@@ -43,7 +43,8 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
             "rank",
             kind=called, ranks=everyone, differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
-        calls = [f"a change of {d['setting']}" if d["kind"] == "configure" else d["kind"]
+        calls = [f"a change of {d['setting']}" if d["kind"] == "configure" else
+                 d["setting"] if d["kind"] == "checkpoint" else d["kind"]
                  for d in descriptions]
         return ArgumentMismatchError(
             f"collective calls differ between ranks: {rank_groups(calls)}", kind=called,
@@ -66,6 +67,8 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
             field = "shape after the first dimension"
         else:
             values = [d[field] for d in descriptions]
+            if kind == "checkpoint" and field == "setting":
+                field = "point"
         if len(set(values)) <= 1:
             continue
         differences[field] = tuple(values)

@@ -44,7 +44,9 @@ _HOST, _DEVICE = 1, 2
 _ARRAY_NAMES = {0: "none", _HOST: "host (NumPy)", _DEVICE: "device (CuPy)"}
 HEADER_BYTES = 8 * _WORDS
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier",
-          "configure")
+          "configure", "checkpoint")
+# Kinds whose spec carries a text of its own (a setting, a point of the program) in ``extra``.
+_LABELLED = ("configure", "checkpoint")
 # Fields a collective lets differ between ranks.
 _MAY_DIFFER = {"allgatherv": (DIM0,)}
 
@@ -144,7 +146,7 @@ class CallSpec:
             kind = "TypeError" if isinstance(self.error, TypeError) else "ValueError"
             return {"error": (kind, str(self.error)), "caller": self.caller,
                     "array": _ARRAY_NAMES[self.array],
-                    "setting": self.extra if self.kind == "configure" else ""}
+                    "setting": self.extra if self.kind in _LABELLED else ""}
         dt = self.dtype
         return {
             "caller": self.caller,
@@ -154,8 +156,8 @@ class CallSpec:
             "shape": self.shape,
             "op": str(self.op.value) if self.op else "",
             "root": self.root,
-            "compression/name": "" if self.kind == "configure" else self.extra,
-            "setting": self.extra if self.kind == "configure" else "",
+            "compression/name": "" if self.kind in _LABELLED else self.extra,
+            "setting": self.extra if self.kind in _LABELLED else "",
             "algorithm": self.algorithm,
         }
 
@@ -200,6 +202,18 @@ class Agreement:
         no header to compare."""
         spec = CallSpec("configure")
         spec.extra, spec.error = f"{name}={value!r}", error
+        self._checked(spec)
+
+    def checkpoint(self, label: str, error: Exception | None = None) -> None:
+        """Agree that every rank is at the point of the program ``label`` names: one checked
+        exchange (also while the consistency check is off), which raises the same error on
+        every rank where another rank is at another point or in a collective, or where a
+        rank has ``error``."""
+        spec = CallSpec("checkpoint")
+        spec.extra, spec.error = label, error
+        self._checked(spec)
+
+    def _checked(self, spec: CallSpec) -> None:
         check, self.check = self.check, True
         try:
             self.exchange(spec)

@@ -414,6 +414,27 @@ class Communicator:
         return recv
 
     @_serialized
+    def checkpoint(self, label: str) -> None:
+        """Agree that every rank has reached the point of the program ``label`` names.
+
+        Collective, and checked whether or not the consistency check is on: a rank at
+        another point, or in a collective, raises the same ``ArgumentMismatchError`` on every
+        rank, naming what each rank was at. For code that runs some of its collectives
+        outside the communicator (the torch.distributed backend's gloo fallback): each rank
+        marks where it leaves, so that no rank waits in one path while another takes the
+        other.
+
+        Raises:
+            ArgumentMismatchError: another rank is elsewhere (on every rank).
+            InvalidTypeError: ``label`` is not a str on some rank (on every rank).
+        """
+        self._ensure_open()
+        self._transport.operation = "checkpoint"
+        error = None if isinstance(label, str) else TypeError(
+            f"checkpoint's label must be a str, got {type(label).__name__}")
+        self._agreement.checkpoint(str(label), error)
+
+    @_serialized
     def barrier(self) -> None:
         """Block until every rank has called ``barrier()``.
 

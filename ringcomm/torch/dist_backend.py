@@ -28,8 +28,12 @@ rank), and return at once with a work object, so that DDP overlaps its bucket al
 backward as on torch's own backends; ``work.wait()`` (what a call without ``async_op=True``
 does) raises the collective's error, if any, on the caller's thread.
 
-Limits: contiguous CPU tensors of NumPy's dtypes (other tensors, CUDA ones included, and
-groups smaller than the job made by ``new_group`` run on the gloo fallback).
+Limits: CPU tensors (strided ones copied where they must be), of NumPy's dtypes for the
+gathers and reduce-scatters; CUDA tensors, those dtypes, and groups smaller than the job made
+by ``new_group`` run on the gloo fallback. Which path a call takes depends on each rank's own
+tensors: a call that takes the fallback first agrees on it with every rank
+(``Communicator.checkpoint``), so that a rank whose tensors took the other path for the same
+call raises the same error as every other rank instead of waiting in its path.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from torch.futures import Future
 
 from ringcomm.backends.gloo_held import hold, pause_at_exit
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.callers import calls_as
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.torch._tensors import Operand, as_array
@@ -58,6 +63,9 @@ __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
 #: The name to pass to ``torch.distributed.init_process_group``.
 BACKEND_NAME = "ringcomm"
 _LOG = get_logger("torch.dist_backend")
+
+# The thread that runs the group's collectives on ringcomm's communicator (see _Worker).
+_WORKER_NAME = "ringcomm-process-group"
 
 # torch.distributed exports the other options types, but not this one.
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
@@ -94,9 +102,9 @@ def _refusing_ops(collective: str) -> Iterator[None]:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` goes to the communicator as a NumPy view: a contiguous CPU tensor of a
-    dtype NumPy has (the others run on the gloo fallback)."""
-    return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _NUMPY_DTYPES
+    """Whether ``t`` goes to the communicator as a NumPy view (strided ones included): a
+    CPU tensor of a dtype NumPy has (the others run on the gloo fallback)."""
+    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
 
 
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
@@ -285,6 +293,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
+            self._leave_for_gloo("all_reduce")
             hold(*tensors)
             return self._gloo.allreduce(tensors, opts)
         op = _reduce_op(opts)
@@ -304,6 +313,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.BroadcastOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
+            self._leave_for_gloo("broadcast")
             hold(*tensors)
             return self._gloo.broadcast(tensors, opts)
         root = opts.rootRank
@@ -321,6 +331,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
+            self._leave_for_gloo("all_gather")
             hold(*inputs, *(t for outs in output_lists for t in outs))
             return self._gloo.allgather(output_lists, inputs, opts)
 
@@ -344,6 +355,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
+            self._leave_for_gloo("all_gather_into_tensor")
             return self._on_gloo(self._gloo._allgather_base, outputs, inputs, opts)
 
         size = self.size()
@@ -371,6 +383,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         if self._communicator() is None or any(t.device.type != "cpu" for t in tensors):
+            self._leave_for_gloo("all_reduce_coalesced")
             hold(*tensors)
             return self._gloo.allreduce_coalesced(tensors, opts)
         plain = dist.AllreduceOptions()
@@ -393,6 +406,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                        input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
         pieces = [t for ts in input_lists for t in ts]
         if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
+            self._leave_for_gloo("reduce_scatter")
             hold(*outputs, *pieces)
             return self._gloo.reduce_scatter(outputs, input_lists,
                                              opts if opts is not None
@@ -415,6 +429,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if comm is None or not all(_plain(t) for t in inputs):
+            self._leave_for_gloo(what)
             return self._on_gloo(self._gloo._reduce_scatter_base, outputs, inputs, opts)
         op = _reduce_op(opts)
         size = self.size()
@@ -438,6 +453,23 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"{what}: {problem}")
             return outputs
         return self._submit(run)
+
+    def _leave_for_gloo(self, collective: str) -> None:
+        """Before a collective of a group with a communicator runs on the gloo fallback
+        (its tensors are CUDA ones, or of a dtype NumPy lacks): once the collectives queued
+        before it have run, agree with every rank that each takes the fallback here. Which
+        path a call takes depends on each rank's own tensors; a rank on the other path would
+        otherwise wait there until the timeout, where now every rank raises the same
+        ArgumentMismatchError, naming each rank's call."""
+        comm = self._comm
+        if comm is None:
+            return
+        if self._worker is not None:  # the queued collectives' exchanges come first
+            done: Future[Any] = Future()
+            self._worker.put(lambda: None, done)
+            done.wait()
+        with calls_as(_WORKER_NAME):  # matched against the worker's calls on other ranks
+            comm.checkpoint(f"{collective} on the gloo fallback")
 
     def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
                  inputs: list[torch.Tensor], opts: Any) -> Any:
@@ -481,7 +513,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         future: Future[Any] = Future()
         if self._worker is None:
             # Named alike on every rank: the caller's name is part of each call's agreement.
-            self._worker = _Worker("ringcomm-process-group")
+            self._worker = _Worker(_WORKER_NAME)
         self._worker.put(run, future)
         return _Work(future)
 
