@@ -13,9 +13,10 @@ same error on every rank. The cost: one message to each peer (``size - 1`` of th
 at once), where an allgather takes ``log2(size)`` rounds; its bytes are what an allgather of
 the same rows would move.
 
-Measured with MPICH 5 at 2 ranks on 2 cores (bench/results/): a 96-byte exchange 2.4 us, the
-4 KiB allgather it replaces 4.2 us, and 8 KiB in 6.4 us, where MPI's own allreduce of 8 KiB
-takes 9.7 us.
+Measured with MPICH 5 at 2 ranks on 2 cores, each alone in one run: a 96-byte exchange
+2.1 us, the persistent allgather of a 4 KiB slot it replaces 3.0 us, a 4 KiB + 96-byte
+exchange 2.3 us; past MPICH's shared-memory eager limit (8100 to 8192 bytes here) a message
+costs about twice as much (bench/results/sized_exchange.md).
 """
 
 from __future__ import annotations
