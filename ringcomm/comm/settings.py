@@ -34,7 +34,8 @@ from ringcomm.core.types import (
 __all__ = ["MAX_INLINE_BYTES", "MAX_SEGMENT_BYTES", "Settings", "agree_at_start",
            "agree_byte_limit", "check_bytes", "read"]
 
-#: The largest inline slot: it travels with every collective, to every rank.
+#: The largest inline slot: each rank keeps that much room for each other rank's message (and
+#: where the exchange is a fixed-size allgather, the slot travels with every collective).
 MAX_INLINE_BYTES = 1 << 20
 #: The largest ring segment (a segment is one message; larger ones only cost memory).
 MAX_SEGMENT_BYTES = 1 << 30
