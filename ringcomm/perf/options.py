@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5,
                    help="untimed iterations first (default 5)")
+    p.add_argument("--job-warmup", type=int, default=500,
+                   help="8-byte allreduces of ringcomm and of each baseline before the first "
+                        "size, untimed (default 500): a job's first few hundred calls run "
+                        "slower")
     p.add_argument("-c", "--check", type=int, default=1,
                    help="check results (1) or not (0); default 1")
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if warning:
             print(warning)
         print(table.header())
+    timing.warm_up_job(world, comm, _baselines.baseline_fns(
+        baselines, world, np.zeros(2, np.float32), args.op), args.job_warmup)
     rows = []
     for nbytes in options.sizes(args, dtype.itemsize):
         for row in run_size(args, comm, world, nbytes, dtype, variants, baselines):

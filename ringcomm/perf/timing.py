@@ -21,6 +21,21 @@ def sync_for(x: Any) -> Callable[[], None]:
     return lambda: None
 
 
+def warm_up_job(world: Any, comm: Any, baselines: dict[str, Callable[[], Any]],
+                rounds: int) -> None:
+    """``rounds`` untimed 8-byte allreduces of ``comm`` and of each baseline, each after a
+    barrier, before anything is timed: the first few hundred calls of a job run slower (4
+    ranks on 2 cores: 127 us a call in the first 300, 62 in the next 1500, at every size), and
+    the first size timed would carry it (bench/results/sized_exchange.md)."""
+    x = np.zeros(2, np.float32)
+    for _ in range(rounds):
+        world.Barrier()
+        comm.allreduce(x)
+        for fn in baselines.values():
+            world.Barrier()
+            fn()
+
+
 def time_variants(world: Any, fns: dict[str, Callable[[], Any]], iters: int, warmup: int,
                   sync: Callable[[], None],
                   before: dict[str, Callable[[], Any]] | None = None) -> dict[str, np.ndarray]:
