@@ -69,11 +69,11 @@ _WHAT = {RING: "ring exchange", USER: "sendrecv"}  # what a point-to-point wait 
 # pauses from 10 us after a 200 us spin cost 15-65% with ranks 2-5 ms apart). At 4 ranks on 2
 # cores, 3-8x faster than MPI's blocking calls under MPICH's heavy yield.
 _SPIN_S = 5e-3
-# The first _TIGHT_POLLS polls (10-20 us) run without reading the clock: a small collective
-# completes within them, and each round of the timed loop below adds to when its completion
-# is seen (measured at 2 ranks, with these polls in the agreement's exchange and the
-# persistent allreduce, where they run before any other call: an 8-byte allreduce 4.5 us
-# instead of 5.0). None with more ranks than cores, where every poll yields the core.
+# The agreement's exchange and the persistent allreduces first poll _TIGHT_POLLS times (10-20
+# us) without reading the clock: a small collective completes within them, and each round of
+# the timed loop below adds to when its completion is seen (measured at 2 ranks: an 8-byte
+# allreduce 4.5 us instead of 5.0; the same polls at the start of that loop, reached through
+# more calls, gained nothing). None with more ranks than cores, where every poll yields.
 _TIGHT_POLLS = 64
 _PAUSE_FRACTION = 1 / 32
 _FIRST_PAUSE_S = 10e-6
@@ -230,6 +230,8 @@ class MPITransport(TransportBase):
         """
         if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes):
             return False
+        if x is not out and np.may_share_memory(x, out):
+            x = out  # out=x reaches here as another view (partial overlaps are refused)
         self._allreduce_of(x.dtype, x.nbytes, op)(x, out)
         return True
 
@@ -288,11 +290,8 @@ class MPITransport(TransportBase):
         moved = self.native_volume(nbytes)
 
         def allreduce(x: np.ndarray, out: np.ndarray) -> None:
-            # out=x reaches here as another view of the same memory (partial overlaps are
-            # refused before).
-            send = in_place if x is out or np.may_share_memory(x, out) else x
             with trace.span("MPI_ALLREDUCE"):  # the timeline's row, as Horovod names it
-                wait_one(iallreduce(send, out, op=mpi_op), "allreduce")
+                wait_one(iallreduce(in_place if x is out else x, out, op=mpi_op), "allreduce")
             if divide is not None:
                 divide(out, size, out)
             stats.bytes_sent += moved
@@ -482,9 +481,6 @@ class MPITransport(TransportBase):
     def _wait(self, done: Callable[[], bool], reqs: list[Any], peer: int | None,
               what: str) -> None:
         """Poll ``done()`` until it is true or the deadline passes (see _SPIN_S)."""
-        for _ in range(self._polls):
-            if done():
-                return
         start = _now()
         deadline = start + self.timeout
         spin_end = deadline if self._yield else start + _SPIN_S
