@@ -20,7 +20,8 @@ from ringcomm.comm.settings import Settings
 from ringcomm.core import launch
 from ringcomm.core.launch import LaunchInfo
 
-__all__ = ["REGISTRY", "Backend", "choose_auto", "mpi_world_text", "register"]
+__all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "mpi_world_text",
+           "register"]
 
 #: What builds a backend's Communicator: (mpi_comm, settings, launch, startup error).
 Builder = Callable[[Any, Settings, LaunchInfo, Exception | None], Communicator]
@@ -50,8 +51,9 @@ def register(backend: Backend) -> None:
     REGISTRY[backend.name] = backend
 
 
-def _options(settings: Settings, startup_error: Exception | None) -> dict[str, Any]:
-    """The Communicator's own options, from ``settings``."""
+def communicator_options(settings: Settings, startup_error: Exception | None
+                         ) -> dict[str, Any]:
+    """The Communicator's own options, from ``settings`` (``ringcomm.comm.settings.read``'s)."""
     return {"consistency_check": settings.consistency_check,
             "segment_bytes": settings.segment_bytes, "inline_bytes": settings.inline_bytes,
             "algorithm": settings.algorithm, "topology": settings.topology,
@@ -63,7 +65,7 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
     from ringcomm.backends.mpi import MPICommunicator
 
     return MPICommunicator(mpi_comm, timeout=settings.timeout,
-                           **_options(settings, startup_error))
+                           **communicator_options(settings, startup_error))
 
 
 def _build_nccl(mpi_comm: Any, settings: Settings, info: LaunchInfo,
@@ -71,7 +73,7 @@ def _build_nccl(mpi_comm: Any, settings: Settings, info: LaunchInfo,
     from ringcomm.backends.nccl import NCCLCommunicator
 
     return NCCLCommunicator(mpi_comm=mpi_comm, timeout=settings.timeout,
-                            **_options(settings, startup_error))
+                            **communicator_options(settings, startup_error))
 
 
 def _build_gloo(mpi_comm: Any, settings: Settings, info: LaunchInfo,
@@ -79,7 +81,8 @@ def _build_gloo(mpi_comm: Any, settings: Settings, info: LaunchInfo,
     _start_torch_distributed(info, settings.timeout)
     from ringcomm.backends.gloo import TorchDistCommunicator
 
-    return TorchDistCommunicator(timeout=settings.timeout, **_options(settings, startup_error))
+    return TorchDistCommunicator(timeout=settings.timeout,
+                                 **communicator_options(settings, startup_error))
 
 
 register(Backend("mpi", "MPI.COMM_WORLD", _build_mpi))

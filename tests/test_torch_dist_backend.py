@@ -505,3 +505,179 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         outcomes = row["outcomes"]
         assert outcomes["fallback on every rank"][:2] == ["ok", [0.0, 0.0, 1.0, 1.0]]
         assert outcomes["strided"][:2] == ["ok", [0.0, 2.0, 10.0, 12.0]], outcomes
+
+
+SUBGROUPS_JOB = r'''
+import datetime, hashlib, inspect, json, sys
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+backend, launcher = sys.argv[1], sys.argv[2]
+timeout = datetime.timedelta(seconds=60)
+if launcher == "mpiexec":
+    from ringcomm.torch.process_group import init_process_group_from_mpi
+    init_process_group_from_mpi(backend=backend, timeout=timeout)
+else:
+    dist.init_process_group(backend, timeout=timeout)
+r, n = dist.get_rank(), dist.get_world_size()
+keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
+# Every rank makes every group (torch's rule); the backend's creator and each group's
+# collectives run on its members only.
+pair = dist.new_group([0, 2])
+flipped = dist.new_group([2, 1], **({"sort_ranks": False} if keeps_order else {}))
+alone = dist.new_group([1])
+report = {"rank": r}
+
+def communicator(group):
+    comm = getattr(group, "communicator", None)
+    return None if comm is None else [comm.backend, comm.rank, comm.size]
+
+def attempt(name, call):
+    try:
+        report[name] = call()
+    except Exception as err:
+        report[name] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+if r in (0, 2):
+    t = torch.full((4,), float(r + 1))
+    dist.all_reduce(t, group=pair)
+    report["pair_sum"] = t.tolist()
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pair)
+    report["pair_max"] = t.tolist()
+    o = torch.empty(4)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(r)), group=pair)
+    report["pair_gather"] = o.tolist()
+    b = torch.full((2,), float(r))
+    dist.broadcast(b, src=2, group=pair)  # src: a global rank
+    report["pair_broadcast"] = b.tolist()
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, torch.arange(4.0) + r, group=pair)
+    report["pair_reduce_scatter"] = o.tolist()
+    if backend == "ringcomm":  # (gloo itself ends the process for these)
+        # Arguments that differ between the members: the same error on both, at once.
+        attempt("pair_mismatch", lambda: dist.all_reduce(torch.ones(3 if r == 0 else 5),
+                                                          group=pair))
+        attempt("pair_dtype", lambda: dist.all_reduce(  # the same bytes, another dtype
+            torch.ones(2, dtype=torch.float32 if r == 0 else torch.int32), group=pair))
+        odd = torch.bfloat16 if r == 2 else torch.float32  # the gloo fallback on rank 2 only
+        attempt("pair_paths", lambda: dist.all_gather_into_tensor(
+            torch.empty(4, dtype=odd), torch.ones(2, dtype=odd), group=pair))
+    ok = True  # ringcomm's collectives (queued) and gloo's (reduce: the fallback) in turn
+    for k in range(20):
+        a, g = torch.full((1000,), float(k + r)), torch.full((3,), float(k * r))
+        work = dist.all_reduce(a, group=pair, async_op=True)
+        dist.reduce(g, dst=2, group=pair)
+        work.wait()
+        ok &= a.tolist() == [2.0 * k + 2] * 1000 and (r != 2 or g.tolist() == [2.0 * k] * 3)
+    report["pair_interleaved"] = ok
+    torch.manual_seed(0)  # DDP over the pair: a replica group, as in hybrid sharding
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pair,
+                                                    bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(50 + r)
+    for _ in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(8, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    report["pair_params"] = hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    report["pair_comm"] = communicator(pair)
+if r in (1, 2):
+    o = torch.empty(4)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(r)), group=flipped)
+    report["flipped_gather"] = o.tolist()
+    report["flipped_rank"] = dist.get_group_rank(flipped, r)
+    report["flipped_comm"] = communicator(flipped)
+    if backend == "ringcomm":  # the group's communicator splits, by its members alone
+        import numpy as np
+        comm = flipped.communicator
+        x = np.arange(1 << 18, dtype=np.float32) * (r + 1)
+        report["two_level_equal"] = bool(np.array_equal(
+            comm.allreduce(x, algorithm="hierarchical"),
+            comm.allreduce(x, algorithm="flat")))
+        half = comm.transport.split(0, -comm.rank)  # what the two-level allreduce calls
+        report["split"] = [half.rank, half.size, half.allgather_object(r)]
+        half.close()
+if r == 1:
+    t = torch.full((3,), 7.0)
+    dist.all_reduce(t, group=alone)
+    report["alone_sum"] = t.tolist()
+    report["alone_comm"] = communicator(alone)
+t = torch.full((2,), float(r))  # the job's group, after its sub-groups
+dist.all_reduce(t)
+report["world_sum"] = t.tolist()
+report["keeps_order"] = keeps_order
+with open(f"report_{r}.json", "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+'''
+
+
+def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
+                   backend: str) -> list[dict]:
+    job = tmp_path / "subgroups.py"
+    job.write_text(SUBGROUPS_JOB)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "3", str(job), backend, launcher]
+    else:
+        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "3", sys.executable,
+               str(job), backend, launcher]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    reports = _reports(tmp_path)
+    out = proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert [row["rank"] for row in reports] == [0, 1, 2], f"{backend} under {launcher}\n{out}"
+    check_exit(proc.returncode, proc.stdout + proc.stderr, f"{backend} under {launcher}",
+               gloo_baseline=backend == "gloo")
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
+def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
+                                            underneath):
+    """Groups of some of the job's ranks (new_group): torch makes them, and runs their
+    collectives, on their members only. Under mpiexec each gets a ringcomm communicator of
+    its members alone, numbered as the group is (in the order given where torch keeps it):
+    over MPI (MPI_Comm_create_group) under mpiexec, over the group's own gloo group under
+    torchrun. Exact values, the same error on every member for arguments that differ (plain
+    gloo ends the process for some of those, and reads others' bytes for the wrong dtype),
+    and DDP over a two-rank sub-group ends with the same parameters, bit for bit, as on
+    gloo."""
+    ours = _run_subgroups(tmp_path, subprocess_env, launcher, "ringcomm")
+    theirs = _run_subgroups(tmp_path, subprocess_env, launcher, "gloo")
+    first = [2, 1] if ours[1]["keeps_order"] else [1, 2]  # flipped's members, in its order
+    for row in ours:
+        r = row["rank"]
+        assert row["world_sum"] == [3.0, 3.0], row
+        if r in (0, 2):
+            assert row["pair_sum"] == [4.0] * 4 and row["pair_max"] == [3.0, 3.0], row
+            assert row["pair_gather"] == [0.0, 0.0, 2.0, 2.0], row
+            assert row["pair_broadcast"] == [2.0, 2.0], row
+            assert row["pair_interleaved"], row
+            me = [0, 2].index(r)
+            assert row["pair_reduce_scatter"] == [2 * (2 * me + j) + 2.0 for j in range(2)]
+            assert row["pair_comm"] == [underneath, me, 2], row
+        if r in (1, 2):
+            assert row["flipped_gather"] == [float(g) for g in first for _ in range(2)], row
+            assert row["flipped_rank"] == first.index(r), row
+            assert row["flipped_comm"] == [underneath, first.index(r), 2], row
+            assert row["two_level_equal"] and row["split"] == [
+                1 - first.index(r), 2, first[::-1]], row
+        if r == 1:
+            assert row["alone_sum"] == [7.0] * 3, row
+            assert row["alone_comm"] == [underneath, 0, 1], row
+    pair = [row for row in ours if row["rank"] in (0, 2)]
+    for name, words in (("pair_mismatch", "ArgumentMismatchError: allreduce: shape differs"),
+                        ("pair_dtype", "DtypeMismatchError: allreduce: dtype differs between "
+                                       "ranks: float32 on rank 0; int32 on rank 1"),
+                        ("pair_paths", "ArgumentMismatchError: collective calls differ")):
+        assert pair[0][name] == pair[1][name], (name, pair)  # the same on both members
+        assert pair[0][name].startswith(words), (name, pair[0][name])
+    assert "on the gloo fallback on rank 1" in pair[0]["pair_paths"], pair
+    digests = {row["pair_params"] for row in pair + [row for row in theirs
+                                                     if row["rank"] in (0, 2)]}
+    assert len(digests) == 1, (ours, theirs)

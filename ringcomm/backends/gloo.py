@@ -45,7 +45,7 @@ from ringcomm.core import trace
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import RING, Array, ReduceOp
 
-__all__ = ["TorchDistCommunicator", "TorchDistTransport"]
+__all__ = ["ProcessGroupTransport", "TorchDistCommunicator", "TorchDistTransport"]
 
 _RING_TAG = 7
 _P2P_TAG = 11
@@ -54,6 +54,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # torch 2.12 added new_group(sort_ranks=False); before it a group numbers its members in the
 # order of their global ranks, whatever order they are given in (see TorchDistTransport._setup).
 _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+# torch.distributed exports the other options types, but not this one.
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 # What "forever" is for gloo, which takes a finite duration (ten years).
 _FOREVER = datetime.timedelta(days=3650)
 _LOG = get_logger("gloo")
@@ -128,24 +130,28 @@ def _bytes(a: np.ndarray) -> torch.Tensor:
     return t
 
 
-def _gather_rows(group: Any, mine: np.ndarray, width: int) -> np.ndarray:
+# gather(out, in): every rank's tensor ``in`` into ``out``, in the group's order.
+_Gather = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _gather_rows(gather: _Gather, size: int, mine: np.ndarray, width: int) -> np.ndarray:
     """Every rank's bytes ``mine`` (at most ``width`` of them), one row of ``width`` bytes per
     rank in the group's order, padded with zeros: gloo has no allgatherv."""
-    rows = np.zeros((dist.get_world_size(group), width), dtype=np.uint8)
+    rows = np.zeros((size, width), dtype=np.uint8)
     padded = np.zeros(width, dtype=np.uint8)
     padded[: mine.size] = mine
-    _all_gather(_bytes(rows), _bytes(padded), group=group)
+    gather(_bytes(rows), _bytes(padded))
     return rows
 
 
-def _gather_objects(group: Any, obj: Any) -> list[Any]:
+def _gather_objects(gather: _Gather, size: int, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in the group's order: pickled, the lengths gathered, then the
     bytes padded to the longest (torch's all_gather_object would hand gloo tensors of its own,
     which gloo_held could not hold)."""
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    lengths = _gather_rows(group, _flat_bytes(np.array([data.size], dtype=np.int64)), 8)
+    lengths = _gather_rows(gather, size, _flat_bytes(np.array([data.size], dtype=np.int64)), 8)
     lengths = lengths.view(np.int64).reshape(-1)
-    rows = _gather_rows(group, data, int(lengths.max()))
+    rows = _gather_rows(gather, size, data, int(lengths.max()))
     return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, lengths, strict=True)]
 
 
@@ -200,7 +206,8 @@ class TorchDistTransport(TransportBase):
             group = dist.new_group(backend="gloo", timeout=_duration(seconds))
         # From the group's host names, not the launcher's variables: Lightning's launcher
         # sets no local size, and a guess could differ between the ranks of one node.
-        hosts = _gather_objects(group, socket.gethostname())
+        hosts = _gather_objects(functools.partial(_all_gather, group=group),
+                                dist.get_world_size(group), socket.gethostname())
         rank = dist.get_rank(group)
         self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
                     bool(abort_on_timeout), made_here=made_here)
@@ -288,7 +295,7 @@ class TorchDistTransport(TransportBase):
         tensor = torch.from_numpy(out.reshape(-1))
         hold(tensor)
         with trace.span("GLOO_ALLREDUCE"):
-            self.bounded("allreduce", None, dist.all_reduce, tensor, group=self._group)
+            self.bounded("allreduce", None, self._all_reduce, tensor)
         if average:
             _ops.get(out).divide(out, self.size, out)
         self.count_native(x.nbytes)
@@ -303,11 +310,9 @@ class TorchDistTransport(TransportBase):
         after = None
         if recv is not None:
             host_recv, after = _staged(recv)
-            works.append(dist.irecv(_bytes(host_recv), src=self._peers[source],
-                                    group=self._group, tag=tag))
+            works.append(self._irecv(_bytes(host_recv), source, tag))
         if send is not None:
-            works.append(dist.isend(_bytes(_host(send)), dst=self._peers[dest],
-                                    group=self._group, tag=tag))
+            works.append(self._isend(_bytes(_host(send)), dest, tag))
         return _Pair(self, works, source if recv is not None else dest,
                      "ring exchange" if channel == RING else "sendrecv", after)
 
@@ -320,18 +325,16 @@ class TorchDistTransport(TransportBase):
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self._in_order:
-            self.bounded("allgather", None, _all_gather, _bytes(recv), _bytes(send),
-                         group=self._group)
+            self.bounded("allgather", None, self._gather, _bytes(recv), _bytes(send))
             return
         rows = np.empty((self.size, send.nbytes), dtype=np.uint8)
-        self.bounded("allgather", None, _all_gather, _bytes(rows), _bytes(send),
-                     group=self._group)
+        self.bounded("allgather", None, self._gather, _bytes(rows), _bytes(send))
         _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         # Rows padded to the longest, then the padding dropped.
         item = x.dtype.itemsize
-        rows = self.bounded("allgatherv", None, _gather_rows, self._group,
+        rows = self.bounded("allgatherv", None, _gather_rows, self._gather, self.size,
                             _flat_bytes(_host(x)), max(counts) * item)
         ordered = self._in_rank_order(list(rows))
         flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
@@ -339,17 +342,36 @@ class TorchDistTransport(TransportBase):
 
     def broadcast(self, x: Array, root: int) -> None:
         host = _host(x)
-        self.bounded("broadcast", root, dist.broadcast, _bytes(host), src=self._peers[root],
-                     group=self._group)
+        self.bounded("broadcast", root, self._broadcast, _bytes(host), root)
         if host is not x:
             _ops.get(x).copy_from_host(x, host)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        out = self.bounded("allgather of objects", None, _gather_objects, self._group, obj)
+        out = self.bounded("allgather of objects", None, _gather_objects, self._gather,
+                           self.size, obj)
         return self._in_rank_order(out)
 
     def barrier(self) -> None:
-        self.bounded("barrier", None, dist.barrier, group=self._group)
+        self.bounded("barrier", None, self._barrier)
+
+    # ------------------------------------------- the group's operations (peers: our ranks)
+    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(t, dst=self._peers[peer], group=self._group, tag=tag)
+
+    def _irecv(self, t: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.irecv(t, src=self._peers[peer], group=self._group, tag=tag)
+
+    def _gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        _all_gather(out, t, group=self._group)
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        dist.broadcast(t, src=self._peers[root], group=self._group)
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self._group)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self._group)
 
     def split(self, color: int, key: int) -> TorchDistTransport:
         """A transport over the ranks that pass the same ``color``, ordered by (key, rank).
@@ -393,6 +415,79 @@ class TorchDistTransport(TransportBase):
         one to the wrong group). Groups kept until exit keep every name new.
         """
         self.release_scratch()
+
+
+class ProcessGroupTransport(TorchDistTransport):
+    """The Transport over a gloo process group that torch.distributed does not hold: one made
+    over a store by its members alone (``torch.distributed.ProcessGroupGloo(store, rank,
+    size, timeout)``), as the "ringcomm" torch.distributed backend makes for a group of some
+    of the job's ranks, whose members alone reach its first collective. Its ranks are the
+    group's own; its messages, collectives and dense float sums are those of
+    TorchDistTransport, called on the group object itself.
+
+    Args:
+        group: the gloo process group (its own timeout bounds its waits).
+        store: the store the group was made over (a prefix of it of its own), from which
+            ``split`` makes its groups, under prefixes of their own.
+        timeout, abort_on_timeout: as for TorchDistTransport (``timeout``: what a timeout's
+            message says; ``group``'s own timeout ends the wait).
+    """
+
+    def __init__(self, group: Any, store: Any, *, timeout: float | None = None,
+                 abort_on_timeout: bool = True) -> None:
+        self._pg, self._store, self._splits = group, store, 0
+        rank, size = group.rank(), group.size()
+        hosts = _gather_objects(self._gather, size, socket.gethostname())
+        self._group = None
+        self._peers = self._seat = list(range(size))
+        self._in_order = True
+        self.timeout, self.abort_on_timeout = check_timeout(timeout), bool(abort_on_timeout)
+        self.native_allreduce_bytes = -1
+        pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
+        TransportBase.__init__(self, rank, size, local_rank=hosts[:rank].count(hosts[rank]),
+                               local_size=hosts.count(hosts[rank]))
+        self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> Any:
+        return self._pg.send([t], peer, tag)
+
+    def _irecv(self, t: torch.Tensor, peer: int, tag: int) -> Any:
+        return self._pg.recv([t], peer, tag)
+
+    def _gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        self._pg._allgather_base(out, t, _AllgatherOptions()).wait()
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._pg.broadcast([t], opts).wait()
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        self._pg.allreduce([t], dist.AllreduceOptions()).wait()
+
+    def _barrier(self) -> None:
+        self._pg.barrier(dist.BarrierOptions()).wait()
+
+    def split(self, color: int, key: int) -> TorchDistTransport:
+        """A transport over the ranks that pass the same ``color``, ordered by (key, rank):
+        a new gloo group of theirs over the store, under a prefix that names this split
+        (counted alike on every rank: splitting is collective) and the color.
+
+        Raises:
+            InvalidTypeError, InvalidArgumentError: color or key is invalid on some rank (as
+                ``check_split`` says; raised on every rank).
+        """
+        everyone = agree_split(self, color, key, (socket.gethostname(),))
+        self._splits += 1
+        mine = everyone[self.rank]
+        order = [r for _, r in sorted((k, r) for r, (c, k, _) in enumerate(everyone)
+                                      if c == mine[0])]
+        store = dist.PrefixStore(f"ringcomm-split-{self._splits}-{mine[0]}", self._store)
+        group = dist.ProcessGroupGloo(store, order.index(self.rank), len(order),
+                                      _duration(self.timeout))
+        sub = ProcessGroupTransport(group, store, timeout=self.timeout,
+                                    abort_on_timeout=self.abort_on_timeout)
+        return adopt_ranks(sub, self, order)
 
 
 def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:

@@ -10,9 +10,13 @@ FSDP and every framework built on torch.distributed can use ringcomm's ring with
 The process group (:class:`RingcommProcessGroup`) runs allreduce (sum, avg, min, max,
 product), broadcast, allgather (list and tensor forms), reduce-scatter (list and tensor
 forms), the coalesced forms of allreduce, allgather and reduce-scatter, and barrier through a
-ringcomm communicator over the job's processes: MPI under an MPI launcher, a gloo group of its
-own under torchrun (``ringcomm.init``'s choice). Results are exact and bit-identical on every
-rank (no compression here: compression stays opt-in, through the DDP hook). A reduce op
+ringcomm communicator over the group's processes: for the job's group, ``ringcomm.init``'s
+(MPI under an MPI launcher, a gloo group of its own under torchrun); for a group of some of
+the job's ranks (``new_group``), one its members make alone, as torch makes the group and
+calls its collectives on its members only: over MPI (``MPI_Comm_create_group``) where an MPI
+launcher started the job, else over the group's own gloo group (``ProcessGroupTransport``).
+Results are exact and bit-identical on every rank (no compression here: compression stays
+opt-in, through the DDP hook). A reduce op
 ringcomm does not have (BAND, BOR, BXOR, PREMUL_SUM) raises the same ValueError on every rank,
 naming the op and the backend. Every other collective (send/recv, all_to_all, gather,
 scatter, reduce) runs on a gloo process group over the same store, registered as this group's
@@ -29,11 +33,11 @@ backward as on torch's own backends; ``work.wait()`` (what a call without ``asyn
 does) raises the collective's error, if any, on the caller's thread.
 
 Limits: CPU tensors (strided ones copied where they must be), of NumPy's dtypes for the
-gathers and reduce-scatters; CUDA tensors, those dtypes, and groups smaller than the job made
-by ``new_group`` run on the gloo fallback. Which path a call takes depends on each rank's own
-tensors: a call that takes the fallback first agrees on it with every rank
-(``Communicator.checkpoint``), so that a rank whose tensors took the other path for the same
-call raises the same error as every other rank instead of waiting in its path.
+gathers and reduce-scatters; CUDA tensors and other dtypes run on the gloo fallback. Which
+path a call takes depends on each rank's own tensors: a call that takes the fallback first
+agrees on it with every rank (``Communicator.checkpoint``), so that a rank whose tensors took
+the other path for the same call raises the same error as every other rank instead of
+waiting in its path.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import datetime
 import queue
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,11 +56,16 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ringcomm.backends.gloo import ProcessGroupTransport
 from ringcomm.backends.gloo_held import hold, pause_at_exit
+from ringcomm.backends.mpi_process import import_mpi
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.callers import calls_as
+from ringcomm.comm.settings import read as read_settings
+from ringcomm.core import launch
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import InvalidArgumentError
+from ringcomm.registry import communicator_options
 from ringcomm.torch._tensors import Operand, as_array
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
@@ -64,11 +74,15 @@ __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
 BACKEND_NAME = "ringcomm"
 _LOG = get_logger("torch.dist_backend")
 
-# The thread that runs the group's collectives on ringcomm's communicator (see _Worker).
+# The thread that runs a group's collectives on ringcomm's communicator (see _Worker), named
+# after the group: a process's live threads that call collectives need names of their own.
 _WORKER_NAME = "ringcomm-process-group"
 
 # torch.distributed exports the other options types, but not this one.
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
+
+# MPI_Comm_create_group's tags for sub-groups' communicators: every MPI has at least these.
+_CREATE_TAGS = 32768
 
 # torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
 _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}
@@ -222,13 +236,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         # gloo over the same store: the control plane while the communicator is made, and the
         # backend of every collective this group does not run itself.
+        self._store = store
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("ringcomm-gloo", store), rank, size,
                                            timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
         pause_at_exit()  # for the tensors PyTorch hands this gloo group itself (reduce, ...)
         self._comm: Communicator | None = None
-        self._making = self._apart = self._shut = False
+        self._mpi_comm: Any = None  # a sub-group's members' MPI communicator (see below)
+        self._making = self._shut = False
         self._worker: _Worker | None = None
         _LIVE.add(self)
 
@@ -241,32 +257,94 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._comm
 
     def _communicator(self) -> Communicator | None:
-        """The communicator, made by the first collective (on every rank at the same call);
-        None while it is being made, and for a group smaller than the job (the collectives
-        then run on gloo)."""
-        if self._comm is not None or self._making or self._apart:
+        """The communicator, made by the first collective (on every member at the same
+        call; for a group smaller than the job, by its members alone); None while it is
+        being made (the collectives that make it run on gloo)."""
+        if self._comm is not None or self._making:
             return self._comm
-        if self.size() != dist.get_world_size():
-            # A sub-group: its members alone reach this call, and ringcomm's communicator
-            # would be made by a collective of the whole job. gloo runs its collectives.
-            _LOG.debug("group of %d of the job's %d ranks: its collectives run on gloo",
-                       self.size(), dist.get_world_size())
-            self._apart = True
-            return None
         self._making = True
         try:
-            from ringcomm import init
-
-            comm = init(timeout=self._timeout.total_seconds(), abort_on_exception=False)
-            try:
-                self._check_numbering(comm)
-            except RuntimeError:
-                comm.close()
-                raise
-            self._comm = comm
+            if self.size() == dist.get_world_size():
+                self._comm = self._job_communicator()
+            else:
+                self._comm = self._members_communicator()
         finally:
             self._making = False
         return self._comm
+
+    def _job_communicator(self) -> Communicator:
+        """ringcomm.init()'s communicator over the job, numbered as this group is."""
+        from ringcomm import init
+
+        comm = init(timeout=self._timeout.total_seconds(), abort_on_exception=False)
+        try:
+            self._check_numbering(comm)
+        except RuntimeError:
+            comm.close()
+            raise
+        return comm
+
+    def _members_communicator(self) -> Communicator:
+        """A communicator of this sub-group's members alone (torch makes a group, and calls
+        its first collective, on its members only), numbered as the group is: over an MPI
+        communicator made by them (``MPI_Comm_create_group``, collective over the members
+        only) where an MPI launcher started the whole job, else over the group's own gloo
+        group (torchrun's processes share no MPI world); the same choice on every member."""
+        ranks = self._members_mpi_ranks()
+        if ranks is None:
+            return self._gloo_communicator()
+        from ringcomm import init
+
+        MPI = import_mpi()
+        world = MPI.COMM_WORLD
+        members = world.Get_group().Incl(ranks)
+        try:  # a tag of the group's own, for groups of shared members made at once
+            self._mpi_comm = world.Create_group(members, zlib.crc32(
+                self.group_name.encode()) % _CREATE_TAGS)
+        finally:
+            members.Free()
+        _LOG.debug("group of %d of the job's %d ranks: MPI ranks %s", self.size(),
+                   dist.get_world_size(), ranks)
+        return init(mpi_comm=self._mpi_comm, timeout=self._timeout.total_seconds(),
+                    abort_on_exception=False)
+
+    def _gloo_communicator(self) -> Communicator:
+        """A communicator over a gloo group of this group's members, made over its store,
+        with the options and environment variables of ``ringcomm.init`` (agreed by the
+        members)."""
+        settings, startup_error = read_settings(timeout=self._timeout.total_seconds())
+        # A gloo group of its own: gloo pairs collectives by the order they reach a group,
+        # and the fallback's reach self._gloo from the caller's thread while the
+        # communicator's run on the worker's.
+        store = dist.PrefixStore("ringcomm-communicator", self._store)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("group", store), self.rank(),
+                                      self.size(), self._timeout)
+        transport = ProcessGroupTransport(group, dist.PrefixStore("splits", store),
+                                          timeout=settings.timeout)
+        transport.world_ranks = tuple(dist.get_process_group_ranks(self))  # for messages
+        transport.world_size = dist.get_world_size()
+        _LOG.debug("group of %d of the job's %d ranks (%s): over its gloo group", self.size(),
+                   dist.get_world_size(), transport.world_ranks)
+        return Communicator(transport, **communicator_options(settings, startup_error))
+
+    def _members_mpi_ranks(self) -> list[int] | None:
+        """Each member's rank in MPI's world, in this group's order, where MPI's world is the
+        job (an MPI launcher started it); None elsewhere: gathered over the members' gloo
+        group, so every member gets the same answer."""
+        mine = -1
+        if launch.mpi_launched():
+            try:
+                world = import_mpi().COMM_WORLD
+            except RuntimeError:  # no mpi4py
+                world = None
+            if world is not None and world.Get_size() == dist.get_world_size():
+                mine = world.Get_rank()
+        table = torch.empty(self.size(), dtype=torch.int64)
+        one = torch.tensor([mine], dtype=torch.int64)
+        hold(table, one)
+        self._gloo._allgather_base(table, one, _AllgatherOptions()).wait()
+        ranks = table.tolist()
+        return None if min(ranks) < 0 or len(set(ranks)) != len(ranks) else ranks
 
     def _check_numbering(self, comm: Communicator) -> None:
         """Raise the same RuntimeError on every rank unless ``comm`` numbers every process as
@@ -468,7 +546,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             done: Future[Any] = Future()
             self._worker.put(lambda: None, done)
             done.wait()
-        with calls_as(_WORKER_NAME):  # matched against the worker's calls on other ranks
+        with calls_as(self._worker_name()):  # matched against the worker's calls elsewhere
             comm.checkpoint(f"{collective} on the gloo fallback")
 
     def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
@@ -506,6 +584,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
+    def _worker_name(self) -> str:
+        """The name of the thread that runs this group's collectives: the same on every
+        member (torch names a group alike on all), another for each group of the process."""
+        return f"{_WORKER_NAME} {self.group_name}"
+
     def _submit(self, run: Callable[[], Any]) -> Any:
         """Queue ``run`` for the group's worker thread, which runs the collectives one after
         another in the order they were called (the same on every rank), and return the work
@@ -513,7 +596,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         future: Future[Any] = Future()
         if self._worker is None:
             # Named alike on every rank: the caller's name is part of each call's agreement.
-            self._worker = _Worker(_WORKER_NAME)
+            self._worker = _Worker(self._worker_name())
         self._worker.put(run, future)
         return _Work(future)
 
@@ -534,6 +617,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close()
+        if self._mpi_comm is not None:
+            self._mpi_comm.Free()
+            self._mpi_comm = None
         self._gloo.shutdown()
 
 
