@@ -473,6 +473,28 @@ def strided():  # a strided input on one rank: ringcomm's path on both
     dist.all_gather_into_tensor(out, src)
     return out.tolist()
 attempt("strided", strided)
+# Both ranks on the gloo fallback, with tensors of one byte size but different dtypes: gloo
+# would mix their bytes, silently; every rank raises instead.
+def fallback_dtypes():
+    x = torch.ones(4, dtype=torch.bfloat16) if r == 0 else torch.ones(8, dtype=torch.bool)
+    out = torch.empty(n * x.numel(), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x)
+    return out.float().tolist()
+attempt("fallback dtypes", fallback_dtypes)
+def all_to_all_dtypes():
+    x = torch.ones(2 * n, dtype=torch.float32 if r == 0 else torch.int32)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    return out.tolist()
+attempt("all_to_all dtypes", all_to_all_dtypes)
+def all_to_all():  # uneven splits: sizes may differ between ranks
+    x = torch.arange(3.0 + r) + 10 * r
+    splits = [[1, 2], [2, 2]][r]
+    out = torch.empty([[1, 2], [2, 2]][0][r] + [[1, 2], [2, 2]][1][r])
+    dist.all_to_all_single(out, x, output_split_sizes=[[1, 2], [2, 2]][0][r:r + 1]
+                           + [[1, 2], [2, 2]][1][r:r + 1], input_split_sizes=splits)
+    return out.tolist()
+attempt("all_to_all", all_to_all)
 with open(f"report_{r}.json", "w") as f:
     json.dump({"rank": r, "outcomes": outcomes,
                "calls": dist.group.WORLD.communicator.stats.calls}, f)
@@ -505,6 +527,17 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         outcomes = row["outcomes"]
         assert outcomes["fallback on every rank"][:2] == ["ok", [0.0, 0.0, 1.0, 1.0]]
         assert outcomes["strided"][:2] == ["ok", [0.0, 2.0, 10.0, 12.0]], outcomes
+        assert outcomes["all_to_all"][:2] == (["ok", [0.0, 10.0, 11.0]] if row["rank"] == 0
+                                              else ["ok", [1.0, 2.0, 12.0, 13.0]]), outcomes
+    for name, words in (("fallback dtypes", "all_gather_into_tensor of bfloat16 [4] on the "
+                                            "gloo fallback on rank 0; all_gather_into_tensor "
+                                            "of bool [8] on the gloo fallback on rank 1"),
+                        ("all_to_all dtypes", "all_to_all_single of float32, float32 on the "
+                                              "gloo fallback on rank 0; all_to_all_single of "
+                                              "int32, int32 on the gloo fallback on rank 1")):
+        got = [row["outcomes"][name] for row in reports]
+        assert got[0][:2] == got[1][:2] and got[0][0] == "ArgumentMismatchError", (name, got)
+        assert words in got[0][1], (name, got)
 
 
 SUBGROUPS_JOB = r'''

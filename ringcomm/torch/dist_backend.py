@@ -371,7 +371,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("all_reduce")
+            self._leave_for_gloo("all_reduce", tensors)
             hold(*tensors)
             return self._gloo.allreduce(tensors, opts)
         op = _reduce_op(opts)
@@ -391,7 +391,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.BroadcastOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("broadcast")
+            self._leave_for_gloo("broadcast", tensors)
             hold(*tensors)
             return self._gloo.broadcast(tensors, opts)
         root = opts.rootRank
@@ -409,7 +409,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo("all_gather")
+            self._leave_for_gloo("all_gather", inputs)
             hold(*inputs, *(t for outs in output_lists for t in outs))
             return self._gloo.allgather(output_lists, inputs, opts)
 
@@ -433,7 +433,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo("all_gather_into_tensor")
+            self._leave_for_gloo("all_gather_into_tensor", inputs)
             return self._on_gloo(self._gloo._allgather_base, outputs, inputs, opts)
 
         size = self.size()
@@ -461,7 +461,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         if self._communicator() is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("all_reduce_coalesced")
+            self._leave_for_gloo("all_reduce_coalesced", tensors)
             hold(*tensors)
             return self._gloo.allreduce_coalesced(tensors, opts)
         plain = dist.AllreduceOptions()
@@ -484,7 +484,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                        input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
         pieces = [t for ts in input_lists for t in ts]
         if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
-            self._leave_for_gloo("reduce_scatter")
+            self._leave_for_gloo("reduce_scatter", outputs)
             hold(*outputs, *pieces)
             return self._gloo.reduce_scatter(outputs, input_lists,
                                              opts if opts is not None
@@ -507,7 +507,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo(what)
+            self._leave_for_gloo(what, inputs)
             return self._on_gloo(self._gloo._reduce_scatter_base, outputs, inputs, opts)
         op = _reduce_op(opts)
         size = self.size()
@@ -532,13 +532,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return outputs
         return self._submit(run)
 
-    def _leave_for_gloo(self, collective: str) -> None:
+    def _leave_for_gloo(self, collective: str, tensors: list[torch.Tensor], *,
+                        sizes: bool = True) -> None:
         """Before a collective of a group with a communicator runs on the gloo fallback
         (its tensors are CUDA ones, or of a dtype NumPy lacks): once the collectives queued
-        before it have run, agree with every rank that each takes the fallback here. Which
-        path a call takes depends on each rank's own tensors; a rank on the other path would
-        otherwise wait there until the timeout, where now every rank raises the same
-        ArgumentMismatchError, naming each rank's call."""
+        before it have run, agree with every rank that each takes the fallback here, with
+        tensors of the same dtypes (and ``sizes``, element counts). Which path a call takes
+        depends on each rank's own tensors; a rank on the other path would otherwise wait
+        there until the timeout, where now every rank raises the same
+        ArgumentMismatchError, naming each rank's call. And gloo mixes the bytes of tensors
+        whose dtypes differ between ranks without a word (each rank gets another wrong
+        answer), or ends the process where their sizes differ."""
         comm = self._comm
         if comm is None:
             return
@@ -546,8 +550,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             done: Future[Any] = Future()
             self._worker.put(lambda: None, done)
             done.wait()
+        what = ", ".join(f"{str(t.dtype).removeprefix('torch.')}"
+                         f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
         with calls_as(self._worker_name()):  # matched against the worker's calls elsewhere
-            comm.checkpoint(f"{collective} on the gloo fallback")
+            comm.checkpoint(f"{collective} of {what} on the gloo fallback")
 
     def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
                  inputs: list[torch.Tensor], opts: Any) -> Any:
@@ -566,7 +572,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     # Point-to-point and all-to-all run on gloo (ringcomm's communicator has neither a one-sided
     # send nor an all-to-all); they pass through here, where torch lets a Python group take
-    # them, so that their tensors are held until gloo lets go of them (gloo_held).
+    # them, so that their tensors are held until gloo lets go of them (gloo_held), and an
+    # all-to-all's dtypes are agreed first (its sizes may differ between ranks).
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:
         hold(*tensors)
         return self._gloo.send(tensors, dstRank, tag)
@@ -578,6 +585,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
+        self._communicator()
+        self._leave_for_gloo("all_to_all_single", [input, output], sizes=False)
         hold(output, input)
         return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                         opts if opts is not None else dist.AllToAllOptions())
