@@ -1,8 +1,8 @@
 """torch.distributed's "ringcomm" backend (ringcomm/torch/dist_backend.py), as users start it:
 init_process_group("ringcomm") under torchrun (gloo underneath) and under mpiexec (MPI
 underneath), its collectives checked against exact values, a refused op refused on every rank,
-a sub-group on the gloo fallback, and DDP training whose parameters are bit-identical to the
-same training on gloo."""
+sub-groups with communicators of their own (hybrid sharding among them), and DDP training
+whose parameters are bit-identical to the same training on gloo."""
 
 from __future__ import annotations
 
@@ -669,6 +669,7 @@ def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
 def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
                                             underneath):
@@ -714,3 +715,75 @@ def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, l
     digests = {row["pair_params"] for row in pair + [row for row in theirs
                                                      if row["rank"] in (0, 2)]}
     assert len(digests) == 1, (ours, theirs)
+
+
+HSDP_JOB = r'''
+import hashlib, json, sys
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+backend, launcher = sys.argv[1], sys.argv[2]
+if launcher == "mpiexec":
+    from ringcomm.torch.process_group import init_process_group_from_mpi
+    init_process_group_from_mpi(backend=backend)
+else:
+    dist.init_process_group(backend)
+r = dist.get_rank()
+# Hybrid sharding: shard within pairs of ranks, replicate across them (sub-groups of 2).
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(7 + r)
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+    opt.step()
+full = [p.full_tensor() for p in model.parameters()]
+comms = [getattr(mesh.get_group(d), "communicator", None) for d in ("replicate", "shard")]
+with open(f"report_{r}.json", "w") as f:
+    json.dump({"rank": r, "params": hashlib.sha256(b"".join(
+        t.detach().numpy().tobytes() for t in full)).hexdigest(),
+        "comms": [None if c is None else [c.backend, c.rank, c.size, c.stats.calls]
+                  for c in comms]}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
+def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
+                                                 underneath):
+    """FSDP2 over a 2 x 2 device mesh (HSDP), 4 processes: its replicate and shard groups are
+    sub-groups of two ranks, each with a ringcomm communicator of its members; the parameters
+    end bit-identical to the same training on gloo, on every rank."""
+    job = tmp_path / "hsdp.py"
+    job.write_text(HSDP_JOB)
+    reports = {}
+    for backend in ("ringcomm", "gloo"):
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "4", str(job), backend, launcher]
+        else:
+            cmd = [mpiexec, "-n", "4", sys.executable, str(job), backend, launcher]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env=subprocess_env, cwd=tmp_path)
+        reports[backend] = _reports(tmp_path)
+        out = proc.stdout[-3000:] + proc.stderr[-4000:]
+        assert [row["rank"] for row in reports[backend]] == [0, 1, 2, 3], f"{backend}\n{out}"
+        check_exit(proc.returncode, proc.stdout + proc.stderr, f"HSDP, {backend}",
+                   gloo_baseline=backend == "gloo")
+    for row in reports["ringcomm"]:
+        r = row["rank"]
+        (rb, rr, rn, rcalls), (sb, sr, sn, scalls) = row["comms"]
+        assert (rb, rr, rn, sb, sr, sn) == (underneath, r // 2, 2, underneath, r % 2, 2), row
+        assert rcalls > 0 and scalls > 0, row
+    digests = {row["params"] for rows in reports.values() for row in rows}
+    assert len(digests) == 1, reports
