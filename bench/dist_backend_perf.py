@@ -5,9 +5,12 @@ sweep and DDP training steps, each timed on a group of either backend in turn.
 
 The default group is gloo; a second group over the same ranks uses the "ringcomm" backend
 (torch.distributed.new_group(backend="ringcomm")), and every size or step runs on both, the
-order alternating. Figures are medians of the slowest rank; ratios are gloo's time over
-ringcomm's (above 1: ringcomm faster). The DDP model's parameters after the steps must be
-bit-identical on both groups (2 ranks: a + b = b + a).
+order alternating. With ``--members K`` both groups are sub-groups of the job's first K ranks
+(new_group(ranks=...)), which the others leave alone: a sub-group's ringcomm communicator is
+its members' own (over MPI_Comm_create_group under mpiexec). Figures are medians of the
+slowest rank; ratios are gloo's time over ringcomm's (above 1: ringcomm faster). The DDP
+model's parameters after the steps must be bit-identical on both groups (2 ranks: a + b =
+b + a).
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from ringcomm.perf.options import parse_size
 from ringcomm.torch.process_group import init_process_group_from_mpi
 
 
-def _median_slowest(samples: list[float]) -> float:
+def _median_slowest(samples: list[float], control: Any) -> float:
     t = torch.tensor(samples, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
     return float(t.median())
 
 
-def sweep(groups: dict[str, object], sizes: list[int], iters: int) -> list[dict]:
+def sweep(groups: dict[str, Any], sizes: list[int], iters: int) -> list[dict]:
     rows = []
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4))
@@ -43,12 +46,13 @@ def sweep(groups: dict[str, object], sizes: list[int], iters: int) -> list[dict]
             order = list(groups) if i % 2 == 0 else list(reversed(groups))
             for name in order:
                 y = x.clone()
-                dist.barrier()
+                dist.barrier(group=groups["gloo"])
                 t0 = time.perf_counter()
                 dist.all_reduce(y, group=groups[name])
                 if i >= 3:
                     times[name].append(time.perf_counter() - t0)
-        row = {"size": nbytes, **{name: _median_slowest(s) for name, s in times.items()}}
+        row = {"size": nbytes, **{name: _median_slowest(s, groups["gloo"])
+                                   for name, s in times.items()}}
         rows.append(row)
     return rows
 
@@ -60,7 +64,7 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(1024, 10))
 
 
-def ddp_steps(groups: dict[str, object], steps: int) -> dict[str, Any]:
+def ddp_steps(groups: dict[str, Any], steps: int) -> dict[str, Any]:
     models = {name: _model() for name in groups}
     ddps = {name: torch.nn.parallel.DistributedDataParallel(m, process_group=groups[name])
             for name, m in models.items()}
@@ -71,7 +75,7 @@ def ddp_steps(groups: dict[str, object], steps: int) -> dict[str, Any]:
         order = list(groups) if i % 2 == 0 else list(reversed(groups))
         for name in order:
             x = torch.randn(64, 256, generator=gens[name])
-            dist.barrier()
+            dist.barrier(group=groups["gloo"])
             t0 = time.perf_counter()
             opts[name].zero_grad()
             torch.nn.functional.cross_entropy(ddps[name](x), torch.zeros(64, dtype=torch.long)
@@ -83,9 +87,9 @@ def ddp_steps(groups: dict[str, object], steps: int) -> dict[str, Any]:
     for name, m in models.items():
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                          for p in m.parameters())).hexdigest()[:16]
-        everyone: list[str] = [""] * dist.get_world_size()
-        dist.all_gather_object(everyone, digest)
-        out[name] = {"step_s": _median_slowest(times[name]), "params": digest,
+        everyone: list[str] = [""] * groups["gloo"].size()
+        dist.all_gather_object(everyone, digest, group=groups["gloo"])
+        out[name] = {"step_s": _median_slowest(times[name], groups["gloo"]), "params": digest,
                      "same_on_every_rank": len(set(everyone)) == 1}
     flat = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
             for name, m in models.items()}
@@ -100,19 +104,33 @@ def main() -> None:
     p.add_argument("-f", "--stepfactor", type=int, default=8)
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--members", type=int, default=0,
+                   help="run on sub-groups of the first K ranks (default: every rank)")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
     init_process_group_from_mpi(backend="gloo")
-    groups = {"gloo": dist.group.WORLD, "ringcomm": dist.new_group(backend="ringcomm")}
+    job = dist.get_world_size()
+    k = args.members or job
+    if not 1 <= k <= job:
+        raise SystemExit(f"--members must be 1 to {job}, got {k}")
+    members = list(range(k))
+    groups = ({"gloo": dist.group.WORLD, "ringcomm": dist.new_group(backend="ringcomm")}
+              if k == job else {"gloo": dist.new_group(members, backend="gloo"),
+                                "ringcomm": dist.new_group(members, backend="ringcomm")})
+    if dist.get_rank() not in members:
+        dist.barrier()  # the members' runs, then the end together
+        dist.destroy_process_group()
+        return
     sizes, s = [], args.minbytes
     while s <= args.maxbytes:
         sizes.append(s)
         s *= args.stepfactor
     rows = sweep(groups, sizes, args.iters)
     ddp = ddp_steps(groups, args.steps)
-    n = dist.get_world_size()
     if dist.get_rank() == 0:
-        lines = [f"# torch.distributed backend \"ringcomm\" against gloo, {n} ranks", "",
+        title = (f"{k} ranks" if k == job
+                 else f"a sub-group of {k} of a job's {job} ranks (the others idle)")
+        lines = [f"# torch.distributed backend \"ringcomm\" against gloo, {title}", "",
                  f"- machine: {platform.processor() or platform.machine()}, "
                  f"{platform.platform()}; torch {torch.__version__}; NumPy {np.__version__}",
                  f"- all_reduce: float32, median of {args.iters} calls (slowest rank), "
@@ -137,6 +155,8 @@ def main() -> None:
         print(text)
         if args.markdown:
             Path(args.markdown).write_text(text)
+    if k < job:
+        dist.barrier()
     dist.destroy_process_group()
 
 
