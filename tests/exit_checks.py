@@ -1,5 +1,5 @@
 """How the tests judge a multi-process job's exit, where PyTorch's own gloo backend is the
-baseline.
+baseline, and how they run one (``run_job``).
 
 gloo's worker threads dropped PyTorch's tensors during the interpreter's finalization now and
 then, and a process aborted at exit after its work (``terminate called without an active
@@ -10,6 +10,9 @@ PyTorch's, and the caller checks the work; every other job must end with exit st
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import warnings
 
 #: What the C++ runtime prints when a process aborts that way.
@@ -25,3 +28,21 @@ def check_exit(returncode: int, output: str, what: str, *, gloo_baseline: bool =
                       "work was done", stacklevel=3)
         return
     assert returncode == 0, f"{what}\n{output[-6000:]}"
+
+
+def run_job(cmd: list[str], *, timeout: float, **kwargs: object
+            ) -> subprocess.CompletedProcess[str]:
+    """Run a launcher (mpiexec, torchrun) to its end, its output captured as text; past
+    ``timeout`` seconds its whole process group is killed and the result's return code is
+    -9, its stderr saying so. (``subprocess.run``'s timeout kills the launcher alone: ranks
+    waiting in a collective then live on, spinning, and slow every later test.)"""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)  # type: ignore[call-overload]
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, -9, out, f"{err}\n{cmd[:3]} timed out after "
+                                                          f"{timeout} s: killed")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from exit_checks import check_exit
+from exit_checks import check_exit, run_job
+
+# Each job has its own timeout (run_job kills its process group); the tests' is above them all.
+pytestmark = pytest.mark.timeout(1200)
 
 JOB = r'''
 import hashlib, json, sys
@@ -154,8 +157,7 @@ def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> li
     else:
         cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable,
                str(job), backend, launcher]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
-                          cwd=tmp_path)
+    proc = run_job(cmd, timeout=240, env=env, cwd=tmp_path)
     reports = _reports(tmp_path)
     # Under mpiexec ringcomm's init_process_group_from_mpi made the gloo group, and its exit
     # pause (gloo_held.pause_at_exit) must keep even PyTorch's gloo from aborting.
@@ -251,10 +253,9 @@ def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
     job.write_text(FSDP_JOB)
     runs = {}
     for backend in ("ringcomm", "gloo"):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "2", str(job), backend],
-                              capture_output=True, text=True, timeout=240, env=subprocess_env,
-                              cwd=tmp_path)
+        proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(job), backend],
+                       timeout=240, env=subprocess_env, cwd=tmp_path)
         runs[backend] = _reports(tmp_path)
         _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
     for row in runs["ringcomm"]:
@@ -316,10 +317,9 @@ def test_functional_collectives_on_the_ringcomm_backend(tmp_path, subprocess_env
     job = tmp_path / "functional.py"
     job.write_text(FUNCTIONAL_JOB)
     rounds = 300
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(job), str(rounds)],
-                          capture_output=True, text=True, timeout=180, env=subprocess_env,
-                          cwd=tmp_path)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(job), str(rounds)],
+                   timeout=180, env=subprocess_env, cwd=tmp_path)
     reports = _reports(tmp_path)
     _check_exit(proc, reports, "functional collectives on ringcomm")
     for row in reports:
@@ -362,10 +362,9 @@ def test_a_group_numbered_unlike_the_launcher(tmp_path, subprocess_env, mpiexec,
     waited there until the timeout)."""
     job = tmp_path / "job.py"
     job.write_text(NUMBERING_JOB)
-    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(job),
-                           str(tmp_path / "store"), underneath],
-                          capture_output=True, text=True, timeout=120, env=subprocess_env,
-                          cwd=tmp_path)
+    proc = run_job([mpiexec, "-n", "3", sys.executable, str(job),
+                    str(tmp_path / "store"), underneath],
+                   timeout=120, env=subprocess_env, cwd=tmp_path)
     reports = _reports(tmp_path)
     assert [row["rank"] for row in reports] == [0, 1, 2], proc.stdout[-2000:] + proc.stderr[-3000:]
     if underneath == "auto":
@@ -405,16 +404,15 @@ def test_the_backend_is_registered_as_torch_starts(tmp_path, subprocess_env):
     seen = {}
     for autoload in ("1", "0"):
         env = {**subprocess_env, "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120, env=env, cwd=tmp_path)
+        proc = run_job([sys.executable, "-c", code], timeout=120, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         seen[autoload] = proc.stdout.split()
     assert seen == {"1": ["True", "True"], "0": ["False", "False"]}, seen
     job = tmp_path / "job.py"
     job.write_text(AUTOLOAD_JOB)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(job)], capture_output=True, text=True,
-                          timeout=240, env=subprocess_env, cwd=tmp_path)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(job)], timeout=240, env=subprocess_env,
+                   cwd=tmp_path)
     reports = _reports(tmp_path)
     _check_exit(proc, reports, "init_process_group('ringcomm') without importing ringcomm")
     for row in reports:
@@ -473,6 +471,27 @@ def strided():  # a strided input on one rank: ringcomm's path on both
     dist.all_gather_into_tensor(out, src)
     return out.tolist()
 attempt("strided", strided)
+def queued_behind():  # a collective called while another runs waits for it, in call order
+    import threading
+    a, b = torch.full((3,), 1.0 + r), torch.full((3,), 10.0 + r)
+    if r == 0:
+        first = {}
+        runs = threading.Thread(target=lambda: first.update(
+            work=dist.all_reduce(a, async_op=True)))  # runs there, waiting for rank 1
+        runs.start()
+        time.sleep(0.3)
+        second = dist.all_reduce(b, async_op=True)  # queued behind it
+        runs.join()
+        first["work"].wait()
+        second.wait()
+    else:
+        time.sleep(0.6)
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    threads = sorted(t.name for t in threading.enumerate()
+                     if t.name.startswith("ringcomm-process-group"))
+    return [a.tolist(), b.tolist(), threads]
+attempt("queued behind", queued_behind)
 # Both ranks on the gloo fallback, with tensors of one byte size but different dtypes: gloo
 # would mix their bytes, silently; every rank raises instead.
 def fallback_dtypes():
@@ -511,10 +530,9 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
     ringcomm's path, which copies them."""
     job = tmp_path / "mixed.py"
     job.write_text(MIXED_PATHS_JOB)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(job)],
-                          capture_output=True, text=True, timeout=240, env=subprocess_env,
-                          cwd=tmp_path)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(job)],
+                   timeout=240, env=subprocess_env, cwd=tmp_path)
     reports = _reports(tmp_path)
     _check_exit(proc, reports, "collectives whose ranks take different paths")
     for name in ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor"):
@@ -527,6 +545,9 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         outcomes = row["outcomes"]
         assert outcomes["fallback on every rank"][:2] == ["ok", [0.0, 0.0, 1.0, 1.0]]
         assert outcomes["strided"][:2] == ["ok", [0.0, 2.0, 10.0, 12.0]], outcomes
+        # Collectives run on their caller's thread where none is pending, else on the group's.
+        assert outcomes["queued behind"][:2] == ["ok", [[3.0] * 3, [21.0] * 3, [
+            "ringcomm-process-group 0"] if row["rank"] == 0 else []]], outcomes
         assert outcomes["all_to_all"][:2] == (["ok", [0.0, 10.0, 11.0]] if row["rank"] == 0
                                               else ["ok", [1.0, 2.0, 12.0, 13.0]]), outcomes
     for name, words in (("fallback dtypes", "all_gather_into_tensor of bfloat16 [4] on the "
@@ -658,8 +679,7 @@ def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
     else:
         cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "3", sys.executable,
                str(job), backend, launcher]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
-                          cwd=tmp_path)
+    proc = run_job(cmd, timeout=240, env=env, cwd=tmp_path)
     reports = _reports(tmp_path)
     out = proc.stdout[-3000:] + proc.stderr[-4000:]
     assert [row["rank"] for row in reports] == [0, 1, 2], f"{backend} under {launcher}\n{out}"
@@ -669,7 +689,6 @@ def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
 def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
                                             underneath):
@@ -757,7 +776,6 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
 def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
                                                  underneath):
@@ -773,8 +791,7 @@ def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiex
                    "--nproc-per-node", "4", str(job), backend, launcher]
         else:
             cmd = [mpiexec, "-n", "4", sys.executable, str(job), backend, launcher]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env=subprocess_env, cwd=tmp_path)
+        proc = run_job(cmd, timeout=300, env=subprocess_env, cwd=tmp_path)
         reports[backend] = _reports(tmp_path)
         out = proc.stdout[-3000:] + proc.stderr[-4000:]
         assert [row["rank"] for row in reports[backend]] == [0, 1, 2, 3], f"{backend}\n{out}"

@@ -27,10 +27,13 @@ for a method the group lacked, the trampoline would call the gloo backend while 
 GIL, which deadlocks with gloo's worker thread (it takes the GIL to release a finished
 collective's tensors while holding its queue's lock).
 
-The collectives run on one thread per group, in the order they were called (the same on every
-rank), and return at once with a work object, so that DDP overlaps its bucket allreduces with
-backward as on torch's own backends; ``work.wait()`` (what a call without ``async_op=True``
-does) raises the collective's error, if any, on the caller's thread.
+The collectives run one at a time per group, in the order they were called (the same on every
+rank): small ones (64 KiB at most) on the calling thread where no other is pending (no thread
+handoff: bench/results/dist_backend_inline.md), the others on a thread of the group's own
+behind the pending ones, the call returning at once with a work object, so that DDP overlaps
+its bucket allreduces with backward as on torch's own backends; ``work.wait()`` (what a call
+without ``async_op=True`` does) raises the collective's error, if any, on the caller's
+thread.
 
 Limits: CPU tensors (strided ones copied where they must be), of NumPy's dtypes for the
 gathers and reduce-scatters; CUDA tensors and other dtypes run on the gloo fallback. Which
@@ -83,6 +86,18 @@ _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 
 # MPI_Comm_create_group's tags for sub-groups' communicators: every MPI has at least these.
 _CREATE_TAGS = 32768
+
+# Collectives of at most this many bytes (a gather's result counted) may run on the calling
+# thread (see _Worker): they are latency-bound, where larger ones (DDP's buckets) may overlap
+# the caller's work from the group's thread.
+_HERE_BYTES = 64 << 10
+
+
+def _small(tensors: list[torch.Tensor], factor: int = 1) -> bool:
+    """Whether a collective of ``tensors`` (``factor`` times their bytes) is small enough to
+    run on the calling thread."""
+    return sum(t.numel() * t.element_size() for t in tensors) * factor <= _HERE_BYTES
+
 
 # torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
 _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}
@@ -187,35 +202,75 @@ class _Works(dist._Work):
 
 
 class _Worker:
-    """One thread that runs a group's collectives in the order they were queued, so that the
-    caller (DDP's autograd thread, say) goes on while they run, as with torch's own backends."""
+    """Runs a group's collectives one at a time, in the order they were submitted (the same
+    on every rank): a small one on the submitting thread where none is queued or running (no
+    thread handoff, which cost more than the call: 31 us against 22 for an 8-byte
+    all_reduce), the others on a thread of the group's own, behind what is pending, so that
+    the caller (DDP's autograd thread, say) goes on meanwhile, as with torch's own backends.
+    Either way the calls are made under the worker's name (``calls_as``), which the
+    agreement matches across ranks."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._state = threading.Lock()  # guards _pending and the start of the thread
+        self._pending = 0  # submitted and not finished
+        self._running = threading.Lock()  # held by whichever thread runs a collective
+        self._thread: threading.Thread | None = None
 
-    def put(self, run: Callable[[], Any], future: Future[Any]) -> None:
-        self._queue.put((run, future))
+    def submit(self, run: Callable[[], Any], future: Future[Any], small: bool) -> None:
+        """Run ``run`` and complete ``future`` with its result or error: here and now for a
+        ``small`` call where nothing is pending, else on the group's thread after what is."""
+        with self._state:
+            here = small and self._pending == 0
+            self._pending += 1
+            if here:  # free: whoever ran last released it before it stopped pending
+                self._running.acquire()
+            elif self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name,
+                                                daemon=True)
+                self._thread.start()
+        if not here:
+            self._queue.put((run, future))
+            return
+        try:
+            with calls_as(self.name):
+                _settle(run, future)
+        finally:
+            self._running.release()
+            self._finished()
 
     def stop(self) -> None:
         """Run what is queued, then end the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        with self._state:
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _finished(self) -> None:
+        with self._state:
+            self._pending -= 1
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            run, future = item
-            try:
-                result = run()
-            except BaseException as err:  # handed to whoever waits for the work
-                future.set_exception(err)
-            else:
-                future.set_result(result)
+            with self._running:
+                _settle(*item)
+            self._finished()
+
+
+def _settle(run: Callable[[], Any], future: Future[Any]) -> None:
+    """Complete ``future`` with ``run()``'s result, or its error (raised by whoever waits)."""
+    try:
+        result = run()
+    except BaseException as err:  # handed to whoever waits for the work
+        future.set_exception(err)
+    else:
+        future.set_result(result)
 
 
 class RingcommProcessGroup(dist.ProcessGroup):
@@ -383,7 +438,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     comm.allreduce(x.array, out=x.array, op=op)
                 x.write_back()
             return tensors
-        return self._submit(run)
+        return self._submit(run, here=_small(tensors))
 
     def broadcast(self, tensors: Any, opts: Any = None) -> Any:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -402,7 +457,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 comm.broadcast(x.array, root=root)
                 x.write_back()
             return tensors
-        return self._submit(run)
+        return self._submit(run, here=_small(tensors))
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         comm = self._communicator()
@@ -419,7 +474,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 for r, out in enumerate(outs):
                     out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
             return output_lists
-        return self._submit(run)
+        return self._submit(run, here=_small(inputs, self.size()))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -453,7 +508,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             if problem is not None:
                 raise ValueError(problem)
             return outputs
-        return self._submit(run)
+        return self._submit(run, here=_small(inputs, size))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # its name before torch 2.12
 
@@ -530,7 +585,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             if problem is not None:
                 raise ValueError(f"{what}: {problem}")
             return outputs
-        return self._submit(run)
+        return self._submit(run, here=_small(inputs))
 
     def _leave_for_gloo(self, collective: str, tensors: list[torch.Tensor], *,
                         sizes: bool = True) -> None:
@@ -546,14 +601,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm = self._comm
         if comm is None:
             return
-        if self._worker is not None:  # the queued collectives' exchanges come first
-            done: Future[Any] = Future()
-            self._worker.put(lambda: None, done)
-            done.wait()
         what = ", ".join(f"{str(t.dtype).removeprefix('torch.')}"
                          f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
-        with calls_as(self._worker_name()):  # matched against the worker's calls elsewhere
-            comm.checkpoint(f"{collective} of {what} on the gloo fallback")
+        label = f"{collective} of {what} on the gloo fallback"
+        # After the pending collectives (their exchanges come first), as one of them.
+        self._submit(lambda: comm.checkpoint(label), here=True).wait()
 
     def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
                  inputs: list[torch.Tensor], opts: Any) -> Any:
@@ -568,7 +620,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm = self._communicator()
         if comm is None:
             return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
-        return self._submit(comm.barrier)
+        return self._submit(comm.barrier, here=True)
 
     # Point-to-point and all-to-all run on gloo (ringcomm's communicator has neither a one-sided
     # send nor an all-to-all); they pass through here, where torch lets a Python group take
@@ -598,15 +650,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
         member (torch names a group alike on all), another for each group of the process."""
         return f"{_WORKER_NAME} {self.group_name}"
 
-    def _submit(self, run: Callable[[], Any]) -> Any:
-        """Queue ``run`` for the group's worker thread, which runs the collectives one after
-        another in the order they were called (the same on every rank), and return the work
-        object whose future ``run``'s result (or error) completes."""
+    def _submit(self, run: Callable[[], Any], *, here: bool = False) -> Any:
+        """Hand ``run`` to the group's worker, which runs the collectives one after another
+        in the order they were called (the same on every rank), and return the work object
+        whose future ``run``'s result (or error) completes; ``here``: a small call, which the
+        worker runs on this thread where nothing is pending."""
         future: Future[Any] = Future()
         if self._worker is None:
             # Named alike on every rank: the caller's name is part of each call's agreement.
             self._worker = _Worker(self._worker_name())
-        self._worker.put(run, future)
+        self._worker.submit(run, future, here)
         return _Work(future)
 
     def shutdown(self) -> None:
