@@ -17,8 +17,9 @@ from exit_checks import check_exit, run_job
 # Each job has its own timeout (run_job kills its process group); the tests' is above them all.
 pytestmark = pytest.mark.timeout(1200)
 
-JOB = r'''
-import hashlib, json, sys
+# How the jobs below start (arguments: the backend, then the launcher): as users start one.
+START = r'''
+import datetime, hashlib, inspect, json, sys
 import torch, torch.distributed as dist
 import ringcomm.torch  # registers "ringcomm"
 
@@ -28,6 +29,57 @@ if launcher == "mpiexec":
     init_process_group_from_mpi(backend=backend)
 else:
     dist.init_process_group(backend)
+
+
+def trained(group=None, seed=100, steps=6, hidden=32, batch=16):
+    """The sha256 of a small model's parameters after DDP training over ``group``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                    bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(batch, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def sharded(mesh=None):
+    """The sha256 of a small model's full parameters after FSDP2 training (fully_shard,
+    over ``mesh``: the job's ranks when None)."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    full = [p.full_tensor() for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in full)).hexdigest()
+'''
+
+
+def _command(launcher: str, processes: int, job: Path, *args: str) -> list[str]:
+    """The command that starts ``job`` under ``launcher`` ("torchrun" or "mpiexec")."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(processes), str(job), *args]
+    return [str(Path(sys.executable).parent / "mpiexec"), "-n", str(processes),
+            sys.executable, str(job), *args]
+
+
+JOB = START + r'''
 r, n = dist.get_rank(), dist.get_world_size()
 report = {"backend": dist.get_backend()}
 if backend == "ringcomm":
@@ -122,17 +174,7 @@ if backend == "ringcomm":
     comm = dist.group.WORLD.communicator
     report["communicator"] = comm.backend
     report["calls"] = comm.stats.calls
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
-opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-gen = torch.Generator().manual_seed(100 + r)
-for _ in range(6):
-    opt.zero_grad()
-    ddp(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
-    opt.step()
-report["params"] = hashlib.sha256(
-    b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+report["params"] = trained()
 if backend == "ringcomm":
     report["calls_after_ddp"] = dist.group.WORLD.communicator.stats.calls
 with open(f"report_{r}.json", "w") as f:  # a file each: the ranks' stdout interleaves
@@ -151,13 +193,8 @@ def _reports(where: Path) -> list[dict]:
 def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> list[dict]:
     job = tmp_path / "job.py"
     job.write_text(JOB)
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(job), backend, launcher]
-    else:
-        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable,
-               str(job), backend, launcher]
-    proc = run_job(cmd, timeout=240, env=env, cwd=tmp_path)
+    proc = run_job(_command(launcher, 2, job, backend, launcher), timeout=240, env=env,
+                   cwd=tmp_path)
     reports = _reports(tmp_path)
     # Under mpiexec ringcomm's init_process_group_from_mpi made the gloo group, and its exit
     # pause (gloo_held.pause_at_exit) must keep even PyTorch's gloo from aborting.
@@ -212,33 +249,12 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpie
     assert len(digests) == 1, (ours, theirs)
 
 
-FSDP_JOB = r'''
-import hashlib, json, sys
-import torch, torch.distributed as dist
-import ringcomm.torch  # registers "ringcomm"
-from torch.distributed.fsdp import fully_shard
-
-backend = sys.argv[1]
-dist.init_process_group(backend)
+FSDP_JOB = START + r'''
 r = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer)
-fully_shard(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-gen = torch.Generator().manual_seed(7 + r)
-for _ in range(5):
-    opt.zero_grad()
-    model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
-    opt.step()
-full = [p.full_tensor() for p in model.parameters()]
+params = sharded()
 comm = getattr(dist.group.WORLD, "communicator", None)
 with open(f"report_{r}.json", "w") as f:
-    json.dump({"rank": r, "backend": dist.get_backend(),
-               "params": hashlib.sha256(b"".join(t.detach().numpy().tobytes()
-                                                  for t in full)).hexdigest(),
+    json.dump({"rank": r, "backend": dist.get_backend(), "params": params,
                "calls": None if comm is None else comm.stats.calls}, f)
 dist.destroy_process_group()
 '''
@@ -253,9 +269,8 @@ def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
     job.write_text(FSDP_JOB)
     runs = {}
     for backend in ("ringcomm", "gloo"):
-        proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", str(job), backend],
-                       timeout=240, env=subprocess_env, cwd=tmp_path)
+        proc = run_job(_command("torchrun", 2, job, backend, "torchrun"), timeout=240,
+                       env=subprocess_env, cwd=tmp_path)
         runs[backend] = _reports(tmp_path)
         _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
     for row in runs["ringcomm"]:
@@ -561,18 +576,7 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         assert words in got[0][1], (name, got)
 
 
-SUBGROUPS_JOB = r'''
-import datetime, hashlib, inspect, json, sys
-import torch, torch.distributed as dist
-import ringcomm.torch  # registers "ringcomm"
-
-backend, launcher = sys.argv[1], sys.argv[2]
-timeout = datetime.timedelta(seconds=60)
-if launcher == "mpiexec":
-    from ringcomm.torch.process_group import init_process_group_from_mpi
-    init_process_group_from_mpi(backend=backend, timeout=timeout)
-else:
-    dist.init_process_group(backend, timeout=timeout)
+SUBGROUPS_JOB = START + r'''
 r, n = dist.get_rank(), dist.get_world_size()
 keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
 # Every rank makes every group (torch's rule); the backend's creator and each group's
@@ -625,18 +629,8 @@ if r in (0, 2):
         work.wait()
         ok &= a.tolist() == [2.0 * k + 2] * 1000 and (r != 2 or g.tolist() == [2.0 * k] * 3)
     report["pair_interleaved"] = ok
-    torch.manual_seed(0)  # DDP over the pair: a replica group, as in hybrid sharding
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pair,
-                                                    bucket_cap_mb=0.001)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(50 + r)
-    for _ in range(4):
-        opt.zero_grad()
-        ddp(torch.randn(8, 8, generator=gen)).pow(2).mean().backward()
-        opt.step()
-    report["pair_params"] = hashlib.sha256(
-        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    # DDP over the pair: a replica group, as in hybrid sharding
+    report["pair_params"] = trained(pair, seed=50, steps=4, hidden=16, batch=8)
     report["pair_comm"] = communicator(pair)
 if r in (1, 2):
     o = torch.empty(4)
@@ -673,13 +667,8 @@ def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
                    backend: str) -> list[dict]:
     job = tmp_path / "subgroups.py"
     job.write_text(SUBGROUPS_JOB)
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "3", str(job), backend, launcher]
-    else:
-        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "3", sys.executable,
-               str(job), backend, launcher]
-    proc = run_job(cmd, timeout=240, env=env, cwd=tmp_path)
+    proc = run_job(_command(launcher, 3, job, backend, launcher), timeout=240, env=env,
+                   cwd=tmp_path)
     reports = _reports(tmp_path)
     out = proc.stdout[-3000:] + proc.stderr[-4000:]
     assert [row["rank"] for row in reports] == [0, 1, 2], f"{backend} under {launcher}\n{out}"
@@ -736,41 +725,18 @@ def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, l
     assert len(digests) == 1, (ours, theirs)
 
 
-HSDP_JOB = r'''
-import hashlib, json, sys
-import torch, torch.distributed as dist
-import ringcomm.torch  # registers "ringcomm"
+HSDP_JOB = START + r'''
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-backend, launcher = sys.argv[1], sys.argv[2]
-if launcher == "mpiexec":
-    from ringcomm.torch.process_group import init_process_group_from_mpi
-    init_process_group_from_mpi(backend=backend)
-else:
-    dist.init_process_group(backend)
 r = dist.get_rank()
 # Hybrid sharding: shard within pairs of ranks, replicate across them (sub-groups of 2).
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-gen = torch.Generator().manual_seed(7 + r)
-for _ in range(5):
-    opt.zero_grad()
-    model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
-    opt.step()
-full = [p.full_tensor() for p in model.parameters()]
+params = sharded(mesh)
 comms = [getattr(mesh.get_group(d), "communicator", None) for d in ("replicate", "shard")]
 with open(f"report_{r}.json", "w") as f:
-    json.dump({"rank": r, "params": hashlib.sha256(b"".join(
-        t.detach().numpy().tobytes() for t in full)).hexdigest(),
-        "comms": [None if c is None else [c.backend, c.rank, c.size, c.stats.calls]
-                  for c in comms]}, f)
+    json.dump({"rank": r, "params": params,
+               "comms": [None if c is None else [c.backend, c.rank, c.size, c.stats.calls]
+                         for c in comms]}, f)
 dist.destroy_process_group()
 '''
 
@@ -786,12 +752,8 @@ def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiex
     job.write_text(HSDP_JOB)
     reports = {}
     for backend in ("ringcomm", "gloo"):
-        if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "4", str(job), backend, launcher]
-        else:
-            cmd = [mpiexec, "-n", "4", sys.executable, str(job), backend, launcher]
-        proc = run_job(cmd, timeout=300, env=subprocess_env, cwd=tmp_path)
+        proc = run_job(_command(launcher, 4, job, backend, launcher), timeout=300,
+                       env=subprocess_env, cwd=tmp_path)
         reports[backend] = _reports(tmp_path)
         out = proc.stdout[-3000:] + proc.stderr[-4000:]
         assert [row["rank"] for row in reports[backend]] == [0, 1, 2, 3], f"{backend}\n{out}"
