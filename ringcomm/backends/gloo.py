@@ -8,7 +8,9 @@ dense float sums and averages, which run as gloo's own allreduce (see ``native_a
 Host arrays only: device arrays are staged through host memory.
 
 :class:`TorchDistTransport` implements the Transport; :class:`TorchDistCommunicator` is the
-Communicator over it.
+Communicator over it. :class:`ProcessGroupTransport` is the same Transport over a gloo group
+that torch.distributed does not hold, made over a store by its members alone (the
+"ringcomm" torch.distributed backend's groups of some of the job's ranks, under torchrun).
 """
 
 from __future__ import annotations
