@@ -157,6 +157,11 @@ def _gather_objects(gather: _Gather, size: int, obj: Any) -> list[Any]:
     return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, lengths, strict=True)]
 
 
+def _place(hosts: list[str], rank: int) -> tuple[int, int]:
+    """``rank``'s local rank and local size among ``hosts``, every rank's host name."""
+    return hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
+
+
 def _staged(recv: Array) -> tuple[np.ndarray, Any]:
     """Where to receive into ``recv`` on the host, and what copies it over once received."""
     if type(recv) is np.ndarray:
@@ -210,8 +215,7 @@ class TorchDistTransport(TransportBase):
         # sets no local size, and a guess could differ between the ranks of one node.
         hosts = _gather_objects(functools.partial(_all_gather, group=group),
                                 dist.get_world_size(group), socket.gethostname())
-        rank = dist.get_rank(group)
-        self._setup(group, hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), seconds,
+        self._setup(group, *_place(hosts, dist.get_rank(group)), seconds,
                     bool(abort_on_timeout), made_here=made_here)
         #: Dense float sums and averages up to this many bytes run as gloo's own allreduce
         #: (all of them by default, -1); the same on every rank.
@@ -232,17 +236,25 @@ class TorchDistTransport(TransportBase):
         if members is None:
             members = [dist.get_global_rank(group, g) for g in range(size)]
         seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
+        if made_here:
+            _MADE.append(group)
+        self._adopt(group, members.index(dist.get_rank()), members,
+                    [seat_of[m] for m in members], local_rank, local_size, timeout,
+                    abort_on_timeout)
+
+    def _adopt(self, group: Any, rank: int, peers: list[int], seat: list[int],
+               local_rank: int, local_size: int, timeout: float,
+               abort_on_timeout: bool) -> None:
+        """Run on ``group`` as ``rank`` of ``len(peers)``: ``peers`` name each rank of this
+        transport as the group's messages do, ``seat`` is its place in the group's
+        collectives."""
         self._group = group
         self.native_allreduce_bytes = -1
         pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
-        if made_here:
-            _MADE.append(group)
-        self._peers = members
-        self._seat = [seat_of[m] for m in members]
-        self._in_order = self._seat == list(range(size))
+        self._peers, self._seat = peers, seat
+        self._in_order = seat == list(range(len(seat)))
         self.timeout, self.abort_on_timeout = timeout, abort_on_timeout
-        super().__init__(members.index(dist.get_rank()), size,
-                         local_rank=local_rank, local_size=local_size)
+        super().__init__(rank, len(peers), local_rank=local_rank, local_size=local_size)
 
     def _in_rank_order(self, rows: list[Any]) -> list[Any]:
         """``rows`` of a collective, from the group's order into this transport's."""
@@ -398,11 +410,9 @@ class TorchDistTransport(TransportBase):
                                timeout=_duration(self.timeout), **keep_order)
         # The launcher's local rank describes the whole job; a sub-group counts its own.
         hosts = [everyone[r][2] for r in order]
-        new_rank = order.index(self.rank)
         sub = TorchDistTransport.__new__(TorchDistTransport)
-        sub._setup(group, hosts[:new_rank].count(hosts[new_rank]),
-                   hosts.count(hosts[new_rank]), self.timeout, self.abort_on_timeout, members,
-                   made_here=True)
+        sub._setup(group, *_place(hosts, order.index(self.rank)), self.timeout,
+                   self.abort_on_timeout, members, made_here=True)
         sub.native_allreduce_bytes = self.native_allreduce_bytes  # agreed by every member
         return adopt_ranks(sub, self, order)
 
@@ -440,14 +450,9 @@ class ProcessGroupTransport(TorchDistTransport):
         self._pg, self._store, self._splits = group, store, 0
         rank, size = group.rank(), group.size()
         hosts = _gather_objects(self._gather, size, socket.gethostname())
-        self._group = None
-        self._peers = self._seat = list(range(size))
-        self._in_order = True
-        self.timeout, self.abort_on_timeout = check_timeout(timeout), bool(abort_on_timeout)
-        self.native_allreduce_bytes = -1
-        pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
-        TransportBase.__init__(self, rank, size, local_rank=hosts[:rank].count(hosts[rank]),
-                               local_size=hosts.count(hosts[rank]))
+        # Named by the group's own ranks: peers and seats are this transport's ranks.
+        self._adopt(None, rank, list(range(size)), list(range(size)), *_place(hosts, rank),
+                    check_timeout(timeout), bool(abort_on_timeout))
         self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
 
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> Any:

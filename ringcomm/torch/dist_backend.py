@@ -394,23 +394,24 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 world = None
             if world is not None and world.Get_size() == dist.get_world_size():
                 mine = world.Get_rank()
-        table = torch.empty(self.size(), dtype=torch.int64)
-        one = torch.tensor([mine], dtype=torch.int64)
-        hold(table, one)
-        self._gloo._allgather_base(table, one, _AllgatherOptions()).wait()
-        ranks = table.tolist()
+        ranks = [row[0] for row in self._gather_ints([mine])]
         return None if min(ranks) < 0 or len(set(ranks)) != len(ranks) else ranks
+
+    def _gather_ints(self, mine: list[int]) -> list[list[int]]:
+        """Every member's ``mine`` (as many ints on each), in group order, over the gloo
+        group: the control plane of the communicator's making."""
+        row = torch.tensor(mine, dtype=torch.int64)
+        table = torch.empty(len(mine) * self.size(), dtype=torch.int64)
+        hold(table, row)
+        self._gloo._allgather_base(table, row, _AllgatherOptions()).wait()
+        return table.view(self.size(), len(mine)).tolist()
 
     def _check_numbering(self, comm: Communicator) -> None:
         """Raise the same RuntimeError on every rank unless ``comm`` numbers every process as
         this group does (a job whose launcher and torch.distributed number the processes
         differently would otherwise sum the wrong ranks' data, or hang on the ranks that do
         match): each rank's (rank, size) in ``comm``, gathered over the gloo group."""
-        mine = torch.tensor([comm.rank, comm.size], dtype=torch.int64)
-        table = torch.empty(2 * self.size(), dtype=torch.int64)
-        hold(table, mine)
-        self._gloo._allgather_base(table, mine, _AllgatherOptions()).wait()
-        seen = [tuple(pair) for pair in table.view(-1, 2).tolist()]
+        seen = [tuple(pair) for pair in self._gather_ints([comm.rank, comm.size])]
         wrong = [f"rank {g} is ringcomm's rank {r} of {n}"
                  for g, (r, n) in enumerate(seen) if (r, n) != (g, self.size())]
         if wrong:
