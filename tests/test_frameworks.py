@@ -11,15 +11,13 @@ are ignored, which is why ringcomm.torch has its own.
 from __future__ import annotations
 
 import importlib
-import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from exit_checks import check_exit
+from exit_checks import check_exit, run_job
 
 torch = pytest.importorskip("torch")
 
@@ -187,17 +185,10 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, *,
     """Run a launcher to its end (180 s at most, then its whole process group is killed); it
     must end well, every process included (an abort at exit fails the test);
     ``gloo_baseline``: a job on PyTorch's own gloo backend (see exit_checks)."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd[:4]} timed out\n{out[-3000:]}\n{err[-3000:]}")
-    check_exit(proc.returncode, out + err, str(cmd[:4]),
+    proc = run_job(cmd, timeout=180, env=env, cwd=cwd)
+    check_exit(proc.returncode, proc.stdout + proc.stderr, str(cmd[:4]),
                gloo_baseline=gloo_baseline)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return proc
 
 
 def _ranks(out: Path, tag: str) -> list[dict]:
