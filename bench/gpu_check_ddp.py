@@ -36,11 +36,14 @@ FAILED_CHECK = 3  # a worker's exit status when one of its checks failed (1 is a
 _DEVICE = ["cuda"]  # the worker's torch device (set once, by worker())
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # of torch.distributed's collectives
 # (case, RingcommState keyword arguments) of each hooked run.
-# On gloo (and an MPI without CUDA support) the uncompressed cases run through pinned host
-# copies of the buckets; the piece-by-piece and host-codec cases check the other two paths.
+# On gloo the uncompressed background case hands each bucket to gloo's own allreduce (which
+# copies it through pinned host memory itself); the inline and staged cases, and an MPI
+# without CUDA support, go through ringcomm's pinned host copies of the buckets; the
+# piece-by-piece and host-codec cases check the other two paths.
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("uncompressed, background", {"overlap": True}),
     ("uncompressed, inline", {"overlap": False}),
+    ("uncompressed, staged whole", {"host_staging": True}),
     ("uncompressed, piece by piece", {"host_staging": False}),
     ("int8 with error feedback", {"compression": "int8", "start_iter": 1,
                                   "min_compress_bytes": 0}),

@@ -52,6 +52,7 @@ import gpu_check_ddp  # noqa: E402  (bench/, beside this script)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "DDP default": ("ddp", {}),
     "ringcomm": ("ringcomm", {}),
+    "ringcomm (staged whole)": ("ringcomm", {"host_staging": True}),
     "ringcomm (piece by piece)": ("ringcomm", {"host_staging": False}),
     "ringcomm Int8": ("ringcomm", {"compression": "int8"}),
     "ringcomm Int8 (host codecs)": ("ringcomm", {"compression": "int8", "host_staging": True}),

@@ -201,6 +201,7 @@ class TorchDistTransport(TransportBase):
     """
 
     backend = "gloo"
+    starts_native_allreduce = True
 
     def __init__(self, group: Any = None, *, timeout: float | None = None,
                  abort_on_timeout: bool = True) -> None:
@@ -268,14 +269,21 @@ class TorchDistTransport(TransportBase):
         try:
             return fn(*args, **kwargs)
         except RuntimeError as err:
-            if "timed out" not in str(err).lower():
-                raise
-            error = timeout_error(self, what, peer, time.monotonic() - start, self.timeout)
+            self._on_timeout(err, what, peer, start)
+            raise
+
+    def _on_timeout(self, err: RuntimeError, what: str, peer: int | None,
+                    start: float) -> None:
+        """Where ``err`` is gloo's timeout of the operation begun at ``start``: log it, then
+        end the process or raise CollectiveTimeoutError; otherwise return."""
+        if "timed out" not in str(err).lower():
+            return
+        error = timeout_error(self, what, peer, time.monotonic() - start, self.timeout)
         _LOG.error("%s", error)
         if self.abort_on_timeout:
             write_fatal(error, "Ending this process (exit status 1).")
             os._exit(1)
-        raise error
+        raise error from err
 
     # ------------------------------------------------------------------ native allreduce
     def _reduces_natively(self, dtype: np.dtype, nbytes: int, op: ReduceOp) -> bool:
@@ -313,6 +321,39 @@ class TorchDistTransport(TransportBase):
         if average:
             _ops.get(out).divide(out, self.size, out)
         self.count_native(x.nbytes)
+
+    def start_native_allreduce(self, x: Array, op: ReduceOp) -> torch.futures.Future | None:
+        """gloo's own allreduce of ``x`` in place (host, or device: gloo copies a CUDA tensor
+        through pinned host memory on a stream of its own, after the work queued on the
+        current stream, and back), started on gloo's threads: the returned Future completes
+        with the reduced tensor (divided by the size for an average), sharing ``x``'s
+        memory, or raises the allreduce's error. None where ``native_allreduce`` would not
+        take the call (dtype, op, size limit)."""
+        dtype = np.dtype(x.dtype)
+        if not self._reduces_natively(dtype, x.nbytes, op):
+            return None
+        tensor = torch.from_numpy(x) if type(x) is np.ndarray else torch.from_dlpack(x)
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # gloo's requirement
+        hold(flat)
+        self.count_native(x.nbytes)
+        work = self._start_all_reduce(flat)
+        return work.get_future().then(functools.partial(
+            self._native_done, tensor, flat, op is ReduceOp.AVG, time.monotonic()))
+
+    def _native_done(self, tensor: torch.Tensor, flat: torch.Tensor, average: bool,
+                     start: float, done: torch.futures.Future) -> torch.Tensor:
+        """The end of a started allreduce, on gloo's thread, on streams that follow its
+        copies: its error (a timeout as the transport's), or the average and the tensor."""
+        try:
+            done.value()
+        except RuntimeError as err:
+            self._on_timeout(err, "allreduce", None, start)
+            raise
+        if average:
+            flat.div_(self.size)
+        if flat is not tensor:
+            tensor.copy_(flat)
+        return tensor
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,
@@ -383,6 +424,9 @@ class TorchDistTransport(TransportBase):
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self._group)
+
+    def _start_all_reduce(self, t: torch.Tensor) -> Any:
+        return dist.all_reduce(t, group=self._group, async_op=True)
 
     def _barrier(self) -> None:
         dist.barrier(group=self._group)
@@ -470,7 +514,10 @@ class ProcessGroupTransport(TorchDistTransport):
         self._pg.broadcast([t], opts).wait()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
-        self._pg.allreduce([t], dist.AllreduceOptions()).wait()
+        self._start_all_reduce(t).wait()
+
+    def _start_all_reduce(self, t: torch.Tensor) -> Any:
+        return self._pg.allreduce([t], dist.AllreduceOptions())
 
     def _barrier(self) -> None:
         self._pg.barrier(dist.BarrierOptions()).wait()

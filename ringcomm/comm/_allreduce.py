@@ -137,6 +137,30 @@ class Allreduce:
                 self._transport.wait_gpu("allreduce")
             return allreduce_inline(self._agreement, spec, x, out, plan.op)
         self._agreement.agree(spec)
+        return self._run_agreed(plan, x, out)
+
+    def start(self, plan: AllreducePlan, x: Array) -> Any | None:
+        """Agree on a dense allreduce of ``x`` in place, then start it where the transport
+        runs it on threads of its own (``start_native_allreduce``), returning what it returns;
+        otherwise run it here to the end and return None.
+
+        Every rank takes the same branch: it is decided from the agreed call alone (size,
+        dtype, op, algorithm) and settings every rank holds alike.
+        """
+        spec = plan.spec
+        if not plan.dense or spec.error is not None or x.nbytes <= self._agreement.inline_bytes:
+            self.run(plan, x, x)
+            return None
+        self._agreement.agree(spec)
+        if self._two_level.groups(spec.algorithm, x, None) is None:
+            pending = self.route(x).start_native_allreduce(x, plan.op)
+            if pending is not None:
+                return pending
+        self._run_agreed(plan, x, x)
+        return None
+
+    def _run_agreed(self, plan: AllreducePlan, x: Array, out: Array | None) -> Array:
+        """Run an allreduce the ranks have agreed on into ``out`` (a new array when None)."""
         t = self.route(x)
         xp = _ops.get(x)
         result = out if out is not None else xp.empty(x.shape, x.dtype)

@@ -325,6 +325,36 @@ class Communicator:
             return self._execute(plan, x, out)
 
     @_serialized
+    def start_allreduce(self, x: Array, *, op: str | ReduceOp = "sum",
+                        algorithm: str | None = None) -> Any | None:
+        """Reduce ``x`` in place, uncompressed; where the backend runs the reduction on threads
+        of its own, return as soon as it has started.
+
+        For adapters that overlap communication with computation (the DDP hook). The call is
+        checked and agreed on as ``allreduce(x, out=x, op=op, algorithm=algorithm)`` is; then
+        either the backend's own allreduce starts (over gloo, for float32/float64 sums and
+        averages above the inline size on the flat ring: gloo's allreduce, which copies a
+        CUDA array through pinned host memory on streams and threads of its own, after the
+        work queued on the current stream) and its pending result is returned (over gloo a
+        ``torch.futures.Future`` that completes with the reduced tensor, sharing ``x``'s
+        memory, or raises the allreduce's error), or the allreduce runs here to the end and
+        None is returned. Every rank takes the same branch.
+
+        Raises:
+            TypeError, ValueError: as ``allreduce`` (on every rank).
+            RuntimeError: the communicator is closed.
+        """
+        self._ensure_open()
+        self._transport.operation = "allreduce"
+        x = _arrays.plain(x)
+        plan = self._allreduce.plan(x, x, op, None, None, None, algorithm)
+        self.stats.calls += 1
+        if type(x) is np.ndarray:
+            return self._allreduce.start(plan, x)
+        with self._on_device(x):
+            return self._allreduce.start(plan, x)
+
+    @_serialized
     def reduce_scatter(self, x: Array, *, op: str | ReduceOp = "sum") -> Array:
         """Reduce ``x`` over all ranks and return this rank's chunk of the flattened result.
 

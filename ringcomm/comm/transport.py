@@ -148,6 +148,10 @@ class TransportBase:
     follows_nodes_on_device: bool = False
     #: Whether device arrays travel as they are, or through host memory (a host-only backend).
     moves_device_arrays: bool = False
+    #: Whether ``start_native_allreduce`` starts the library's own allreduce of host and
+    #: device arrays as they are (gloo's, which copies CUDA tensors through pinned host
+    #: memory on streams and threads of its own).
+    starts_native_allreduce: bool = False
 
     def __init__(self, rank: int, size: int, *, local_rank: int | None = None,
                  local_size: int | None = None) -> None:
@@ -238,6 +242,11 @@ class TransportBase:
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
                                  ) -> Callable[[np.ndarray, np.ndarray], None] | None:
         """No native allreduce to prepare."""
+        return None
+
+    def start_native_allreduce(self, x: Array, op: ReduceOp) -> Any | None:
+        """No allreduce that runs on threads of the backend's own: None (the caller runs the
+        call to the end itself)."""
         return None
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:

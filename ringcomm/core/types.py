@@ -262,6 +262,9 @@ class Transport(Protocol):
             already follow the node structure (NCCL).
         moves_device_arrays: whether device arrays travel as they are (NCCL, a CUDA-aware
             MPI), or are copied through host memory on the way (gloo, other MPIs).
+        starts_native_allreduce: whether ``start_native_allreduce`` starts the library's
+            own allreduce of host and device arrays as they are (gloo, which copies device
+            arrays through pinned host memory itself).
     """
 
     backend: str
@@ -278,6 +281,7 @@ class Transport(Protocol):
     routes_arrays: bool
     follows_nodes_on_device: bool
     moves_device_arrays: bool
+    starts_native_allreduce: bool
 
     @property
     def failure(self) -> Exception | None:
@@ -349,6 +353,12 @@ class Transport(Protocol):
         where ``native_allreduce`` would return False for such arrays. Plans are prepared
         before their call is agreed, on some ranks only: this sets up nothing collective
         (what needs a collective set-up is made at the result's first call)."""
+
+    def start_native_allreduce(self, x: Array, op: ReduceOp) -> Any | None:
+        """Start the library's own allreduce of ``x`` in place (an agreed, dense, flat call) on
+        threads of the library's own, and return its pending result (gloo: a
+        ``torch.futures.Future`` of the reduced tensor); None where it has none for ``x``
+        (the caller runs the call itself). Decided from what the ranks agreed on alone."""
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """This rank's chunk of the library's own reduce-scatter, or None (the ring runs)."""

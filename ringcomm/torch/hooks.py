@@ -18,7 +18,9 @@ a compressed one keeps its codecs on the GPU, on the same side stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +40,9 @@ from ringcomm.torch.compression import ring_of
 from ringcomm.torch.horovod import _basics, _lifecycle
 
 __all__ = ["RingcommState", "ringcomm_hook"]
+
+#: Dtypes of the buckets the backend's own allreduce takes as they are (gloo's native sums).
+_STARTED_DTYPES = frozenset({torch.float32, torch.float64})
 
 
 class RingcommState:
@@ -141,6 +146,16 @@ class RingcommState:
     def through_host(self, buffer: torch.Tensor) -> bool:
         """Whether ``buffer`` is a CUDA bucket that the backend moves through host memory."""
         return buffer.device.type == "cuda" and not self.comm.transport.moves_device_arrays
+
+    def starts(self, buffer: torch.Tensor, compressed: bool, overlap: bool) -> bool:
+        """Whether the bucket ``buffer`` goes whole to the backend's own allreduce on threads
+        of the backend's own (``Communicator.start_allreduce``): uncompressed float32/float64
+        buckets reduced in the background, on a backend that starts such an allreduce for
+        them as they are (gloo: CUDA buckets where ``host_staging`` is None, and CPU ones)."""
+        if (compressed or not overlap or buffer.dtype not in _STARTED_DTYPES
+                or not self.comm.transport.starts_native_allreduce):
+            return False
+        return buffer.device.type != "cuda" or self.host_staging is None
 
     def stages(self, buffer: torch.Tensor, compressed: bool) -> bool:
         """Whether the bucket ``buffer`` goes whole through pinned host memory (see
@@ -250,6 +265,45 @@ def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index
     return buffer
 
 
+def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any
+                    ) -> torch.Tensor | torch.futures.Future:
+    """The bucket handed whole to the backend's own allreduce, which runs it on threads of its
+    own (gloo's: a CUDA bucket goes through pinned host memory on gloo's streams, after
+    ``ready``); its pending result, or the bucket where the allreduce ran here to the end."""
+    with contextlib.ExitStack() as scope:
+        stream = None if ready is None else scope.enter_context(
+            state._staging.side(buffer.device, ready))
+        operand = Operand(buffer)  # a view: only float32/float64 buckets take this path
+        try:
+            pending = state.comm.start_allreduce(operand.array, op="avg",
+                                                 algorithm=state.algorithm)
+        except (ValueError, TypeError) as err:
+            raise collective_error(state.comm, err, "allreduce", buffer) from err
+        if pending is None and stream is not None:
+            stream.synchronize()  # the result complete before the future is
+    return buffer if pending is None else pending
+
+
+def _written(buffer: torch.Tensor) -> Any:
+    """For a CUDA bucket, an event where backward's stream is now (the bucket is written, once
+    it has passed); None for a CPU one."""
+    if buffer.device.type != "cuda":
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(buffer.device))
+    return ready
+
+
+def _pass_on(future: torch.futures.Future, done: torch.futures.Future) -> None:
+    """Complete the hook's ``future`` as the backend's ``done`` completed."""
+    try:
+        done.value()
+    except Exception as err:
+        future.set_exception(err)
+        return
+    future.set_result(done.value())
+
+
 def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.futures.Future:
     """Average a DDP gradient bucket over all ranks with ringcomm, in place.
 
@@ -283,9 +337,12 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     devices: list[int | str | torch.device] | None = (
         [buffer.device] if buffer.device.type == "cuda" else None)
     future: torch.futures.Future = torch.futures.Future(devices=devices)
-    if state.through_host(buffer):
-        ready = torch.cuda.Event()  # where backward's stream is now: the bucket is written
-        ready.record(torch.cuda.current_stream(buffer.device))
+    overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
+    task: Callable[[], torch.Tensor | torch.futures.Future]
+    if state.starts(buffer, compression is not None, overlap):
+        task = functools.partial(_reduce_started, state, buffer, _written(buffer))
+    elif state.through_host(buffer):
+        ready = _written(buffer)
         if state.stages(buffer, compression is not None):
             task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
                                      compression, layout, name)
@@ -297,11 +354,15 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
 
     def settle(handle: Handle) -> None:
         try:
-            future.set_result(handle.wait())
+            result = handle.wait()
         except Exception as err:
             future.set_exception(err)
+            return
+        if isinstance(result, torch._C.Future):  # the backend's allreduce goes on
+            result.add_done_callback(functools.partial(_pass_on, future))
+        else:
+            future.set_result(result)
 
-    overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
     # Made here, on the thread running backward: it records that thread's stream, which the
     # background thread waits for before it reads the bucket.
     handle = Handle(buffer.device)
