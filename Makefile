@@ -44,13 +44,13 @@ layers: $(VENV)/.test
 test-unit: $(VENV)/.test
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
 
-# The property-based, thread, native-allreduce, exchange and process-group-transport tests also
-# run at 3 ranks (an odd ring).
+# The property-based, thread, native-allreduce, exchange, process-group-transport and
+# started-allreduce tests also run at 3 ranks (an odd ring).
 test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -n 4 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py \
 		tests/mpi/test_allreduce_native.py tests/mpi/test_exchange.py \
-		tests/mpi/test_process_group_transport.py
+		tests/mpi/test_process_group_transport.py tests/mpi/test_started_allreduce.py
 
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
 # then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched;

@@ -337,8 +337,8 @@ class Communicator:
         CUDA array through pinned host memory on streams and threads of its own, after the
         work queued on the current stream) and its pending result is returned (over gloo a
         ``torch.futures.Future`` that completes with the reduced tensor, sharing ``x``'s
-        memory, or raises the allreduce's error), or the allreduce runs here to the end and
-        None is returned. Every rank takes the same branch.
+        memory, or raises the allreduce's error as a RuntimeError that carries it), or the
+        allreduce runs here to the end and None is returned. Every rank takes the same branch.
 
         Raises:
             TypeError, ValueError: as ``allreduce`` (on every rank).

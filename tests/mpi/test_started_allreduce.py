@@ -1,0 +1,202 @@
+"""``Communicator.start_allreduce`` over gloo: the call agreed like any allreduce, then gloo's
+own allreduce started on gloo's threads, and the DDP hook's background path over it.
+
+Over a gloo group (here made from MPI's ranks), a float32/float64 sum or average above the
+inline slot returns a Future at once and gloo reduces the array in place; every other call
+runs to the end in the call and returns None. Checked against every rank's inputs gathered
+with mpi4py (integer-valued floats, so every order of summation gives the exact sum), with
+calls in flight interleaved with the ring's own collectives, arguments that differ between
+ranks, a peer that never comes (a timeout naming the collective), and DDP trained through
+the hook against DDP's own allreduce, bit for bit, with the setting that picks the path
+differing between ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import flat_params, process_group, same_on_all_ranks  # noqa: E402
+
+import ringcomm  # noqa: E402
+from ringcomm.backends import gloo  # noqa: E402
+from ringcomm.comm.base import Communicator  # noqa: E402
+from ringcomm.core.types import ArgumentMismatchError  # noqa: E402
+from ringcomm.torch import RingcommState, ringcomm_hook  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = MPI.COMM_WORLD
+SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module")
+def comm():
+    process_group()
+    made = gloo.TorchDistCommunicator()
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The element counts of the tensors the transport handed to gloo's allreduce."""
+    seen: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        seen.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gloo.dist, "all_reduce", counting)
+    return seen
+
+
+def _ints(n: int, dtype: str, salt: int = 0) -> np.ndarray:
+    """Integer-valued floats: their sums are exact in any order."""
+    rng = np.random.default_rng(100 * RANK + n + salt)
+    return rng.integers(-1000, 1000, n).astype(dtype)
+
+
+def _exact(x: np.ndarray, op: str) -> np.ndarray:
+    everyone = WORLD.allgather(x)
+    total = np.sum(np.stack(everyone).astype(np.float64), axis=0)
+    return (total / SIZE if op == "avg" else total).astype(x.dtype)
+
+
+def _same_everywhere(a: np.ndarray) -> bool:
+    first = WORLD.bcast(a.tobytes(), root=0)
+    return bool(WORLD.allreduce(int(a.tobytes() == first), op=MPI.MIN))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_started_allreduce_runs_on_gloos_threads_in_place(comm, calls, dtype, op):
+    x = _ints(100_003, dtype)
+    expected = _exact(x, op)
+    pending = comm.start_allreduce(x, op=op)
+    assert isinstance(pending, torch._C.Future)  # returned before the reduction ends
+    result = pending.wait()
+    assert result.data_ptr() == x.ctypes.data  # the tensor is x's memory, reduced in place
+    assert calls == [x.size]
+    np.testing.assert_array_equal(x, expected)
+    assert _same_everywhere(x)
+
+
+@pytest.mark.parametrize("case", ["float16", "int32", "max", "inline", "limit"])
+def test_calls_gloo_does_not_take_run_to_the_end(comm, calls, monkeypatch, case):
+    dtype = {"float16": "float16", "int32": "int32"}.get(case, "float32")
+    n = 16 if case == "inline" else 50_001
+    op = "max" if case == "max" else "sum"
+    if case == "limit":  # as RINGCOMM_GLOO_ALLREDUCE_BYTES below the call's size would set
+        monkeypatch.setattr(comm.transport, "native_allreduce_bytes", 1024)
+    x = _ints(n, dtype)
+    everyone = np.stack(WORLD.allgather(x))
+    expected = (everyone.max(axis=0) if op == "max"  # float16: the exact sum, rounded once
+                else everyone.astype(np.float64).sum(axis=0).astype(dtype))
+    assert comm.start_allreduce(x, op=op) is None
+    np.testing.assert_array_equal(x, expected)
+    assert calls == []
+
+
+def test_a_non_contiguous_array_is_reduced_through_a_copy(comm):
+    base = _ints(2 * 40_000, "float64").reshape(40_000, 2)
+    x = base[:, 0]  # every other element
+    untouched = base[:, 1].copy()
+    expected = _exact(x.copy(), "sum")
+    comm.start_allreduce(x).wait()
+    np.testing.assert_array_equal(base[:, 0], expected)
+    np.testing.assert_array_equal(base[:, 1], untouched)
+
+
+def test_calls_in_flight_interleave_with_the_rings_collectives(comm):
+    arrays = [_ints(n, "float32", salt=i) for i, n in enumerate((70_001, 300_000, 9_999))]
+    expected = [_exact(a, "avg") for a in arrays]
+    pending = []
+    for a in arrays:
+        pending.append(comm.start_allreduce(a, op="avg"))
+        # Between the starts: the ring's own messages (Int8) and a broadcast, same group.
+        g = np.full(20_000, float(RANK + 1), np.float32)
+        comm.allreduce(g, out=g, compression=ringcomm.Int8())
+        b = np.arange(10, dtype=np.int64) * (RANK + 1)
+        comm.broadcast(b, root=SIZE - 1)
+        np.testing.assert_array_equal(b, np.arange(10) * SIZE)
+    for p, a, e in zip(pending, arrays, expected, strict=True):
+        p.wait()
+        np.testing.assert_array_equal(a, e)
+        assert _same_everywhere(a)
+
+
+def test_arguments_that_differ_raise_on_every_rank(comm):
+    x = np.ones(50_000 + (RANK == 0), np.float32)
+    with pytest.raises(ArgumentMismatchError, match="shape differs between ranks"):
+        comm.start_allreduce(x)
+    y = np.ones(50_000, np.float32)
+    comm.start_allreduce(y).wait()  # the communicator stays usable
+    np.testing.assert_array_equal(y, np.full(50_000, SIZE, np.float32))
+
+
+def test_a_read_only_array_is_refused_on_every_rank(comm):
+    x = np.ones(50_000, np.float32)
+    if RANK == 0:
+        x.flags.writeable = False
+    with pytest.raises((ValueError, ArgumentMismatchError), match="writ"):
+        comm.start_allreduce(x)
+
+
+def test_a_peer_that_never_comes_times_out_naming_the_collective():
+    process_group()
+    # No agreement, so that rank 0's allreduce is started alone.
+    lonely = gloo.TorchDistCommunicator(consistency_check=False, timeout=2,
+                                        abort_on_timeout=False)
+    try:
+        if RANK == 0:
+            pending = lonely.start_allreduce(np.ones(100_000, np.float32))
+            # torch's Future reports a callback's error as a RuntimeError carrying it.
+            with pytest.raises(RuntimeError, match=r"CollectiveTimeoutError: allreduce timed "
+                               r"out on rank 0 of \d+ after 2\.0 s"):
+                pending.wait()
+        WORLD.Barrier()
+    finally:
+        lonely.close()
+
+
+def _train(state: RingcommState | None) -> torch.Tensor:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                              torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.1)
+    if state is not None:
+        model.register_comm_hook(state, ringcomm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(RANK)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        opt.step()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("overlap", ["all", "rank 0"])
+def test_the_hooks_background_path_trains_like_ddp_default(comm, monkeypatch, overlap):
+    started: list[int] = []
+    real = Communicator.start_allreduce
+
+    def counting(self, x, **kwargs):
+        started.append(x.size)
+        return real(self, x, **kwargs)
+
+    monkeypatch.setattr(Communicator, "start_allreduce", counting)
+    expected = _train(None)
+    background = overlap == "all" or RANK == 0  # the other ranks reduce inside the hook
+    got = _train(RingcommState(comm=comm, overlap=background))
+    assert same_on_all_ranks(got)
+    if SIZE & (SIZE - 1) == 0:  # gloo's sum either way; halving commutes with it exactly
+        assert torch.equal(got, expected)
+    else:  # DDP divides each rank's gradient before the sum, the hook the sum
+        torch.testing.assert_close(got, expected)
+    assert bool(started) == background
