@@ -13,7 +13,8 @@ default gloo allreduce (below 1.0: ringcomm is faster). Variants:
 - ringcomm: ``ringcomm_hook`` as configured by default (on CPU the allreduce runs inside the
   hook, ``overlap=False``).
 - ringcomm-overlap: ``ringcomm_hook`` with ``overlap=True`` (the allreduce runs on ringcomm's
-  background thread while backward goes on).
+  background thread while backward goes on; with ``--backend gloo`` an uncompressed bucket is
+  handed to gloo's own allreduce, started on gloo's threads).
 - ringcomm-int8: the default hook with int8 compression (dense for the first 2 steps).
 - local: the same step without any communication (a floor, not a competitor).
 """
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list of {', '.join(_VARIANTS)}")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank (default: cores / ranks, at least 1)")
+    p.add_argument("--backend", choices=("mpi", "gloo"), default="mpi",
+                   help="ringcomm's communicator: MPI's, or a gloo group (as under torchrun)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     p.add_argument("--json", metavar="FILE", help="write rows and machine as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the table as Markdown")
@@ -157,8 +160,8 @@ def table(rows: list[dict[str, Any]], names: list[str], ranks: int, info: dict[s
     head = ["width", "params", "grads (MiB)"] + [f"{n} (ms)" for n in names]
     head += [f"{n} / gloo" for n in names if base and n not in ("gloo", "local")]
     lines = [
-        f"## DDP step time, ringcomm_hook vs DDP's gloo allreduce: {ranks} ranks, MPICH "
-        f"{info['mpich_env']}",
+        f"## DDP step time, ringcomm_hook vs DDP's gloo allreduce: {ranks} ranks, ringcomm's "
+        f"communicator over {args.backend}, MPICH {info['mpich_env']}",
         "",
         f"Machine: {info['cpu']}, {info.get('memory', '?')}, Python {info['python']}, "
         f"torch {info['torch']} CPU, {info['mpi']} from the mpich wheel; "
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = max(1, (os.cpu_count() or 1) // ranks)
     torch.set_num_threads(args.threads)
     init_process_group(backend="gloo")
-    comm = ringcomm.init("mpi")
+    comm = ringcomm.init(args.backend)
     names = args.variants.split(",")
     load_before = load_average()
     rows = [run_width(args, w, names, comm, world) for w in args.width]

@@ -10,10 +10,15 @@ sends 1-D gradients dense, all in the same call.
 
 A CUDA bucket is reduced in the background with the communicator's device current, after the
 work that the stream running backward (which may be a side stream) had queued when the hook
-was called. Where the backend moves host arrays only (gloo, an MPI without CUDA support), an
-uncompressed CUDA bucket is copied whole to pinned host memory on a side stream, reduced there,
-and copied back (see :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile;
-a compressed one keeps its codecs on the GPU, on the same side stream.
+was called. Over gloo, an uncompressed float32/float64 bucket reduced in the background is
+handed whole to gloo's own allreduce (``Communicator.start_allreduce``: agreed like any call,
+then started on gloo's threads, as DDP's own allreduce runs; gloo copies a CUDA bucket through
+pinned host memory on a stream of its own), and the hook's future completes when gloo's does,
+so that several buckets are in flight at once. Where the backend moves host arrays only
+otherwise (an MPI without CUDA support, or ``host_staging=True``), an uncompressed CUDA bucket
+is copied whole to pinned host memory on a side stream, reduced there, and copied back (see
+:mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile; a compressed one
+keeps its codecs on the GPU, on the same side stream.
 """
 
 from __future__ import annotations
@@ -62,16 +67,20 @@ class RingcommState:
             computing the next buckets meanwhile (True), or inside the hook (False). None: in
             the background for CUDA buckets only. On CPU the ring needs the cores backward is
             using (MPI waits by polling), and running it inline measured faster
-            (bench/results/ddp_perf_n*.md).
+            (bench/results/ddp_perf_n*.md); over gloo, where an uncompressed bucket in the
+            background goes to gloo's threads, the two measured alike
+            (bench/results/ddp_perf_gloo_n2.md).
         algorithm: the allreduce algorithm of every bucket: "flat", "hierarchical" (within
             each node, across nodes, within each node) or "auto"; None: the communicator's
             (``comm.algorithm``).
         host_staging: for CUDA buckets where the backend moves host arrays only (gloo, an MPI
             without CUDA support): copy the bucket whole to pinned host memory on a side
             stream and reduce it there, compressed ones with the host codecs (True), or let
-            the backend move it piece by piece (False). None: whole for uncompressed buckets,
-            piece by piece for compressed ones (their codecs run on the GPU). Ignored on
-            backends that move device arrays (NCCL, a CUDA-aware MPI).
+            the backend move it piece by piece (False). None: uncompressed float32/float64
+            buckets in the background to gloo's own allreduce over gloo (which stages them
+            itself), other uncompressed ones whole, compressed ones piece by piece (their
+            codecs run on the GPU). Ignored on backends that move device arrays (NCCL, a
+            CUDA-aware MPI).
 
     Raises:
         ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown
