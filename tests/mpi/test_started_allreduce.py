@@ -131,6 +131,7 @@ def test_calls_in_flight_interleave_with_the_rings_collectives(comm):
         assert _same_everywhere(a)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs another rank to differ from")
 def test_arguments_that_differ_raise_on_every_rank(comm):
     x = np.ones(50_000 + (RANK == 0), np.float32)
     with pytest.raises(ArgumentMismatchError, match="shape differs between ranks"):
@@ -144,10 +145,11 @@ def test_a_read_only_array_is_refused_on_every_rank(comm):
     x = np.ones(50_000, np.float32)
     if RANK == 0:
         x.flags.writeable = False
-    with pytest.raises((ValueError, ArgumentMismatchError), match="writ"):
+    with pytest.raises(ValueError, match="writ"):
         comm.start_allreduce(x)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs a peer that does not come")
 def test_a_peer_that_never_comes_times_out_naming_the_collective():
     process_group()
     # No agreement, so that rank 0's allreduce is started alone.
