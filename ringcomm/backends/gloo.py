@@ -16,6 +16,7 @@ that torch.distributed does not hold, made over a store by its members alone (th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import inspect
@@ -45,7 +46,7 @@ from ringcomm.comm.transport import (
 )
 from ringcomm.core import trace
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, Array, ReduceOp
+from ringcomm.core.types import RING, Array, CollectiveTimeoutError, ReduceOp
 
 __all__ = ["ProcessGroupTransport", "TorchDistCommunicator", "TorchDistTransport"]
 
@@ -155,6 +156,13 @@ def _gather_objects(gather: _Gather, size: int, obj: Any) -> list[Any]:
     lengths = lengths.view(np.int64).reshape(-1)
     rows = _gather_rows(gather, size, data, int(lengths.max()))
     return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, lengths, strict=True)]
+
+
+def _default_stream(t: torch.Tensor) -> Any:
+    """For a CUDA tensor, its device's default stream made current; nothing otherwise."""
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.default_stream(t.device))
 
 
 def _place(hosts: list[str], rank: int) -> tuple[int, int]:
@@ -269,21 +277,25 @@ class TorchDistTransport(TransportBase):
         try:
             return fn(*args, **kwargs)
         except RuntimeError as err:
-            self._on_timeout(err, what, peer, start)
-            raise
+            error = self._timeout(err, what, peer, start)
+            if error is None:
+                raise
+        raise error
 
-    def _on_timeout(self, err: RuntimeError, what: str, peer: int | None,
-                    start: float) -> None:
-        """Where ``err`` is gloo's timeout of the operation begun at ``start``: log it, then
-        end the process or raise CollectiveTimeoutError; otherwise return."""
+    def _timeout(self, err: RuntimeError, what: str, peer: int | None, start: float,
+                 kind: str | None = None) -> CollectiveTimeoutError | None:
+        """Where ``err`` is gloo's timeout of the operation begun at ``start`` (of collective
+        ``kind``; the transport's current one when None): ringcomm's error for it, logged, or
+        the process ended if ``abort_on_timeout``; None for any other error."""
         if "timed out" not in str(err).lower():
-            return
-        error = timeout_error(self, what, peer, time.monotonic() - start, self.timeout)
+            return None
+        error = timeout_error(self, what, peer, time.monotonic() - start, self.timeout,
+                              kind=kind)
         _LOG.error("%s", error)
         if self.abort_on_timeout:
             write_fatal(error, "Ending this process (exit status 1).")
             os._exit(1)
-        raise error from err
+        return error
 
     # ------------------------------------------------------------------ native allreduce
     def _reduces_natively(self, dtype: np.dtype, nbytes: int, op: ReduceOp) -> bool:
@@ -325,10 +337,11 @@ class TorchDistTransport(TransportBase):
     def start_native_allreduce(self, x: Array, op: ReduceOp) -> torch.futures.Future | None:
         """gloo's own allreduce of ``x`` in place (host, or device: gloo copies a CUDA tensor
         through pinned host memory on a stream of its own, after the work queued on the
-        current stream, and back), started on gloo's threads: the returned Future completes
-        with the reduced tensor (divided by the size for an average), sharing ``x``'s
-        memory, or raises the allreduce's error. None where ``native_allreduce`` would not
-        take the call (dtype, op, size limit)."""
+        current stream, and back), started on gloo's threads. The returned Future completes
+        with the reduced tensor (divided by the size for an average), sharing ``x``'s memory,
+        or with the allreduce's error (CollectiveTimeoutError for gloo's timeout); for a CUDA
+        tensor it is CUDA-aware (``wait()`` orders the current stream after the result).
+        None where ``native_allreduce`` would not take the call (dtype, op, size limit)."""
         dtype = np.dtype(x.dtype)
         if not self._reduces_natively(dtype, x.nbytes, op):
             return None
@@ -336,24 +349,37 @@ class TorchDistTransport(TransportBase):
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # gloo's requirement
         hold(flat)
         self.count_native(x.nbytes)
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[flat.device] if flat.is_cuda else None)
         work = self._start_all_reduce(flat)
-        return work.get_future().then(functools.partial(
-            self._native_done, tensor, flat, op is ReduceOp.AVG, time.monotonic()))
+        work.get_future().add_done_callback(functools.partial(
+            self._native_done, result, tensor, flat, op is ReduceOp.AVG, time.monotonic()))
+        return result
 
-    def _native_done(self, tensor: torch.Tensor, flat: torch.Tensor, average: bool,
-                     start: float, done: torch.futures.Future) -> torch.Tensor:
-        """The end of a started allreduce, on gloo's thread, on streams that follow its
-        copies: its error (a timeout as the transport's), or the average and the tensor."""
+    def _native_done(self, result: torch.futures.Future, tensor: torch.Tensor,
+                     flat: torch.Tensor, average: bool, start: float,
+                     done: torch.futures.Future) -> None:
+        """Complete ``result`` as gloo completed ``done``, on gloo's thread (or on the one that
+        started it, where gloo finished first). A CUDA tensor's average, copy and completion
+        go on the device's default stream, which gloo makes wait for its copies back before it
+        completes its work, wherever this runs (``done`` itself is not CUDA-aware: DDP's own
+        allreduce over gloo relies on the same ordering)."""
         try:
-            done.value()
-        except RuntimeError as err:
-            self._on_timeout(err, "allreduce", None, start)
-            raise
-        if average:
-            flat.div_(self.size)
-        if flat is not tensor:
-            tensor.copy_(flat)
-        return tensor
+            with _default_stream(flat):
+                try:
+                    done.value()
+                except RuntimeError as err:
+                    error = self._timeout(err, "allreduce", None, start, kind="allreduce")
+                    if error is None:
+                        raise
+                    raise error from err
+                if average:
+                    flat.div_(self.size)
+                if flat is not tensor:
+                    tensor.copy_(flat)
+                result.set_result(tensor)
+        except Exception as err:  # handed to whoever waits on the result
+            result.set_exception(err)
 
     # ------------------------------------------------------------------------ primitives
     def isendrecv(self, send: Array | None, dest: int, recv: Array | None, source: int, *,

@@ -140,24 +140,25 @@ class Allreduce:
         return self._run_agreed(plan, x, out)
 
     def start(self, plan: AllreducePlan, x: Array) -> Any | None:
-        """Agree on a dense allreduce of ``x`` in place, then start it where the transport
-        runs it on threads of its own (``start_native_allreduce``), returning what it returns;
-        otherwise run it here to the end and return None.
+        """Start a dense allreduce of ``x`` in place where the transport runs it on threads of
+        its own (``start_native_allreduce``), after agreeing on the call, and return what the
+        transport returns; None where nothing was started (the caller then runs the call
+        through ``run``, agreeing on it there).
 
-        Every rank takes the same branch: it is decided from the agreed call alone (size,
-        dtype, op, algorithm) and settings every rank holds alike.
+        Every rank decides alike: the inline size first (a rank whose size differs is caught
+        by the exchange of whichever call it makes next), then, once agreed, from the call
+        (size, dtype, op, algorithm) and settings every rank holds alike. A call whose
+        arguments failed their checks raises here, on every rank.
         """
         spec = plan.spec
-        if not plan.dense or spec.error is not None or x.nbytes <= self._agreement.inline_bytes:
-            self.run(plan, x, x)
+        if spec.error is not None:
+            self._agreement.agree(spec)  # raises, on every rank
+        if not plan.dense or x.nbytes <= self._agreement.inline_bytes:
             return None
         self._agreement.agree(spec)
-        if self._two_level.groups(spec.algorithm, x, None) is None:
-            pending = self.route(x).start_native_allreduce(x, plan.op)
-            if pending is not None:
-                return pending
-        self._run_agreed(plan, x, x)
-        return None
+        if self._two_level.groups(spec.algorithm, x, None) is not None:
+            return None
+        return self.route(x).start_native_allreduce(x, plan.op)
 
     def _run_agreed(self, plan: AllreducePlan, x: Array, out: Array | None) -> Array:
         """Run an allreduce the ranks have agreed on into ``out`` (a new array when None)."""

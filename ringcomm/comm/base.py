@@ -327,18 +327,19 @@ class Communicator:
     @_serialized
     def start_allreduce(self, x: Array, *, op: str | ReduceOp = "sum",
                         algorithm: str | None = None) -> Any | None:
-        """Reduce ``x`` in place, uncompressed; where the backend runs the reduction on threads
-        of its own, return as soon as it has started.
+        """Start an uncompressed allreduce of ``x`` in place where the backend runs it on
+        threads of its own, and return its pending result; None where it does not (nothing
+        has run: reduce ``x`` with ``allreduce`` then).
 
         For adapters that overlap communication with computation (the DDP hook). The call is
-        checked and agreed on as ``allreduce(x, out=x, op=op, algorithm=algorithm)`` is; then
-        either the backend's own allreduce starts (over gloo, for float32/float64 sums and
-        averages above the inline size on the flat ring: gloo's allreduce, which copies a
-        CUDA array through pinned host memory on streams and threads of its own, after the
-        work queued on the current stream) and its pending result is returned (over gloo a
+        checked and agreed on as ``allreduce(x, out=x, op=op, algorithm=algorithm)`` is, then
+        started where the backend has such an allreduce for it: over gloo, float32/float64
+        sums and averages above the inline size on the flat ring, run by gloo's allreduce
+        (which copies a CUDA array through pinned host memory on streams and threads of its
+        own, after the work queued on the current stream). The result is then a
         ``torch.futures.Future`` that completes with the reduced tensor, sharing ``x``'s
-        memory, or raises the allreduce's error as a RuntimeError that carries it), or the
-        allreduce runs here to the end and None is returned. Every rank takes the same branch.
+        memory (CUDA-aware for a CUDA array: ``wait()`` orders the current stream after it),
+        or raises the allreduce's error. Every rank gets the same answer.
 
         Raises:
             TypeError, ValueError: as ``allreduce`` (on every rank).
@@ -348,11 +349,14 @@ class Communicator:
         self._transport.operation = "allreduce"
         x = _arrays.plain(x)
         plan = self._allreduce.plan(x, x, op, None, None, None, algorithm)
-        self.stats.calls += 1
         if type(x) is np.ndarray:
-            return self._allreduce.start(plan, x)
-        with self._on_device(x):
-            return self._allreduce.start(plan, x)
+            pending = self._allreduce.start(plan, x)
+        else:
+            with self._on_device(x):
+                pending = self._allreduce.start(plan, x)
+        if pending is not None:
+            self.stats.calls += 1
+        return pending
 
     @_serialized
     def reduce_scatter(self, x: Array, *, op: str | ReduceOp = "sum") -> Array:

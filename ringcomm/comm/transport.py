@@ -60,10 +60,11 @@ def check_timeout(timeout: Any) -> float:
 
 
 def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
-                  timeout: float) -> CollectiveTimeoutError:
-    """The error of a wait of transport ``t`` that passed ``timeout``: the collective (``t``'s
-    ``operation``), the step ``what``, the rank waited for where one is known, the time."""
-    kind = t.operation or what
+                  timeout: float, *, kind: str | None = None) -> CollectiveTimeoutError:
+    """The error of a wait of transport ``t`` that passed ``timeout``: the collective (``kind``,
+    or ``t``'s ``operation`` when None), the step ``what``, the rank waited for where one is
+    known, the time."""
+    kind = kind or t.operation or what
     # Ranks as the whole job numbers them, also in a sub-group (the two-level allreduce's).
     ranks, world = t.world_ranks, t.world_size
     if peer is not None:

@@ -274,23 +274,38 @@ def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index
     return buffer
 
 
-def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any
+def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int
                     ) -> torch.Tensor | torch.futures.Future:
     """The bucket handed whole to the backend's own allreduce, which runs it on threads of its
     own (gloo's: a CUDA bucket goes through pinned host memory on gloo's streams, after
-    ``ready``); its pending result, or the bucket where the allreduce ran here to the end."""
+    ``ready``): its pending result. Where the backend starts nothing for it (a bucket of the
+    inline size, one above RINGCOMM_GLOO_ALLREDUCE_BYTES, or one the two-level allreduce
+    takes), it is reduced here as the other uncompressed buckets are, and returned."""
     with contextlib.ExitStack() as scope:
-        stream = None if ready is None else scope.enter_context(
-            state._staging.side(buffer.device, ready))
+        if ready is not None:
+            scope.enter_context(state._staging.side(buffer.device, ready))
         operand = Operand(buffer)  # a view: only float32/float64 buckets take this path
         try:
             pending = state.comm.start_allreduce(operand.array, op="avg",
                                                  algorithm=state.algorithm)
         except (ValueError, TypeError) as err:
             raise collective_error(state.comm, err, "allreduce", buffer) from err
-        if pending is None and stream is not None:
-            stream.synchronize()  # the result complete before the future is
-    return buffer if pending is None else pending
+    if pending is not None:
+        return pending
+    if ready is not None:
+        return _reduce_staged(state, buffer, ready, index, None, None, None)
+    return _reduce(state, buffer, None, None, None)
+
+
+def _pass_on(future: torch.futures.Future, buffer: torch.Tensor,
+             done: torch.futures.Future) -> None:
+    """Complete the hook's ``future`` with the bucket's ``buffer`` (which the backend's result
+    shares) as the backend's ``done`` completed."""
+    try:
+        done.value()  # the backend's error, if any
+        future.set_result(buffer)
+    except BaseException as err:  # never leave DDP waiting on a future nobody completes
+        future.set_exception(err)
 
 
 def _written(buffer: torch.Tensor) -> Any:
@@ -301,16 +316,6 @@ def _written(buffer: torch.Tensor) -> Any:
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(buffer.device))
     return ready
-
-
-def _pass_on(future: torch.futures.Future, done: torch.futures.Future) -> None:
-    """Complete the hook's ``future`` as the backend's ``done`` completed."""
-    try:
-        done.value()
-    except Exception as err:
-        future.set_exception(err)
-        return
-    future.set_result(done.value())
 
 
 def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -349,7 +354,8 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
     task: Callable[[], torch.Tensor | torch.futures.Future]
     if state.starts(buffer, compression is not None, overlap):
-        task = functools.partial(_reduce_started, state, buffer, _written(buffer))
+        task = functools.partial(_reduce_started, state, buffer, _written(buffer),
+                                 bucket.index())
     elif state.through_host(buffer):
         ready = _written(buffer)
         if state.stages(buffer, compression is not None):
@@ -368,7 +374,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
             future.set_exception(err)
             return
         if isinstance(result, torch._C.Future):  # the backend's allreduce goes on
-            result.add_done_callback(functools.partial(_pass_on, future))
+            result.add_done_callback(functools.partial(_pass_on, future, buffer))
         else:
             future.set_result(result)
 
