@@ -36,6 +36,20 @@ def run_job(cmd: list[str], *, timeout: float, **kwargs: object
     ``timeout`` seconds its whole process group is killed and the result's return code is
     -9, its stderr saying so. (``subprocess.run``'s timeout kills the launcher alone: ranks
     waiting in a collective then live on, spinning, and slow every later test.)"""
+    try:
+        return run_bounded(cmd, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout or ""
+        err = expired.stderr or ""
+        return subprocess.CompletedProcess(cmd, -9, out, f"{err}\n{cmd[:3]} timed out after "
+                                                          f"{timeout} s: killed")
+
+
+def run_bounded(cmd: list[str], *, timeout: float, **kwargs: object
+                ) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)``,
+    except that a timeout kills the launcher's whole process group (its ranks too) before
+    ``subprocess.TimeoutExpired`` is raised, with the output so far."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)  # type: ignore[call-overload]
     try:
@@ -43,6 +57,5 @@ def run_job(cmd: list[str], *, timeout: float, **kwargs: object
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return subprocess.CompletedProcess(cmd, -9, out, f"{err}\n{cmd[:3]} timed out after "
-                                                          f"{timeout} s: killed")
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -12,10 +12,13 @@ failed, timed out, or collected nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,22 +42,34 @@ def run_one(n: int, pytest_args: list[str], timeout: float) -> tuple[int, dict[s
            *([] if named else ["tests/mpi"]), "-p", "no:cacheprovider", *pytest_args]
     print(f"$ {' '.join(cmd)}", flush=True)
     counts: dict[str, int] = {}
+    # A session of its own, so that a timeout ends the ranks too, not only mpiexec (ranks
+    # left waiting in a collective spin on and slow every later job).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    start = time.monotonic()
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The output is read to its end below, so the timeout is a timer that ends the job.
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
     assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        m = _SUMMARY.match(line.strip())
-        if m:
-            counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(num)
-                      for num, kind in _COUNT.findall(m.group(1))}
     try:
-        rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = -9
-        print(f"mpiexec -n {n} timed out after {timeout:.0f} s", flush=True)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            m = _SUMMARY.match(line.strip())
+            if m:
+                counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(num)
+                          for num, kind in _COUNT.findall(m.group(1))}
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        print(f"\nmpiexec -n {n} timed out after {timeout:.0f} s: its process group was killed",
+              flush=True)
     if rc != 0:
         for log in sorted(logdir.glob("rank*.log")):
             tail = log.read_text(errors="replace").splitlines()[-40:]

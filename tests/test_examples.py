@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from exit_checks import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,9 +21,8 @@ def test_example_trains(mpiexec, subprocess_env, script, args):
     if script != "train_digits.py":
         pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(ROOT / "examples" / script),
-                           *args], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=subprocess_env)
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, str(ROOT / "examples" / script),
+                        *args], timeout=240, cwd=ROOT, env=subprocess_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch")]
     assert epochs and "test acc" in epochs[-1] and "KiB/step" in epochs[-1]

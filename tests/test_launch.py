@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from exit_checks import run_bounded
 
 from ringcomm.core import launch
 from ringcomm.core.launch import LaunchInfo, detect
@@ -91,7 +92,6 @@ def test_detect_rejects_bad_values(env, message):
 def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
     """Under the mpich wheel's mpiexec, every rank reads its own rank from the environment."""
     import re
-    import subprocess
     import sys
 
     # One bracketed write per rank: the ranks share a pipe, and a print's text and newline can
@@ -99,8 +99,10 @@ def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
     code = ("import os; from ringcomm.core.launch import detect; i = detect(); "
             "os.write(1, f'<{i.rank} {i.size} {i.local_rank} {i.local_size} {i.launcher}>'"
             ".encode())")
-    out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", code], capture_output=True,
-                         text=True, timeout=60, env=subprocess_env, check=True).stdout
+    proc = run_bounded([mpiexec, "-n", "3", sys.executable, "-c", code], timeout=60,
+                       env=subprocess_env)
+    proc.check_returncode()
+    out = proc.stdout
     rows = sorted(re.findall(r"<(\d+) (\d+) (\d+) (\d+) (\w+)>", out))
     assert rows == [(str(r), "3", str(r), "3", "mpich") for r in range(3)], out
 
@@ -114,12 +116,10 @@ INIT = ("import sys, numpy as np, ringcomm; c = ringcomm.init(abort_on_exception
 
 def test_log_level_info_names_rank_backend_and_launcher(mpiexec, subprocess_env):
     """Under mpiexec -n 2, RINGCOMM_LOG_LEVEL=INFO makes each rank log its init line."""
-    import subprocess
     import sys
 
     env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO"}
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", INIT], capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", INIT], timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 2.0", "1 2 2.0"], proc.stdout
     lines = sorted(line for line in proc.stderr.splitlines() if "ringcomm.init" in line)
@@ -132,27 +132,23 @@ def test_log_level_info_names_rank_backend_and_launcher(mpiexec, subprocess_env)
 
 
 def test_silent_by_default(mpiexec, subprocess_env):
-    import subprocess
     import sys
 
     env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_LOG_LEVEL"}
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", INIT], capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", INIT], timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr
 
 
 def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
     """WORLD_SIZE=2 in a job mpiexec started with one process: backend "mpi" refuses it."""
-    import subprocess
     import sys
 
     code = ("import ringcomm\n"
             "try:\n    ringcomm.init('mpi', abort_on_exception=False)\n"
             "except RuntimeError as err:\n    print(err)\n")
     env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-    proc = subprocess.run([mpiexec, "-n", "1", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = run_bounded([mpiexec, "-n", "1", sys.executable, "-c", code], timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("WORLD_SIZE=2 (torchrun) but MPI.COMM_WORLD has 1 process: "
                                   "launch with mpiexec -n 2"), proc.stdout

@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from exit_checks import run_bounded
 
 from ringcomm.ops import _cuda_source
 
@@ -127,9 +128,9 @@ def test_installed_benchmark_runs_from_outside_the_tree(wheel, tmp_path):
     assert install.returncode == 0, install.stdout + install.stderr
     work = tmp_path / "elsewhere"
     work.mkdir()
-    run = subprocess.run([str(bin_dir / "mpiexec"), "-n", "2", str(bin_dir / "ringcomm-perf"),
-                          "-b", "8", "-e", "16M", "-f", "4"],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    run = run_bounded([str(bin_dir / "mpiexec"), "-n", "2", str(bin_dir / "ringcomm-perf"),
+                       "-b", "8", "-e", "16M", "-f", "4"],
+                      cwd=work, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     _check_output(run.stdout, 11)  # 8 B to 8 MiB
     where = subprocess.run(

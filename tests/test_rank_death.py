@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
 import pytest
+from exit_checks import run_bounded
 
 SCRIPT = r"""
 import os, signal, sys, time
@@ -35,8 +35,8 @@ def test_dead_rank_ends_the_job(mpiexec, subprocess_env, tmp_path, how):
     script = tmp_path / "die.py"
     script.write_text(SCRIPT)
     start = time.monotonic()
-    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(script), how],
-                          capture_output=True, text=True, timeout=90, env=subprocess_env)
+    proc = run_bounded([mpiexec, "-n", "3", sys.executable, str(script), how],
+                       timeout=90, env=subprocess_env)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from exit_checks import run_bounded
 
 from ringcomm.backends.threads import run_ranks
 from ringcomm.comm.base import Communicator
@@ -274,8 +275,8 @@ def test_two_level_timeout_names_the_job_s_ranks(mpiexec, subprocess_env, tmp_pa
     its group (they used to name the sub-group's ranks and "ring exchange")."""
     script = tmp_path / "two_level.py"
     script.write_text(TWO_LEVEL)
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120, env=subprocess_env)
+    proc = run_bounded([mpiexec, "-n", "4", sys.executable, str(script)],
+                       timeout=120, env=subprocess_env)
     rows = {r["rank"]: r for r in map(json.loads, proc.stdout.splitlines()) if "rank" in r}
     assert sorted(rows) == [0, 1, 2], (proc.stdout, proc.stderr)
     for rank, row in rows.items():

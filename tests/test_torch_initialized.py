@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from exit_checks import run_bounded
 
 pytest.importorskip("torch")
 
@@ -106,8 +107,8 @@ def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env):
     """MPI's world numbers the processes otherwise than torch.distributed's group: "auto"
     runs over torch.distributed (gloo), so ringcomm's ranks are the group's."""
     env = {**subprocess_env, "PORT": str(_free_port())}
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", REVERSED],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", REVERSED],
+                       timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert _lines(proc.stdout) == {0: "gloo 1 2 [0, 1]", 1: "gloo 0 2 [0, 1]"}, proc.stdout
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from exit_checks import run_bounded
 
 pytest.importorskip("torch")
 
@@ -253,8 +254,8 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
     path.write_text(TIMEOUT_SCRIPT)
     env = {**subprocess_env, "RINGCOMM_TIMEOUT": "3"}
     start = time.monotonic()
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
-                          capture_output=True, text=True, timeout=110, env=env)
+    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+                       timeout=110, env=env)
     wall = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "unreachable" not in proc.stdout
