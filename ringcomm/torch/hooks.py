@@ -286,8 +286,9 @@ def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any, inde
             scope.enter_context(state._staging.side(buffer.device, ready))
         operand = Operand(buffer)  # a view: only float32/float64 buckets take this path
         try:
-            pending = state.comm.start_allreduce(operand.array, op="avg",
-                                                 algorithm=state.algorithm)
+            with trace.span("HOOK_START"):  # the agreement, and gloo's allreduce queued
+                pending = state.comm.start_allreduce(operand.array, op="avg",
+                                                     algorithm=state.algorithm)
         except (ValueError, TypeError) as err:
             raise collective_error(state.comm, err, "allreduce", buffer) from err
     if pending is not None:
