@@ -212,3 +212,33 @@ def test_the_hooks_background_path_trains_like_ddp_default(comm, monkeypatch, ov
     else:  # DDP divides each rank's gradient before the sum, the hook the sum
         torch.testing.assert_close(got, expected)
     assert bool(started) == background
+
+
+@pytest.mark.gpu
+def test_cuda_arrays_are_reduced_in_stream_order(comm):
+    """CUDA tensors (every rank on GPU 0) written on a side stream behind a long kernel, read
+    on that stream after ``wait()``: gloo copies them after the writes, and the average and
+    a non-contiguous view's copy back come before the reads."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cupy = pytest.importorskip("cupy")
+    device = torch.device("cuda", 0)
+    side = torch.cuda.Stream(device)
+    total = SIZE * (SIZE + 1) / 2
+    for trial in range(10):
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            busy = torch.randn(2048, 2048, device=device)
+            for _ in range(8):
+                busy = busy @ busy / 2048  # queued ahead of the writes
+            flat = torch.full((100_003,), float(RANK + 1), device=device)
+            pairs = torch.full((60_000, 2), float(RANK + 1), device=device)
+            pending = [comm.start_allreduce(cupy.from_dlpack(flat), op="avg"),
+                       comm.start_allreduce(cupy.from_dlpack(pairs[:, 0]), op="sum")]
+            for p in pending:
+                assert isinstance(p, torch.futures.Future)
+                p.wait()  # orders this stream after the results
+            got = (flat.clone(), pairs[:, 0].clone(), pairs[:, 1].clone())
+        torch.cuda.synchronize(device)
+        torch.testing.assert_close(got[0], torch.full_like(got[0], total / SIZE), msg=str(trial))
+        assert torch.equal(got[1], torch.full_like(got[1], total)), trial
+        assert torch.equal(got[2], torch.full_like(got[2], float(RANK + 1))), trial
