@@ -2,7 +2,9 @@
 
 torchrun starts plain processes, each its own one-process MPI world (and MPICH's singletons
 cannot connect to each other), so under torchrun the ring's point-to-point messages, the
-agreement allgather and the broadcasts travel over a gloo group of torch.distributed instead.
+agreement's exchange and the broadcasts travel over a gloo group of torch.distributed instead
+(tags 7, 11 and 13 of its point-to-point messages are ringcomm's: a group given to it should
+carry no other messages with those tags).
 The ring, compression and error feedback are ringcomm's own, as on every backend, except for
 dense float sums and averages, which run as gloo's own allreduce (see ``native_allreduce``).
 Host arrays only: device arrays are staged through host memory.
