@@ -9,7 +9,7 @@ ride in the same message, so a small allreduce is complete after this one exchan
 (:mod:`ringcomm.comm._inline`). The exchange is the transport's
 (:class:`~ringcomm.core.types.Exchange`): over MPI each rank sends its own length (a header
 alone is 96 bytes) to every other rank; over gloo every rank sends its whole fixed-size slot
-to every other rank; elsewhere (NCCL's host transport) it is a fixed-size allgather of the
+to every other rank; elsewhere (NCCL) it is a fixed-size allgather of the
 slot.
 """
 
