@@ -9,8 +9,7 @@ ride in the same message, so a small allreduce is complete after this one exchan
 (:mod:`ringcomm.comm._inline`). The exchange is the transport's
 (:class:`~ringcomm.core.types.Exchange`): over MPI each rank sends its own length (a header
 alone is 96 bytes) to every other rank; over gloo every rank sends its whole fixed-size slot
-to every other rank; elsewhere (NCCL) it is a fixed-size allgather of the
-slot.
+to every other rank; elsewhere (NCCL) it is a fixed-size allgather of the slot.
 """
 
 from __future__ import annotations
