@@ -260,11 +260,11 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "unreachable" not in proc.stdout
     report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
-    # The call's first exchange is the agreement's: a message from each other rank.
-    assert (report["kind"], report["peer"], report["timeout"]) == ("allreduce", 1, 2.0)
+    # The call's first exchange is the agreement's allgather: no one peer to name.
+    assert (report["kind"], report["peer"], report["timeout"]) == ("allreduce", None, 2.0)
     assert 2.0 <= report["elapsed"] <= report["wall"] < 2.0 + 10, report
-    assert ("allreduce timed out on rank 0 of 2 after 2.0 s waiting for rank 1 "
-            "(agreement exchange)") in report["message"], report
+    assert ("allreduce timed out on rank 0 of 2 after 2.0 s waiting for the other ranks "
+            "(allgather)") in report["message"], report
     assert ("ringcomm: CollectiveTimeoutError: allreduce timed out on rank 0 of 2 after "
             in proc.stderr), proc.stderr[-3000:]
     assert "Ending this process (exit status 1)" in proc.stderr

@@ -2,9 +2,9 @@
 
 torchrun starts plain processes, each its own one-process MPI world (and MPICH's singletons
 cannot connect to each other), so under torchrun the ring's point-to-point messages, the
-agreement's exchange and the broadcasts travel over a gloo group of torch.distributed instead
-(tags 7, 11 and 13 of its point-to-point messages are ringcomm's: a group given to it should
-carry no other messages with those tags).
+agreement allgather and the broadcasts travel over a gloo group of torch.distributed instead
+(tags 7 and 11 of its point-to-point messages are ringcomm's: a group given to it should carry
+no other messages with those tags).
 The ring, compression and error feedback are ringcomm's own, as on every backend, except for
 dense float sums and averages, which run as gloo's own allreduce (see ``native_allreduce``).
 Host arrays only: device arrays are staged through host memory.
@@ -54,7 +54,6 @@ __all__ = ["ProcessGroupTransport", "TorchDistCommunicator", "TorchDistTransport
 
 _RING_TAG = 7
 _P2P_TAG = 11
-_EXCHANGE_TAG = 13
 # torch renamed all_gather_into_tensor (deprecated in newer releases) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # torch 2.12 added new_group(sort_ranks=False); before it a group numbers its members in the
@@ -116,40 +115,6 @@ class _Pair:
             self._t.bounded(self._what, self._peer, work.wait)
         if self._after is not None:
             self._after()
-
-
-class _PairwiseExchange:
-    """The agreement's exchange over gloo as messages: this rank's whole row to every other
-    rank and theirs into their rows (fixed size, ``sized`` False: a gloo receive takes the
-    size its sender sends), posted from the calling thread, as the MPI transport's exchange
-    is. gloo's allgather runs on the group's two worker threads, so on the DDP hook's
-    started path it waited behind the running allreduces, and the next bucket's allreduce
-    (with gloo's copy of a CUDA bucket to the host) was queued only after it; a timeout here
-    also names the peer waited for. Alike in time on 2 cores
-    (bench/results/gloo_exchange.md)."""
-
-    sized = False
-
-    def __init__(self, t: TorchDistTransport, row_bytes: int) -> None:
-        self.recv = np.zeros((t.size, row_bytes), np.uint8)
-        self.send = self.recv[t.rank]  # nothing is received into it
-        self._t = t
-        self._peers = [p for p in range(t.size) if p != t.rank]
-        self._sent = _bytes(self.send)
-        self._rows = [_bytes(self.recv[p]) for p in self._peers]
-        self._moved = row_bytes * (t.size - 1)
-
-    def __call__(self, nbytes: int) -> None:
-        t = self._t
-        works = [(p, t._irecv(row, p, _EXCHANGE_TAG))
-                 for p, row in zip(self._peers, self._rows, strict=True)]
-        works += [(p, t._isend(self._sent, p, _EXCHANGE_TAG)) for p in self._peers]
-        for peer, work in works:
-            t.bounded("agreement exchange", peer, work.wait)
-
-    def moved(self, nbytes: int) -> int:
-        """The whole row to each other rank, whatever ``nbytes`` says."""
-        return self._moved
 
 
 def _host(x: Array) -> np.ndarray:
@@ -440,11 +405,6 @@ class TorchDistTransport(TransportBase):
         data = _flat_bytes(_host(send))
         _flat_bytes(host_recv)[: data.size] = data
         return _Pair(self, [], self.rank, "", after)
-
-    def prepare_exchange(self, row_bytes: int) -> _PairwiseExchange:
-        """The agreement's exchange as messages between every pair of ranks (see
-        _PairwiseExchange)."""
-        return _PairwiseExchange(self, row_bytes)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self._in_order:

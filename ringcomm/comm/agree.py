@@ -8,8 +8,8 @@ naming what differs, and the communicator stays usable. Arrays of up to ``comm.i
 ride in the same message, so a small allreduce is complete after this one exchange
 (:mod:`ringcomm.comm._inline`). The exchange is the transport's
 (:class:`~ringcomm.core.types.Exchange`): over MPI each rank sends its own length (a header
-alone is 96 bytes) to every other rank; over gloo every rank sends its whole fixed-size slot
-to every other rank; elsewhere (NCCL) it is a fixed-size allgather of the slot.
+alone is 96 bytes); elsewhere it is a fixed-size allgather whose slot travels with every
+collective.
 """
 
 from __future__ import annotations

@@ -219,8 +219,7 @@ class Exchange(Protocol):
     first ``nbytes`` of ``send`` to every rank and waits, within the transport's timeout, until
     every rank's message is in the start of its row (collective). With ``sized``, ranks may
     send different lengths and each row past its rank's message keeps older bytes; without
-    it, the whole of ``send`` travels whatever ``nbytes`` says (a fixed-size allgather, or
-    the whole row to every other rank).
+    it, the whole of ``send`` travels whatever ``nbytes`` says (one fixed-size allgather).
     """
 
     send: np.ndarray
