@@ -16,9 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from torch_helpers import process_group  # noqa: E402
+from torch_helpers import (  # noqa: E402
+    counting_gloo_allreduce,
+    gloo_communicator,
+    process_group,
+)
 
 from ringcomm.backends import gloo  # noqa: E402
 from ringcomm.core.types import ArgumentMismatchError  # noqa: E402
@@ -33,26 +36,8 @@ def _data(rank: int, n: int, dtype: np.dtype) -> np.ndarray:
     return (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
 
 
-@pytest.fixture(scope="module")
-def comm():
-    process_group()
-    made = gloo.TorchDistCommunicator()
-    yield made
-    made.close()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """How many times the transport handed an array to gloo's allreduce."""
-    seen: list[int] = []
-    real = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        seen.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(gloo.dist, "all_reduce", counting)
-    return seen
+comm = pytest.fixture(scope="module", name="comm")(gloo_communicator)
+calls = pytest.fixture(name="calls")(counting_gloo_allreduce)
 
 
 def _near_exact(got: np.ndarray, everyone: list[np.ndarray], tol: float) -> bool:

@@ -18,9 +18,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from torch_helpers import flat_params, process_group, same_on_all_ranks  # noqa: E402
+from torch_helpers import (  # noqa: E402
+    counting_gloo_allreduce,
+    flat_params,
+    gloo_communicator,
+    process_group,
+    same_on_all_ranks,
+)
 
 import ringcomm  # noqa: E402
 from ringcomm.backends import gloo  # noqa: E402
@@ -34,26 +39,8 @@ WORLD = MPI.COMM_WORLD
 SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
-@pytest.fixture(scope="module")
-def comm():
-    process_group()
-    made = gloo.TorchDistCommunicator()
-    yield made
-    made.close()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """The element counts of the tensors the transport handed to gloo's allreduce."""
-    seen: list[int] = []
-    real = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        seen.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(gloo.dist, "all_reduce", counting)
-    return seen
+comm = pytest.fixture(scope="module", name="comm")(gloo_communicator)
+calls = pytest.fixture(name="calls")(counting_gloo_allreduce)
 
 
 def _ints(n: int, dtype: str, salt: int = 0) -> np.ndarray:

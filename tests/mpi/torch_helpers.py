@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,33 @@ def process_group() -> None:
         from ringcomm.torch.process_group import init_process_group_from_mpi
 
         init_process_group_from_mpi(backend="gloo")
+
+
+def gloo_communicator() -> Iterator[Any]:
+    """A gloo-transport communicator over MPI's ranks, closed after its tests (as a
+    module-scoped fixture: ``pytest.fixture(scope="module", name="comm")(gloo_communicator)``)."""
+    from ringcomm.backends import gloo
+
+    process_group()
+    made = gloo.TorchDistCommunicator()
+    yield made
+    made.close()
+
+
+def counting_gloo_allreduce(monkeypatch: Any) -> list[int]:
+    """The element counts of the tensors the gloo transport hands to gloo's allreduce, counted
+    by wrapping the real ``dist.all_reduce`` (as a fixture taking ``monkeypatch``)."""
+    from ringcomm.backends import gloo
+
+    seen: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gloo.dist, "all_reduce", counting)
+    return seen
 
 
 def hvd() -> Any:
