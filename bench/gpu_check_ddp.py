@@ -37,9 +37,10 @@ _DEVICE = ["cuda"]  # the worker's torch device (set once, by worker())
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # of torch.distributed's collectives
 # (case, RingcommState keyword arguments) of each hooked run.
 # On gloo the uncompressed background case hands each bucket to gloo's own allreduce (which
-# copies it through pinned host memory itself); the inline and staged cases, and an MPI
-# without CUDA support, go through ringcomm's pinned host copies of the buckets; the
-# piece-by-piece and host-codec cases check the other two paths.
+# copies it through pinned host memory itself), started; the "piece by piece" case (the
+# backend moves the device array) runs that allreduce in the call; the inline and staged
+# cases, and an MPI without CUDA support, go through ringcomm's pinned host copies of the
+# buckets; the host-codec case checks the compressed path through them.
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("uncompressed, background", {"overlap": True}),
     ("uncompressed, inline", {"overlap": False}),

@@ -307,13 +307,18 @@ class TorchDistTransport(TransportBase):
                 and (limit < 0 or nbytes <= limit))
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
-        """gloo's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) for dense
-        float32/float64 sums and averages (up to ``native_allreduce_bytes``); False otherwise
-        (the ring runs). Every rank decides alike: the size, dtype and op were agreed, and
-        the limit is the same everywhere."""
-        if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes, op):
+        """gloo's own allreduce of flat ``x`` into ``out`` (which may be ``x``) for dense
+        float32/float64 sums and averages (up to ``native_allreduce_bytes``), host and device
+        arrays alike; False otherwise (the ring runs). Every rank decides alike: the size,
+        dtype and op were agreed, and the limit is the same everywhere; and whatever the
+        array's kind or the caller (``start_native_allreduce`` on another rank), such a call
+        is gloo's allreduce on every rank."""
+        if not self._reduces_natively(np.dtype(x.dtype), x.nbytes, op):
             return False
-        self._native(x, out, op is ReduceOp.AVG)
+        if type(x) is np.ndarray:
+            self._native(x, out, op is ReduceOp.AVG)
+        else:
+            self._native_device(x, out, op is ReduceOp.AVG)
         return True
 
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
@@ -334,6 +339,23 @@ class TorchDistTransport(TransportBase):
             self.bounded("allreduce", None, self._all_reduce, tensor)
         if average:
             _ops.get(out).divide(out, self.size, out)
+        self.count_native(x.nbytes)
+
+    def _native_device(self, x: Any, out: Any, average: bool) -> None:
+        """``_native`` for device arrays: gloo copies the CUDA tensor through pinned host
+        memory itself, after the work queued on torch's current stream (which the DLPack
+        exchange orders after CuPy's); the result is complete when this returns, for
+        whichever stream reads it, as on the ring's staged path."""
+        if out is not x:
+            _ops.get(out).copy(out, x)
+        tensor = torch.from_dlpack(out)
+        hold(tensor)
+        with trace.span("GLOO_ALLREDUCE"):
+            # wait() orders torch's current stream after gloo's copy back
+            self.bounded("allreduce", None, self._all_reduce, tensor)
+        if average:
+            tensor.div_(self.size)
+        torch.cuda.current_stream(tensor.device).synchronize()
         self.count_native(x.nbytes)
 
     def start_native_allreduce(self, x: Array, op: ReduceOp) -> torch.futures.Future | None:

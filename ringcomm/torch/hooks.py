@@ -80,9 +80,11 @@ class RingcommState:
             buckets in the background to gloo's own allreduce over gloo (which stages them
             itself), other uncompressed ones whole, compressed ones piece by piece (their
             codecs run on the GPU). Ignored on backends that move device arrays (NCCL, a
-            CUDA-aware MPI). ``overlap`` and ``host_staging`` pick what a CUDA bucket is
-            agreed on (the device array, or its host copy): give every rank the same ones,
-            or every rank raises ArgumentMismatchError at the first such bucket.
+            CUDA-aware MPI). Over gloo an uncompressed float32/float64 bucket moved by the
+            backend (False) is gloo's allreduce too, as in the background. ``overlap`` and
+            ``host_staging`` pick what a CUDA bucket is agreed on (the device array, or its
+            host copy): give every rank the same ones; a bucket staged whole on one rank and
+            handed over as it is on another raises ArgumentMismatchError on every rank.
 
     Raises:
         ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown

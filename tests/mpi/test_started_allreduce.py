@@ -229,3 +229,25 @@ def test_cuda_arrays_are_reduced_in_stream_order(comm):
         torch.testing.assert_close(got[0], torch.full_like(got[0], total / SIZE), msg=str(trial))
         assert torch.equal(got[1], torch.full_like(got[1], total)), trial
         assert torch.equal(got[2], torch.full_like(got[2], float(RANK + 1))), trial
+
+
+@pytest.mark.gpu
+def test_cuda_arrays_take_gloos_allreduce_started_or_not(comm, calls):
+    """A dense float32 CUDA allreduce over gloo is gloo's allreduce whether it is started or
+    runs in the call: ranks that do one and the other (the DDP hook with ``host_staging``
+    None on some and False on others) meet in the same collective and get the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cupy = pytest.importorskip("cupy")
+    with torch.cuda.device(0):
+        x = cupy.asarray(_ints(70_001, "float32"))
+        expected = _exact(x.get(), "avg")
+        if RANK % 2 == 0:
+            comm.start_allreduce(x, op="avg").wait()
+        else:
+            comm.allreduce(x, out=x, op="avg")
+        torch.cuda.synchronize()
+        got = x.get()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert _same_everywhere(got)
+    assert calls == [x.size]
