@@ -7,7 +7,8 @@ agreement allgather and the broadcasts travel over a gloo group of torch.distrib
 no other messages with those tags).
 The ring, compression and error feedback are ringcomm's own, as on every backend, except for
 dense float sums and averages, which run as gloo's own allreduce (see ``native_allreduce``).
-Host arrays only: device arrays are staged through host memory.
+The ring's messages carry host arrays: device arrays are staged through host memory (gloo's
+own allreduce takes them as they are, and stages them itself).
 
 :class:`TorchDistTransport` implements the Transport; :class:`TorchDistCommunicator` is the
 Communicator over it. :class:`ProcessGroupTransport` is the same Transport over a gloo group
