@@ -302,7 +302,7 @@ class TorchDistTransport(TransportBase):
 
     # ------------------------------------------------------------------ native allreduce
     def _reduces_natively(self, dtype: np.dtype, nbytes: int, op: ReduceOp) -> bool:
-        """Whether gloo's own allreduce takes a host array of ``dtype``, ``nbytes`` and ``op``."""
+        """Whether gloo's own allreduce takes an array of ``dtype``, ``nbytes`` and ``op``."""
         limit = self.native_allreduce_bytes
         return (op in _NATIVE_OPS and dtype in _NATIVE_DTYPES and dtype.isnative
                 and (limit < 0 or nbytes <= limit))

@@ -349,11 +349,8 @@ class Communicator:
         self._transport.operation = "allreduce"
         x = _arrays.plain(x)
         plan = self._allreduce.plan(x, x, op, None, None, None, algorithm)
-        if type(x) is np.ndarray:
+        with self._on_device(x):  # a bucket a call, not a hot path: no host fast path
             pending = self._allreduce.start(plan, x)
-        else:
-            with self._on_device(x):
-                pending = self._allreduce.start(plan, x)
         if pending is not None:
             self.stats.calls += 1
         return pending
