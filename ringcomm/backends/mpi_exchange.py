@@ -66,10 +66,19 @@ class SizedExchange:
         self._polls = range(polls)
 
     def __call__(self, nbytes: int) -> None:
+        self.finish(self.start(nbytes))
+
+    def start(self, nbytes: int) -> list[Any]:
+        """Start the exchange of ``nbytes``: its persistent requests, which ``finish``
+        completes (what the caller does between the two runs while the messages travel)."""
         reqs = self._requests.get(nbytes)
         if reqs is None:
             reqs = self._prepare(nbytes)
         self._startall(reqs)
+        return reqs
+
+    def finish(self, reqs: list[Any]) -> None:
+        """Complete the requests ``start`` started, within the timeout."""
         testall = self._testall
         if not testall(reqs):
             for _ in self._polls:

@@ -220,6 +220,13 @@ class _SizedExchange:
         for row, part in zip(self.recv, parts, strict=True):
             row[:part.size] = part
 
+    def start(self, nbytes: int) -> None:
+        """The whole exchange (thread ranks meet at once)."""
+        self(nbytes)
+
+    def finish(self, started: None) -> None:
+        """Nothing left: ``start`` completed the exchange."""
+
     def moved(self, nbytes: int) -> int:
         return nbytes * (self._t.size - 1)
 

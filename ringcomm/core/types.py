@@ -228,6 +228,14 @@ class Exchange(Protocol):
 
     def __call__(self, nbytes: int) -> None: ...
 
+    def start(self, nbytes: int) -> Any:
+        """Begin the exchange ``__call__`` makes; ``finish`` with what this returns completes
+        it. What the caller does between the two (bookkeeping, allocating the result) runs
+        while the messages travel. An exchange that cannot be split runs whole here."""
+
+    def finish(self, started: Any) -> None:
+        """Complete the exchange ``start`` began, within the transport's timeout."""
+
     def moved(self, nbytes: int) -> int:
         """Bytes one call with ``nbytes`` sends (and receives) on this rank."""
 

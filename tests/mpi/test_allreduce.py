@@ -56,6 +56,41 @@ def test_allreduce_matches_reference(comm, world, rng, dtype, op):
         check(world, x, y, op)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5)])
+def test_inline_repeats_give_their_first_result(comm, world, rng, dtype, op, shape):
+    """A small call seen before runs from its prepared plan (the result allocated while the
+    exchange travels, the rows reduced into it): the bits of its first run, on every rank,
+    into a new array, into ``out`` (contiguous or strided) and in place; the call's bytes
+    still counted."""
+    if op == "avg" and np.dtype(dtype).kind == "i":
+        pytest.skip("avg is refused for integers (tested in test_errors)")
+    x = make(rng, int(np.prod(shape)), dtype, op).reshape(shape)
+    first = comm.allreduce(x, op=op)
+    check(world, x.reshape(-1), first.reshape(-1), op)
+    out = np.empty_like(x)
+    strided = np.empty((*shape, 2), x.dtype)[..., 0]
+    for _ in range(3):
+        comm.stats.reset()
+        again = comm.allreduce(x, op=op)
+        assert again is not first and again.shape == shape and again.dtype == x.dtype
+        np.testing.assert_array_equal(again, first)
+        assert comm.stats.calls == 1
+        assert comm.stats.bytes_sent == comm.stats.bytes_received == (
+            (96 + x.nbytes) * (comm.size - 1))
+        assert comm.allreduce(x, out=out, op=op) is out
+        np.testing.assert_array_equal(out, first)
+        assert comm.allreduce(x, out=strided, op=op) is strided
+        np.testing.assert_array_equal(strided, first)
+        z = x.copy()
+        assert comm.allreduce(z, out=z, op=op) is z
+        np.testing.assert_array_equal(z, first)
+    prepared = comm._allreduce.plans.get(x, None, op)
+    assert type(prepared.repeat).__name__ == "InlinePlan"
+    assert same_on_all_ranks(world, first)
+
+
 @pytest.mark.parametrize("segment_bytes", [64, 4096, 1 << 20])
 def test_segmentation_and_pipelining(comm, world, rng, segment_bytes):
     """Many segments per chunk (deep pipelining), few, and one, all give the same sums."""
