@@ -151,12 +151,16 @@ def _trial_job(candidates, calls, length=20_000, feedback=True):
     return run_ranks(2, job)
 
 
+@pytest.mark.parametrize("feedback", [True, False])
 @pytest.mark.parametrize("candidates, expected", [((None, SlowFP16()), None),
+                                                  ((SlowFP16(), None), None),
                                                   ((SlowFP16(), FP16), FP16)])
-def test_trials_choose_the_candidate_measured_faster(candidates, expected):
+def test_trials_choose_the_candidate_measured_faster(candidates, expected, feedback):
     """With the model unable to choose, each candidate runs ``trials`` calls in the job and
-    the ranks agree on the one whose slowest rank was fastest."""
-    per_rank = _trial_job(candidates, calls=5)
+    the ranks agree on the one whose slowest rank was fastest; the dense candidate's trial
+    calls are timed too, with error feedback or without (without, they once ran as plain
+    dense calls, never counted, so the trials never ended)."""
+    per_rank = _trial_job(candidates, calls=5, feedback=feedback)
     finals = [repr(r[1]) for r in per_rank]
     assert finals == [repr(expected)] * 2
     for a, b in zip(per_rank[0][0], per_rank[1][0], strict=True):

@@ -63,7 +63,7 @@ class Allreduce:
              name: Any, algorithm: Any = None) -> AllreducePlan:
         """Check the arguments of an allreduce and decide how it runs (before the agreement;
         an argument error is kept in the plan's spec, to be raised on every rank)."""
-        policy = self._policy(compression)
+        policy = self.policy(compression)
         decision = None
         if policy is not None:
             decision = policy.decide_early(self.route(x), self.figures, x, op, feedback, name,
@@ -94,7 +94,7 @@ class Allreduce:
                            self._two_level.surely_flat(spec.algorithm, x))
         return plan
 
-    def _policy(self, compression: Any) -> Auto | None:
+    def policy(self, compression: Any) -> Auto | None:
         """The Auto that ``compression`` names ("auto": the communicator's), or None."""
         if isinstance(compression, Auto):
             return compression
@@ -153,7 +153,8 @@ class Allreduce:
         spec = plan.spec
         if spec.error is not None:
             self._agreement.agree(spec)  # raises, on every rank
-        if not plan.dense or x.nbytes <= self._agreement.inline_bytes:
+        if (not plan.dense or plan.trial is not None
+                or x.nbytes <= self._agreement.inline_bytes):
             return None
         self._agreement.agree(spec)
         if self._two_level.groups(spec.algorithm, x, None) is not None:
@@ -169,9 +170,9 @@ class Allreduce:
             return result
         direct = result.flags.c_contiguous and getattr(result.flags, "aligned", True)
         flat_out = result.reshape(-1) if direct else xp.empty((x.size,), x.dtype)
-        if plan.dense:
+        if plan.dense and plan.trial is None:
             self._reduce(t, plan, _arrays.flat(x), flat_out, None, 0)
-        else:
+        else:  # compressed, or compression="auto" deciding (a dense trial call is timed too)
             self._run_compressed(t, plan, x, flat_out)
         if not direct:
             result[...] = flat_out.reshape(x.shape)

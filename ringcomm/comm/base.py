@@ -326,29 +326,40 @@ class Communicator:
 
     @_serialized
     def start_allreduce(self, x: Array, *, op: str | ReduceOp = "sum",
+                        compression: Compressor | Auto | str | None = None,
+                        feedback: ErrorFeedback | None = None, name: str | None = None,
                         algorithm: str | None = None) -> Any | None:
         """Start an uncompressed allreduce of ``x`` in place where the backend runs it on
         threads of its own, and return its pending result; None where it does not (nothing
-        has run: reduce ``x`` with ``allreduce`` then).
+        has run: reduce ``x`` with ``allreduce`` then, with the same arguments).
 
         For adapters that overlap communication with computation (the DDP hook). The call is
-        checked and agreed on as ``allreduce(x, out=x, op=op, algorithm=algorithm)`` is, then
-        started where the backend has such an allreduce for it: over gloo, float32/float64
-        sums and averages above the inline size on the flat ring, run by gloo's allreduce
-        (which copies a CUDA array through pinned host memory on streams and threads of its
-        own, after the work queued on the current stream). The result is then a
-        ``torch.futures.Future`` that completes with the reduced tensor, sharing ``x``'s
-        memory (CUDA-aware for a CUDA array: ``wait()`` orders the current stream after it),
-        or raises the allreduce's error. Every rank gets the same answer.
+        checked and agreed on as ``allreduce(x, out=x, op=op, compression=compression,
+        feedback=feedback, name=name, algorithm=algorithm)`` is, then started where the
+        backend has such an allreduce for it: over gloo, float32/float64 sums and averages
+        above the inline size on the flat ring, run by gloo's allreduce (which copies a CUDA
+        array through pinned host memory on streams and threads of its own, after the work
+        queued on the current stream). The result is then a ``torch.futures.Future`` that
+        completes with the reduced tensor, sharing ``x``'s memory (CUDA-aware for a CUDA
+        array: ``wait()`` orders the current stream after it), or raises the allreduce's
+        error. Every rank gets the same answer.
+
+        ``compression`` is None or ``"auto"`` (an ``Auto``): a call of an Auto is started only
+        once the Auto has chosen to send arrays like ``x`` uncompressed (after its trial
+        calls, and with no residual of ``name`` pending in ``feedback``); until then, or where
+        it chose a compressor, nothing is started. Every rank decides alike: the Auto's choice
+        is the same on every rank at the same call. A compressor is never started.
 
         Raises:
             TypeError, ValueError: as ``allreduce`` (on every rank).
             RuntimeError: the communicator is closed.
         """
         self._ensure_open()
+        if compression is not None and self._allreduce.policy(compression) is None:
+            return None  # a compressor: allreduce runs it
         self._transport.operation = "allreduce"
         x = _arrays.plain(x)
-        plan = self._allreduce.plan(x, x, op, None, None, None, algorithm)
+        plan = self._allreduce.plan(x, x, op, compression, feedback, name, algorithm)
         with self._on_device(x):  # a bucket a call, not a hot path: no host fast path
             pending = self._allreduce.start(plan, x)
         if pending is not None:

@@ -10,11 +10,12 @@ sends 1-D gradients dense, all in the same call.
 
 A CUDA bucket is reduced in the background with the communicator's device current, after the
 work that the stream running backward (which may be a side stream) had queued when the hook
-was called. Over gloo, an uncompressed float32/float64 bucket reduced in the background is
-handed whole to gloo's own allreduce (``Communicator.start_allreduce``: agreed like any call,
-then started on gloo's threads, as DDP's own allreduce runs; gloo copies a CUDA bucket through
-pinned host memory on a stream of its own), and the hook's future completes when gloo's does,
-so that several buckets are in flight at once. Where the backend moves host arrays only
+was called. Over gloo, an uncompressed float32/float64 bucket reduced in the background (or
+one that ``compression="auto"`` has chosen to send uncompressed) is handed whole to gloo's own
+allreduce (``Communicator.start_allreduce``: agreed like any call, then started on gloo's
+threads, as DDP's own allreduce runs; gloo copies a CUDA bucket through pinned host memory on
+a stream of its own), and the hook's future completes when gloo's does, so that several
+buckets are in flight at once. Where the backend moves host arrays only
 otherwise (an MPI without CUDA support, or ``host_staging=True``), an uncompressed CUDA bucket
 is copied whole to pinned host memory on a side stream, reduced there, and copied back (see
 :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile; a compressed one
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringcomm.algorithms.auto import Compression
+from ringcomm.algorithms.auto import Auto, Compression
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
@@ -160,12 +161,16 @@ class RingcommState:
         """Whether ``buffer`` is a CUDA bucket that the backend moves through host memory."""
         return buffer.device.type == "cuda" and not self.comm.transport.moves_device_arrays
 
-    def starts(self, buffer: torch.Tensor, compressed: bool, overlap: bool) -> bool:
-        """Whether the bucket ``buffer`` goes whole to the backend's own allreduce on threads
-        of the backend's own (``Communicator.start_allreduce``): uncompressed float32/float64
-        buckets reduced in the background, on a backend that starts such an allreduce for
-        them as they are (gloo: CUDA buckets where ``host_staging`` is None, and CPU ones)."""
-        if (compressed or not overlap or buffer.dtype not in _STARTED_DTYPES
+    def starts(self, buffer: torch.Tensor, compression: Compression | None,
+               overlap: bool) -> bool:
+        """Whether the bucket ``buffer`` may go whole to the backend's own allreduce on threads
+        of the backend's own (``Communicator.start_allreduce``): float32/float64 buckets
+        reduced in the background, uncompressed or under ``compression="auto"`` (started
+        once it has chosen to send them uncompressed), on a backend that starts such an
+        allreduce for them as they are (gloo: CUDA buckets where ``host_staging`` is None, and
+        CPU ones)."""
+        if (not (compression is None or isinstance(compression, Auto)) or not overlap
+                or buffer.dtype not in _STARTED_DTYPES
                 or not self.comm.transport.starts_native_allreduce):
             return False
         return buffer.device.type != "cuda" or self.host_staging is None
@@ -278,28 +283,30 @@ def _reduce_staged(state: RingcommState, buffer: torch.Tensor, ready: Any, index
     return buffer
 
 
-def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any, index: int
-                    ) -> torch.Tensor | torch.futures.Future:
+def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any,
+                    compression: Compression | None, layout: Layout | None, name: str | None,
+                    fallback: Callable[[], torch.Tensor]) -> torch.Tensor | torch.futures.Future:
     """The bucket handed whole to the backend's own allreduce, which runs it on threads of its
     own (gloo's: a CUDA bucket goes through pinned host memory on gloo's streams, after
     ``ready``): its pending result. Where the backend starts nothing for it (a bucket of the
-    inline size, one above RINGCOMM_GLOO_ALLREDUCE_BYTES, or one the two-level allreduce
-    takes), it is reduced here as the other uncompressed buckets are, and returned."""
+    inline size, one above RINGCOMM_GLOO_ALLREDUCE_BYTES, one the two-level allreduce takes,
+    or one ``compression="auto"`` compresses or is still trying), ``fallback`` reduces it
+    here, as such buckets are otherwise, and returns it."""
     with contextlib.ExitStack() as scope:
         if ready is not None:
             scope.enter_context(state._staging.side(buffer.device, ready))
         operand = Operand(buffer)  # a view: only float32/float64 buckets take this path
+        if layout is not None and name is not None:  # before the Auto looks for a residual
+            state._residuals.align(name, layout, operand.array.reshape(-1))
         try:
             with trace.span("HOOK_START"):  # the agreement, and gloo's allreduce queued
-                pending = state.comm.start_allreduce(operand.array, op="avg",
-                                                     algorithm=state.algorithm)
+                pending = state.comm.start_allreduce(
+                    operand.array, op="avg", compression=compression,
+                    feedback=state.feedback if layout is not None else None, name=name,
+                    algorithm=state.algorithm)
         except (ValueError, TypeError) as err:
             raise collective_error(state.comm, err, "allreduce", buffer) from err
-    if pending is not None:
-        return pending
-    if ready is not None:
-        return _reduce_staged(state, buffer, ready, index, None, None, None)
-    return _reduce(state, buffer, None, None, None)
+    return fallback() if pending is None else pending
 
 
 def _pass_on(future: torch.futures.Future, buffer: torch.Tensor,
@@ -357,12 +364,10 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         [buffer.device] if buffer.device.type == "cuda" else None)
     future: torch.futures.Future = torch.futures.Future(devices=devices)
     overlap = buffer.device.type == "cuda" if state.overlap is None else state.overlap
+    starts = state.starts(buffer, compression, overlap)
+    ready = _written(buffer) if starts or state.through_host(buffer) else None
     task: Callable[[], torch.Tensor | torch.futures.Future]
-    if state.starts(buffer, compression is not None, overlap):
-        task = functools.partial(_reduce_started, state, buffer, _written(buffer),
-                                 bucket.index())
-    elif state.through_host(buffer):
-        ready = _written(buffer)
+    if state.through_host(buffer):
         if state.stages(buffer, compression is not None):
             task = functools.partial(_reduce_staged, state, buffer, ready, bucket.index(),
                                      compression, layout, name)
@@ -371,6 +376,11 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
                                      layout, name)
     else:
         task = functools.partial(_reduce, state, buffer, compression, layout, name)
+    if starts:
+        # Decided on the thread that runs the calls, in the same order on every rank (an
+        # Auto's choice changes at a call): started there, or reduced by ``task``.
+        task = functools.partial(_reduce_started, state, buffer, ready, compression, layout,
+                                 name, task)
 
     def settle(handle: Handle) -> None:
         try:

@@ -13,6 +13,8 @@ differing between ranks.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ from torch_helpers import (  # noqa: E402
 )
 
 import ringcomm  # noqa: E402
+from ringcomm.algorithms.auto import LinkModel  # noqa: E402
 from ringcomm.backends import gloo  # noqa: E402
 from ringcomm.comm.base import Communicator  # noqa: E402
 from ringcomm.core.types import ArgumentMismatchError, CollectiveTimeoutError  # noqa: E402
@@ -156,7 +159,52 @@ def test_a_peer_that_never_comes_times_out_naming_the_collective():
         lonely.close()
 
 
-def _train(state: RingcommState | None) -> torch.Tensor:
+class _SlowFP16(ringcomm.FP16):
+    """FP16 whose every encoding also waits 30 ms: clearly the slower candidate of a trial."""
+
+    def encode(self, src, out, *, seed=0, base=0, error=None):
+        time.sleep(0.03)
+        super().encode(src, out, seed=seed, base=base, error=error)
+
+    def __repr__(self) -> str:
+        return "SlowFP16()"
+
+
+def _undecided_auto(*candidates) -> ringcomm.Auto:
+    """An Auto whose model cannot tell its candidates apart: it tries each once in the job."""
+    even = {ringcomm.Auto.key(c): 1e9 for c in candidates}
+    return ringcomm.Auto(candidates, link=LinkModel(latency=50e-6, bandwidth=125e6),
+                         throughput=even, trials=1)
+
+
+@pytest.mark.parametrize("candidates, started", [((None, "slow"), True),
+                                                 (("slow", ringcomm.FP16()), False)])
+def test_auto_is_started_once_it_has_chosen_dense(comm, candidates, started):
+    """``start_allreduce(compression=auto)`` starts nothing while the Auto tries its
+    candidates or where it chose a compressor (the calls then run through ``allreduce``, the
+    trials timed there), and starts gloo's allreduce once it has chosen to send uncompressed,
+    on every rank at the same call; results identical on every rank throughout."""
+    auto = _undecided_auto(*(_SlowFP16() if c == "slow" else c for c in candidates))
+    outcomes = []
+    for step in range(6):
+        x = _ints(60_000, "float32", salt=step)
+        expected = _exact(x, "avg")
+        pending = comm.start_allreduce(x, op="avg", compression=auto)
+        if pending is None:
+            comm.allreduce(x, out=x, op="avg", compression=auto)
+        else:
+            pending.wait()
+            np.testing.assert_array_equal(x, expected)
+        outcomes.append(pending is not None)
+        assert _same_everywhere(x)
+    # A trial call per candidate, the call that decides (in allreduce, together), then the
+    # choice: dense is started from the fourth call.
+    assert outcomes == [False] * 3 + [started] * 3
+    assert WORLD.allgather(outcomes) == [outcomes] * SIZE
+    assert comm.start_allreduce(np.ones(60_000, np.float32), compression=ringcomm.FP16()) is None
+
+
+def _train(state: RingcommState | None, steps: int = 4) -> torch.Tensor:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                               torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
@@ -165,7 +213,7 @@ def _train(state: RingcommState | None) -> torch.Tensor:
         model.register_comm_hook(state, ringcomm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(RANK)
-    for _ in range(4):
+    for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(16, 64, generator=gen)).square().mean().backward()
         opt.step()
@@ -199,6 +247,29 @@ def test_the_hooks_background_path_trains_like_ddp_default(comm, monkeypatch, ov
     else:  # DDP divides each rank's gradient before the sum, the hook the sum
         torch.testing.assert_close(got, expected)
     assert bool(started) == background
+
+
+def test_the_hook_starts_the_buckets_auto_sends_uncompressed(comm, monkeypatch):
+    """``compression="auto"`` in the hook: each bucket size's trial calls run inside the hook,
+    and once the Auto has chosen to send that size uncompressed its buckets are started on
+    gloo's threads like uncompressed ones (decided on the hook's thread, in call order, the
+    same on every rank); parameters identical on every rank."""
+    started: list[bool] = []
+    real = Communicator.start_allreduce
+
+    def counting(self, x, **kwargs):
+        pending = real(self, x, **kwargs)
+        if kwargs.get("compression") is not None:
+            started.append(pending is not None)
+        return pending
+
+    monkeypatch.setattr(Communicator, "start_allreduce", counting)
+    state = RingcommState(comm=comm, compression=_undecided_auto(None, _SlowFP16()),
+                          overlap=True, start_iter=0, min_compress_bytes=0)
+    got = _train(state, steps=6)
+    assert same_on_all_ranks(got)
+    assert WORLD.allgather(started) == [started] * SIZE
+    assert not started[0] and started[-1], started  # trials first, started once chosen
 
 
 @pytest.mark.gpu
