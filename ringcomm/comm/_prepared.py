@@ -19,7 +19,6 @@ full error on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -69,12 +68,10 @@ class PreparedCall:
 
     def exchange(self, x: np.ndarray) -> None:
         """Exchange the call's header (and ``x``'s bytes, where this plan inlines them),
-        raising on every rank if another rank's header differs."""
-        self.complete(self.post(x))
+        raising on every rank if another rank's header differs.
 
-    def post(self, x: np.ndarray) -> Any:
-        """Start the exchange of ``exchange``; ``complete`` with what this returns ends it.
-        The call's bookkeeping runs while the messages travel: a small call's time is the
+        The call's byte counts are kept while the messages travel (between the exchange's
+        ``start`` and ``finish``): a call after the ranks part (a barrier, compute) costs the
         work before its messages leave and after they arrive, not the wait between."""
         name, twins = self.threads.caller()
         if name != self.spec.caller:  # another thread repeats the call: its own header
@@ -89,11 +86,6 @@ class PreparedCall:
         stats = self.stats
         stats.bytes_sent += self.volume
         stats.bytes_received += self.volume
-        return started
-
-    def complete(self, started: Any) -> None:
-        """Wait for the exchange ``post`` started; raise on every rank if another rank's
-        header differs from this one's."""
         self.finish(started)
         header = self.header
         for head in self.heads:
@@ -139,12 +131,8 @@ class NativePlan(PreparedCall):
                 and (out is None or (out.flags.c_contiguous and out.flags.aligned)))
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        if not self.check:
-            result = np.empty(self.shape, self.dtype) if out is None else out
-            self.native(x, result)
-            return result
-        started = self.post(x)
-        result = np.empty(self.shape, self.dtype) if out is None else out  # in flight
-        self.complete(started)
+        if self.check:
+            self.exchange(x)
+        result = np.empty(self.shape, self.dtype) if out is None else out
         self.native(x, result)
         return result

@@ -60,10 +60,10 @@ def test_allreduce_matches_reference(comm, world, rng, dtype, op):
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5)])
 def test_inline_repeats_give_their_first_result(comm, world, rng, dtype, op, shape):
-    """A small call seen before runs from its prepared plan (the result allocated while the
-    exchange travels, the rows reduced into it): the bits of its first run, on every rank,
-    into a new array, into ``out`` (contiguous or strided) and in place; the call's bytes
-    still counted."""
+    """A small call seen before runs from its prepared plan (its byte counts kept while the
+    exchange travels, the rows reduced into a new array or ``out``): the bits of its first
+    run, on every rank, into a new array, into ``out`` (contiguous or strided) and in place;
+    the call's bytes still counted."""
     if op == "avg" and np.dtype(dtype).kind == "i":
         pytest.skip("avg is refused for integers (tested in test_errors)")
     x = make(rng, int(np.prod(shape)), dtype, op).reshape(shape)
