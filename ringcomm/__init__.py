@@ -204,9 +204,13 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
             ``ringcomm.algorithms.ring.DEFAULT_SEGMENT_BYTES``); env ``RINGCOMM_SEGMENT_BYTES``,
             which takes K, M and G suffixes (KiB, MiB, GiB: "512K", "2M").
         inline_bytes: dense allreduces of up to this many bytes ride inside the per-call
-            agreement message (one exchange instead of a ring); that slot is sent with every
-            collective, so 0 suits jobs of many small compressed calls. A multiple of 8, at
-            most 1 MiB; default 4096; env ``RINGCOMM_INLINE_BYTES`` (suffixes as above).
+            agreement message (one exchange instead of a ring: each rank sends its array to
+            each other rank). A multiple of 8, at most 1 MiB; default 4096, and over MPI where
+            every rank shares one node (and the topology setting says so) 192 KiB shared
+            among the other ranks, from 4 KiB to 64 KiB (64 KiB up to 4 ranks); env
+            ``RINGCOMM_INLINE_BYTES`` (suffixes as above). Over MPI each call sends only its
+            own message; over gloo and NCCL the whole slot travels with every collective, so
+            0 suits jobs of many small compressed calls there.
         timeout: how long a collective waits for its peers before it fails, as a
             ``datetime.timedelta`` or seconds; env ``RINGCOMM_TIMEOUT`` (seconds); 30 minutes
             by default. On the NCCL backend it also bounds every host wait for the GPU: at

@@ -49,7 +49,14 @@ from ringcomm.comm.transport import (
 )
 from ringcomm.core import trace
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, USER, Array, InvalidArgumentError, ReduceOp
+from ringcomm.core.types import (
+    DEFAULT_INLINE_BYTES,
+    RING,
+    USER,
+    Array,
+    InvalidArgumentError,
+    ReduceOp,
+)
 
 __all__ = ["MPICommunicator", "MPITransport"]
 
@@ -90,6 +97,19 @@ _LOG = get_logger("mpi")
 # RINGCOMM_MPI_ALLREDUCE_BYTES sets the limit (0: always the ring); every rank must pass the same.
 _NATIVE_BYTES_PER_PEER = 512 << 10
 NATIVE_BYTES_ENV = "RINGCOMM_MPI_ALLREDUCE_BYTES"
+# Where every rank shares one node, dense allreduces up to (_SHARED_INLINE_BUDGET / (n - 1))
+# bytes, at most _SHARED_INLINE_MAX, ride in the agreement's exchange (each rank sends its
+# array to each other rank through shared memory and reduces every rank's in rank order), where
+# elsewhere they ride up to DEFAULT_INLINE_BYTES: one exchange instead of the header's then
+# MPI's allreduce. The budget bounds what one such call sends (and every rank keeps room for
+# each other rank's message); across nodes the n - 1 copies would load the NICs, so the
+# default stays there. Measured with MPICH 5 on 2 cores (bench/results/inline_shared.md), time
+# over MPI_Allreduce's after a barrier: at 2 ranks 16-64 KiB 0.75-0.90 inlined against
+# 1.15-1.17 after the header exchange, 6-8000 B 0.97 against 1.41; 8-14 KiB 1.66-1.71 against
+# 1.41 (a message past MPICH's shared-memory eager limit of 8 KiB with its header waits for
+# the receiver); at 4 ranks 8-64 KiB 1.07-1.58 against 1.40-1.82.
+_SHARED_INLINE_BUDGET = 192 << 10
+_SHARED_INLINE_MAX = 64 << 10
 # MPI's allreduce takes these as they are; 16-bit floats (MPI has no half sum; the ring sums
 # them in float32) and foreign byte orders take the ring.
 _NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
@@ -355,6 +375,13 @@ class MPITransport(TransportBase):
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._wait_one(self._ctl.Iallgather(send, recv), "allgather")
 
+    @property
+    def default_inline_bytes(self) -> int:
+        """The inline size where ``ringcomm.init`` is given none: larger where every rank
+        shares this node (see _SHARED_INLINE_BUDGET); the same on every rank."""
+        return shared_inline_bytes(self.size) if self.local_size == self.size else (
+            DEFAULT_INLINE_BYTES)
+
     def prepare_exchange(self, row_bytes: int) -> SizedExchange:
         """The agreement's exchange as point-to-point messages of each rank's own length
         (see :mod:`ringcomm.backends.mpi_exchange`), on a communicator of its own."""
@@ -520,6 +547,16 @@ class MPITransport(TransportBase):
             self._device_stage = staging.DeviceStaging(self._MPI, self.cuda_aware,
                                                        wait=self.wait_all)
         return self._device_stage
+
+
+def shared_inline_bytes(size: int) -> int:
+    """The default inline size of ``size`` ranks on one node: _SHARED_INLINE_BUDGET shared
+    among the other ranks, a multiple of 64 bytes from DEFAULT_INLINE_BYTES to
+    _SHARED_INLINE_MAX."""
+    if size < 2:
+        return DEFAULT_INLINE_BYTES
+    share = _SHARED_INLINE_BUDGET // (size - 1) // 64 * 64
+    return max(DEFAULT_INLINE_BYTES, min(_SHARED_INLINE_MAX, share))
 
 
 class MPICommunicator(Communicator):

@@ -119,8 +119,12 @@ class Communicator:
 
     def _setup(self, transport: Transport, consistency_check: bool, segment_bytes: int | None,
                inline_bytes: int | None) -> None:
-        inline = agree.INLINE_BYTES if inline_bytes is None else settings.check_bytes(
+        # Agreed as given (None: the default, which every rank derives alike from the agreed
+        # topology and from whether all ranks share this node).
+        self._inline_setting = None if inline_bytes is None else settings.check_bytes(
             int(inline_bytes), "inline_bytes", 0, 8, settings.MAX_INLINE_BYTES)
+        inline = (self._default_inline(transport) if self._inline_setting is None
+                  else self._inline_setting)
         self._transport = transport
         self._lock = threading.RLock()  # one call at a time (re-entered by nested calls)
         self._stats = transport.stats  # read on every call: one attribute, not two
@@ -132,6 +136,15 @@ class Communicator:
         self._plans = self._allreduce.plans
         self._route = self._allreduce.route
         self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+
+    def _default_inline(self, transport: Transport) -> int:
+        """The inline size where none is given: the transport's (larger over MPI where every
+        rank shares one node), unless the topology setting puts the ranks on several nodes,
+        where the n - 1 copies of an inlined array would cross the NICs (the classic size)."""
+        setting = self._two_level.setting
+        if setting != "auto" and int(setting) < transport.size:
+            return agree.INLINE_BYTES
+        return transport.default_inline_bytes
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -504,7 +517,9 @@ class Communicator:
     def _settings(self) -> dict[str, Any]:
         """What every rank must share, by name (agreed when the communicator starts)."""
         return {"backend": self.backend, "consistency_check": self.consistency_check,
-                "segment_bytes": self.segment_bytes, "inline_bytes": self.inline_bytes,
+                "segment_bytes": self.segment_bytes,
+                "inline_bytes": ("default" if self._inline_setting is None
+                                 else self._inline_setting),
                 "algorithm": self.algorithm, "topology": self.topology,
                 "timeout": self._transport.timeout}
 

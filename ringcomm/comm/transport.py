@@ -19,6 +19,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.core.types import (
+    DEFAULT_INLINE_BYTES,
     DEFAULT_TIMEOUT_S,
     Array,
     CollectiveTimeoutError,
@@ -174,6 +175,12 @@ class TransportBase:
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))
         self.world_size = self.size
         self._buffers: dict[tuple[Any, ...], Any] = {}
+
+    @property
+    def default_inline_bytes(self) -> int:
+        """The largest dense allreduce that rides in the agreement's exchange where the user
+        sets none (``inline_bytes``): DEFAULT_INLINE_BYTES; the same on every rank."""
+        return DEFAULT_INLINE_BYTES
 
     #: Allgather equal-sized host byte buffers: every backend implements it.
     allgather_fixed: Callable[[np.ndarray, np.ndarray], None]

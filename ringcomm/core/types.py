@@ -273,6 +273,8 @@ class Transport(Protocol):
         starts_native_allreduce: whether ``start_native_allreduce`` starts the library's
             own allreduce of host and device arrays as they are (gloo, which copies device
             arrays through pinned host memory itself).
+        default_inline_bytes: the largest dense allreduce that rides in the agreement's
+            exchange where the user sets none (the same on every rank).
     """
 
     backend: str
@@ -294,6 +296,10 @@ class Transport(Protocol):
     @property
     def failure(self) -> Exception | None:
         """The error that aborted the transport, or None (read-only)."""
+
+    @property
+    def default_inline_bytes(self) -> int:
+        """The inline size where the user sets none (read-only)."""
 
     @property
     def device_id(self) -> int | None:

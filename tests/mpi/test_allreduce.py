@@ -13,10 +13,11 @@ DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]
 
 
-def lengths(size: int) -> list[int]:
-    """Edge lengths: empty, one element, fewer than ranks, not divisible, inline edge, large."""
+def lengths(size: int, inline_bytes: int = INLINE_BYTES) -> list[int]:
+    """Edge lengths: empty, one element, fewer than ranks, not divisible, the edges of the
+    classic inline size and of the communicator's, large."""
     return sorted({0, 1, 2, max(size - 1, 1), size + 1, 1000, INLINE_BYTES // 4,
-                   INLINE_BYTES // 4 + 1, 300_001})
+                   INLINE_BYTES // 4 + 1, inline_bytes // 4, inline_bytes // 4 + 1, 300_001})
 
 
 def make(rng: np.random.Generator, n: int, dtype: str, op: str) -> np.ndarray:
@@ -48,7 +49,7 @@ def check(world, x: np.ndarray, y: np.ndarray, op: str) -> None:
 def test_allreduce_matches_reference(comm, world, rng, dtype, op):
     if op == "avg" and np.dtype(dtype).kind == "i":
         pytest.skip("avg is refused for integers (tested in test_errors)")
-    for n in lengths(comm.size):
+    for n in lengths(comm.size, comm.inline_bytes):
         x = make(rng, n, dtype, op)
         before = x.copy()
         y = comm.allreduce(x, op=op)
@@ -142,7 +143,7 @@ def test_float16_accumulates_in_float32(comm, world):
 
 
 def test_reduce_scatter(comm, world, rng):
-    for n in lengths(comm.size):
+    for n in lengths(comm.size, comm.inline_bytes):
         x = rng.standard_normal(n)
         mine = comm.reduce_scatter(x)
         ref = reference(world, x, "sum")
@@ -154,6 +155,39 @@ def test_reduce_scatter(comm, world, rng):
     ref = reference(world, x, "max").reshape(-1)
     lo, hi = comm.rank * 42 // comm.size, (comm.rank + 1) * 42 // comm.size
     np.testing.assert_array_equal(mine, ref[lo:hi])
+
+
+def test_default_inline_size_where_every_rank_shares_a_node(world, rng):
+    """Where every rank is on this node (as here) the MPI backend inlines up to 64 KiB among
+    4 ranks (192 KiB shared among the others, at least the classic 4 KiB); a topology of
+    several nodes keeps the classic size; an explicit size wins. Arrays at the edges of the
+    larger slot match the reference on every rank, and a call just inside it moves its
+    array in the exchange alone (n - 1 copies of it, no second collective)."""
+    from ringcomm.backends.mpi import shared_inline_bytes
+
+    assert [shared_inline_bytes(n) for n in (1, 2, 3, 4, 5, 8, 16, 64)] == [
+        4096, 65536, 65536, 65536, 49152, 28032, 13056, 4096]
+    size = world.Get_size()
+    c = ringcomm.init("mpi", abort_on_exception=False)
+    try:
+        assert c.inline_bytes == shared_inline_bytes(size)
+        for n in (c.inline_bytes // 4, c.inline_bytes // 4 + 1, 3000, 5000):
+            x = make(rng, n, "float32", "sum")
+            check(world, x, c.allreduce(x), "sum")
+            c.stats.reset()
+            check(world, x, c.allreduce(x), "sum")  # the prepared repeat
+            if n * 4 <= c.inline_bytes:
+                assert c.stats.bytes_sent == (96 + x.nbytes) * (size - 1)
+    finally:
+        c.close()
+    for options, expected in (({"topology": 1}, INLINE_BYTES if size > 1 else 4096),
+                              ({"topology": size}, shared_inline_bytes(size)),
+                              ({"inline_bytes": 1024}, 1024)):
+        c = ringcomm.init("mpi", abort_on_exception=False, **options)
+        try:
+            assert c.inline_bytes == expected, options
+        finally:
+            c.close()
 
 
 @pytest.mark.parametrize("inline_bytes", [0, 64])

@@ -12,8 +12,19 @@ from test_allreduce import check, make
 import ringcomm
 from ringcomm.backends import mpi as mpi_backend
 from ringcomm.backends.mpi import MPICommunicator
+from ringcomm.comm.agree import INLINE_BYTES
 
 LIMIT = 64 << 10  # small, so both sides of it stay quick to test
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """ringcomm's MPI communicator with the classic inline size (4 KiB, the default across
+    nodes): these tests are about the calls above it, which the default inlines where every
+    rank shares one node."""
+    c = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=INLINE_BYTES)
+    yield c
+    c.close()
 
 
 @pytest.fixture

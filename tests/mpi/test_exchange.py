@@ -9,6 +9,7 @@ from test_allreduce import check
 
 import ringcomm
 from ringcomm.backends import mpi as mpi_backend
+from ringcomm.comm.agree import INLINE_BYTES
 from ringcomm.core.types import ArgumentMismatchError
 
 
@@ -78,7 +79,7 @@ def test_persistent_allreduce_gives_the_first_calls_bits(comm, world, rng):
 def test_persistent_allreduces_are_bounded(world, rng):
     """Past the transport's limit of persistent requests, new plans take MPI_Iallreduce:
     every size stays right, and the persistent ones are freed at close."""
-    c = ringcomm.init("mpi", abort_on_exception=False)
+    c = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=INLINE_BYTES)
     try:
         t = c.transport
         lengths = [1100 + i for i in range(mpi_backend._PERSISTENT_KEPT + 8)]

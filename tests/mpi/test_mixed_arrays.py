@@ -80,9 +80,16 @@ def _data_calls(comm: Communicator) -> list[str]:
 
 # ------------------------------------------------------------------------ host arrays
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
-def test_host_arrays_take_the_mpi_path_and_match_the_mpi_backend(standin, comm, rng, dtype):
-    """NumPy arrays on the NCCL communicator: over MPI (no NCCL call at all), with the MPI
-    backend's very bits, from a worker thread too."""
+def test_host_arrays_take_the_mpi_path_and_match_the_mpi_backend(standin, rng, dtype):
+    """NumPy arrays on the NCCL communicator: over MPI (no NCCL call at all), with the very
+    bits of the MPI backend with the same settings (the NCCL backend's inline size is the
+    classic one: its agreement is a fixed-size allgather), from a worker thread too."""
+    with ringcomm.init("mpi", abort_on_exception=False,
+                       inline_bytes=standin.inline_bytes) as comm:
+        _match_the_mpi_backend(standin, comm, rng, dtype)
+
+
+def _match_the_mpi_backend(standin, comm, rng, dtype):
     assert standin.transport.host is standin.transport._rdv.transport
     before = len(_data_calls(standin))
     sent = standin.stats.bytes_sent

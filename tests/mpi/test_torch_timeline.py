@@ -108,14 +108,15 @@ def test_restarting_keeps_one_file_and_a_new_file_stops_the_old(tmp_path):
     (True, ["MPI_ALLREDUCE"]),
 ])
 def test_a_real_allreduce_shows_its_phases(comm, path, native, phases):
-    """40 KB, larger than the inline slot of the agreement message: the ring's two phases, or
-    MPI's own allreduce where it takes arrays of that size."""
+    """400 KB, larger than the inline slot of the agreement message (up to 64 KiB where
+    every rank shares one node): the ring's two phases, or MPI's own allreduce where it takes
+    arrays of that size."""
     saved = comm.transport.native_allreduce_bytes
     comm.transport.native_allreduce_bytes = 1 << 20 if native else 0
     try:
         timeline.start_timeline(str(path))
         tl = timeline.active()
-        x = np.full(10000, RANK + 1, np.float32)
+        x = np.full(100_000, RANK + 1, np.float32)
         if tl is not None:
             tl.start("allreduce.grad", "ALLREDUCE")
             with tl.executing(["allreduce.grad"]):
@@ -123,7 +124,7 @@ def test_a_real_allreduce_shows_its_phases(comm, path, native, phases):
             tl.end("allreduce.grad")
         else:
             y = comm.allreduce(x)
-        np.testing.assert_array_equal(y, np.full(10000, comm.size * (comm.size + 1) / 2))
+        np.testing.assert_array_equal(y, np.full(100_000, comm.size * (comm.size + 1) / 2))
         timeline.stop_timeline()
     finally:
         comm.transport.native_allreduce_bytes = saved
