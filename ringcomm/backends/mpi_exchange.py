@@ -17,6 +17,18 @@ Measured with MPICH 5 at 2 ranks on 2 cores, each alone in one run: a 96-byte ex
 2.1 us, the persistent allgather of a 4 KiB slot it replaces 3.0 us, a 4 KiB + 96-byte
 exchange 2.3 us; past MPICH's shared-memory eager limit (8100 to 8192 bytes here) a message
 costs about twice as much (bench/results/sized_exchange.md).
+
+A message past that limit (an inlined array of 8 to 32 KiB) goes as chunks of at most
+``EAGER_BYTES`` each, which MPI sends at once, where that makes at most ``MAX_CHUNKS``
+messages in all (2 ranks: up to 4 chunks; 3 ranks: 2; 4 and more: none): at 2 ranks 2.2 us
+for 8288 bytes as 2 chunks against 4.2 us as one message, 4.4 against 5.8 us for 32 KiB
+(bench/results/inline_shared.md); other messages go whole. The first chunk carries the
+header and lands in the persistent receive; the others are received only once every rank's
+header has been found equal to this rank's (the agreement compares them, then calls
+``rest``), so that a rank whose message was shorter (another call) is never waited for. Where
+the headers differ, every rank learns every rank's length with the descriptions it exchanges
+anyway, and ``drain`` receives the chunks the longer messages still had on the way, so that
+none is left to match a later exchange.
 """
 
 from __future__ import annotations
@@ -30,8 +42,39 @@ from ringcomm.backends.mpi_process import import_mpi
 
 __all__ = ["SizedExchange"]
 
-_TAG = 13
+_TAG = 13  # the first chunk; chunk i has _TAG + i
 _SIZES_KEPT = 64  # message lengths with persistent sends; more drop the oldest
+#: The largest chunk: MPICH 5's shared-memory eager limit is between 8100 and 8120 bytes here
+#: (a message of 8100 bytes took 1.6 us, of 8120 2.5 us, of 8192 4.2 us).
+EAGER_BYTES = 8096
+#: Chunks one exchange sends in all, at most (to all its peers): a message that would need
+#: more goes whole. At 2 ranks 5 chunks of 32 KiB took 4.4 us and 9 chunks of 64 KiB 8.9 us
+#: against 5.8 and 7.8 us whole; at 4 ranks on 2 cores, 16-24 KiB in chunks to each of 3 peers
+#: were slower than whole (bench/results/inline_shared.md).
+MAX_CHUNKS = 4
+
+
+def chunks(nbytes: int, peers: int = 1) -> tuple[int, int]:
+    """How a message of ``nbytes`` to each of ``peers`` ranks travels: (number of chunks,
+    bytes per chunk but the last)."""
+    if nbytes <= EAGER_BYTES:
+        return 1, nbytes
+    count = -(-nbytes // EAGER_BYTES)
+    if count * peers > MAX_CHUNKS:
+        return 1, nbytes
+    return count, -(-nbytes // count)
+
+
+class _Prepared:
+    """The persistent requests of one message length: the first chunk's (the receives of every
+    peer's first chunk, then this rank's sends of it), and the other chunks' receives and
+    sends (empty for a message of one chunk)."""
+
+    __slots__ = ("first", "recvs", "rest", "sends")
+
+    def __init__(self, first: list[Any], recvs: list[Any], sends: list[Any]) -> None:
+        self.first, self.recvs, self.sends = first, recvs, sends
+        self.rest = recvs + sends
 
 
 class SizedExchange:
@@ -50,6 +93,7 @@ class SizedExchange:
     """
 
     sized = True
+    whole_bytes = EAGER_BYTES
 
     def __init__(self, comm: Any, row_bytes: int,
                  wait_all: Callable[[list[Any], int | None, str], None], polls: int) -> None:
@@ -59,9 +103,10 @@ class SizedExchange:
         self.send = self.recv[rank]
         self._comm, self._wait_all = comm, wait_all
         self._startall, self._testall = MPI.Prequest.Startall, MPI.Request.Testall
+        self._rank = rank
         self._peers = [p for p in range(size) if p != rank]
         self._recvs = [comm.Recv_init(self.recv[p], p, _TAG) for p in self._peers]
-        self._requests: dict[int, list[Any]] = {}
+        self._requests: dict[int, _Prepared] = {}
         self._volume = size - 1
         self._polls = range(polls)
 
@@ -71,14 +116,18 @@ class SizedExchange:
     def start(self, nbytes: int) -> list[Any]:
         """Start the exchange of ``nbytes``: its persistent requests, which ``finish``
         completes (what the caller does between the two runs while the messages travel)."""
-        reqs = self._requests.get(nbytes)
-        if reqs is None:
-            reqs = self._prepare(nbytes)
+        prepared = self._requests.get(nbytes)
+        if prepared is None:
+            prepared = self._prepare(nbytes)
+        reqs = prepared.first
         self._startall(reqs)
+        if prepared.sends:
+            self._startall(prepared.sends)  # the other chunks, sent at once
         return reqs
 
     def finish(self, reqs: list[Any]) -> None:
-        """Complete the requests ``start`` started, within the timeout."""
+        """Complete every rank's first chunk (with the header) and this rank's, within the
+        timeout; ``rest`` receives the other chunks once the headers are found equal."""
         testall = self._testall
         if not testall(reqs):
             for _ in self._polls:
@@ -86,27 +135,58 @@ class SizedExchange:
                     return
             self._wait_all(reqs, None, "agreement exchange")
 
+    def rest(self, nbytes: int) -> None:
+        """Receive the chunks after the first of every rank's message of ``nbytes`` (this
+        rank's length, and every rank's, as their headers equal to this rank's say), and
+        complete this rank's sends of them; nothing for a message of one chunk."""
+        prepared = self._requests[nbytes]
+        if prepared.recvs:
+            self._startall(prepared.recvs)
+            self._wait_all(prepared.rest, None, "agreement exchange")
+
+    def drain(self, lengths: list[int]) -> None:
+        """After headers that differ: receive what each rank's message of ``lengths[rank]``
+        bytes still had on the way past its first chunk, and complete this rank's sends of
+        its own chunks, so that nothing is left to match a later exchange."""
+        mine = self._requests.get(lengths[self._rank])
+        reqs = [] if mine is None else list(mine.sends)
+        for peer in self._peers:
+            count, size = chunks(lengths[peer], len(self._peers))
+            row = self.recv[peer]
+            reqs += [self._comm.Irecv(row[i * size: min((i + 1) * size, lengths[peer])],
+                                      peer, _TAG + i) for i in range(1, count)]
+        if reqs:
+            self._wait_all(reqs, None, "agreement exchange")
+
     def moved(self, nbytes: int) -> int:
         """``nbytes`` to each other rank."""
         return nbytes * self._volume
 
-    def _prepare(self, nbytes: int) -> list[Any]:
+    def _prepare(self, nbytes: int) -> _Prepared:
         if not 0 < nbytes <= self.send.nbytes:
             raise ValueError(f"an exchange sends 1 to {self.send.nbytes} bytes, got {nbytes}")
         if len(self._requests) >= _SIZES_KEPT:
-            oldest = next(iter(self._requests))
-            for req in self._requests.pop(oldest)[len(self._recvs):]:
+            oldest = self._requests.pop(next(iter(self._requests)))
+            for req in oldest.first[len(self._recvs):] + oldest.rest:
                 req.Free()
-        message = self.send[:nbytes]
-        reqs = self._recvs + [self._comm.Send_init(message, p, _TAG) for p in self._peers]
-        self._requests[nbytes] = reqs
-        return reqs
+        count, size = chunks(nbytes, len(self._peers))
+        parts = [(i * size, min((i + 1) * size, nbytes)) for i in range(count)]
+        comm, peers = self._comm, self._peers
+        first = self._recvs + [comm.Send_init(self.send[:parts[0][1]], p, _TAG) for p in peers]
+        later = list(enumerate(parts))[1:]
+        recvs = [comm.Recv_init(self.recv[p][lo:hi], p, _TAG + i)
+                 for i, (lo, hi) in later for p in peers]
+        sends = [comm.Send_init(self.send[lo:hi], p, _TAG + i)
+                 for i, (lo, hi) in later for p in peers]
+        prepared = self._requests[nbytes] = _Prepared(first, recvs, sends)
+        return prepared
 
     def free(self) -> None:
         """Free the persistent requests (inactive ones; one left active by a timeout stays
         allocated with its buffer)."""
-        sends = [req for reqs in self._requests.values() for req in reqs[len(self._recvs):]]
-        for req in self._recvs + sends:
+        owned = [req for prepared in self._requests.values()
+                 for req in prepared.first[len(self._recvs):] + prepared.rest]
+        for req in self._recvs + owned:
             if req.Test():
                 req.Free()
         self._requests.clear()

@@ -212,6 +212,7 @@ class _SizedExchange:
         self._t = t
         self.recv = np.zeros((t.size, row_bytes), np.uint8)
         self.send = self.recv[t.rank]
+        self.whole_bytes = row_bytes
 
     def __call__(self, nbytes: int) -> None:
         if not 0 < nbytes <= self.send.nbytes:
@@ -226,6 +227,12 @@ class _SizedExchange:
 
     def finish(self, started: None) -> None:
         """Nothing left: ``start`` completed the exchange."""
+
+    def rest(self, nbytes: int) -> None:
+        """Nothing: messages travel whole."""
+
+    def drain(self, lengths: list[int]) -> None:
+        """Nothing: messages travel whole."""
 
     def moved(self, nbytes: int) -> int:
         return nbytes * (self._t.size - 1)

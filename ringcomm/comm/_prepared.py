@@ -37,8 +37,8 @@ class PreparedCall:
         inline: an array like those that ride in the exchange with the header (None: none).
     """
 
-    __slots__ = ("agreement", "buffers", "data", "finish", "header", "heads", "message", "send",
-                 "spec", "start", "stats", "threads", "view", "volume")
+    __slots__ = ("agreement", "buffers", "chunked", "data", "finish", "header", "heads",
+                 "message", "send", "spec", "start", "stats", "threads", "view", "volume")
 
     def __init__(self, agreement: Agreement, spec: CallSpec,
                  inline: np.ndarray | None = None) -> None:
@@ -54,6 +54,8 @@ class PreparedCall:
         #: This rank's message: the header, and the array where it rides along.
         self.message = HEADER_BYTES + (0 if inline is None else inline.nbytes)
         self.volume = self.send.moved(self.message)
+        #: Whether the exchange may send this message in chunks (``Exchange.rest`` follows).
+        self.chunked = self.message > self.send.whole_bytes
         # Views made once, as each costs a few hundred ns on a path of a few microseconds:
         # the other ranks' received headers (this rank's is the one it sent), compared as
         # bytes (``tobytes``: a memoryview compared with bytes goes byte by byte, 4x slower).
@@ -91,8 +93,10 @@ class PreparedCall:
         for head in self.heads:
             if head.tobytes() != header:
                 self.agreement.verify(self.spec, np.ascontiguousarray(
-                    self.buffers.recv[:, :HEADER_BYTES]).view(np.int64))
+                    self.buffers.recv[:, :HEADER_BYTES]).view(np.int64), self.message)
                 break
+        if self.chunked:  # every header equals this one: every message is as long
+            self.send.rest(self.message)
 
 
 class NativePlan(PreparedCall):

@@ -284,19 +284,26 @@ class Agreement:
         stats.bytes_received += volume
         if self.check and (spec.error is not None
                            or recv[:, :HEADER_BYTES].tobytes() != header * t.size):
-            self.verify(spec, np.ascontiguousarray(recv[:, :HEADER_BYTES]).view(np.int64))
+            self.verify(spec, np.ascontiguousarray(recv[:, :HEADER_BYTES]).view(np.int64),
+                        nbytes)
+        exchange.rest(nbytes)  # every header equals this one: every message is as long
         return recv
 
-    def verify(self, spec: CallSpec, headers: np.ndarray) -> None:
-        """Raise the error every rank raises if ``headers`` (every rank's) disagree."""
+    def verify(self, spec: CallSpec, headers: np.ndarray, message: int = HEADER_BYTES) -> None:
+        """Raise the error every rank raises if ``headers`` (every rank's) disagree;
+        ``message``: the length of this rank's message in the exchange that brought them."""
         differ = (headers != headers[0]).any(axis=0)
         for field in _MAY_DIFFER.get(spec.kind, ()):
             differ[field] = False
         if not differ.any() and not headers[:, ERROR].any():
             return
-        # Headers disagree: every rank takes the slow path, so descriptions can be exchanged.
-        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes}
-        raise build_error(self.transport.allgather_object(mine))
+        # Headers disagree: every rank takes the slow path, so descriptions can be exchanged,
+        # with the length of each rank's message (what of it is still on the way is received).
+        mine = {**spec.describe(), "kind": spec.kind, "segment_bytes": self.segment_bytes,
+                "message": message}
+        everyone = self.transport.allgather_object(mine)
+        self.exchange_buffers().exchange.drain([d["message"] for d in everyone])
+        raise build_error(everyone)
 
 
 def _endian(dt: np.dtype) -> str:

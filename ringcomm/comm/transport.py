@@ -118,6 +118,7 @@ class FixedExchange:
     def __init__(self, t: TransportBase, row_bytes: int) -> None:
         self.send = np.zeros(row_bytes, np.uint8)
         self.recv = np.zeros((t.size, row_bytes), np.uint8)
+        self.whole_bytes = row_bytes
         self._allgather = t.prepare_allgather(self.send, self.recv)
         self._moved = row_bytes * (t.size - 1)
 
@@ -130,6 +131,12 @@ class FixedExchange:
 
     def finish(self, started: None) -> None:
         """Nothing left: ``start`` completed the allgather."""
+
+    def rest(self, nbytes: int) -> None:
+        """Nothing: messages travel whole."""
+
+    def drain(self, lengths: list[int]) -> None:
+        """Nothing: messages travel whole."""
 
     def moved(self, nbytes: int) -> int:
         """The whole row to each other rank, whatever ``nbytes`` says."""

@@ -217,7 +217,8 @@ class Exchange(Protocol):
     ``recv`` holds one row per rank; ``send`` is this rank's message (``row_bytes`` long, and
     perhaps this rank's row of ``recv`` itself). Calling the exchange with ``nbytes`` sends the
     first ``nbytes`` of ``send`` to every rank and waits, within the transport's timeout, until
-    every rank's message is in the start of its row (collective). With ``sized``, ranks may
+    every rank's message (or its first chunk, with the header: see ``rest``) is in the start
+    of its row (collective). With ``sized``, ranks may
     send different lengths and each row past its rank's message keeps older bytes; without
     it, the whole of ``send`` travels whatever ``nbytes`` says (one fixed-size allgather).
     """
@@ -225,6 +226,8 @@ class Exchange(Protocol):
     send: np.ndarray
     recv: np.ndarray
     sized: bool
+    #: Messages up to this many bytes travel whole (longer ones may go in chunks).
+    whole_bytes: int
 
     def __call__(self, nbytes: int) -> None: ...
 
@@ -234,7 +237,19 @@ class Exchange(Protocol):
         while the messages travel. An exchange that cannot be split runs whole here."""
 
     def finish(self, started: Any) -> None:
-        """Complete the exchange ``start`` began, within the transport's timeout."""
+        """Complete the exchange ``start`` began, within the transport's timeout: every
+        rank's message, or, for a message sent in chunks, every rank's first chunk (which
+        holds the header: see ``rest``)."""
+
+    def rest(self, nbytes: int) -> None:
+        """Once every rank's header is found equal to this rank's (so every message is
+        ``nbytes`` long): receive what follows the first chunks; nothing where messages
+        travel whole."""
+
+    def drain(self, lengths: list[int]) -> None:
+        """Once the headers are found to differ, with every rank's message length: receive
+        what the longer messages still had on the way, so that none is left to match a
+        later exchange; nothing where messages travel whole."""
 
     def moved(self, nbytes: int) -> int:
         """Bytes one call with ``nbytes`` sends (and receives) on this rank."""

@@ -57,6 +57,76 @@ def test_lengths_that_differ_raise_everywhere_and_then_reduce(comm):
     np.testing.assert_array_equal(comm.allreduce(big), big * n)
 
 
+@pytest.mark.parametrize("lengths", [
+    (8190, 8096), (8097, 8096), (8097, 24_000), (32_384, 32_383), (32_385, 32_384),
+    (16_000, 96), (60_000, 8097), (40_000, 40_008)])
+def test_chunked_messages_of_other_lengths_leave_nothing_behind(comm, world, lengths):
+    """Messages past the eager size go in chunks (2 to 4; longer ones whole). A rank whose
+    message has another length than the others' (another number of chunks, or one chunk or
+    whole against chunks) meets them: the headers differ, every rank raises, the chunks
+    still on the way are received, and the exchanges after it hold the right bytes (a
+    chunk left behind would land in a later exchange's row)."""
+    from ringcomm.backends.mpi_exchange import EAGER_BYTES, chunks
+
+    assert chunks(EAGER_BYTES) == (1, EAGER_BYTES) and chunks(EAGER_BYTES + 1)[0] == 2
+    assert chunks(4 * EAGER_BYTES)[0] == 4 and chunks(4 * EAGER_BYTES + 1)[0] == 1
+    assert chunks(2 * EAGER_BYTES, peers=2)[0] == 2 and chunks(EAGER_BYTES + 1, peers=3)[0] == 1
+    t = comm.transport
+    ex = t.prepare_exchange(64 * 1024)
+    odd = t.rank == t.size - 1
+    for step in range(3):
+        mine = lengths[0] if odd else lengths[1]
+        header = np.frombuffer(b"%08d" % mine * 12, np.uint8)  # differs with the length
+        ex.send[:96] = header
+        ex.send[96:mine] = (step + 7 * t.rank) % 251
+        ex(mine)
+        everyone = world.allgather(mine)
+        same = len(set(everyone)) == 1
+        if same:
+            ex.rest(mine)
+        else:
+            ex.drain(everyone)
+        for r in range(t.size):
+            if r != t.rank:
+                assert bytes(ex.recv[r, :96]) == b"%08d" % everyone[r] * 12
+                if same:
+                    assert (ex.recv[r, 96:everyone[r]] == (step + 7 * r) % 251).all()
+        # The exchange still pairs the ranks' next messages, chunked or not.
+        for follow in (5000, 20_000, 100, 40_000):
+            ex.send[:follow] = (step + t.rank + follow) % 251
+            ex(follow)
+            ex.rest(follow)
+            for r in range(t.size):
+                if r != t.rank:
+                    assert (ex.recv[r, :follow] == (step + r + follow) % 251).all(), (r, follow)
+    world.Barrier()
+
+
+def test_inlined_calls_of_other_sizes_raise_everywhere_then_reduce(comm):
+    """Allreduces inlined in chunks (8-32 KiB over MPI where every rank shares a node) of
+    another size on one rank, or against a header-only call (a barrier, an 8-byte call, a
+    call MPI's allreduce takes): the same error on every rank, checked and prepared, and the
+    sums after it right."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    n, odd = comm.size, comm.rank == comm.size - 1
+    arrays = [np.arange(k, dtype=np.float32) for k in (2, 2049, 4000, 7000, 15_000)]
+    arrays = [x for x in arrays if x.nbytes <= comm.inline_bytes] + [
+        np.arange(comm.inline_bytes // 4 + 10, dtype=np.float32)]
+    for _ in range(3):  # the checked call, then its prepared repeats
+        for x in arrays:
+            np.testing.assert_array_equal(comm.allreduce(x), x * n)
+        for i, mine in enumerate(arrays):
+            theirs = arrays[(i + 1) % len(arrays)]
+            with pytest.raises(ArgumentMismatchError):
+                comm.allreduce(mine if odd else theirs)
+        with pytest.raises(ArgumentMismatchError):
+            comm.barrier() if odd else comm.allreduce(arrays[2])
+    for x in arrays:
+        np.testing.assert_array_equal(comm.allreduce(x * (comm.rank + 1)),
+                                      x * (n * (n + 1) // 2))
+
+
 def test_persistent_allreduce_gives_the_first_calls_bits(comm, world, rng):
     """Repeats run a persistent allreduce (copied in and out of its own buffer), the first
     call MPI_Iallreduce straight on the arrays: for sums whose value depends on the order of
