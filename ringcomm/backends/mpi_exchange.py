@@ -18,11 +18,11 @@ Measured with MPICH 5 at 2 ranks on 2 cores, each alone in one run: a 96-byte ex
 exchange 2.3 us; past MPICH's shared-memory eager limit (8100 to 8192 bytes here) a message
 costs about twice as much (bench/results/sized_exchange.md).
 
-A message past that limit (an inlined array of 8 to 32 KiB) goes as chunks of at most
+A message past that limit (an inlined array of 8 to 48 KiB) goes as chunks of at most
 ``EAGER_BYTES`` each, which MPI sends at once, where that makes at most ``MAX_CHUNKS``
-messages in all (2 ranks: up to 4 chunks; 3 ranks: 2; 4 and more: none): at 2 ranks 2.2 us
-for 8288 bytes as 2 chunks against 4.2 us as one message, 4.4 against 5.8 us for 32 KiB
-(bench/results/inline_shared.md); other messages go whole. The first chunk carries the
+messages in all (2 ranks: up to 6 chunks; 3 ranks: 3; 4 ranks: 2; 5 and more: none): 2.2 us
+at 2 ranks for 8288 bytes as 2 chunks against 4.2 us as one message, 4.4 against 5.8 us
+for 32 KiB (bench/results/inline_shared.md); other messages go whole. The first chunk carries the
 header and lands in the persistent receive; the others are received only once every rank's
 header has been found equal to this rank's (the agreement compares them, then calls
 ``rest``), so that a rank whose message was shorter (another call) is never waited for. Where
@@ -49,9 +49,10 @@ _SIZES_KEPT = 64  # message lengths with persistent sends; more drop the oldest
 EAGER_BYTES = 8096
 #: Chunks one exchange sends in all, at most (to all its peers): a message that would need
 #: more goes whole. At 2 ranks 5 chunks of 32 KiB took 4.4 us and 9 chunks of 64 KiB 8.9 us
-#: against 5.8 and 7.8 us whole; at 4 ranks on 2 cores, 16-24 KiB in chunks to each of 3 peers
-#: were slower than whole (bench/results/inline_shared.md).
-MAX_CHUNKS = 4
+#: against 5.8 and 7.8 us whole; at 4 ranks on 2 cores, 8-12 KiB allreduces as 2 chunks to
+#: each of 3 peers took 1.57x MPI's time against 1.85x whole, 16-24 KiB as 3-4 chunks
+#: 1.38-1.73x against 1.25x whole (bench/results/inline_shared.md).
+MAX_CHUNKS = 6
 
 
 def chunks(nbytes: int, peers: int = 1) -> tuple[int, int]:

@@ -58,7 +58,7 @@ def test_lengths_that_differ_raise_everywhere_and_then_reduce(comm):
 
 
 @pytest.mark.parametrize("lengths", [
-    (8190, 8096), (8097, 8096), (8097, 24_000), (32_384, 32_383), (32_385, 32_384),
+    (8190, 8096), (8097, 8096), (8097, 24_000), (16_192, 16_193), (48_576, 48_577),
     (16_000, 96), (60_000, 8097), (40_000, 40_008)])
 def test_chunked_messages_of_other_lengths_leave_nothing_behind(comm, world, lengths):
     """Messages past the eager size go in chunks (2 to 4; longer ones whole). A rank whose
@@ -69,8 +69,9 @@ def test_chunked_messages_of_other_lengths_leave_nothing_behind(comm, world, len
     from ringcomm.backends.mpi_exchange import EAGER_BYTES, chunks
 
     assert chunks(EAGER_BYTES) == (1, EAGER_BYTES) and chunks(EAGER_BYTES + 1)[0] == 2
-    assert chunks(4 * EAGER_BYTES)[0] == 4 and chunks(4 * EAGER_BYTES + 1)[0] == 1
-    assert chunks(2 * EAGER_BYTES, peers=2)[0] == 2 and chunks(EAGER_BYTES + 1, peers=3)[0] == 1
+    assert chunks(6 * EAGER_BYTES)[0] == 6 and chunks(6 * EAGER_BYTES + 1)[0] == 1
+    assert chunks(2 * EAGER_BYTES, peers=3)[0] == 2 and chunks(2 * EAGER_BYTES + 1, peers=3)[0] == 1
+    assert chunks(EAGER_BYTES + 1, peers=6)[0] == 1
     t = comm.transport
     ex = t.prepare_exchange(64 * 1024)
     odd = t.rank == t.size - 1
