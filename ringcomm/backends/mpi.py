@@ -104,10 +104,11 @@ NATIVE_BYTES_ENV = "RINGCOMM_MPI_ALLREDUCE_BYTES"
 # MPI's allreduce. The budget bounds what one such call sends (and every rank keeps room for
 # each other rank's message); across nodes the n - 1 copies would load the NICs, so the
 # default stays there. Measured with MPICH 5 on 2 cores (bench/results/inline_shared.md), time
-# over MPI_Allreduce's after a barrier: at 2 ranks 16-64 KiB 0.75-0.90 inlined against
-# 1.15-1.17 after the header exchange, 6-8000 B 0.97 against 1.41; 8-14 KiB 1.66-1.71 against
-# 1.41 (a message past MPICH's shared-memory eager limit of 8 KiB with its header waits for
-# the receiver); at 4 ranks 8-64 KiB 1.07-1.58 against 1.40-1.82.
+# over MPI_Allreduce's after a barrier: at 2 ranks 6-8000 B 0.87-0.88 inlined against 1.42
+# after the header exchange, 8-12 KiB 1.01-1.06 against 1.37-1.44 (past the eager limit, in
+# chunks: see mpi_exchange), 16-32 KiB 0.58-0.67 against 1.16-1.18, 40-64 KiB 0.94-1.21
+# against 1.05-1.15; at 4 ranks 6-64 KiB 1.01-1.41 against 1.32-1.85. The wider slot made
+# calls below 4 KiB 10-20% slower at 4 ranks on 2 cores (bench/results/small_medium.md).
 _SHARED_INLINE_BUDGET = 192 << 10
 _SHARED_INLINE_MAX = 64 << 10
 # MPI's allreduce takes these as they are; 16-bit floats (MPI has no half sum; the ring sums

@@ -28,6 +28,17 @@ def make(rng: np.random.Generator, n: int, dtype: str, op: str) -> np.ndarray:
     return (rng.uniform(0.5, 1.5, n) * scale * rng.choice([-1, 1], n)).astype(dtype)
 
 
+def same_in_every_form(comm, x: np.ndarray, op: str, first: np.ndarray,
+                       *outs: np.ndarray) -> None:
+    """``allreduce`` of ``x`` into each of ``outs`` and in place gives ``first``'s bits."""
+    for out in outs:
+        assert comm.allreduce(x, out=out, op=op) is out
+        np.testing.assert_array_equal(out, first)
+    z = x.copy()
+    assert comm.allreduce(z, out=z, op=op) is z
+    np.testing.assert_array_equal(z, first)
+
+
 def check(world, x: np.ndarray, y: np.ndarray, op: str) -> None:
     ref = reference(world, x, op)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -80,13 +91,7 @@ def test_inline_repeats_give_their_first_result(comm, world, rng, dtype, op, sha
         assert comm.stats.calls == 1
         assert comm.stats.bytes_sent == comm.stats.bytes_received == (
             (96 + x.nbytes) * (comm.size - 1))
-        assert comm.allreduce(x, out=out, op=op) is out
-        np.testing.assert_array_equal(out, first)
-        assert comm.allreduce(x, out=strided, op=op) is strided
-        np.testing.assert_array_equal(strided, first)
-        z = x.copy()
-        assert comm.allreduce(z, out=z, op=op) is z
-        np.testing.assert_array_equal(z, first)
+        same_in_every_form(comm, x, op, first, out, strided)
     prepared = comm._allreduce.plans.get(x, None, op)
     assert type(prepared.repeat).__name__ == "InlinePlan"
     assert same_on_all_ranks(world, first)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from test_allreduce import check, make
+from test_allreduce import check, make, same_in_every_form
 
 import ringcomm
 from ringcomm.backends import mpi as mpi_backend
@@ -104,11 +104,7 @@ def test_repeats_take_the_prepared_native_path(comm, world, rng, paths, op, shap
         again = comm.allreduce(x, op=op)
         assert again is not first and again.shape == shape
         np.testing.assert_array_equal(again, first)
-        assert comm.allreduce(x, out=out, op=op) is out
-        np.testing.assert_array_equal(out, first)
-        z = x.copy()
-        assert comm.allreduce(z, out=z, op=op) is z
-        np.testing.assert_array_equal(z, first)
+        same_in_every_form(comm, x, op, first, out)
     prepared = comm._allreduce.plans.get(x, None, op)
     if comm.size > 1:
         assert type(prepared.repeat).__name__ == "NativePlan"
