@@ -107,8 +107,8 @@ NATIVE_BYTES_ENV = "RINGCOMM_MPI_ALLREDUCE_BYTES"
 # over MPI_Allreduce's after a barrier: at 2 ranks 6-8000 B 0.87-0.88 inlined against 1.42
 # after the header exchange, 8-12 KiB 1.01-1.06 against 1.37-1.44 (past the eager limit, in
 # chunks: see mpi_exchange), 16-32 KiB 0.58-0.67 against 1.16-1.18, 40-64 KiB 0.94-1.21
-# against 1.05-1.15; at 4 ranks 6-64 KiB 1.01-1.41 against 1.32-1.85. Calls below 4 KiB at
-# 4 ranks on 2 cores may be slower with the wider slot (bench/results/small_medium.md).
+# against 1.05-1.15; at 4 ranks 6-64 KiB 1.01-1.41 against 1.32-1.85, and calls below 4 KiB
+# no slower (bench/results/small_medium.md).
 _SHARED_INLINE_BUDGET = 192 << 10
 _SHARED_INLINE_MAX = 64 << 10
 # MPI's allreduce takes these as they are; 16-bit floats (MPI has no half sum; the ring sums
