@@ -167,6 +167,24 @@ def test_trials_choose_the_candidate_measured_faster(candidates, expected, feedb
         np.testing.assert_array_equal(a, b)  # bit-identical during and after the trials
 
 
+def test_trials_end_where_dense_is_tried_first_with_error_feedback():
+    """The model's first pick dense (a fast link): its trial calls, with error feedback and no
+    residual pending yet, are timed and the trials end (they once ran as plain dense calls,
+    uncounted, and every call went dense without the other candidate ever timed)."""
+    auto = Auto((None, SlowFP16()), link=LinkModel(latency=50e-6, bandwidth=1e12),
+                throughput={"none": 1e9, "SlowFP16()": 0.6e9}, trials=2)
+
+    def job(t):
+        comm = Communicator(t)
+        ef = ringcomm.ErrorFeedback()
+        for _ in range(6):
+            comm.allreduce(np.ones(20_000, np.float32), compression=auto, feedback=ef, name="g")
+        key = (id(auto), "host", 20_000, 80_000)
+        return comm.auto_figures.choices.get(key, (None, "undecided"))[1]
+
+    assert run_ranks(2, job) == [None, None]
+
+
 def test_trials_keep_error_feedback_conserving():
     """Trial calls switch between dense (which spends the residual) and compressed ones;
     results plus residuals still equal the inputs."""
