@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm.callers import calls_as
-from ringcomm.comm.transport import TransportBase, adopt_ranks, check_split
+from ringcomm.comm.transport import TransportBase, WholeExchange, adopt_ranks, check_split
 from ringcomm.core.types import RING, USER, Array, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "ThreadTransport", "ThreadWorld", "WorldAbortedError", "run_ranks"]
@@ -202,7 +202,7 @@ class _Exchange:
         dst[...] = msg
 
 
-class _SizedExchange:
+class _SizedExchange(WholeExchange):
     """Each rank's first ``nbytes`` of ``send`` into the start of its row of every rank's
     ``recv``; the rest of a row keeps what was there (see core.types.Exchange)."""
 
@@ -220,19 +220,6 @@ class _SizedExchange:
         parts = self._t._exchange("agreement exchange", self.send[:nbytes].copy())
         for row, part in zip(self.recv, parts, strict=True):
             row[:part.size] = part
-
-    def start(self, nbytes: int) -> None:
-        """The whole exchange (thread ranks meet at once)."""
-        self(nbytes)
-
-    def finish(self, started: None) -> None:
-        """Nothing left: ``start`` completed the exchange."""
-
-    def rest(self, nbytes: int) -> None:
-        """Nothing: messages travel whole."""
-
-    def drain(self, lengths: list[int]) -> None:
-        """Nothing: messages travel whole."""
 
     def moved(self, nbytes: int) -> int:
         return nbytes * (self._t.size - 1)

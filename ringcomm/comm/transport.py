@@ -31,8 +31,8 @@ from ringcomm.core.types import (
     Transport,
 )
 
-__all__ = ["FixedExchange", "TransportBase", "adopt_ranks", "agree_split", "check_split",
-           "check_timeout", "split_members", "timeout_error", "write_fatal"]
+__all__ = ["FixedExchange", "TransportBase", "WholeExchange", "adopt_ranks", "agree_split",
+           "check_split", "check_timeout", "split_members", "timeout_error", "write_fatal"]
 
 _C_INT = range(-(1 << 31), 1 << 31)  # MPI and NCCL take split colors and keys as C ints
 
@@ -108,7 +108,30 @@ def write_fatal(error: Exception, action: str) -> None:
     sys.stderr.flush()
 
 
-class FixedExchange:
+class WholeExchange:
+    """The parts of an Exchange (:class:`~ringcomm.core.types.Exchange`) whose messages
+    travel whole, in one call: ``start`` runs the whole exchange, and ``finish``, ``rest`` and
+    ``drain`` have nothing left to do. Subclasses set ``send``, ``recv`` and ``whole_bytes``
+    and implement ``__call__`` and ``moved``."""
+
+    def __call__(self, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def start(self, nbytes: int) -> None:
+        """The whole exchange (it has no started state to hand back)."""
+        self(nbytes)
+
+    def finish(self, started: None) -> None:
+        """Nothing left: ``start`` completed the exchange."""
+
+    def rest(self, nbytes: int) -> None:
+        """Nothing: messages travel whole."""
+
+    def drain(self, lengths: list[int]) -> None:
+        """Nothing: messages travel whole."""
+
+
+class FixedExchange(WholeExchange):
     """The agreement's exchange as one prepared fixed-size allgather (``sized`` False): every
     rank sends its whole ``send`` buffer, whatever the length of its message, so that the
     collective's sizes match on every rank (see :class:`~ringcomm.core.types.Exchange`)."""
@@ -124,19 +147,6 @@ class FixedExchange:
 
     def __call__(self, nbytes: int) -> None:
         self._allgather()
-
-    def start(self, nbytes: int) -> None:
-        """The whole allgather (it has no started state to hand back)."""
-        self._allgather()
-
-    def finish(self, started: None) -> None:
-        """Nothing left: ``start`` completed the allgather."""
-
-    def rest(self, nbytes: int) -> None:
-        """Nothing: messages travel whole."""
-
-    def drain(self, lengths: list[int]) -> None:
-        """Nothing: messages travel whole."""
 
     def moved(self, nbytes: int) -> int:
         """The whole row to each other rank, whatever ``nbytes`` says."""

@@ -239,18 +239,23 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
                compression: Compression | None, layout: Layout | None,
                name: str | None) -> None:
     """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
-    feedback = False
-    if layout is not None and name is not None:
-        feedback = True
-        # Here, on the thread that runs the collectives, so no allreduce is using the residuals
-        # while they move.
-        state._residuals.align(name, layout, array.reshape(-1))
+    feedback = _feedback(state, array, layout, name)
     try:
         state.comm.allreduce(array, out=array, op="avg", compression=compression,
-                             feedback=state.feedback if feedback else None, name=name,
-                             algorithm=state.algorithm)
+                             feedback=feedback, name=name, algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
         raise collective_error(state.comm, err, "allreduce", buffer) from err
+
+
+def _feedback(state: RingcommState, array: Any, layout: Layout | None,
+              name: str | None) -> ErrorFeedback | None:
+    """The error feedback of a bucket's call (None where it keeps none), its residual first
+    made to match the bucket's ``layout`` (here, on the thread that runs the collectives, so
+    no allreduce is using the residuals while they move)."""
+    if layout is None or name is None:
+        return None
+    state._residuals.align(name, layout, array.reshape(-1))
+    return state.feedback
 
 
 def _reduce(state: RingcommState, buffer: torch.Tensor, compression: Compression | None,
@@ -296,14 +301,12 @@ def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any,
         if ready is not None:
             scope.enter_context(state._staging.side(buffer.device, ready))
         operand = Operand(buffer)  # a view: only float32/float64 buckets take this path
-        if layout is not None and name is not None:  # before the Auto looks for a residual
-            state._residuals.align(name, layout, operand.array.reshape(-1))
+        feedback = _feedback(state, operand.array, layout, name)  # before Auto looks at it
         try:
             with trace.span("HOOK_START"):  # the agreement, and gloo's allreduce queued
                 pending = state.comm.start_allreduce(
-                    operand.array, op="avg", compression=compression,
-                    feedback=state.feedback if layout is not None else None, name=name,
-                    algorithm=state.algorithm)
+                    operand.array, op="avg", compression=compression, feedback=feedback,
+                    name=name, algorithm=state.algorithm)
         except (ValueError, TypeError) as err:
             raise collective_error(state.comm, err, "allreduce", buffer) from err
     return fallback() if pending is None else pending
