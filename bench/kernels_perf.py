@@ -42,11 +42,11 @@ import numpy as np
 
 import ringcomm
 from ringcomm import ops as array_ops
-from ringcomm.algorithms import compressed_ring
+from ringcomm.algorithms import compressed_ring, ring
 from ringcomm.algorithms import sparse as sparse_ring
 from ringcomm.comm.transport import TransportBase
 from ringcomm.core.types import RING, ReduceOp
-from ringcomm.ops import _cuda_runtime
+from ringcomm.ops import _cuda_codecs, _cuda_runtime
 from ringcomm.ops import numpy as host_ops
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -183,7 +183,23 @@ class Loopback(TransportBase):
         return _Done()
 
 
-def ring_rows(cupy: Any, n: int, ranks: int, ratio: float) -> list[tuple[str, int, Callable]]:
+def knob(module: Any, name: str, value: Any, run: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``run`` with ``module.name`` set to ``value`` for each call (a variant measured beside
+    the default in the same run)."""
+
+    def wrapped(i: int) -> Any:
+        kept = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return run(i)
+        finally:
+            setattr(module, name, kept)
+
+    return wrapped
+
+
+def ring_rows(cupy: Any, n: int, ranks: int, ratio: float,
+              segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> list[tuple[str, int, Callable]]:
     """(name, bytes, run(i)) of the compressed rings' work on one rank of ``ranks``."""
     n -= n % (ranks * 4096)  # equal chunks and segments: every looped-back size matches
     rng = np.random.default_rng(2)
@@ -197,15 +213,20 @@ def ring_rows(cupy: Any, n: int, ranks: int, ratio: float) -> list[tuple[str, in
     sum_, avg = ReduceOp.SUM, ReduceOp.AVG
 
     def dense(comp: Any, src: Any, dst: Any, op: ReduceOp, res: Any) -> Callable[[int], None]:
-        return lambda i: compressed_ring.allreduce(t, src, dst, op, comp, res, i)
+        return lambda i: compressed_ring.allreduce(t, src, dst, op, comp, res, i,
+                                                   segment_bytes=segment_bytes)
 
-    return [
+    dense_rows = [
         (f"ring int8 +feedback n={ranks}", 8 * n, dense(int8, x, out, sum_, residual)),
         (f"ring int8 n={ranks}", 8 * n, dense(int8, x, out, sum_, None)),
         (f"ring fp16 avg of fp16 n={ranks}", 4 * n, dense(fp16, h, out16, avg, None)),
-        (f"ring topk +feedback n={ranks}", 8 * n,
-         lambda i: sparse_ring.ring_allreduce(t, x, out, sum_, topk, residual, i)),
     ]
+    # The same rings cut as on the host (segment_bytes alone: dozens of segments a chunk).
+    host_cut = [(f"{name} host segments", nbytes, knob(ring, "DEVICE_SEGMENTS", 0, run))
+                for name, nbytes, run in dense_rows]
+    return [*dense_rows, *host_cut,
+            (f"ring topk +feedback n={ranks}", 8 * n,
+             lambda i: sparse_ring.ring_allreduce(t, x, out, sum_, topk, residual, i))]
 
 
 def _inputs(cupy: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -297,6 +318,18 @@ def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
         ("bf16 hop+error", 12 * n,
          lambda i: ops.cast_hop(pick(i)["w"], pick(i)["own"], pick(i)["w2"], "bf16",
                                 error=pick(i)["err"]), False),
+    ]
+    for lanes in (1, 2):  # the default is _cuda_codecs.RUNS_PER_LANE (4)
+        rows += [
+            (f"int8 quantize [{lanes} run/lane]", 4 * n + q_bytes,
+             knob(_cuda_codecs, "RUNS_PER_LANE", lanes,
+                  lambda i: ops.int8_encode(pick(i)["x"], pick(i)["q"], block)), False),
+            (f"int8 fused hop+error [{lanes} run/lane]", 2 * q_bytes + 8 * n,
+             knob(_cuda_codecs, "RUNS_PER_LANE", lanes,
+                  lambda i: ops.int8_hop(pick(i)["q"], pick(i)["own"], pick(i)["q2"], block,
+                                         error=pick(i)["err"])), False),
+        ]
+    rows += [
         (f"scatter_add k={k}", 16 * k,
          lambda i: ops.scatter_add(pick(i)["out"], idx, pick(i)["own"][:k]), False),
         (f"sparse_residual in place k={k}", 4 * n + 8 * k,

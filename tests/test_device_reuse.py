@@ -10,6 +10,8 @@ a GPU: on the stand-ins of tests/test_device_standins.py (CuPy, NCCL) and on the
 - The compressed ring keeps its buffers between calls (no allocation per call), reads a float32
   input in place when there is no residual, and divides 16-bit averages in one pass, with the
   results of a fresh transport and of the NumPy path.
+- On device arrays the rings cut a chunk into at most ring.DEVICE_SEGMENTS segments (launches
+  per call bounded per step, not per segment), with the bits of the host's finer layout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from test_device_standins import FakeCupy, FakeGPU, FakeStream, on_new_thread, s
 
 import ringcomm
 from ringcomm.algorithms import compressed_ring as cring
+from ringcomm.algorithms import ring
 from ringcomm.backends import _nccl_setup, staging
 from ringcomm.backends.threads import run_ranks
 from ringcomm.core.types import ReduceOp
@@ -354,6 +357,73 @@ def test_device_ring_matches_numpy_and_launches_less(emulated, comp):
             assert own > 0
             assert names.count("rc::copy_kernel<rc::half_t, float>") == own
             assert names.count("rc::divide_kernel<float, rc::half_t>") == own  # n - 1 = 1
+
+
+def test_device_segments_are_few_whatever_segment_bytes_says(monkeypatch, emulated):
+    fake = emulated[1]
+    dev, host = fake.zeros(40_000, np.float32), np.zeros(40_000, np.float32)
+    assert ring.segment_elems(host, 2, 1024, 4) == 256  # the host's rule, unchanged
+    assert ring.segment_elems(dev, 2, 1024, 4) == 5000  # a chunk of 20_000 in 4
+    assert ring.segment_elems(dev, 2, 1 << 20, 4) == 1 << 18  # never below segment_bytes
+    monkeypatch.setattr(ring, "DEVICE_SEGMENT_BYTES", 8192)
+    assert ring.segment_elems(dev, 2, 1024, 4) == 2048  # at most DEVICE_SEGMENT_BYTES
+    assert ring.segment_elems(dev, 2, 1024, 2) == 4096
+    monkeypatch.setattr(ring, "DEVICE_SEGMENTS", 0)
+    assert ring.segment_elems(dev, 2, 1024, 4) == 256  # off: the host's rule
+
+
+def _dense(transports: list[Any], put: Any, xs: list[np.ndarray], op: ReduceOp) -> list[Any]:
+    def rank(t: Any) -> np.ndarray:
+        x = put(xs[t.rank])
+        out = put(np.zeros_like(xs[t.rank]))
+        ring.allreduce(t, x, out, op, segment_bytes=256)
+        return np.array(out, copy=True).view(np.ndarray)
+
+    return run_ranks(len(transports), lambda t: rank(transports[t.rank]))
+
+
+@pytest.mark.parametrize("comp", [None, *COMPRESSORS], ids=repr)
+def test_device_rings_launch_per_step_not_per_segment(emulated, comp):
+    """With 256-byte segments the host's ring cuts each chunk into dozens of segments; the
+    device's into at most DEVICE_SEGMENTS, with the same bits (results and residuals: int8
+    blocks, stochastic rounding and casts do not depend on where segments end)."""
+    emulator, fake = emulated
+    rng = np.random.default_rng(8)
+    n, size = 3, 3 * N
+    host_layout = ring.RingLayout.build(size, n, 0, 64, getattr(comp, "align", 1))
+    assert host_layout.nseg > 5 * ring.DEVICE_SEGMENTS
+    for op, dtype in ((ReduceOp.SUM, np.float32), (ReduceOp.AVG, np.float16)):
+        xs = [rng.standard_normal(size).astype(dtype) for _ in range(n)]
+        if comp is None:
+            want = _dense(_transports(n), np.asarray, xs, op)
+            emulator.launches.clear()
+            got = _dense(_transports(n), fake.asarray, xs, op)
+            pairs = zip(got, want, strict=True)
+        else:
+            xs = [x.astype(np.float32) for x in xs]
+
+            def once(put: Any, xs: list[np.ndarray] = xs, op: ReduceOp = op,
+                     dtype: Any = dtype) -> list[Any]:
+                def rank(t: Any) -> tuple[np.ndarray, np.ndarray]:
+                    x, out = put(xs[t.rank]), put(np.zeros(size, dtype))
+                    residual = put(np.zeros(size, np.float32))
+                    cring.allreduce(t, x, out, op, comp, residual, 11, segment_bytes=256)
+                    return (np.array(out, copy=True).view(np.ndarray),
+                            np.array(residual, copy=True).view(np.ndarray))
+
+                ts = _transports(n)
+                return run_ranks(n, lambda t: rank(ts[t.rank]))
+
+            want = once(np.asarray)
+            emulator.launches.clear()
+            got = once(fake.asarray)
+            pairs = ((g, w) for gs, ws in zip(got, want, strict=True)
+                     for g, w in zip(gs, ws, strict=True))
+        for g, w in pairs:
+            np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+        steps = 2 * (n - 1)  # each rank's reduce-scatter and allgather steps
+        per_rank = len(emulator.launches) / n  # 8-70 here; 94-423 a segment of 64 elements
+        assert per_rank <= 5 * steps * max(1, ring.DEVICE_SEGMENTS), per_rank
 
 
 def test_mpi_device_scratch_on_another_stream_waits_for_the_last_one(gpu):

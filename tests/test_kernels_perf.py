@@ -55,7 +55,9 @@ def test_the_loopback_ring_rows_run(perf, emulated):
     fake = emulated[1]
     rows = perf.ring_rows(fake, 4 * 4096 * 2 + 5, 4, 0.01)
     assert [name.split(" n=")[0] for name, _, _ in rows] == [
-        "ring int8 +feedback", "ring int8", "ring fp16 avg of fp16", "ring topk +feedback"]
+        "ring int8 +feedback", "ring int8", "ring fp16 avg of fp16", "ring int8 +feedback",
+        "ring int8", "ring fp16 avg of fp16", "ring topk +feedback"]
+    assert [name.endswith(" host segments") for name, _, _ in rows] == [0, 0, 0, 1, 1, 1, 0]
     work = perf.Work(fake)
     launches = {}
     for name, nbytes, run in rows:
@@ -66,6 +68,13 @@ def test_the_loopback_ring_rows_run(perf, emulated):
     # the owner's decode, a decode per allgather step (3); without feedback no compensation.
     assert launches["ring int8 +feedback"] == 2 + 6 + 1 + 3
     assert launches["ring int8"] == 1 + 3 + 1 + 3
+    # A larger array: four segments a chunk on the device, 8 KiB segments (the host's rule
+    # with these segment_bytes) 32 a chunk.
+    rows = perf.ring_rows(fake, 4 * 4096 * 64, 4, 0.01, segment_bytes=8192)
+    counts = {name: work.count(lambda run=run: run(1))["launches"] for name, _, run in rows}
+    device, host = counts["ring int8 n=4"], counts["ring int8 n=4 host segments"]
+    assert device == 4 * (1 + 3 + 1 + 3)
+    assert host > 4 * device
     assert launches["ring topk +feedback"] > launches["ring int8 +feedback"]
 
 

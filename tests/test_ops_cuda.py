@@ -133,6 +133,17 @@ def test_int8(dev, rng, n, block, stochastic):
     twins.check_int8(dev, rng, n, block, stochastic)
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 8])
+@pytest.mark.parametrize("block", [8, 256, 2048])
+def test_int8_is_the_same_whatever_runs_each_lane_holds(monkeypatch, dev, rng, n, block, lanes):
+    """The team of lanes per quantization block (ops/_cuda_codecs.py RUNS_PER_LANE) changes
+    how the kernel reads, never what it writes."""
+    from ringcomm.ops import _cuda_codecs
+
+    monkeypatch.setattr(_cuda_codecs, "RUNS_PER_LANE", lanes)
+    twins.check_int8(dev, rng, n, block, stochastic=lanes == 2)
+
+
 def test_int8_unaligned_payload(dev, rng, n):
     twins.check_int8_unaligned(dev, rng, n)
 

@@ -142,6 +142,6 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: DenseCompr
               segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Ring-allreduce flat ``x`` plus ``residual`` into ``out`` through ``comp``; the residual
     receives every error this rank makes."""
-    seg = max(1, segment_bytes // 4)
+    seg = ring.segment_elems(x, t.size, segment_bytes, 4)
     layout = ring.RingLayout.build(x.size, t.size, t.rank, seg, comp.align)
     ring.run(t, layout, CompressedCodec(t, x, out, op, comp, residual, seed, layout))

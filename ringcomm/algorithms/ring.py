@@ -27,6 +27,8 @@ from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
+    "DEVICE_SEGMENTS",
+    "DEVICE_SEGMENT_BYTES",
     "WINDOW",
     "RingCodec",
     "RingLayout",
@@ -35,6 +37,7 @@ __all__ = [
     "reduce_scatter",
     "run",
     "schedule",
+    "segment_elems",
     "staging",
 ]
 
@@ -44,6 +47,25 @@ __all__ = [
 DEFAULT_SEGMENT_BYTES = 2 << 20
 # Exchanges in flight: the one being reduced and the next one, already posted.
 WINDOW = 2
+# On a GPU each segment of each step costs the host a kernel launch or more (tens of
+# microseconds of Python and CuPy) for a few microseconds of the GPU's work: a chunk of device
+# arrays is cut into at most DEVICE_SEGMENTS segments, each up to DEVICE_SEGMENT_BYTES (the
+# ring's device scratch is WINDOW of them), never smaller than segment_bytes. The array kind is
+# part of every call's agreement, so every rank lays the ring out alike. 0 segments: the host's
+# rule on the GPU too (bench/kernels_perf.py compares both).
+DEVICE_SEGMENTS = 4
+DEVICE_SEGMENT_BYTES = 16 << 20
+
+
+def segment_elems(x: Array, n: int, segment_bytes: int, itemsize: int) -> int:
+    """Elements per ring segment of flat ``x`` over ``n`` ranks, whose messages carry
+    ``itemsize`` bytes per element before any encoding."""
+    seg = max(1, segment_bytes // itemsize)
+    if DEVICE_SEGMENTS and _ops.is_device_array(x):
+        chunk = -(-x.size // n)
+        cap = max(seg, DEVICE_SEGMENT_BYTES // itemsize)
+        seg = max(seg, min(cap, -(-chunk // DEVICE_SEGMENTS)))
+    return seg
 
 
 def chunk_bounds(length: int, parts: int, align: int = 1) -> list[int]:
@@ -333,7 +355,7 @@ def _codec(t: Transport, x: Array, y: Any, op: ReduceOp, layout: RingLayout) -> 
 
 
 def _layout(t: Transport, x: Array, segment_bytes: int) -> RingLayout:
-    seg = max(1, segment_bytes // x.dtype.itemsize)
+    seg = segment_elems(x, t.size, segment_bytes, x.dtype.itemsize)
     return RingLayout.build(x.size, t.size, t.rank, seg)
 
 

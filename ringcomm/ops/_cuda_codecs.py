@@ -23,10 +23,19 @@ _F32 = np.float32
 _VEC_F, _VEC_Q, _VEC_E = 1, 2, 4
 
 
+#: Runs of 4 elements each lane of a quantization block's team holds (kernels/quantize.cu keeps
+#: up to QREGS = 4 in registers between the absmax and the quantize pass). More runs per lane
+#: means fewer lanes per block and more bytes in flight per warp; the bytes written are the
+#: same whatever the team (absmax is order-free, codes are per element). bench/kernels_perf.py
+#: compares 1, 2 and 4.
+RUNS_PER_LANE = 4
+
+
 def _team(block: int) -> int:
-    """Lanes per quantization block: enough for its runs of 4, a power of two up to a warp."""
-    runs = -(-block // 4)
-    return min(32, 1 << (runs - 1).bit_length())
+    """Lanes per quantization block: a power of two up to a warp, each lane holding about
+    RUNS_PER_LANE of the block's runs of 4."""
+    lanes = -(-block // (4 * RUNS_PER_LANE))
+    return min(32, 1 << (lanes - 1).bit_length())
 
 
 def _f32(x: Array) -> Any:
