@@ -34,6 +34,7 @@ import math
 import platform
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,38 @@ class Work:
         if waited is not None:
             work["waits"] = int(waited)
         return work
+
+
+def breakdown(cupy: Any, run: Callable[[], Any]) -> tuple[float, list[tuple[str, int, float]]]:
+    """Where one ``run()`` spends the GPU's time: the call's microseconds from first to last
+    event, and per kernel name (launch order) its launches and their summed microseconds, each
+    launch timed between events recorded around it. What the call's time exceeds the kernels'
+    by is the GPU waiting for the host (launches, allocations, Python) or doing other work
+    (copies, memsets)."""
+    launch = _cuda_runtime.launch
+    timed: list[tuple[str, Any, Any]] = []
+
+    def timing(name: str, *a: Any, **kw: Any) -> None:
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        launch(name, *a, **kw)
+        end.record()
+        timed.append((name, start, end))
+
+    first, last = cupy.cuda.Event(), cupy.cuda.Event()
+    _cuda_runtime.launch = timing  # type: ignore[assignment]
+    try:
+        first.record()
+        run()
+        last.record()
+    finally:
+        _cuda_runtime.launch = launch  # type: ignore[assignment]
+    last.synchronize()
+    us: dict[str, list[float]] = {}
+    for name, start, end in timed:
+        us.setdefault(name, []).append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+    total = cupy.cuda.get_elapsed_time(first, last) * 1e3
+    return total, [(name, len(v), float(sum(v))) for name, v in us.items()]
 
 
 def _pool_hook(cupy: Any) -> Any:
@@ -381,6 +414,31 @@ def _topk_baselines(cupy: Any, args: argparse.Namespace, sets: list[dict[str, An
     return rows
 
 
+#: The rows whose kernels are timed one by one as well (top-k, the int8 and top-k rings).
+BREAKDOWN = ("topk exact", "topk approximate", "ring int8 n=", "ring topk")
+
+
+def _breakdown_rows(cupy: Any, name: str, run: Callable[[int], Any]) -> list[dict[str, Any]]:
+    """Rows "<name> / <kernel> xN" with the kernels' summed time in one call, and one for what
+    the call took beyond them."""
+    total, kernels = breakdown(cupy, lambda: run(0))
+    short = name.split(" k=")[0]
+    rows = [{"kernel": f"  {short} / {kernel} x{count}", "bytes": None,
+             "us": us, "gbps": None, "of_copy": None} for kernel, count, us in kernels]
+    rows.append({"kernel": f"  {short} / beyond its kernels (host, copies)",
+                 "bytes": None, "us": total - sum(r["us"] for r in rows), "gbps": None,
+                 "of_copy": None})
+    enqueue = []
+    for _ in range(5):  # the host's own time to enqueue the call (it never waits: see Work)
+        cupy.cuda.get_current_stream().synchronize()
+        began = time.perf_counter()
+        run(0)
+        enqueue.append((time.perf_counter() - began) * 1e6)
+    rows.append({"kernel": f"  {short} / host enqueue", "bytes": None,
+                 "us": float(np.median(enqueue)), "gbps": None, "of_copy": None})
+    return rows
+
+
 def _device(cupy: Any) -> dict[str, Any]:
     dev = cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
@@ -437,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         if counted:  # after the timed runs: nothing left to compile or to grow
             row.update(work.count(lambda run=run: run(0)))
         rows.append(row)
+        if counted and name.startswith(BREAKDOWN):
+            rows += _breakdown_rows(cupy, name, run)
     baselines = [] if only else _topk_baselines(cupy, args, sets, timer)
     for name, us in baselines:
         rows.append({"kernel": name, "bytes": None, "us": us, "gbps": None, "of_copy": None})

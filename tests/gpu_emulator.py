@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -305,7 +306,16 @@ def _dev(x: np.ndarray) -> DeviceArray:
 
 
 class _Event:
+    """An event of the emulated stream: every launch has finished when it returns, so an
+    event's time is the host's clock when it is recorded."""
+
     done = True
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
 
     def synchronize(self) -> None:
         pass
@@ -343,6 +353,12 @@ class _Runtime:
 
 class _Cuda:
     runtime = _Runtime()
+    Event = _Event
+
+    @staticmethod
+    def get_elapsed_time(start: _Event, end: _Event) -> float:
+        """Milliseconds between two recorded events."""
+        return (end.at - start.at) * 1e3
 
     @staticmethod
     def get_current_stream() -> _Stream:

@@ -99,3 +99,22 @@ def test_every_row_runs(perf, emulated):
         run(0)
         if counted:
             assert work.count(lambda run=run: run(1))["launches"] >= 2, name
+
+
+def test_the_topk_rows_say_where_their_time_goes(perf, emulated):
+    """The top-k rows are followed by one row per kernel they launch (launch count and summed
+    time of one call) and one for the call's time beyond its kernels."""
+    fake = emulated[1]
+    args = perf.parse_args(["-n", "20000", "--rotate", "1", "--ranks", "2"])
+    rows = perf._kernels(fake, args, perf._inputs(fake, args), perf._shaped(fake, 20000))
+    name, _, run, _ = next(r for r in rows if r[0].startswith("topk exact k="))
+    run(0)
+    parts = perf._breakdown_rows(fake, name, run)
+    kernels = {r["kernel"].split(" / ")[1].rsplit(" x", 1)[0]: int(r["kernel"].rsplit("x", 1)[1])
+               for r in parts[:-2]}
+    work = perf.Work(fake).count(lambda: run(0))
+    assert sum(kernels.values()) == work["launches"]
+    assert kernels["rc::select_hist"] == kernels["rc::select_pick"] >= 3
+    assert parts[-2]["kernel"].endswith("beyond its kernels (host, copies)")
+    assert parts[-1]["kernel"].endswith("host enqueue") and parts[-1]["us"] > 0
+    assert all(r["us"] >= 0 for r in parts[:-2]) and all(r["bytes"] is None for r in parts)
