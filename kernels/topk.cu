@@ -201,9 +201,16 @@ __global__ void select_hist(const float* x, i64 off, i64 stride, i64 m, const fl
     }
     done = groups << 2;
   }
-  for (i64 i0 = done + warp_first; i0 < n; i0 += threads) {
-    const bool in = i0 + lane < n;
-    count(in, in ? data[at + (i0 + lane) * step] : 0.0f);
+  // Four rounds at a time, their loads first (a strided sample reads one sector per key).
+  for (i64 i0 = done + warp_first; i0 < n; i0 += 4 * threads) {
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const i64 i = i0 + u * threads + lane;
+      v[u] = i < n ? data[at + i * step] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) count(i0 + u * threads + lane < n, v[u]);
   }
   __syncthreads();
   for (int b = threadIdx.x; b < nbins; b += blockDim.x) {
@@ -286,14 +293,20 @@ __global__ void select_count(const float* x, i64 m, const float* cx, const Selec
   const i64 tiles = tiles_of(e.m);
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const i64 base = tile * SEL_TILE;
+    // Every load first, then the comparisons: the tile's loads are in flight together.
+    float v[SEL_ITEMS];
+#pragma unroll
+    for (int it = 0; it < SEL_ITEMS; ++it) {
+      const i64 i = base + it * SEL_THREADS + threadIdx.x;
+      v[it] = i < e.m ? e.x[i] : 0.0f;
+    }
     u32 c[MAX_LIMITS];
 #pragma unroll
     for (int j = 0; j < MAX_LIMITS; ++j) c[j] = 0;
 #pragma unroll
     for (int it = 0; it < SEL_ITEMS; ++it) {
-      const i64 i = base + it * SEL_THREADS + threadIdx.x;
-      if (i < e.m) {
-        const u32 key = mag_key(e.x[i]);
+      if (base + it * SEL_THREADS + threadIdx.x < e.m) {
+        const u32 key = mag_key(v[it]);
 #pragma unroll
         for (int j = 0; j < MAX_LIMITS; ++j) c[j] += key >= lim[j] ? 1u : 0u;
       }
@@ -385,8 +398,10 @@ RC_FN void scan_tile_counts(u32* counts) {
 // st->need when st is given; ja, jb, ka and kb come from `rows` when it is given. The entries
 // are x[0:m] named by ids (i itself when null), or the candidates (cx, named by cids) that
 // `src` chose. offsets are select_scan's rows; out_idx gets the names, out_val the values.
-// At most 85 registers, so that 3 blocks fit an SM (sm_80 used 95 without the bound).
-__global__ void __launch_bounds__(SEL_THREADS, 3)
+// At most 64 registers, so that 4 blocks fit an SM (sm_80 used 95 without a bound, sm_90 80
+// with 3 blocks; 4 spill 8 bytes on sm_90): each block waits on its tile's loads, then on its
+// scans, so more blocks keep more loads in flight.
+__global__ void __launch_bounds__(SEL_THREADS, 4)
     select_write(const float* x, const int* ids, i64 m, const float* cx, const int* cids,
                  const SelectPlan* src, const SelectPlan* rows, const u32* lims, int ja, int jb,
                  long long ka, long long kb, const SelectState* st, const u32* offsets,
