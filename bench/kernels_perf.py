@@ -47,7 +47,7 @@ from ringcomm.algorithms import compressed_ring, ring
 from ringcomm.algorithms import sparse as sparse_ring
 from ringcomm.comm.transport import TransportBase
 from ringcomm.core.types import RING, ReduceOp
-from ringcomm.ops import _cuda_codecs, _cuda_runtime
+from ringcomm.ops import _cuda_codecs, _cuda_runtime, _cuda_topk
 from ringcomm.ops import numpy as host_ops
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -382,6 +382,8 @@ def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
          lambda i: ops.topk(equal, k), True),
         (f"topk approximate k={k}", 4 * n + 8 * k,
          lambda i: ops.topk(pick(i)["x"], k, approximate=True, seed=i), True),
+        (f"topk exact, counted in one wave k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "COUNT_WAVE", True, lambda i: ops.topk(pick(i)["x"], k)), True),
     ]
     return rows + [(*row, True) for row in ring_rows(cupy, n, args.ranks, args.ratio)]
 

@@ -36,42 +36,25 @@ RC_FN int run_len(int len, int r) {
   return c < 4 ? c : 4;
 }
 
-// A source gives each run of 4 in two steps: fetch() issues its loads into a Raw, value() turns
-// a Raw into the 4 float32 values. quantize_blocks fetches all of a lane's runs before it uses
-// any, so their loads are in flight together instead of one after another.
 struct EncodeSrc {
-  struct Raw {
-    Pack<float, 4> f;
-  };
   const float* x;
   bool vec;
   RC_FN void begin(i64) {}
-  RC_FN void fetch(i64 i, int cnt, Raw& r) const {
+  RC_FN void load4(i64 i, int cnt, float v[4]) const {
     if (vec && cnt == 4) {
-      r.f = load<4>(x + i);
+      const Pack<float, 4> p = load<4>(x + i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = p.v[j];
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) r.f.v[j] = j < cnt ? x[i + j] : 0.0f;
+      for (int j = 0; j < 4; ++j) v[j] = j < cnt ? x[i + j] : 0.0f;
     }
-  }
-  RC_FN void value(const Raw& r, int, float v[4]) const {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = r.f.v[j];
-  }
-  RC_FN void load4(i64 i, int cnt, float v[4]) const {
-    Raw r;
-    fetch(i, cnt, r);
-    value(r, cnt, v);
   }
 };
 
 // The hop's input: q * scale of the received payload plus this rank's own values, the sum
 // rounded once in float32 (as ops/numpy.py int8_hop).
 struct HopSrc {
-  struct Raw {
-    Pack<signed char, 4> c;
-    Pack<float, 4> o;
-  };
   const float* scales;
   const signed char* q;
   const float* own;
@@ -79,30 +62,23 @@ struct HopSrc {
   bool vec_q;
   float scale;
   RC_FN void begin(i64 b) { scale = scales[b]; }
-  RC_FN void fetch(i64 i, int cnt, Raw& r) const {
+  RC_FN void load4(i64 i, int cnt, float v[4]) const {
+    Pack<signed char, 4> c;
+    Pack<float, 4> o;
     if (cnt == 4 && vec_q) {
-      r.c = load<4>(q + i);
+      c = load<4>(q + i);
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) r.c.v[j] = j < cnt ? q[i + j] : 0;
+      for (int j = 0; j < 4; ++j) c.v[j] = j < cnt ? q[i + j] : 0;
     }
     if (cnt == 4 && vec_f) {
-      r.o = load<4>(own + i);
+      o = load<4>(own + i);
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) r.o.v[j] = j < cnt ? own[i + j] : 0.0f;
+      for (int j = 0; j < 4; ++j) o.v[j] = j < cnt ? own[i + j] : 0.0f;
     }
-  }
-  RC_FN void value(const Raw& r, int cnt, float v[4]) const {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[j] = j < cnt ? fadd(fmul((float)r.c.v[j], scale), r.o.v[j]) : 0.0f;
-    }
-  }
-  RC_FN void load4(i64 i, int cnt, float v[4]) const {
-    Raw r;
-    fetch(i, cnt, r);
-    value(r, cnt, v);
+    for (int j = 0; j < 4; ++j) v[j] = j < cnt ? fadd(fmul((float)c.v[j], scale), o.v[j]) : 0.0f;
   }
 };
 
@@ -153,19 +129,13 @@ template <class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
     const int len = b < nb ? (int)(a.n - start < a.block ? a.n - start : a.block) : 0;
     const int runs = (len + 3) >> 2;
     if (len > 0) src.begin(b);
-    typename Src::Raw raw[QREGS];
-#pragma unroll
-    for (int j = 0; j < QREGS; ++j) {
-      const int r = j * a.team + sub;
-      src.fetch(start + 4 * r, r < runs ? run_len(len, r) : 0, raw[j]);
-    }
     float v[QREGS][4];
     float amax = 0.0f;
     int nan = 0;
 #pragma unroll
     for (int j = 0; j < QREGS; ++j) {
       const int r = j * a.team + sub;
-      src.value(raw[j], r < runs ? run_len(len, r) : 0, v[j]);
+      src.load4(start + 4 * r, r < runs ? run_len(len, r) : 0, v[j]);
       absmax_update(v[j], amax, nan);
     }
     for (int r = QREGS * a.team + sub; r < runs; r += a.team) {
@@ -230,37 +200,23 @@ __global__ void int8_decode_kernel(const unsigned char* payload, float* out, i64
     const i64 start = b * block;
     const int len = (int)(n - start < block ? n - start : block);
     const float scale = scales[b];
-    // QREGS of the lane's runs at a time, their loads first.
-    for (int r0 = sub; 4 * r0 < len; r0 += QREGS * team) {
-      Pack<signed char, 4> c[QREGS];
+    for (int r = sub; 4 * r < len; r += team) {
+      const i64 i = start + 4 * r;
+      const int cnt = run_len(len, r);
+      Pack<signed char, 4> c;
+      if (cnt == 4 && (vec & VEC_Q)) {
+        c = load<4>(q + i);
+      } else {
 #pragma unroll
-      for (int u = 0; u < QREGS; ++u) {
-        const int r = r0 + u * team;
-        const int cnt = 4 * r < len ? run_len(len, r) : 0;
-        const i64 i = start + 4 * r;
-        if (cnt == 4 && (vec & VEC_Q)) {
-          c[u] = load<4>(q + i);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) c[u].v[j] = j < cnt ? q[i + j] : 0;
-        }
+        for (int j = 0; j < 4; ++j) c.v[j] = j < cnt ? q[i + j] : 0;
       }
+      Pack<float, 4> o;
 #pragma unroll
-      for (int u = 0; u < QREGS; ++u) {
-        const int r = r0 + u * team;
-        const int cnt = 4 * r < len ? run_len(len, r) : 0;
-        const i64 i = start + 4 * r;
-        Pack<float, 4> o;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o.v[j] = fmul((float)c[u].v[j], scale);
-        if (cnt == 4 && (vec & VEC_F)) {
-          store<4>(out + i, o);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (j < cnt) out[i + j] = o.v[j];
-          }
-        }
+      for (int j = 0; j < 4; ++j) o.v[j] = fmul((float)c.v[j], scale);
+      if (cnt == 4 && (vec & VEC_F)) {
+        store<4>(out + i, o);
+      } else {
+        for (int j = 0; j < cnt; ++j) out[i + j] = o.v[j];
       }
     }
   }

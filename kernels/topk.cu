@@ -201,16 +201,9 @@ __global__ void select_hist(const float* x, i64 off, i64 stride, i64 m, const fl
     }
     done = groups << 2;
   }
-  // Four rounds at a time, their loads first (a strided sample reads one sector per key).
-  for (i64 i0 = done + warp_first; i0 < n; i0 += 4 * threads) {
-    float v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const i64 i = i0 + u * threads + lane;
-      v[u] = i < n ? data[at + i * step] : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) count(i0 + u * threads + lane < n, v[u]);
+  for (i64 i0 = done + warp_first; i0 < n; i0 += threads) {
+    const bool in = i0 + lane < n;
+    count(in, in ? data[at + (i0 + lane) * step] : 0.0f);
   }
   __syncthreads();
   for (int b = threadIdx.x; b < nbins; b += blockDim.x) {

@@ -172,6 +172,17 @@ def test_topk_sampled(dev, rng, ratio, approximate):
     twins.check_topk(dev, rng, n, math.ceil(ratio * n), approximate, nonfinite=True)
 
 
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.5])
+def test_topk_counted_in_one_wave_is_the_same(monkeypatch, dev, rng, ratio):
+    """select_count's blocks looping over the tiles (ops/_cuda_topk.py COUNT_WAVE) count what
+    one block per tile counts."""
+    from ringcomm.ops import _cuda_topk
+
+    monkeypatch.setattr(_cuda_topk, "COUNT_WAVE", True)
+    n = dev.sampled
+    twins.check_topk(dev, rng, n, math.ceil(ratio * n), False, nonfinite=True)
+
+
 @pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
 def test_topk_ties_go_to_the_lowest_indices(dev, rng, n, ratio):
     twins.check_topk_ties(dev, rng, n, max(1, math.ceil(ratio * n)))

@@ -42,6 +42,10 @@ _HIST_VEC_X, _HIST_VEC_CAND = 1, 2  # bits of select_hist's vec
 #: over 64 Mi gradients against 422 us aggregated (96 against 75 us on mostly-zero keys). The
 #: kernel benchmark compares both.
 AGGREGATE = False
+#: Whether select_count over the whole array runs as one wave of blocks that loop over the
+#: tiles (as it does where a plan decides the entries) instead of one block per tile. The
+#: kernel benchmark compares both.
+COUNT_WAVE = False
 _NULL = _rt.NULL
 
 
@@ -103,7 +107,7 @@ def _count(x: Array, lims: Any, nthr: int, totals: Any | None = None, cand: Any 
     entries), and their totals into ``totals`` when given."""
     ntiles = -(-x.size // _TILE)
     counts = _rt.cp().empty(nthr * ntiles, np.uint32)
-    _rt.launch("rc::select_count", _tile_blocks(x.size, plan is not None),
+    _rt.launch("rc::select_count", _tile_blocks(x.size, plan is not None or COUNT_WAVE),
                (x, _i64(x.size), _NULL if cand is None else cand, _NULL if plan is None else plan,
                 lims, np.int32(nthr), counts, _i64(ntiles), _NULL if totals is None else totals))
     return counts
