@@ -92,7 +92,8 @@ def _compression(kind: Any) -> Any:
             "powersgd": ringcomm.PowerSGD(rank=1), "auto": "auto", None: None}[kind]
 
 
-def _register(torch: Any, model: Any, family: str, options: dict[str, Any]) -> None:
+def _register(torch: Any, model: Any, family: str, options: dict[str, Any]) -> Any:
+    """Register the variant's comm hook; ringcomm's state (None for the others)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if family == "torch-fp16":
@@ -106,7 +107,28 @@ def _register(torch: Any, model: Any, family: str, options: dict[str, Any]) -> N
 
         options = dict(options)
         options["compression"] = _compression(options.get("compression"))
-        model.register_comm_hook(RingcommState(**options), ringcomm_hook)
+        state = RingcommState(**options)
+        model.register_comm_hook(state, ringcomm_hook)
+        return state
+    return None
+
+
+#: Steps an "auto" variant may take beyond the warmup to end its trial calls.
+SETTLE_STEPS = 60
+
+
+def _auto_settling(state: Any) -> bool:
+    """Whether ``compression="auto"`` is still trying candidates (or has chosen nothing yet):
+    its trial calls run compressors the job may not keep, so they are warmup, not its speed.
+    The trials end at the same call on every rank (their decision is one exchange)."""
+    figures = state.comm.auto_figures
+    return bool(figures.trials) or not figures.choices
+
+
+def _auto_choices(state: Any) -> dict[str, str]:
+    """What auto chose, per bucket size (elements): a compressor's name, or "none"."""
+    return {str(key[2]): auto.key(choice)
+            for key, (auto, choice) in state.comm.auto_figures.choices.items()}
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -122,7 +144,8 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
     torch.manual_seed(0)
     one_bucket = {"bucket_cap_mb": 4096} if family == "torch-powersgd" else {}
     model = DDP(_model(torch, args.model).to(device), **one_bucket)
-    _register(torch, model, family, options)
+    state = _register(torch, model, family, options)
+    settle = options.get("compression") == "auto"
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     side = 8 if args.model == "mlp" else 224
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
@@ -136,14 +159,19 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
+    for i in range(args.warmup):
+        step(i)
+    settled = 0
+    while settle and settled < SETTLE_STEPS and _auto_settling(state):
+        step(settled)
+        settled += 1
     times = []
-    for i in range(args.warmup + args.steps):
+    for i in range(args.steps):
         _sync(torch, device)
         start = time.perf_counter()
         step(i)
         _sync(torch, device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
     _sync(torch, device)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
@@ -154,7 +182,9 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
         for i in range(PROFILE_STEPS):  # the other ranks take the same steps unprofiled
             step(i)
     gc.collect()
-    return {"times": times, "digest": digest, "finite": bool(torch.isfinite(flat).all())}
+    extra = {"settle_steps": settled, "auto": _auto_choices(state)} if settle else {}
+    return {"times": times, "digest": digest, "finite": bool(torch.isfinite(flat).all()),
+            **extra}
 
 
 class _Spans:
@@ -249,7 +279,8 @@ def worker(args: Any) -> int:
             "identical_on_ranks": len(digests) == 1,
             "finite": all(g["finite"] for g, _ in everyone),
             "same_as_ddp": None if reference is None else everyone[0][0]["digest"] == reference,
-            "digest": everyone[0][0]["digest"][:16]})
+            "digest": everyone[0][0]["digest"][:16],
+            **{k: everyone[0][0][k] for k in ("settle_steps", "auto") if k in everyone[0][0]}})
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -286,6 +317,12 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"| {r['variant']} | {r['ms']:.1f} [{r['q1']:.1f}-{r['q3']:.1f}] "
                          f"| {ratio} | {params} `{r['digest']}` |")
         lines.append("")
+        for r in rows:
+            if "auto" in r:
+                chose = ", ".join(f"{size} elements: {c}" for size, c in r["auto"].items())
+                lines += [f"- {r['variant']}: timed after its trial calls ended "
+                          f"({r['settle_steps']} steps beyond the warmup); it chose {chose}.",
+                          ""]
     lines.append("vs DDP default: DDP default's step time over the variant's (above 1 is "
                  "faster).")
     return "\n".join(lines) + "\n"
