@@ -1,10 +1,11 @@
 """bench/kernels_perf.py's pieces that need no GPU, run on the CPU emulator: the loopback ring
-rank that does a ring rank's kernel work alone, and the count of launches per call, which the
-GPU check reports next to each timing."""
+rank that does a ring rank's kernel work alone, the count of launches per call, which the
+GPU check reports next to each timing, the per-kernel breakdown, and bench/kernels_compare.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,28 @@ def test_the_topk_rows_say_where_their_time_goes(perf, emulated):
     assert parts[-2]["kernel"].endswith("beyond its kernels (host, copies)")
     assert parts[-1]["kernel"].endswith("host enqueue") and parts[-1]["us"] > 0
     assert all(r["us"] >= 0 for r in parts[:-2]) and all(r["bytes"] is None for r in parts)
+
+
+def test_kernel_runs_compare_version_by_version(tmp_path):
+    """bench/kernels_compare.py: per kernel the median over a version's runs, the launch counts
+    dropped from the names, and each later version over the first."""
+    spec = importlib.util.spec_from_file_location("kernels_compare",
+                                                  ROOT / "bench/kernels_compare.py")
+    assert spec is not None and spec.loader is not None
+    kernels_compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels_compare)
+
+    def run(path: str, rows: dict[str, float]) -> str:
+        (tmp_path / path).write_text(json.dumps({"results": [
+            {"kernel": k, "us": v} for k, v in rows.items()]}))
+        return str(tmp_path / path)
+
+    a = [run("a1.json", {"copy": 10.0, "topk [19 launches, 2 allocs]": 100.0}),
+         run("a2.json", {"copy": 12.0, "topk [19 launches, 3 allocs]": 300.0}),
+         run("a3.json", {"copy": 11.0, "topk [19 launches, 2 allocs]": 200.0})]
+    b = [run("b1.json", {"copy": 11.0, "topk [18 launches, 2 allocs]": 100.0, "new": 5.0})]
+    out = kernels_compare.table([("a", a), ("b", b)], "T").splitlines()
+    assert out[2] == "| kernel | a (us) | b (us) | b / a |"
+    assert "| copy | 11.0 | 11.0 | 1.00 |" in out
+    assert "| topk | 200.0 | 100.0 | 0.50 |" in out
+    assert "| new | - | 5.0 | - |" in out
