@@ -118,16 +118,21 @@ SETTLE_STEPS = 60
 
 
 def _auto_settling(state: Any) -> bool:
-    """Whether ``compression="auto"`` is still trying candidates (or has chosen nothing yet):
-    its trial calls run compressors the job may not keep, so they are warmup, not its speed.
-    The trials end at the same call on every rank (their decision is one exchange)."""
+    """Whether ``compression="auto"`` is still trying candidates: its trial iterations run
+    compressors the job may not keep, so they are warmup, not its speed. They end at the same
+    iteration on every rank (their decision is one exchange). A tree whose hook tried per call
+    (no ``auto_choice``): until every bucket size has chosen."""
+    if hasattr(state, "auto_choice"):
+        return state.auto_choice is None
     figures = state.comm.auto_figures
     return bool(figures.trials) or not figures.choices
 
 
 def _auto_choices(state: Any) -> dict[str, str]:
-    """What auto chose, per bucket size (elements): a compressor's name, or "none"."""
-    return {str(key[2]): auto.key(choice)
+    """What auto chose: for all compressed buckets, or per bucket size (elements)."""
+    if hasattr(state, "auto_choice"):
+        return {"every compressed bucket": str(state.auto_choice)}
+    return {f"{key[2]} elements": auto.key(choice)
             for key, (auto, choice) in state.comm.auto_figures.choices.items()}
 
 
@@ -319,8 +324,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
         for r in rows:
             if "auto" in r:
-                chose = ", ".join(f"{size} elements: {c}" for size, c in r["auto"].items())
-                lines += [f"- {r['variant']}: timed after its trial calls ended "
+                chose = ", ".join(f"{c} for {what}" for what, c in r["auto"].items())
+                lines += [f"- {r['variant']}: timed after its trials ended "
                           f"({r['settle_steps']} steps beyond the warmup); it chose {chose}.",
                           ""]
     lines.append("vs DDP default: DDP default's step time over the variant's (above 1 is "

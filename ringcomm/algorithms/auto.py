@@ -237,6 +237,11 @@ class Auto:
         memo = figures.trials.get(key)
         return memo[1] if memo is not None and memo[0] is self else None
 
+    @property
+    def rounds(self) -> int:
+        """Trial calls per candidate this Auto makes in the job (0: the model alone)."""
+        return self._trials_per_candidate()
+
     def _trials_per_candidate(self) -> int:
         if self.trials is not None:
             return self.trials

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
+from ringcomm.torch._iteration_trials import IterationTrials
 from ringcomm.torch._residuals import Layout, ResidualLayouts
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
@@ -99,8 +101,9 @@ class RingcommState:
     """
 
     __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "_spans", "_staging",
-                 "algorithm", "comm", "compression", "error_feedback", "feedback",
-                 "host_staging", "iter", "min_compress_bytes", "overlap", "start_iter")
+                 "_ticked", "_trials", "algorithm", "comm", "compression", "error_feedback",
+                 "feedback", "host_staging", "iter", "min_compress_bytes", "overlap",
+                 "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
@@ -130,6 +133,12 @@ class RingcommState:
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}
         self._spans = False  # the communicator checked against the job, at the first bucket
+        # compression="auto" (an Auto that tries in the job): its candidates tried a whole
+        # iteration each (ringcomm.torch._iteration_trials), from the first that compresses.
+        auto = self.compression if isinstance(self.compression, Auto) else None
+        self._trials = (IterationTrials(auto, start_iter)
+                        if auto is not None and auto.rounds > 0 and comm.size > 1 else None)
+        self._ticked = -1  # the iteration whose first bucket the trials have seen
 
     def check_spans_job(self) -> None:
         """Refuse a one-process communicator in a job of several (a state made before
@@ -206,10 +215,30 @@ class RingcommState:
         self._bucket_params[bucket.index()] = (ids, layout)
         return layout
 
+    @property
+    def auto_choice(self) -> str | None:
+        """What ``compression="auto"`` chose for the buckets it compresses (a candidate's
+        name, "none" for uncompressed) once its trial iterations are over; None before, and
+        where ``compression`` is not an Auto that tries in the job."""
+        return None if self._trials is None else self._trials.choice
+
+    def iteration_starts(self, now: float) -> None:
+        """Tell the trials of ``compression="auto"`` that a bucket of iteration ``iter`` is
+        handed over at ``now``; they act at each iteration's first one (on the engine, after
+        the calls queued before it: the same point of every rank's calls)."""
+        if self._trials is None or self._ticked == self.iter:
+            return
+        self._ticked = it = self.iter
+        trials = self._trials
+        self._engine.run(lambda: trials.iteration(it, self.comm, now))
+
     def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Compression:
         """The compressor for the bucket: ``compression`` told the shapes of its gradients, in
-        buffer order (gaps between them as 1-D pieces); cached per bucket index."""
+        buffer order (gaps between them as 1-D pieces); cached per bucket index. Under
+        ``compression="auto"``, the candidate of the iteration's trial, then the one chosen."""
         assert self.compression is not None
+        if self._trials is not None:
+            return self._trials.compression()
         shapes = _bucket_shapes(bucket, buffer)
         cached = self._bound.get(bucket.index())
         if cached is not None and cached[0] == shapes:
@@ -354,6 +383,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         model.register_comm_hook(RingcommState(compression=ringcomm.Int8()), ringcomm_hook)
     """
     state.check_spans_job()
+    state.iteration_starts(time.perf_counter())
     buffer = bucket.buffer()
     compression, name, layout = None, None, None
     if state.compresses(buffer):

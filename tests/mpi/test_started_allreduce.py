@@ -249,11 +249,60 @@ def test_the_hooks_background_path_trains_like_ddp_default(comm, monkeypatch, ov
     assert bool(started) == background
 
 
+class _LaggyFP16(ringcomm.FP16):
+    """FP16 whose calls return at once but leave 150 ms of work that the next iteration waits
+    for, as a GPU codec's kernels hold up the next step's compute."""
+
+    busy_until = 0.0  # one per process: each rank is a process
+    encodings = 0
+
+    def encode(self, src, out, *, seed=0, base=0, error=None):
+        super().encode(src, out, seed=seed, base=base, error=error)
+        type(self).busy_until = time.perf_counter() + 0.15
+        type(self).encodings += 1
+
+    def __repr__(self) -> str:
+        return "LaggyFP16()"
+
+
+def test_the_hook_chooses_auto_by_what_an_iteration_takes(comm):
+    """Under ``compression="auto"`` the hook times whole iterations: LaggyFP16, whose calls
+    are the quicker but whose iterations are 150 ms longer, loses to SlowFP16 (30 ms an
+    encoding, about 60 ms an iteration here). Timing each call, as an Auto does outside the
+    hook, chose LaggyFP16."""
+    auto = _undecided_auto(_LaggyFP16(), _SlowFP16())
+    auto = ringcomm.Auto(auto.candidates, link=auto.link, throughput=auto.throughput, trials=3)
+    state = RingcommState(comm=comm, compression=auto, overlap=True, start_iter=0,
+                          min_compress_bytes=0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                              torch.nn.Linear(256, 10))
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
+    model.register_comm_hook(state, ringcomm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(RANK)
+    # 2 untimed iterations, 3 timed ones per candidate, the deciding one, then the choice
+    for step in range(11):
+        time.sleep(max(0.0, _LaggyFP16.busy_until - time.perf_counter()))  # the leftover
+        if step == 9:
+            laggy_before = _LaggyFP16.encodings
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        opt.step()
+    assert same_on_all_ranks(flat_params(model))
+    assert state._trials.choice == "SlowFP16()"
+    assert _LaggyFP16.encodings == laggy_before  # the last iterations ran the choice
+
+
 def test_the_hook_starts_the_buckets_auto_sends_uncompressed(comm, monkeypatch):
-    """``compression="auto"`` in the hook: each bucket size's trial calls run inside the hook,
-    and once the Auto has chosen to send that size uncompressed its buckets are started on
-    gloo's threads like uncompressed ones (decided on the hook's thread, in call order, the
-    same on every rank); parameters identical on every rank."""
+    """``compression="auto"`` in the hook: each iteration tries one candidate on every bucket
+    (ringcomm.torch._iteration_trials): one untimed iteration each, then ``rounds`` timed ones
+    each, then the choice. The iterations that send uncompressed start their buckets on gloo's
+    threads like uncompressed ones, the others reduce them in the hook; SlowFP16 (30 ms an
+    encoding) loses, and every iteration after the choice starts its buckets. The same on
+    every rank, parameters identical on every rank."""
+    state = RingcommState(comm=comm, compression=_undecided_auto(None, _SlowFP16()),
+                          overlap=True, start_iter=0, min_compress_bytes=0)
     started: list[bool] = []
     real = Communicator.start_allreduce
 
@@ -264,12 +313,13 @@ def test_the_hook_starts_the_buckets_auto_sends_uncompressed(comm, monkeypatch):
         return pending
 
     monkeypatch.setattr(Communicator, "start_allreduce", counting)
-    state = RingcommState(comm=comm, compression=_undecided_auto(None, _SlowFP16()),
-                          overlap=True, start_iter=0, min_compress_bytes=0)
-    got = _train(state, steps=6)
+    # dense, SlowFP16 (untimed), dense, SlowFP16 (timed: trials=1), then dense chosen (its
+    # first iteration sends the residuals SlowFP16 left, in the hook)
+    got = _train(state, steps=8)
     assert same_on_all_ranks(got)
     assert WORLD.allgather(started) == [started] * SIZE
-    assert not started[0] and started[-1], started  # trials first, started once chosen
+    assert state._trials.choice == "none"
+    assert not all(started) and all(started[-4:]), started  # trials, then started
 
 
 @pytest.mark.gpu

@@ -1,0 +1,105 @@
+"""``compression="auto"`` in the DDP hook: candidates tried a whole iteration each, timed by
+the iteration.
+
+Outside the hook, an ``Auto`` tries its candidates call by call and keeps each call's time
+(ringcomm.algorithms.auto). In a training step that measures the wrong thing: a bucket's
+allreduce overlaps backward, so what a candidate costs is what it adds to the step, not its
+call's length. On one H200 (bench/results/gpu/README.md), Int8's calls were shorter than dense
+ones, so the per-call trials chose it, while a step with Int8 took 44-45 ms against 42.5 ms
+dense: its kernels and copies compete with backward where a dense bucket's transfer runs
+beside it on gloo's threads.
+
+So the hook gives every compressed bucket of an iteration the same candidate and times whole
+iterations, from one iteration's first bucket to the next one's: first one untimed iteration
+per candidate (their first use compiles codecs, allocates scratch, measures), then
+``rounds`` timed ones each, in the candidates' order. At the first bucket after them the ranks
+agree, in one exchange, on the candidate whose slowest rank's median iteration was shortest;
+every bucket that compresses then uses it. Each candidate runs as an ``Auto`` of that one
+candidate (:func:`only`), so a dense one meeting a residual still sends it, and a dense one
+is started on gloo's threads like an uncompressed bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ringcomm.algorithms.auto import Auto, LinkModel
+from ringcomm.codecs.base import Compressor
+from ringcomm.core.log import get_logger
+
+__all__ = ["IterationTrials", "only"]
+
+_LOG = get_logger("auto")
+# Figures an Auto of one candidate is given so that it neither measures nor tries: any will do.
+_ANY_LINK = LinkModel(latency=1e-6, bandwidth=1e9)
+
+
+def only(candidate: Compressor | None) -> Auto:
+    """An Auto whose one candidate is ``candidate``: it chooses it at once, on every rank."""
+    return Auto((candidate,), link=_ANY_LINK, throughput={Auto.key(candidate): 1e9}, trials=0)
+
+
+class IterationTrials:
+    """The iterations of a DDP job that try ``auto``'s candidates, then its choice.
+
+    Args:
+        auto: the policy whose candidates are tried; ``auto.rounds`` timed iterations each.
+        first: the iteration the trials start at (the first one that compresses).
+    """
+
+    def __init__(self, auto: Auto, first: int) -> None:
+        self.auto = auto
+        self.first = first
+        self._fixed = {Auto.key(c): only(c) for c in auto.candidates}
+        keys = list(self._fixed)
+        self.warmup = tuple(keys)
+        self.schedule = tuple(keys) * auto.rounds
+        self.samples: dict[str, list[float]] = {}
+        self.choice: str | None = None
+        self._current = keys[0]
+        self._open: tuple[str, float] | None = None  # the timed iteration under way
+
+    @property
+    def deciding(self) -> bool:
+        """Whether the trials are still to be decided."""
+        return self.choice is None
+
+    def compression(self) -> Auto:
+        """What the compressed buckets of the current iteration run."""
+        return self._fixed[self.choice if self.choice is not None else self._current]
+
+    def iteration(self, it: int, comm: Any, now: float | None = None) -> None:
+        """At the first bucket of iteration ``it`` (at ``now``, ``time.perf_counter``): end
+        the timing of the one before, pick this one's candidate, or, after the last trial
+        iteration, decide (collective: every rank calls it at the same iteration's first
+        bucket, in the order of the communicator's calls)."""
+        now = time.perf_counter() if now is None else now
+        if self._open is not None:
+            key, start = self._open
+            self.samples.setdefault(key, []).append(now - start)
+            self._open = None
+        if self.choice is not None or it < self.first:
+            return
+        k = it - self.first
+        if k < len(self.warmup):
+            self._current = self.warmup[k]
+            return
+        k -= len(self.warmup)
+        if k < len(self.schedule):
+            self._current = self.schedule[k]
+            self._open = (self._current, now)
+            return
+        self._decide(comm)
+
+    def _decide(self, comm: Any) -> None:
+        keys = list(self._fixed)
+        medians = np.array([[np.median(self.samples[k]) if k in self.samples else np.inf
+                             for k in keys]])
+        slowest = comm.allgather(medians).max(axis=0)  # one row per rank
+        self.choice = keys[int(np.argmin(slowest))]
+        _LOG.info("DDP hook: %s, chosen from whole iterations (slowest rank's median: %s)",
+                  self.choice, ", ".join(f"{k} {s * 1e3:.1f} ms"
+                                         for k, s in zip(keys, slowest, strict=True)))

@@ -1,0 +1,76 @@
+"""The DDP hook's trials of ``compression="auto"`` (ringcomm.torch._iteration_trials): which
+candidate each iteration runs, which iterations are timed, and the choice from every rank's
+medians. The hook in a real DDP job: tests/mpi/test_started_allreduce.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import ringcomm
+from ringcomm.torch._iteration_trials import IterationTrials, only
+
+FP16, INT8 = ringcomm.FP16(), ringcomm.Int8()
+
+
+class Ranks:
+    """``allgather`` of this rank's row and the other ranks' rows (given)."""
+
+    def __init__(self, *others: list[float]) -> None:
+        self.others = [np.array([row]) for row in others]
+        self.gathered: list[np.ndarray] = []
+
+    def allgather(self, x: np.ndarray) -> np.ndarray:
+        self.gathered.append(x)
+        return np.concatenate([x, *self.others])
+
+
+def _run(trials: IterationTrials, seconds: dict[str, float], comm: Ranks,
+         iterations: int) -> list[str]:
+    """Iterations 0.. at the times the candidate of each one takes; the key each one ran."""
+    now, ran = 0.0, []
+    for it in range(iterations):
+        trials.iteration(it, comm, now)
+        auto = trials.compression()
+        key = ringcomm.Auto.key(auto.candidates[0])
+        ran.append(key)
+        now += seconds[key]
+    return ran
+
+
+def test_each_candidate_warms_up_then_runs_its_rounds_then_the_choice():
+    auto = ringcomm.Auto((None, FP16, INT8), trials=2)
+    trials = IterationTrials(auto, first=2)
+    comm = Ranks()
+    took = {"none": 1.0, repr(FP16): 0.5, repr(INT8): 0.8}
+    ran = _run(trials, took, comm, 14)
+    cycle = ["none", repr(FP16), repr(INT8)]
+    # before `first` the first candidate (the iterations do not compress yet, see
+    # RingcommState.compresses), one untimed iteration each, 2 timed rounds, the decision
+    assert ran[:2] == ["none", "none"]
+    assert ran[2:11] == cycle * 3
+    assert trials.choice == repr(FP16) and ran[11:] == [repr(FP16)] * 3
+    assert {k: len(v) for k, v in trials.samples.items()} == {k: 2 for k in cycle}
+    assert trials.samples[repr(INT8)] == pytest.approx([0.8, 0.8])
+    assert len(comm.gathered) == 1  # one exchange
+
+
+def test_the_slowest_rank_decides():
+    """This rank found FP16 fastest; another rank's FP16 iterations took 2 s: Int8 wins on
+    every rank's slowest median."""
+    auto = ringcomm.Auto((None, FP16, INT8), trials=1)
+    trials = IterationTrials(auto, first=0)
+    took = {"none": 1.0, repr(FP16): 0.5, repr(INT8): 0.8}
+    _run(trials, took, Ranks([1.0, 2.0, 0.9]), 8)
+    assert trials.choice == repr(INT8)
+
+
+def test_each_candidate_runs_as_an_auto_of_itself():
+    """A candidate runs as an Auto of that one candidate with fixed figures and no trials: it
+    chooses it at once, equal on every rank (its repr is what the ranks agree on)."""
+    for candidate in (None, FP16, INT8):
+        auto = only(candidate)
+        assert auto.candidates == (candidate,) and auto.rounds == 0
+        assert repr(auto) == repr(only(candidate))
