@@ -254,9 +254,12 @@ def describe(variant: str, model: torch.nn.Module, state: Any, comm: Any, timer:
         info.update(start_iter=state.start_iter, error_feedback=state.error_feedback,
                     min_compress_bytes=state.min_compress_bytes, overlap=state.overlap,
                     compression=repr(state.compression))
-        chosen = {repr(c) for _, c in comm.auto_figures.choices.values()}
-        if chosen:
-            info["auto_chose"] = sorted(chosen)
+        if getattr(state, "auto_choice", None) is not None:  # the hook's iteration trials
+            info["auto_chose"] = [state.auto_choice]
+        else:
+            chosen = {repr(c) for _, c in comm.auto_figures.choices.values()}
+            if chosen:
+                info["auto_chose"] = sorted(chosen)
     if isinstance(state, powerSGD_hook.PowerSGDState):
         info.update(matrix_approximation_rank=state.matrix_approximation_rank,
                     start_powerSGD_iter=state.start_powerSGD_iter,

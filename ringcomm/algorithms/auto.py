@@ -10,7 +10,10 @@ is then tried in the job itself: the first calls of each array size run, in turn
 candidate the model puts within ``TRY_WITHIN`` of its best (``trials`` calls each), each call's
 time is kept, and once all have run the ranks agree, in one exchange, on the candidate whose
 slowest rank's median was lowest (the same choice on every rank). Small dense calls, which ride
-in the agreement exchange, are not tried.
+in the agreement exchange, are not tried. A call's time is what it costs where calls follow
+one another; where they overlap other work (a DDP hook's buckets overlap backward) it can favour
+a candidate whose work slows the rest down, so the DDP hook tries candidates a whole iteration
+each instead (ringcomm.torch._iteration_trials).
 """
 
 from __future__ import annotations

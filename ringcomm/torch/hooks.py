@@ -20,6 +20,11 @@ otherwise (an MPI without CUDA support, or ``host_staging=True``), an uncompress
 is copied whole to pinned host memory on a side stream, reduced there, and copied back (see
 :mod:`ringcomm.torch._staging`), so the GPU goes on with backward meanwhile; a compressed one
 keeps its codecs on the GPU, on the same side stream.
+
+Under ``compression="auto"`` the hook tries the Auto's candidates a whole iteration each and
+keeps the one whose iterations were shortest (:mod:`ringcomm.torch._iteration_trials`): a
+bucket's allreduce overlaps backward, so what a candidate costs is what it adds to the
+iteration, not its call's length.
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ class RingcommState:
     Args:
         comm: the communicator; the one of ``ringcomm.torch.init()`` when None (started here
             if need be: MPI under mpiexec, a gloo group under torchrun).
-        compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: per bucket, the
-            fastest of none, fp16 and int8 as measured) or ``hvd.Compression.<name>``; None
+        compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: whichever of
+            none, fp16 and int8 makes the training iteration shortest, each tried on every
+            compressed bucket of whole iterations from ``start_iter`` on, one untimed and 3
+            timed iterations each, then chosen for all of them by every rank alike; see
+            :mod:`ringcomm.torch._iteration_trials`; an ``Auto`` with fixed figures and no
+            trials chooses per bucket from its model) or ``hvd.Compression.<name>``; None
             sends float32.
         error_feedback: keep what compression drops, per bucket, and add it to the next step.
         start_iter: iterations reduced uncompressed before compression starts (a warm-up, and
