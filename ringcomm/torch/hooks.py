@@ -142,8 +142,9 @@ class RingcommState:
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}
         self._spans = False  # the communicator checked against the job, at the first bucket
-        # compression="auto" (an Auto that tries in the job): its candidates tried a whole
-        # iteration each (ringcomm.torch._iteration_trials), from the first that compresses.
+        # compression="auto" (an Auto that tries in the job) over several ranks: its
+        # candidates tried a whole iteration each (ringcomm.torch._iteration_trials), from the
+        # first that compresses. One rank's allreduce is a copy: nothing to try.
         auto = self.compression if isinstance(self.compression, Auto) else None
         self._trials = (IterationTrials(auto, start_iter)
                         if auto is not None and auto.rounds > 0 and comm.size > 1 else None)
