@@ -74,3 +74,12 @@ def test_each_candidate_runs_as_an_auto_of_itself():
         auto = only(candidate)
         assert auto.candidates == (candidate,) and auto.rounds == 0
         assert repr(auto) == repr(only(candidate))
+
+
+def test_each_candidate_is_named_after_the_auto_trying_it():
+    """Ranks whose Autos differ (here their trials) pass differently named candidates at the
+    first call that compresses: the agreement parts them there, all in the same call."""
+    one, two = ringcomm.Auto((None, FP16), trials=1), ringcomm.Auto((None, FP16), trials=2)
+    assert repr(only(FP16, one)) == f"FP16() of {one!r}"
+    assert repr(only(FP16, one)) != repr(only(FP16, two))
+    assert repr(IterationTrials(one, 0).compression()) == repr(only(None, one))

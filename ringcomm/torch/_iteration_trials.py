@@ -37,9 +37,25 @@ _LOG = get_logger("auto")
 _ANY_LINK = LinkModel(latency=1e-6, bandwidth=1e9)
 
 
-def only(candidate: Compressor | None) -> Auto:
-    """An Auto whose one candidate is ``candidate``: it chooses it at once, on every rank."""
-    return Auto((candidate,), link=_ANY_LINK, throughput={Auto.key(candidate): 1e9}, trials=0)
+class _Only(Auto):
+    """An Auto of one candidate, named after the Auto whose trials run it: the ranks agree on
+    that name at every call, so ranks whose Autos differ (their candidates, their number of
+    trials) part at the first call that compresses, all in the same call, instead of at the
+    decision, where one rank would exchange times while another reduces a bucket."""
+
+    def __init__(self, candidate: Compressor | None, of: str) -> None:
+        super().__init__((candidate,), link=_ANY_LINK,
+                         throughput={Auto.key(candidate): 1e9}, trials=0)
+        self._of = of
+
+    def __repr__(self) -> str:
+        return f"{self.key(self.candidates[0])} of {self._of}"
+
+
+def only(candidate: Compressor | None, of: Auto | None = None) -> Auto:
+    """An Auto whose one candidate is ``candidate``: it chooses it at once, on every rank;
+    named after ``of``, the Auto whose trials run it, when given."""
+    return _Only(candidate, repr(of) if of is not None else "itself")
 
 
 class IterationTrials:
@@ -53,7 +69,7 @@ class IterationTrials:
     def __init__(self, auto: Auto, first: int) -> None:
         self.auto = auto
         self.first = first
-        self._fixed = {Auto.key(c): only(c) for c in auto.candidates}
+        self._fixed = {Auto.key(c): only(c, auto) for c in auto.candidates}
         keys = list(self._fixed)
         self.warmup = tuple(keys)
         self.schedule = tuple(keys) * auto.rounds

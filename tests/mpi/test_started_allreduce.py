@@ -295,6 +295,26 @@ def test_the_hook_chooses_auto_by_what_an_iteration_takes(comm):
     assert _LaggyFP16.encodings == laggy_before  # the last iterations ran the choice
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs another rank to differ from")
+def test_the_hooks_auto_trying_differently_between_ranks_raises_everywhere(comm):
+    """Auto(trials=1) on rank 0 and Auto(trials=2) elsewhere: every rank raises the mismatch at
+    the first call that compresses (each candidate runs under its Auto's name, which the ranks
+    agree on), none hangs or trains on. Before, their iterations agreed until rank 0 decided
+    (an exchange) while the others reduced a bucket, and rank 0 then hung closing."""
+    trials = 1 if RANK == 0 else 2
+    auto = _undecided_auto(None, ringcomm.FP16())
+    auto = ringcomm.Auto(auto.candidates, link=auto.link, throughput=auto.throughput,
+                         trials=trials)
+    state = RingcommState(comm=comm, compression=auto, overlap=True, start_iter=0,
+                          min_compress_bytes=0)
+    with pytest.raises(Exception) as err:  # DDP re-raises a bucket's error as RuntimeError
+        _train(state, steps=10)
+    assert "differs between ranks" in str(err.value) and "trials=1" in str(err.value), (
+        repr(err.value))
+    assert state.iter <= 1  # in the first iteration (its last bucket may have counted it)
+    assert WORLD.allgather(True) == [True] * SIZE  # every rank got here
+
+
 @pytest.mark.skipif(SIZE < 2, reason="one rank tries nothing: its allreduce is a copy")
 def test_the_hook_starts_the_buckets_auto_sends_uncompressed(comm, monkeypatch):
     """``compression="auto"`` in the hook: each iteration tries one candidate on every bucket
