@@ -78,11 +78,6 @@ class IterationTrials:
         self._current = keys[0]
         self._open: tuple[str, float] | None = None  # the timed iteration under way
 
-    @property
-    def deciding(self) -> bool:
-        """Whether the trials are still to be decided."""
-        return self.choice is None
-
     def compression(self) -> Auto:
         """What the compressed buckets of the current iteration run."""
         return self._fixed[self.choice if self.choice is not None else self._current]
