@@ -66,16 +66,26 @@ def chunks(nbytes: int, peers: int = 1) -> tuple[int, int]:
     return count, -(-nbytes // count)
 
 
+def _spans(nbytes: int, peers: int) -> list[tuple[int, int]]:
+    """The byte ranges of the chunks a message of ``nbytes`` to each of ``peers`` ranks
+    travels as (see ``chunks``), in order."""
+    count, size = chunks(nbytes, peers)
+    return [(i * size, min((i + 1) * size, nbytes)) for i in range(count)]
+
+
 class _Prepared:
     """The persistent requests of one message length: the first chunk's (the receives of every
-    peer's first chunk, then this rank's sends of it), and the other chunks' receives and
-    sends (empty for a message of one chunk)."""
+    peer's first chunk, shared by every length, then this rank's sends of it), and the other
+    chunks' receives and sends (empty for a message of one chunk)."""
 
-    __slots__ = ("first", "recvs", "rest", "sends")
+    __slots__ = ("first", "owned", "recvs", "rest", "sends")
 
-    def __init__(self, first: list[Any], recvs: list[Any], sends: list[Any]) -> None:
-        self.first, self.recvs, self.sends = first, recvs, sends
+    def __init__(self, shared: list[Any], first_sends: list[Any], recvs: list[Any],
+                 sends: list[Any]) -> None:
+        self.first = shared + first_sends
+        self.recvs, self.sends = recvs, sends
         self.rest = recvs + sends
+        self.owned = first_sends + self.rest  # what this length alone holds, to free
 
 
 class SizedExchange:
@@ -152,10 +162,9 @@ class SizedExchange:
         mine = self._requests.get(lengths[self._rank])
         reqs = [] if mine is None else list(mine.sends)
         for peer in self._peers:
-            count, size = chunks(lengths[peer], len(self._peers))
-            row = self.recv[peer]
-            reqs += [self._comm.Irecv(row[i * size: min((i + 1) * size, lengths[peer])],
-                                      peer, _TAG + i) for i in range(1, count)]
+            later = list(enumerate(_spans(lengths[peer], len(self._peers))))[1:]
+            reqs += [self._comm.Irecv(self.recv[peer][lo:hi], peer, _TAG + i)
+                     for i, (lo, hi) in later]
         if reqs:
             self._wait_all(reqs, None, "agreement exchange")
 
@@ -167,26 +176,23 @@ class SizedExchange:
         if not 0 < nbytes <= self.send.nbytes:
             raise ValueError(f"an exchange sends 1 to {self.send.nbytes} bytes, got {nbytes}")
         if len(self._requests) >= _SIZES_KEPT:
-            oldest = self._requests.pop(next(iter(self._requests)))
-            for req in oldest.first[len(self._recvs):] + oldest.rest:
+            for req in self._requests.pop(next(iter(self._requests))).owned:
                 req.Free()
-        count, size = chunks(nbytes, len(self._peers))
-        parts = [(i * size, min((i + 1) * size, nbytes)) for i in range(count)]
+        parts = _spans(nbytes, len(self._peers))
         comm, peers = self._comm, self._peers
-        first = self._recvs + [comm.Send_init(self.send[:parts[0][1]], p, _TAG) for p in peers]
+        first_sends = [comm.Send_init(self.send[:parts[0][1]], p, _TAG) for p in peers]
         later = list(enumerate(parts))[1:]
         recvs = [comm.Recv_init(self.recv[p][lo:hi], p, _TAG + i)
                  for i, (lo, hi) in later for p in peers]
         sends = [comm.Send_init(self.send[lo:hi], p, _TAG + i)
                  for i, (lo, hi) in later for p in peers]
-        prepared = self._requests[nbytes] = _Prepared(first, recvs, sends)
+        prepared = self._requests[nbytes] = _Prepared(self._recvs, first_sends, recvs, sends)
         return prepared
 
     def free(self) -> None:
         """Free the persistent requests (inactive ones; one left active by a timeout stays
         allocated with its buffer)."""
-        owned = [req for prepared in self._requests.values()
-                 for req in prepared.first[len(self._recvs):] + prepared.rest]
+        owned = [req for prepared in self._requests.values() for req in prepared.owned]
         for req in self._recvs + owned:
             if req.Test():
                 req.Free()

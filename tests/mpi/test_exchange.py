@@ -103,6 +103,28 @@ def test_chunked_messages_of_other_lengths_leave_nothing_behind(comm, world, len
     world.Barrier()
 
 
+def test_more_lengths_than_kept_free_the_oldest_and_still_pair(comm, world):
+    """Past _SIZES_KEPT message lengths (chunked ones among them) the oldest length's requests
+    are freed; the lengths after, and an evicted one met again, still carry the right bytes,
+    and ``free`` releases what is left."""
+    from ringcomm.backends import mpi_exchange
+
+    t = comm.transport
+    ex = t.prepare_exchange(64 * 1024)
+    lengths = [100 + 509 * i for i in range(mpi_exchange._SIZES_KEPT + 6)] + [100, 20_000]
+    for step, n in enumerate(lengths):
+        ex.send[:n] = (step + 3 * t.rank) % 251
+        ex(n)
+        ex.rest(n)
+        assert len(ex._requests) <= mpi_exchange._SIZES_KEPT
+        for r in range(t.size):
+            if r != t.rank:
+                assert (ex.recv[r, :n] == (step + 3 * r) % 251).all(), (step, r, n)
+    ex.free()
+    assert ex._requests == {}
+    world.Barrier()
+
+
 def test_inlined_calls_of_other_sizes_raise_everywhere_then_reduce(comm):
     """Allreduces inlined in chunks (8-32 KiB over MPI where every rank shares a node) of
     another size on one rank, or against a header-only call (a barrier, an 8-byte call, a
