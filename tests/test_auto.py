@@ -205,5 +205,5 @@ def test_trials_argument_checked():
         Auto(trials=-1)
     with pytest.raises(ValueError, match="trials must be an integer >= 0"):
         Auto(trials=True)
-    assert Auto(link=GBIT, throughput=CPU)._trials_per_candidate() == 0
-    assert Auto()._trials_per_candidate() == 3
+    assert Auto(link=GBIT, throughput=CPU).rounds == 0
+    assert Auto().rounds == 3

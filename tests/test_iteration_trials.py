@@ -70,10 +70,11 @@ def test_the_slowest_rank_decides():
 def test_each_candidate_runs_as_an_auto_of_itself():
     """A candidate runs as an Auto of that one candidate with fixed figures and no trials: it
     chooses it at once, equal on every rank (its repr is what the ranks agree on)."""
+    parent = ringcomm.Auto((None, FP16, INT8))
     for candidate in (None, FP16, INT8):
-        auto = only(candidate)
+        auto = only(candidate, parent)
         assert auto.candidates == (candidate,) and auto.rounds == 0
-        assert repr(auto) == repr(only(candidate))
+        assert repr(auto) == repr(only(candidate, parent))
 
 
 def test_each_candidate_is_named_after_the_auto_trying_it():

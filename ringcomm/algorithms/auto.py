@@ -243,9 +243,6 @@ class Auto:
     @property
     def rounds(self) -> int:
         """Trial calls per candidate this Auto makes in the job (0: the model alone)."""
-        return self._trials_per_candidate()
-
-    def _trials_per_candidate(self) -> int:
         if self.trials is not None:
             return self.trials
         return 0 if self.link is not None and self.throughput is not None else DEFAULT_TRIALS
@@ -266,7 +263,7 @@ class Auto:
                        self.key(best), costs)
         close = [c for c, s in zip(self.candidates, seconds, strict=True)
                  if s <= TRY_WITHIN * min(seconds)]
-        rounds = self._trials_per_candidate()
+        rounds = self.rounds
         if rounds == 0 or len(close) < 2 or x.nbytes <= inline_bytes:
             self._keep(figures, key, best)
             return None

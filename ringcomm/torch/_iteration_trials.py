@@ -52,10 +52,10 @@ class _Only(Auto):
         return f"{self.key(self.candidates[0])} of {self._of}"
 
 
-def only(candidate: Compressor | None, of: Auto | None = None) -> Auto:
+def only(candidate: Compressor | None, of: Auto) -> Auto:
     """An Auto whose one candidate is ``candidate``: it chooses it at once, on every rank;
-    named after ``of``, the Auto whose trials run it, when given."""
-    return _Only(candidate, repr(of) if of is not None else "itself")
+    named after ``of``, the Auto whose trials run it."""
+    return _Only(candidate, repr(of))
 
 
 class IterationTrials:
@@ -67,7 +67,6 @@ class IterationTrials:
     """
 
     def __init__(self, auto: Auto, first: int) -> None:
-        self.auto = auto
         self.first = first
         self._fixed = {Auto.key(c): only(c, auto) for c in auto.candidates}
         keys = list(self._fixed)

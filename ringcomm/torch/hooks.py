@@ -232,12 +232,13 @@ class RingcommState:
         where ``compression`` is not an Auto that tries in the job."""
         return None if self._trials is None else self._trials.choice
 
-    def iteration_starts(self, now: float) -> None:
+    def iteration_starts(self) -> None:
         """Tell the trials of ``compression="auto"`` that a bucket of iteration ``iter`` is
-        handed over at ``now``; they act at each iteration's first one (on the engine, after
-        the calls queued before it: the same point of every rank's calls)."""
+        handed over now; they act at each iteration's first one (on the engine, after the
+        calls queued before it: the same point of every rank's calls)."""
         if self._trials is None or self._ticked == self.iter:
             return
+        now = time.perf_counter()
         self._ticked = it = self.iter
         trials = self._trials
         self._engine.run(lambda: trials.iteration(it, self.comm, now))
@@ -393,7 +394,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
         model.register_comm_hook(RingcommState(compression=ringcomm.Int8()), ringcomm_hook)
     """
     state.check_spans_job()
-    state.iteration_starts(time.perf_counter())
+    state.iteration_starts()
     buffer = bucket.buffer()
     compression, name, layout = None, None, None
     if state.compresses(buffer):
