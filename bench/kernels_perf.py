@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import platform
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,8 @@ class Work:
     def count(self, run: Callable[[], Any]) -> dict[str, int]:
         """{"launches", "allocs", "waits"} of one ``run()`` (waits only with ``busy``)."""
         launched = [0]
-        launch = _cuda_runtime.launch
 
-        def counting(*a: Any, **kw: Any) -> None:
+        def counting(launch: Callable[..., None], *a: Any, **kw: Any) -> None:
             launched[0] += 1
             launch(*a, **kw)
 
@@ -126,13 +126,10 @@ class Work:
         if self.busy is not None:
             self.busy()
         before = stream.record()
-        _cuda_runtime.launch = counting  # type: ignore[assignment]
-        try:
+        with launches_through(counting):
             with hook if hook is not None else contextlib.nullcontext():
                 run()
             waited = bool(before.done) if self.busy is not None else None
-        finally:
-            _cuda_runtime.launch = launch  # type: ignore[assignment]
         stream.synchronize()
         work = {"launches": launched[0]}
         if hook is not None:
@@ -142,16 +139,27 @@ class Work:
         return work
 
 
+@contextlib.contextmanager
+def launches_through(route: Callable[..., None]) -> Iterator[None]:
+    """Meanwhile, every kernel launch of ringcomm's goes through ``route(launch, name, ...)``
+    (``launch``: the real one), to be counted or timed."""
+    launch = _cuda_runtime.launch
+    _cuda_runtime.launch = functools.partial(route, launch)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _cuda_runtime.launch = launch  # type: ignore[assignment]
+
+
 def breakdown(cupy: Any, run: Callable[[], Any]) -> tuple[float, list[tuple[str, int, float]]]:
     """Where one ``run()`` spends the GPU's time: the call's microseconds from first to last
     event, and per kernel name (launch order) its launches and their summed microseconds, each
     launch timed between events recorded around it. What the call's time exceeds the kernels'
     by is the GPU waiting for the host (launches, allocations, Python) or doing other work
     (copies, memsets)."""
-    launch = _cuda_runtime.launch
     timed: list[tuple[str, Any, Any]] = []
 
-    def timing(name: str, *a: Any, **kw: Any) -> None:
+    def timing(launch: Callable[..., None], name: str, *a: Any, **kw: Any) -> None:
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         launch(name, *a, **kw)
@@ -159,13 +167,10 @@ def breakdown(cupy: Any, run: Callable[[], Any]) -> tuple[float, list[tuple[str,
         timed.append((name, start, end))
 
     first, last = cupy.cuda.Event(), cupy.cuda.Event()
-    _cuda_runtime.launch = timing  # type: ignore[assignment]
-    try:
+    with launches_through(timing):
         first.record()
         run()
         last.record()
-    finally:
-        _cuda_runtime.launch = launch  # type: ignore[assignment]
     last.synchronize()
     us: dict[str, list[float]] = {}
     for name, start, end in timed:
