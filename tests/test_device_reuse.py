@@ -274,7 +274,8 @@ N = 3001
 
 
 def _run(transports: list[Any], put: Any, xs: list[np.ndarray], comp: Any, op: ReduceOp,
-         out_dtype: Any, feedback: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+         out_dtype: Any, feedback: bool,
+         segment_bytes: int = 4096) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """One compressed allreduce on the thread ranks of ``transports`` (reused between runs);
     every rank's (result, residual) on the host."""
 
@@ -282,7 +283,7 @@ def _run(transports: list[Any], put: Any, xs: list[np.ndarray], comp: Any, op: R
         x = put(xs[t.rank])
         out = put(np.zeros(x.size, out_dtype))
         residual = put(np.zeros(x.size, np.float32)) if feedback else None
-        cring.allreduce(t, x, out, op, comp, residual, 11, segment_bytes=4096)
+        cring.allreduce(t, x, out, op, comp, residual, 11, segment_bytes=segment_bytes)
         host = np.array(out, copy=True).view(np.ndarray)
         return host, None if residual is None else np.array(residual).view(np.ndarray)
 
@@ -401,22 +402,9 @@ def test_device_rings_launch_per_step_not_per_segment(emulated, comp):
             pairs = zip(got, want, strict=True)
         else:
             xs = [x.astype(np.float32) for x in xs]
-
-            def once(put: Any, xs: list[np.ndarray] = xs, op: ReduceOp = op,
-                     dtype: Any = dtype) -> list[Any]:
-                def rank(t: Any) -> tuple[np.ndarray, np.ndarray]:
-                    x, out = put(xs[t.rank]), put(np.zeros(size, dtype))
-                    residual = put(np.zeros(size, np.float32))
-                    cring.allreduce(t, x, out, op, comp, residual, 11, segment_bytes=256)
-                    return (np.array(out, copy=True).view(np.ndarray),
-                            np.array(residual, copy=True).view(np.ndarray))
-
-                ts = _transports(n)
-                return run_ranks(n, lambda t: rank(ts[t.rank]))
-
-            want = once(np.asarray)
+            want = _run(_transports(n), np.asarray, xs, comp, op, dtype, True, 256)
             emulator.launches.clear()
-            got = once(fake.asarray)
+            got = _run(_transports(n), fake.asarray, xs, comp, op, dtype, True, 256)
             pairs = ((g, w) for gs, ws in zip(got, want, strict=True)
                      for g, w in zip(gs, ws, strict=True))
         for g, w in pairs:
