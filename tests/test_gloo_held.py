@@ -78,7 +78,9 @@ def test_let_go_gives_up_after_its_timeout():
 
 def test_gloo_threads_are_seen_while_a_gloo_group_lives(tmp_path, subprocess_env):
     """The exit pauses where gloo's worker threads still run: they are found by name, in a
-    process that made a gloo group (a fresh one, whose threads are its own), and not before."""
+    process that made a gloo group (a fresh one, whose threads are its own), and not before.
+    A thread names itself once it runs, a moment after the group is made, so the look waits
+    for the name (it once came a moment late on a loaded machine)."""
     import subprocess
     import sys
 
@@ -88,6 +90,10 @@ def test_gloo_threads_are_seen_while_a_gloo_group_lives(tmp_path, subprocess_env
         "before = gloo_held._gloo_threads_alive()\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, "
         "world_size=1)\n"
+        "import time\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not gloo_held._gloo_threads_alive() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
         "print(before, gloo_held._gloo_threads_alive())\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=subprocess_env)
