@@ -1,9 +1,12 @@
-"""Small allreduces that finish within the agreement exchange.
+"""Small allreduces and allgathers that finish within the agreement exchange.
 
 A dense array of at most ``comm.inline_bytes`` rides in the same exchange as the call's header
 (:mod:`ringcomm.comm.agree`): every rank receives every rank's array and reduces them in rank
 order, so all ranks compute the same bits, in one exchange. An :class:`InlinePlan` prepares a
 repeated call (every training step) so that it costs a copy in, the exchange and a reduction.
+A host allgather (equal shapes on every rank) of at most ``inline_bytes`` rides the same way
+(:func:`allgather_inline`), the consistency check on: one exchange instead of the header's and
+then the data's.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm._prepared import PreparedCall
-from ringcomm.comm.agree import Agreement, CallSpec, host_bytes
+from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
 from ringcomm.core.types import Array, ReduceOp
 
-__all__ = ["InlinePlan", "allreduce_inline"]
+__all__ = ["InlinePlan", "allgather_inline", "allreduce_inline"]
 
 
 def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array | None,
@@ -43,6 +46,17 @@ def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array 
     if x.size:
         _reduce_rows(rows, out, op)
     return out
+
+
+def allgather_inline(agreement: Agreement, spec: CallSpec, x: np.ndarray) -> np.ndarray:
+    """Allgather a host array of at most ``inline_bytes`` within the agreement exchange (the
+    consistency check on): the headers are compared as for any call, and equal headers mean
+    every rank's array has ``x``'s shape and dtype, so each row of the exchange holds one
+    rank's bytes. Any dtype: the rows are copied as bytes, in rank order."""
+    recv = agreement.exchange(spec, x)
+    nbytes = x.nbytes
+    flat = np.ascontiguousarray(recv[:, HEADER_BYTES: HEADER_BYTES + nbytes]).reshape(-1)
+    return flat.view(x.dtype).reshape((recv.shape[0] * x.shape[0], *x.shape[1:]))
 
 
 class InlinePlan(PreparedCall):

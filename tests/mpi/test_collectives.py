@@ -131,3 +131,50 @@ def test_prepared_allgather_repeats_on_its_buffers(world):
         assert world.allgather(type(gather).__name__) == [type(gather).__name__] * c.size
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex128", "S3", ">i4", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_small_allgathers_ride_in_the_exchange(comm, world, rng, dtype, layout):
+    """An allgather of at most inline_bytes travels with its header (one exchange): the same
+    result as every rank's array concatenated, for any dtype (odd item sizes and byte orders
+    included) and layout, and one call on the stats."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    base = (rng.standard_normal((6, 4)) * 50)
+    x = base.astype(dtype) if np.dtype(dtype).kind != "S" else base.astype(int).astype(dtype)
+    if layout == "strided":
+        x = x[::2, 1:3]
+    assert x.nbytes <= comm.inline_bytes
+    calls = comm.stats.calls
+    y = comm.allgather(x)
+    assert comm.stats.calls == calls + 1
+    assert y.dtype == x.dtype and y.flags.c_contiguous
+    np.testing.assert_array_equal(y, np.concatenate(world.allgather(np.ascontiguousarray(x))))
+    assert same_on_all_ranks(world, y)
+
+
+@pytest.mark.parametrize("case", ["one rank above the inline size", "one rank in error",
+                                  "one rank's dtype"])
+def test_small_allgathers_that_differ_raise_everywhere(comm, world, case):
+    """One rank's allgather does not ride in the exchange (its array is larger, or invalid) or
+    differs in dtype: every rank raises the same error, and the next calls are in step."""
+    if comm.size < 2:
+        pytest.skip("needs at least 2 ranks")
+    last = comm.rank == comm.size - 1
+    x = np.arange(8, dtype=np.float32)
+    if case == "one rank above the inline size" and last:
+        x = np.arange(comm.inline_bytes // 4 + 8, dtype=np.float32)
+    elif case == "one rank in error" and last:
+        x = np.float32(1.0)  # a scalar: refused
+    elif case == "one rank's dtype" and last:
+        x = x.astype(np.int32)
+    with pytest.raises(ValueError) as caught:
+        comm.allgather(x)
+    messages = world.allgather((type(caught.value).__name__, str(caught.value)))
+    assert all(m == messages[0] for m in messages), messages
+    assert f"rank {comm.size - 1}" in messages[0][1], messages
+    np.testing.assert_array_equal(comm.allgather(np.full(2, comm.rank, np.int64)),
+                                  np.repeat(np.arange(comm.size), 2))
+    big = np.full(comm.inline_bytes // 8 + 5, comm.rank, np.int64)
+    np.testing.assert_array_equal(comm.allgather(big), np.repeat(np.arange(comm.size), big.size))
