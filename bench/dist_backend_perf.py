@@ -2,6 +2,7 @@
 sweep and DDP training steps, each timed on a group of either backend in turn.
 
     mpiexec -n 2 python bench/dist_backend_perf.py --markdown bench/results/dist_backend_n2.md
+    torchrun --nproc-per-node 2 bench/dist_backend_perf.py --collective all_to_all_single --no-ddp
 
 The default group is gloo; a second group over the same ranks uses the "ringcomm" backend
 (torch.distributed.new_group(backend="ringcomm")), and every size or step runs on both, the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import platform
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm.torch  # noqa: F401  (registers "ringcomm")
+from ringcomm.core import launch
 from ringcomm.perf.options import parse_size
 from ringcomm.torch.process_group import init_process_group_from_mpi
 
@@ -37,10 +40,21 @@ def _median_slowest(samples: list[float], control: Any) -> float:
     return float(t.median())
 
 
-def sweep(groups: dict[str, Any], sizes: list[int], iters: int) -> list[dict]:
+def _call(collective: str, x: torch.Tensor, group: Any) -> None:
+    if collective == "all_reduce":
+        dist.all_reduce(x, group=group)
+    else:  # all_to_all_single, equal parts
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+
+
+def sweep(groups: dict[str, Any], sizes: list[int], iters: int,
+          collective: str = "all_reduce", calls: int = 1) -> list[dict]:
+    """Median time of a call of ``collective`` on each group, per size: each sample is
+    ``calls`` calls back to back after a barrier (on gloo's group), the groups alternating."""
     rows = []
+    n = dist.get_world_size(groups["gloo"])
     for nbytes in sizes:
-        x = torch.randn(max(1, nbytes // 4))
+        x = torch.randn(max(n, nbytes // 4 // n * n))
         times: dict[str, list[float]] = {name: [] for name in groups}
         for i in range(iters + 3):
             order = list(groups) if i % 2 == 0 else list(reversed(groups))
@@ -48,11 +62,12 @@ def sweep(groups: dict[str, Any], sizes: list[int], iters: int) -> list[dict]:
                 y = x.clone()
                 dist.barrier(group=groups["gloo"])
                 t0 = time.perf_counter()
-                dist.all_reduce(y, group=groups[name])
+                for _ in range(calls):
+                    _call(collective, y, groups[name])
                 if i >= 3:
-                    times[name].append(time.perf_counter() - t0)
-        row = {"size": nbytes, **{name: _median_slowest(s, groups["gloo"])
-                                   for name, s in times.items()}}
+                    times[name].append((time.perf_counter() - t0) / calls)
+        row = {"size": x.numel() * 4, **{name: _median_slowest(s, groups["gloo"])
+                                         for name, s in times.items()}}
         rows.append(row)
     return rows
 
@@ -106,9 +121,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--members", type=int, default=0,
                    help="run on sub-groups of the first K ranks (default: every rank)")
+    p.add_argument("--collective", choices=["all_reduce", "all_to_all_single"],
+                   default="all_reduce", help="the collective of the sweep")
+    p.add_argument("--calls", type=int, default=1,
+                   help="calls back to back in each timed sample (default 1: each call after "
+                        "a barrier)")
+    p.add_argument("--no-ddp", action="store_true", help="the sweep alone")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
-    init_process_group_from_mpi(backend="gloo")
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    if launch.mpi_launched():
+        init_process_group_from_mpi(backend="gloo")
+    else:  # torchrun: the ringcomm group's communicator is then over a gloo group of its own
+        dist.init_process_group("gloo")
     job = dist.get_world_size()
     k = args.members or job
     if not 1 <= k <= job:
@@ -125,32 +150,29 @@ def main() -> None:
     while s <= args.maxbytes:
         sizes.append(s)
         s *= args.stepfactor
-    rows = sweep(groups, sizes, args.iters)
-    ddp = ddp_steps(groups, args.steps)
+    rows = sweep(groups, sizes, args.iters, args.collective, args.calls)
+    ddp = None if args.no_ddp else ddp_steps(groups, args.steps)
     if dist.get_rank() == 0:
         title = (f"{k} ranks" if k == job
                  else f"a sub-group of {k} of a job's {job} ranks (the others idle)")
+        under = ("mpiexec (ringcomm's group over MPI)" if launch.mpi_launched()
+                 else "torchrun (ringcomm's group over a gloo group of its own)")
         lines = [f"# torch.distributed backend \"ringcomm\" against gloo, {title}", "",
                  f"- machine: {platform.processor() or platform.machine()}, "
-                 f"{platform.platform()}; torch {torch.__version__}; NumPy {np.__version__}",
-                 f"- all_reduce: float32, median of {args.iters} calls (slowest rank), "
-                 f"backends alternating; DDP: {args.steps} steps of a 256-1024-1024-10 MLP, "
-                 "batch 64 per rank", "",
+                 f"{platform.platform()}; torch {torch.__version__}; NumPy {np.__version__}; "
+                 f"under {under}; load average before {load}, after "
+                 f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}",
+                 f"- {args.collective}: float32 (size: each rank's input), median of "
+                 f"{args.iters} samples (slowest rank) of {args.calls} call(s) back to back "
+                 "after a barrier, backends alternating"
+                 + ("" if ddp is None else f"; DDP: {args.steps} steps of a 256-1024-1024-10 "
+                    "MLP, batch 64 per rank"), "",
                  "| size | gloo | ringcomm | gloo / ringcomm |", "| ---: | ---: | ---: | ---: |"]
         for row in rows:
             lines.append(f"| {row['size']} B | {row['gloo'] * 1e6:.1f} us | "
                          f"{row['ringcomm'] * 1e6:.1f} us | {row['gloo'] / row['ringcomm']:.2f}x |")
-        g, r = ddp["gloo"], ddp["ringcomm"]
-        lines += ["", "| DDP | gloo | ringcomm | gloo / ringcomm | parameters: gloo's = "
-                  "ringcomm's | max abs difference | each the same on every rank |",
-                  "| --- | ---: | ---: | ---: | --- | ---: | --- |",
-                  f"| step | {g['step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms | "
-                  f"{g['step_s'] / r['step_s']:.2f}x | {g['params'] == r['params']} "
-                  f"({r['params']}) | {ddp['max_abs_difference']:.1e} | "
-                  f"{g['same_on_every_rank'] and r['same_on_every_rank']} |", "",
-                  "With more than 2 ranks the backends add the ranks' gradients in different "
-                  "orders, so their parameters may differ in the last bits; each backend's are "
-                  "the same on every rank."]
+        if ddp is not None:
+            lines += _ddp_lines(ddp)
         text = "\n".join(lines) + "\n"
         print(text)
         if args.markdown:
@@ -158,6 +180,20 @@ def main() -> None:
     if k < job:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _ddp_lines(ddp: dict[str, Any]) -> list[str]:
+    g, r = ddp["gloo"], ddp["ringcomm"]
+    return ["", "| DDP | gloo | ringcomm | gloo / ringcomm | parameters: gloo's = "
+            "ringcomm's | max abs difference | each the same on every rank |",
+            "| --- | ---: | ---: | ---: | --- | ---: | --- |",
+            f"| step | {g['step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms | "
+            f"{g['step_s'] / r['step_s']:.2f}x | {g['params'] == r['params']} "
+            f"({r['params']}) | {ddp['max_abs_difference']:.1e} | "
+            f"{g['same_on_every_rank'] and r['same_on_every_rank']} |", "",
+            "With more than 2 ranks the backends add the ranks' gradients in different "
+            "orders, so their parameters may differ in the last bits; each backend's are "
+            "the same on every rank."]
 
 
 if __name__ == "__main__":

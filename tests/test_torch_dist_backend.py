@@ -124,7 +124,7 @@ if backend == "ringcomm":
     dist.reduce(g, dst=0)
     if r == 0:
         assert g.tolist() == [float(sum(range(n)))] * 2
-    # Point-to-point and all-to-all: on gloo underneath, passing through the group.
+    # Point-to-point on gloo underneath, passing through the group; all-to-all on ringcomm's.
     if r == 0:
         dist.send(torch.arange(3.0), dst=1)
     elif r == 1:
@@ -565,14 +565,15 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
             "ringcomm-process-group 0"] if row["rank"] == 0 else []]], outcomes
         assert outcomes["all_to_all"][:2] == (["ok", [0.0, 10.0, 11.0]] if row["rank"] == 0
                                               else ["ok", [1.0, 2.0, 12.0, 13.0]]), outcomes
-    for name, words in (("fallback dtypes", "all_gather_into_tensor of bfloat16 [4] on the "
-                                            "gloo fallback on rank 0; all_gather_into_tensor "
-                                            "of bool [8] on the gloo fallback on rank 1"),
-                        ("all_to_all dtypes", "all_to_all_single of float32, float32 on the "
-                                              "gloo fallback on rank 0; all_to_all_single of "
-                                              "int32, int32 on the gloo fallback on rank 1")):
+    for name, error, words in (
+            ("fallback dtypes", "ArgumentMismatchError",
+             "all_gather_into_tensor of bfloat16 [4] on the gloo fallback on rank 0; "
+             "all_gather_into_tensor of bool [8] on the gloo fallback on rank 1"),
+            ("all_to_all dtypes", "DtypeMismatchError",
+             "all_to_all_single: tensors of different dtypes (rank 0: float32, rank 1: "
+             "int32)")):
         got = [row["outcomes"][name] for row in reports]
-        assert got[0][:2] == got[1][:2] and got[0][0] == "ArgumentMismatchError", (name, got)
+        assert got[0][:2] == got[1][:2] and got[0][0] == error, (name, got)
         assert words in got[0][1], (name, got)
 
 

@@ -18,9 +18,14 @@ launcher started the job, else over the group's own gloo group (``ProcessGroupTr
 Results are exact and bit-identical on every rank (no compression here: compression stays
 opt-in, through the DDP hook). A reduce op
 ringcomm does not have (BAND, BOR, BXOR, PREMUL_SUM) raises the same ValueError on every rank,
-naming the op and the backend. Every other collective (send/recv, all_to_all, gather,
-scatter, reduce) runs on a gloo process group over the same store, registered as this group's
-backend for CPU tensors: correct, though not ringcomm's ring.
+naming the op and the backend. ``all_to_all_single`` first gathers every rank's dtype and
+counts on the communicator, so that bad split sizes, dtypes that differ between ranks and
+counts a rank does not expect raise the same error on every rank (gloo mixes the bytes of the
+first without a word and ends the process on the last); the bytes then move in pairwise
+exchanges over MPI, or through gloo's own all-to-all where the communicator is over gloo.
+Every other collective (send/recv, gather, scatter, reduce) runs on a gloo process group over
+the same store, registered as this group's backend for CPU tensors: correct, though not
+ringcomm's ring.
 
 The group defines every collective that PyTorch's C++ trampoline for Python groups forwards:
 for a method the group lacked, the trampoline would call the gloo backend while holding the
@@ -69,6 +74,7 @@ from ringcomm.core import launch
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
+from ringcomm.torch import _all_to_all
 from ringcomm.torch._tensors import Operand, as_array
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
@@ -623,10 +629,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
         return self._submit(comm.barrier, here=True)
 
-    # Point-to-point and all-to-all run on gloo (ringcomm's communicator has neither a one-sided
-    # send nor an all-to-all); they pass through here, where torch lets a Python group take
-    # them, so that their tensors are held until gloo lets go of them (gloo_held), and an
-    # all-to-all's dtypes are agreed first (its sizes may differ between ranks).
+    # Point-to-point runs on gloo (ringcomm's communicator has no one-sided send); it passes
+    # through here, where torch lets a Python group take it, so that its tensors are held
+    # until gloo lets go of them (gloo_held).
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:
         hold(*tensors)
         return self._gloo.send(tensors, dstRank, tag)
@@ -638,10 +643,25 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
-        self._communicator()
-        self._leave_for_gloo("all_to_all_single", [input, output], sizes=False)
+        comm = self._communicator()
+        if comm is None or output.device.type != "cpu" or input.device.type != "cpu":
+            self._leave_for_gloo("all_to_all_single", [input, output], sizes=False)
+            hold(output, input)
+            return self._gloo.alltoall_base(output, input, output_split_sizes,
+                                            input_split_sizes,
+                                            opts if opts is not None else dist.AllToAllOptions())
+        sizes = (list(output_split_sizes), list(input_split_sizes))
+        if comm.backend == "mpi":
+            def run() -> torch.Tensor:
+                _all_to_all.all_to_all_single(comm, output, input, *sizes)
+                return output
+            return self._submit(run, here=_small([input, output]))
+        # Over gloo, gloo's own all-to-all moves the bytes (faster than gloo's point-to-point
+        # pairs underneath the communicator), once the counts are agreed in call order.
+        self._submit(lambda: _all_to_all.agree_counts(comm, output, input, *sizes),
+                     here=True).wait()
         hold(output, input)
-        return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+        return self._gloo.alltoall_base(output, input, *sizes,
                                         opts if opts is not None else dist.AllToAllOptions())
 
     all_to_all_single = alltoall_base

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ringcomm.comm.base import Communicator
+from ringcomm.torch._all_to_all import move_bytes
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._tensors import as_array, sync_device
 from ringcomm.torch.horovod._basics import global_process_set
@@ -98,19 +99,12 @@ def _raise_bad_splits(label: str, table: np.ndarray) -> None:
 
 
 def _exchange(comm: Communicator, tensor: torch.Tensor, sends: np.ndarray) -> torch.Tensor:
-    """Move rows: ``sends[s, d]`` rows from rank s to rank d, in ``size - 1`` pairwise steps
-    (rank + k and rank - k at step k), received in rank order."""
-    size, rank = comm.size, comm.rank
+    """Move rows: ``sends[s, d]`` rows from rank s to rank d, received in rank order."""
     width = row_elems(tensor) * tensor.element_size()
-    sent = np.concatenate([[0], np.cumsum(sends[rank])]) * width
-    got = np.concatenate([[0], np.cumsum(sends[:, rank])]) * width
-    out = torch.empty((int(sends[:, rank].sum()), *tensor.shape[1:]), dtype=tensor.dtype,
+    out = torch.empty((int(sends[:, comm.rank].sum()), *tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    src, dst = as_array(byte_view(tensor)), as_array(byte_view(out))
-    dst[got[rank]: got[rank + 1]] = src[sent[rank]: sent[rank + 1]]
-    for k in range(1, size):
-        to, frm = (rank + k) % size, (rank - k) % size
-        comm.sendrecv(src[sent[to]: sent[to + 1]], to, dst[got[frm]: got[frm + 1]], frm)
+    dst = as_array(byte_view(out))
+    move_bytes(comm, as_array(byte_view(tensor)), dst, sends * width)
     sync_device(dst)
     return out
 
