@@ -763,3 +763,81 @@ def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiex
         assert rcalls > 0 and scalls > 0, row
     digests = {row["params"] for rows in reports.values() for row in rows}
     assert len(digests) == 1, reports
+
+
+CUDA_JOB = r'''
+import hashlib, json, os
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+dist.init_process_group("ringcomm")
+r, n = dist.get_rank(), dist.get_world_size()
+dev = torch.device("cuda", torch.cuda.current_device())
+report = {"rank": r,
+          "cuda_backend": type(dist.group.WORLD._get_backend(dev)).__name__}
+t = torch.arange(6.0, device=dev) + r
+dist.all_reduce(t)
+assert torch.equal(t.cpu(), torch.arange(6.0) * n + sum(range(n))), t
+cpu = torch.full((3,), float(r + 1))  # CPU tensors between: ringcomm's communicator
+dist.all_reduce(cpu)
+assert cpu.tolist() == [n * (n + 1) / 2] * 3, cpu
+b = torch.full((3,), float(r), device=dev)
+dist.broadcast(b, src=n - 1)
+assert b.tolist() == [float(n - 1)] * 3
+o = torch.empty(2 * n, device=dev)
+dist.all_gather_into_tensor(o, torch.tensor([r, r + 0.5], device=dev))
+assert o.tolist() == [v for k in range(n) for v in (k, k + 0.5)], o
+o = torch.empty(2, device=dev)
+dist.reduce_scatter_tensor(o, torch.arange(2.0 * n, device=dev) + r)
+assert o.tolist() == [n * (2 * r + j) + sum(range(n)) for j in range(2)], o
+a2a = torch.empty(n, device=dev)
+dist.all_to_all_single(a2a, torch.arange(n, dtype=torch.float32, device=dev) + 10 * r)
+assert a2a.tolist() == [10.0 * k + r for k in range(n)], a2a
+g = torch.full((2,), float(r), device=dev)
+dist.reduce(g, dst=0)  # from torch's C++ to the group's CUDA backend
+if r == 0:
+    assert g.tolist() == [float(sum(range(n)))] * 2
+
+def trained(group):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 2)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev],
+                                                    process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + r)
+    for _ in range(6):
+        opt.zero_grad()
+        ddp(torch.randn(16, 8, generator=gen).to(dev)).pow(2).mean().backward()
+        opt.step()
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
+
+report["ringcomm"] = trained(None)
+report["nccl"] = trained(dist.new_group(backend="nccl"))
+with open(f"report_{r}.json", "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_on_the_ringcomm_backend_run_on_nccl(tmp_path, subprocess_env):
+    """On a GPU, the backend's CUDA tensors run on torch's NCCL (as torch's own
+    "cpu:gloo,cuda:nccl"), its CPU tensors on ringcomm's communicator, in one group: exact
+    collectives, reduce from torch's C++, and DDP on CUDA ending with the parameters of DDP on
+    a plain NCCL group."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("needs a GPU and NCCL")
+    job = tmp_path / "cuda.py"
+    job.write_text(CUDA_JOB)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "1", str(job)], timeout=300, env=subprocess_env,
+                   cwd=tmp_path)
+    reports = _reports(tmp_path)
+    _check_exit(proc, reports, "CUDA tensors on the ringcomm backend", ranks=1)
+    for row in reports:
+        assert row["cuda_backend"] == "ProcessGroupNCCL", row
+        assert row["ringcomm"] == row["nccl"], row

@@ -41,7 +41,9 @@ without ``async_op=True`` does) raises the collective's error, if any, on the ca
 thread.
 
 Limits: CPU tensors (strided ones copied where they must be), of NumPy's dtypes for the
-gathers and reduce-scatters; CUDA tensors and other dtypes run on the gloo fallback. Which
+gathers and reduce-scatters. CUDA tensors run on torch's NCCL where torch has it and the
+process a GPU (a NCCL process group over the same store, as torch's own "cpu:gloo,cuda:nccl"),
+else on the gloo fallback, as do the other dtypes. Which
 path a call takes depends on each rank's own tensors: a call that takes the fallback first
 agrees on it with every rank (``Communicator.checkpoint``), so that a rank whose tensors took
 the other path for the same call raises the same error as every other rank instead of
@@ -279,6 +281,27 @@ def _settle(run: Callable[[], Any], future: Future[Any]) -> None:
         future.set_result(result)
 
 
+def _nccl_backend(store: Any, rank: int, size: int,
+                  timeout: datetime.timedelta) -> Any | None:
+    """torch's NCCL process group over ``store`` for a group's CUDA tensors, made as torch
+    makes the one of "cpu:gloo,cuda:nccl" (its communicators at their first collective);
+    None where this torch has no NCCL or the process sees no GPU."""
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("ringcomm-nccl", store), rank, size, options)
+
+
+def _pairwise(collective: Callable[..., Any], outputs: list[torch.Tensor],
+              inputs: list[torch.Tensor], opts: Any) -> Any:
+    """Each (output, input) pair through ``collective``, a method of a fallback group,
+    called here on the caller's thread (like every call of the fallback, so that they reach
+    it in the caller's order), as one work."""
+    works = [collective(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+    return works[0] if len(works) == 1 else _Works(works, outputs)
+
+
 class RingcommProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a ringcomm communicator.
 
@@ -302,6 +325,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                            timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
+        # torch's NCCL for CUDA tensors, where this torch has NCCL and the process a GPU (as
+        # torch's own "cpu:gloo,cuda:nccl"); else they run on gloo too.
+        self._nccl = _nccl_backend(store, rank, size, timeout)
+        if self._nccl is not None:
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
+                                   self._nccl)
         pause_at_exit()  # for the tensors PyTorch hands this gloo group itself (reduce, ...)
         self._comm: Communicator | None = None
         self._mpi_comm: Any = None  # a sub-group's members' MPI communicator (see below)
@@ -433,9 +462,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("all_reduce", tensors)
-            hold(*tensors)
-            return self._gloo.allreduce(tensors, opts)
+            return self._fallback("all_reduce", tensors).allreduce(tensors, opts)
         op = _reduce_op(opts)
 
         def run() -> list[torch.Tensor]:
@@ -453,9 +480,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.BroadcastOptions()
         comm = self._communicator()
         if comm is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("broadcast", tensors)
-            hold(*tensors)
-            return self._gloo.broadcast(tensors, opts)
+            return self._fallback("broadcast", tensors).broadcast(tensors, opts)
         root = opts.rootRank
 
         def run() -> list[torch.Tensor]:
@@ -471,9 +496,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo("all_gather", inputs)
-            hold(*inputs, *(t for outs in output_lists for t in outs))
-            return self._gloo.allgather(output_lists, inputs, opts)
+            fallback = self._fallback("all_gather", inputs,
+                                      held=[t for outs in output_lists for t in outs])
+            return fallback.allgather(output_lists, inputs, opts)
 
         def run() -> Any:
             for outs, t in zip(output_lists, inputs, strict=True):
@@ -495,8 +520,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo("all_gather_into_tensor", inputs)
-            return self._on_gloo(self._gloo._allgather_base, outputs, inputs, opts)
+            fallback = self._fallback("all_gather_into_tensor", inputs, held=outputs)
+            return _pairwise(fallback._allgather_base, outputs, inputs, opts)
 
         size = self.size()
 
@@ -523,9 +548,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         if self._communicator() is None or any(t.device.type != "cpu" for t in tensors):
-            self._leave_for_gloo("all_reduce_coalesced", tensors)
-            hold(*tensors)
-            return self._gloo.allreduce_coalesced(tensors, opts)
+            return self._fallback("all_reduce_coalesced", tensors).allreduce_coalesced(
+                tensors, opts)
         plain = dist.AllreduceOptions()
         plain.reduceOp = opts.reduceOp
         return self.allreduce(tensors, plain)
@@ -546,11 +570,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                        input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
         pieces = [t for ts in input_lists for t in ts]
         if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
-            self._leave_for_gloo("reduce_scatter", outputs)
-            hold(*outputs, *pieces)
-            return self._gloo.reduce_scatter(outputs, input_lists,
-                                             opts if opts is not None
-                                             else dist.ReduceScatterOptions())
+            fallback = self._fallback("reduce_scatter", outputs, held=pieces)
+            return fallback.reduce_scatter(outputs, input_lists, opts if opts is not None
+                                           else dist.ReduceScatterOptions())
         # One input per rank, each of its output's size: a piece of another size on one rank
         # raises there after the collective (the others are not left waiting in it).
         wrong = [f"input list {i}'s tensor for rank {r} has {t.numel()} elements, its output "
@@ -569,8 +591,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            self._leave_for_gloo(what, inputs)
-            return self._on_gloo(self._gloo._reduce_scatter_base, outputs, inputs, opts)
+            fallback = self._fallback(what, inputs, held=outputs)
+            return _pairwise(fallback._reduce_scatter_base, outputs, inputs, opts)
         op = _reduce_op(opts)
         size = self.size()
 
@@ -594,34 +616,33 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return outputs
         return self._submit(run, here=_small(inputs))
 
-    def _leave_for_gloo(self, collective: str, tensors: list[torch.Tensor], *,
-                        sizes: bool = True) -> None:
-        """Before a collective of a group with a communicator runs on the gloo fallback
-        (its tensors are CUDA ones, or of a dtype NumPy lacks): once the collectives queued
-        before it have run, agree with every rank that each takes the fallback here, with
-        tensors of the same dtypes (and ``sizes``, element counts). Which path a call takes
-        depends on each rank's own tensors; a rank on the other path would otherwise wait
-        there until the timeout, where now every rank raises the same
-        ArgumentMismatchError, naming each rank's call. And gloo mixes the bytes of tensors
-        whose dtypes differ between ranks without a word (each rank gets another wrong
-        answer), or ends the process where their sizes differ."""
-        comm = self._comm
-        if comm is None:
-            return
-        what = ", ".join(f"{str(t.dtype).removeprefix('torch.')}"
-                         f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
-        label = f"{collective} of {what} on the gloo fallback"
-        # After the pending collectives (their exchanges come first), as one of them.
-        self._submit(lambda: comm.checkpoint(label), here=True).wait()
+    def _fallback(self, collective: str, tensors: list[torch.Tensor], *, sizes: bool = True,
+                  held: list[torch.Tensor] | None = None) -> Any:
+        """The process group that runs a collective ringcomm's communicator does not take
+        (its tensors are CUDA ones, or of a dtype NumPy lacks): torch's NCCL for CUDA tensors
+        where there is one, else gloo; the tensors handed to gloo (``tensors`` and ``held``)
+        are held until gloo lets go of them (gloo_held).
 
-    def _on_gloo(self, collective: Callable[..., Any], outputs: list[torch.Tensor],
-                 inputs: list[torch.Tensor], opts: Any) -> Any:
-        """Each (output, input) pair through ``collective``, a method of the gloo fallback,
-        called here on the caller's thread (like every call of the fallback, so that they
-        reach gloo in the caller's order), as one work."""
-        hold(*outputs, *inputs)
-        works = [collective(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[0] if len(works) == 1 else _Works(works, outputs)
+        For a group with a communicator, first, once the collectives queued before it have
+        run, agree with every rank that each takes that fallback here, with tensors of the
+        same dtypes (and ``sizes``, element counts). Which path a call takes depends on each
+        rank's own tensors; a rank on another path would otherwise wait there until the
+        timeout, where now every rank raises the same ArgumentMismatchError, naming each
+        rank's call. And gloo mixes the bytes of tensors whose dtypes differ between ranks
+        without a word (each rank gets another wrong answer), or ends the process where their
+        sizes differ."""
+        cuda = self._nccl is not None and any(t.device.type == "cuda" for t in tensors)
+        fallback, name = (self._nccl, "NCCL") if cuda else (self._gloo, "gloo")
+        comm = self._comm
+        if comm is not None:
+            what = ", ".join(f"{str(t.dtype).removeprefix('torch.')}"
+                             f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
+            label = f"{collective} of {what} on the {name} fallback"
+            # After the pending collectives (their exchanges come first), as one of them.
+            self._submit(lambda: comm.checkpoint(label), here=True).wait()
+        if not cuda:
+            hold(*tensors, *(held or ()))
+        return fallback
 
     def barrier(self, opts: Any = None) -> Any:
         comm = self._communicator()
@@ -629,27 +650,33 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
         return self._submit(comm.barrier, here=True)
 
-    # Point-to-point runs on gloo (ringcomm's communicator has no one-sided send); it passes
-    # through here, where torch lets a Python group take it, so that its tensors are held
-    # until gloo lets go of them (gloo_held).
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:
+    # Point-to-point runs on gloo (NCCL for CUDA tensors, where the group has it): torch hands
+    # a receive from any source to the backend of the tensor's device from C++, without
+    # passing through here, so the sends it meets go there too. Sends and receives from a
+    # given rank pass through here, where torch lets a Python group take them, so that the
+    # tensors handed to gloo are held until gloo lets go of them (gloo_held).
+    def _peer_backend(self, tensors: list[torch.Tensor]) -> Any:
+        if self._nccl is not None and any(t.device.type == "cuda" for t in tensors):
+            return self._nccl
         hold(*tensors)
-        return self._gloo.send(tensors, dstRank, tag)
+        return self._gloo
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:
+        return self._peer_backend(tensors).send(tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:
-        hold(*tensors)
-        return self._gloo.recv(tensors, srcRank, tag)
+        return self._peer_backend(tensors).recv(tensors, srcRank, tag)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
         comm = self._communicator()
+        if opts is None:
+            opts = dist.AllToAllOptions()
         if comm is None or output.device.type != "cpu" or input.device.type != "cpu":
-            self._leave_for_gloo("all_to_all_single", [input, output], sizes=False)
-            hold(output, input)
-            return self._gloo.alltoall_base(output, input, output_split_sizes,
-                                            input_split_sizes,
-                                            opts if opts is not None else dist.AllToAllOptions())
+            fallback = self._fallback("all_to_all_single", [input, output], sizes=False)
+            return fallback.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                          opts)
         sizes = (list(output_split_sizes), list(input_split_sizes))
         if comm.backend == "mpi":
             def run() -> torch.Tensor:
@@ -661,8 +688,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._submit(lambda: _all_to_all.agree_counts(comm, output, input, *sizes),
                      here=True).wait()
         hold(output, input)
-        return self._gloo.alltoall_base(output, input, *sizes,
-                                        opts if opts is not None else dist.AllToAllOptions())
+        return self._gloo.alltoall_base(output, input, *sizes, opts)
 
     all_to_all_single = alltoall_base
 
@@ -703,6 +729,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if self._mpi_comm is not None:
             self._mpi_comm.Free()
             self._mpi_comm = None
+        if self._nccl is not None:
+            self._nccl.shutdown()
         self._gloo.shutdown()
 
 
