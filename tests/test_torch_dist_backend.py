@@ -134,6 +134,16 @@ if backend == "ringcomm":
     a2a = torch.empty(n)
     dist.all_to_all_single(a2a, torch.arange(n, dtype=torch.float32) + 10 * r)
     assert a2a.tolist() == [10.0 * k + r for k in range(n)], a2a
+    a2a = torch.arange(2.0 * n) + 100 * r  # in place (gloo's own gets it wrong at 3 ranks)
+    dist.all_to_all_single(a2a, a2a)
+    assert a2a.tolist() == [100.0 * s + 2 * r + j for s in range(n) for j in range(2)], a2a
+    # A strided view: gloo (torch 2.13) moves as many consecutive elements from the view's
+    # first one (3 ranks: rank 1's first row [0, 1, 2, 3], not [0, 1, 4, 6]).
+    b = torch.arange(12.0).reshape(3, 4) * (r + 1)
+    dist.broadcast(b[:, 1], src=0)
+    want = torch.arange(12.0).reshape(3, 4) * (r + 1)
+    want[:, 1] = torch.tensor([1.0, 5.0, 9.0])
+    assert torch.equal(b, want), b
     sub = dist.new_group([0])
     if r == 0:
         s = torch.ones(3)

@@ -21,7 +21,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ArgumentMismatchError, DtypeMismatchError, InvalidArgumentError
 from ringcomm.torch._tensors import as_array
 
-__all__ = ["agree_counts", "all_to_all_single", "move_bytes"]
+__all__ = ["agree_counts", "all_to_all_single", "apart", "move_bytes"]
 
 
 def move_bytes(comm: Communicator, src: np.ndarray, dst: np.ndarray, sends: np.ndarray) -> None:
@@ -144,12 +144,22 @@ def all_to_all_single(comm: Communicator, output: torch.Tensor, input: torch.Ten
     ``output`` in place: the counts agreed and checked (:func:`agree_counts`), then the bytes
     moved pairwise (:func:`move_bytes`). Any dtype: the bytes move as they are."""
     sends = agree_counts(comm, output, input, output_split_sizes, input_split_sizes)
-    src = _bytes(input.contiguous())
+    src = _bytes(apart(output, input).contiguous())
     into = (output if output.is_contiguous()
             else torch.empty_like(output, memory_format=torch.contiguous_format))
     move_bytes(comm, src, _bytes(into), sends * input.element_size())
     if into is not output:
         output.copy_(into)
+
+
+def apart(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``input``, or a copy of it where it lies in ``output``'s memory (an all-to-all in
+    place): the pairwise steps receive into parts of the output that later steps still have
+    to send, and so does gloo's all-to-all (torch 2.13: rank 2 of 3 in place got
+    ``[200, 201, 104, 105, 204, 205]``, not ``[4, 5, 104, ...]``)."""
+    if input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+        return input.clone(memory_format=torch.contiguous_format)
+    return input
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

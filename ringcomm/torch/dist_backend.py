@@ -687,8 +687,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         # pairs underneath the communicator), once the counts are agreed in call order.
         self._submit(lambda: _all_to_all.agree_counts(comm, output, input, *sizes),
                      here=True).wait()
-        hold(output, input)
-        return self._gloo.alltoall_base(output, input, *sizes, opts)
+        source = _all_to_all.apart(output, input)
+        hold(output, source)
+        return self._gloo.alltoall_base(output, source, *sizes, opts)
 
     all_to_all_single = alltoall_base
 
