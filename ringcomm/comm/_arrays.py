@@ -8,7 +8,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.core.types import Array
 
-__all__ = ["check_overlap", "check_writeable", "flat", "is_subclass", "plain"]
+__all__ = ["apart", "check_overlap", "check_writeable", "flat", "is_subclass", "plain"]
 
 
 def check_writeable(x: Array, label: str) -> None:
@@ -48,3 +48,24 @@ def check_overlap(x: Array, out: Array) -> None:
         return  # another view of the very same elements: in place
     raise ValueError("out overlaps x without being x: the result would overwrite input "
                      "still to be read; pass out=x to reduce in place, or a separate array")
+
+
+def _span(a: Array) -> tuple[bool, int, int]:
+    """(on a device, first byte, one past the last) of a contiguous array's memory."""
+    if _ops.is_device_array(a):
+        return True, int(a.data.ptr), int(a.data.ptr) + int(a.nbytes)
+    start = int(a.__array_interface__["data"][0])
+    return False, start, start + int(a.nbytes)
+
+
+def apart(send: Array, recv: Array) -> Array:
+    """``send``, or a copy of it where it shares memory with ``recv`` (both contiguous): a
+    message received while the send still reads would overwrite what is still to be sent
+    (``sendrecv(x, dest, x, source)``, a shift in place, gave wrong values from 1 MiB)."""
+    if not send.nbytes or not recv.nbytes:
+        return send
+    (dev_s, lo_s, hi_s), (dev_r, lo_r, hi_r) = _span(send), _span(recv)
+    if dev_s == dev_r and lo_s < hi_r and lo_r < hi_s:
+        return send.copy()
+    return send
+

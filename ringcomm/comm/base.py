@@ -453,7 +453,8 @@ class Communicator:
         A point-to-point call: only the two peers take part, and sizes are not checked across
         ranks. A message longer than ``recv`` raises InvalidArgumentError on the receiving rank
         (MPI backend; the sender's call completes). It never matches a message of a collective
-        in progress.
+        in progress. ``send`` and ``recv`` may share memory (a shift in place: ``send`` is
+        copied first).
         """
         self._ensure_open()
         self._transport.operation = "sendrecv"
@@ -464,6 +465,7 @@ class Communicator:
             if not hasattr(arr, "flags") or not arr.flags.c_contiguous:
                 raise ValueError(f"{label} must be a contiguous array, got {type(arr).__name__}")
         with self._on_device(send, recv):
+            send = _arrays.apart(send, recv)
             self._transport.isendrecv(send, dest, recv, source, channel=USER).wait()
         self.stats.calls += 1
         self.stats.add(send.nbytes, recv.nbytes)

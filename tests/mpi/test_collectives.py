@@ -48,6 +48,20 @@ def test_sendrecv_ring_shift(comm, world):
     assert np.all(recv == left)
 
 
+@pytest.mark.parametrize("elems", [4, 1 << 18, 1 << 21])
+@pytest.mark.parametrize("overlap", ["same array", "shifted views"])
+def test_sendrecv_in_place(comm, elems, overlap):
+    """A shift whose send and receive share memory gets the left rank's values, at every size
+    (before, from 1 MiB the receive overwrote what was still being sent: wrong values)."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    base = np.arange(elems + 8, dtype=np.float32) + 1000 * comm.rank
+    send, recv = (base, base) if overlap == "same array" else (base[:elems], base[8:])
+    mine = send.copy()
+    comm.sendrecv(send, right, recv, left)
+    expected = mine - 1000 * comm.rank + 1000 * left
+    np.testing.assert_array_equal(recv, expected)
+
+
 def test_sendrecv_does_not_cross_collectives(comm, world, rng):
     """A user's point-to-point messages never match a collective's (separate channels)."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
