@@ -55,7 +55,9 @@ def allgather_inline(agreement: Agreement, spec: CallSpec, x: np.ndarray) -> np.
     rank's bytes. Any dtype: the rows are copied as bytes, in rank order."""
     recv = agreement.exchange(spec, x)
     nbytes = x.nbytes
-    flat = np.ascontiguousarray(recv[:, HEADER_BYTES: HEADER_BYTES + nbytes]).reshape(-1)
+    # A copy always (at one rank the slice is contiguous, and would be the exchange's buffer,
+    # which the next call overwrites).
+    flat = recv[:, HEADER_BYTES: HEADER_BYTES + nbytes].copy().reshape(-1)
     return flat.view(x.dtype).reshape((recv.shape[0] * x.shape[0], *x.shape[1:]))
 
 

@@ -168,6 +168,19 @@ def test_small_allgathers_ride_in_the_exchange(comm, world, rng, dtype, layout):
     assert same_on_all_ranks(world, y)
 
 
+def test_small_allgather_results_are_their_own(comm, world):
+    """Each call's result is an array of its own: the next calls (which reuse the exchange's
+    buffers) leave it alone, at every size (at one rank, a result was once a view of the
+    exchange's buffer, and the next call overwrote it)."""
+    first = comm.allgather(np.full(4, comm.rank, np.float32))
+    kept = first.copy()
+    second = comm.allgather(np.full(4, comm.rank + 100, np.float32))
+    comm.allreduce(np.ones(3, np.float32))
+    np.testing.assert_array_equal(first, kept)
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(second, np.repeat(np.arange(comm.size) + 100.0, 4))
+
+
 @pytest.mark.parametrize("case", ["one rank above the inline size", "one rank in error",
                                   "one rank's dtype"])
 def test_small_allgathers_that_differ_raise_everywhere(comm, world, case):
