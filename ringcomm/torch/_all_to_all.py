@@ -53,6 +53,9 @@ _PROBLEMS = {
        "sizes given)",
 }
 
+# At most this many pairs of ranks are named where counts differ (a job may have thousands).
+_LISTED = 8
+
 # Each rank's row of the gathered table: dtype code, then for the input and the output its
 # first dimension, problem and detail, then its element counts to (from) every rank.
 _HEAD = 7
@@ -116,8 +119,9 @@ def _check(table: np.ndarray) -> np.ndarray:
     wrong = [f"rank {s} sends {sends[s, d]} elements to rank {d}, which expects {recvs[d, s]}"
              for s in range(size) for d in range(size) if sends[s, d] != recvs[d, s]]
     if wrong:
+        more = f"; and {len(wrong) - _LISTED} more" if len(wrong) > _LISTED else ""
         raise ArgumentMismatchError(f"{label}: split sizes differ between ranks: "
-                                    + "; ".join(wrong))
+                                    + "; ".join(wrong[:_LISTED]) + more)
     return sends
 
 
