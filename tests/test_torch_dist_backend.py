@@ -843,8 +843,7 @@ def test_cuda_tensors_on_the_ringcomm_backend_run_on_nccl(tmp_path, subprocess_e
         pytest.skip("needs a GPU and NCCL")
     job = tmp_path / "cuda.py"
     job.write_text(CUDA_JOB)
-    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "1", str(job)], timeout=300, env=subprocess_env,
+    proc = run_job(_command("torchrun", 1, job), timeout=300, env=subprocess_env,
                    cwd=tmp_path)
     reports = _reports(tmp_path)
     _check_exit(proc, reports, "CUDA tensors on the ringcomm backend", ranks=1)
