@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 import ringcomm.torch  # noqa: F401  (registers "ringcomm", in every spawned process too)
 
 os.environ.setdefault("BACKEND", "ringcomm")
@@ -36,3 +38,32 @@ class TestRingcommBackend(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self) -> None:
         super().setUp()
         self._spawn_processes()
+
+    # PyTorch runs its CPU all_to_all_single tests on MPI alone (a condition on the backend's
+    # name); the ringcomm backend runs all_to_all_single on its communicator, so PyTorch's own
+    # helpers of those tests run here on it as well.
+    def test_ringcomm_all_to_all_single_equal_split(self) -> None:
+        self._test_all_to_all_single_equal_split_helper(*self._init_global_test())
+
+    def test_ringcomm_all_to_all_single_equal_split_complex(self) -> None:
+        self._test_all_to_all_single_equal_split_helper(*self._init_global_test(),
+                                                        dtype=torch.cfloat)
+
+    def test_ringcomm_all_to_all_single_unequal_split(self) -> None:
+        self._test_all_to_all_single_unequal_split_helper(*self._init_global_test())
+
+    def test_ringcomm_all_to_all_single_unequal_split_complex(self) -> None:
+        self._test_all_to_all_single_unequal_split_helper(*self._init_global_test(),
+                                                          dtype=torch.cfloat)
+
+    def test_ringcomm_all_to_all_single_equal_split_group(self) -> None:
+        self._test_all_to_all_single_equal_split_helper(*self._init_group_test())
+
+    def test_ringcomm_all_to_all_single_unequal_split_group(self) -> None:
+        self._test_all_to_all_single_unequal_split_helper(*self._init_group_test())
+
+    def test_ringcomm_all_to_all_single_equal_split_full_group(self) -> None:
+        self._test_all_to_all_single_equal_split_helper(*self._init_full_group_test())
+
+    def test_ringcomm_all_to_all_single_unequal_split_full_group(self) -> None:
+        self._test_all_to_all_single_unequal_split_helper(*self._init_full_group_test())
