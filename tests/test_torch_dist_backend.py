@@ -804,6 +804,9 @@ assert o.tolist() == [n * (2 * r + j) + sum(range(n)) for j in range(2)], o
 a2a = torch.empty(n, device=dev)
 dist.all_to_all_single(a2a, torch.arange(n, dtype=torch.float32, device=dev) + 10 * r)
 assert a2a.tolist() == [10.0 * k + r for k in range(n)], a2a
+a2a = torch.arange(2.0 * n, device=dev) + 100 * r  # in place: the input copied first
+dist.all_to_all_single(a2a, a2a)
+assert a2a.tolist() == [100.0 * s + 2 * r + j for s in range(n) for j in range(2)], a2a
 g = torch.full((2,), float(r), device=dev)
 dist.reduce(g, dst=0)  # from torch's C++ to the group's CUDA backend
 if r == 0:

@@ -674,9 +674,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllToAllOptions()
         if comm is None or output.device.type != "cpu" or input.device.type != "cpu":
-            fallback = self._fallback("all_to_all_single", [input, output], sizes=False)
-            return fallback.alltoall_base(output, input, output_split_sizes, input_split_sizes,
-                                          opts)
+            source = _all_to_all.apart(output, input)  # in place: neither gloo nor NCCL can
+            fallback = self._fallback("all_to_all_single", [source, output], sizes=False)
+            return fallback.alltoall_base(output, source, output_split_sizes,
+                                          input_split_sizes, opts)
         sizes = (list(output_split_sizes), list(input_split_sizes))
         if comm.backend == "mpi":
             def run() -> torch.Tensor:
