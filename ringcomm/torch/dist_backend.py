@@ -616,6 +616,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return outputs
         return self._submit(run, here=_small(inputs))
 
+    def _on_nccl(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a call of ``tensors`` that leaves ringcomm's communicator goes to torch's
+        NCCL (CUDA tensors, where the group has it) rather than to gloo."""
+        return self._nccl is not None and any(t.device.type == "cuda" for t in tensors)
+
     def _fallback(self, collective: str, tensors: list[torch.Tensor], *, sizes: bool = True,
                   held: list[torch.Tensor] | None = None) -> Any:
         """The process group that runs a collective ringcomm's communicator does not take
@@ -631,7 +636,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         rank's call. And gloo mixes the bytes of tensors whose dtypes differ between ranks
         without a word (each rank gets another wrong answer), or ends the process where their
         sizes differ."""
-        cuda = self._nccl is not None and any(t.device.type == "cuda" for t in tensors)
+        cuda = self._on_nccl(tensors)
         fallback, name = (self._nccl, "NCCL") if cuda else (self._gloo, "gloo")
         comm = self._comm
         if comm is not None:
@@ -656,7 +661,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     # given rank pass through here, where torch lets a Python group take them, so that the
     # tensors handed to gloo are held until gloo lets go of them (gloo_held).
     def _peer_backend(self, tensors: list[torch.Tensor]) -> Any:
-        if self._nccl is not None and any(t.device.type == "cuda" for t in tensors):
+        if self._on_nccl(tensors):
             return self._nccl
         hold(*tensors)
         return self._gloo
