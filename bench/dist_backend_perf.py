@@ -8,7 +8,8 @@ The default group is gloo; a second group over the same ranks uses the "ringcomm
 (torch.distributed.new_group(backend="ringcomm")), and every size or step runs on both, the
 order alternating. With ``--members K`` both groups are sub-groups of the job's first K ranks
 (new_group(ranks=...)), which the others leave alone: a sub-group's ringcomm communicator is
-its members' own (over MPI_Comm_create_group under mpiexec). Figures are medians of the
+its members' own (over MPI_Comm_create_group where MPI's world is the job: under mpiexec, and
+under torchrun unless RINGCOMM_TORCHRUN_MPI=0). Figures are medians of the
 slowest rank; ratios are gloo's time over ringcomm's (above 1: ringcomm faster). The DDP
 model's parameters after the steps must be bit-identical on both groups (2 ranks: a + b =
 b + a).
@@ -132,7 +133,7 @@ def main() -> None:
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     if launch.mpi_launched():
         init_process_group_from_mpi(backend="gloo")
-    else:  # torchrun: the ringcomm group's communicator is then over a gloo group of its own
+    else:  # torchrun: the ringcomm group's communicator joins MPI (or, told, stays on gloo)
         dist.init_process_group("gloo")
     job = dist.get_world_size()
     k = args.members or job
@@ -155,8 +156,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         title = (f"{k} ranks" if k == job
                  else f"a sub-group of {k} of a job's {job} ranks (the others idle)")
+        underneath = groups["ringcomm"].communicator.backend
         under = ("mpiexec (ringcomm's group over MPI)" if launch.mpi_launched()
-                 else "torchrun (ringcomm's group over a gloo group of its own)")
+                 else f"torchrun (ringcomm's group over {underneath}"
+                 + (": torchrun's processes joined one MPI world)" if underneath == "mpi"
+                    else ", a gloo group of its own)"))
         lines = [f"# torch.distributed backend \"ringcomm\" against gloo, {title}", "",
                  f"- machine: {platform.processor() or platform.machine()}, "
                  f"{platform.platform()}; torch {torch.__version__}; NumPy {np.__version__}; "

@@ -261,7 +261,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     _check_torch_group(info)
     _log.set_rank(info.rank, info.size)
     if backend == "auto":
-        backend, why = _backends.choose_auto(mpi_comm, info)
+        backend, why = _backends.choose_auto(mpi_comm, info, options.timeout)
         why = f"auto: {why}"
     else:
         why = "asked for"

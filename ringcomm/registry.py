@@ -17,11 +17,11 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
-from ringcomm.core import launch
 from ringcomm.core.launch import LaunchInfo
+from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
-__all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "mpi_world_text",
-           "register"]
+__all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "join_mpi_over_torch",
+           "mpi_world_text", "register"]
 
 #: What builds a backend's Communicator: (mpi_comm, settings, launch, startup error).
 Builder = Callable[[Any, Settings, LaunchInfo, Exception | None], Communicator]
@@ -62,6 +62,16 @@ def communicator_options(settings: Settings, startup_error: Exception | None
 
 def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                startup_error: Exception | None) -> Communicator:
+    if info.over_torch and mpi_comm is None and info.size > 1:
+        from ringcomm.backends.mpi_process import mpi_world_is_job
+
+        if not mpi_world_is_job():
+            why = join_mpi_over_torch(info, settings.timeout)
+            if why is not None:
+                raise RuntimeError(
+                    f"{info.describe()} but MPI cannot start over its processes ({why}): "
+                    f"launch with mpiexec -n {info.size}, or use backend='auto' or 'gloo' "
+                    "under torchrun")
     from ringcomm.backends.mpi import MPICommunicator
 
     return MPICommunicator(mpi_comm, timeout=settings.timeout,
@@ -91,12 +101,14 @@ register(Backend("gloo", "torch.distributed's default group", _build_gloo))
 
 
 def _mpi_world_size() -> int | None:
-    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one: then MPI is
-    not started, see ``launch.mpi_launched``), or None without mpi4py."""
-    if not launch.mpi_launched():
+    """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one and it did not
+    join torchrun's processes: then MPI is not started, see ``launch.mpi_launched``), or None
+    without mpi4py."""
+    from ringcomm.backends.mpi_process import import_mpi, mpi_world_is_job
+
+    if not mpi_world_is_job():
         return None if importlib.util.find_spec("mpi4py") is None else 1
     try:
-        from ringcomm.backends.mpi_process import import_mpi
 
         return int(import_mpi().COMM_WORLD.Get_size())
     except RuntimeError:
@@ -121,13 +133,16 @@ def _require_torch(info: LaunchInfo, world: int | None) -> None:
             f"{info.size} ({err})") from err
 
 
-def choose_auto(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
+def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOUT_S
+                ) -> tuple[str, str]:
     """The backend "auto" picks, and why; the same answer on every rank (a collective when
     the job has several processes).
 
     Under torchrun, or with torch.distributed's default group already initialized (and no
-    MPI world numbering the same processes alike): NCCL where every rank can run it, else
-    gloo over torch.distributed. Otherwise NCCL where every rank can run it, else MPI.
+    MPI world numbering the same processes alike): NCCL where every rank can run it, else MPI
+    where every rank can join one MPI world over torch.distributed's store
+    (:func:`join_mpi_over_torch`), else gloo over torch.distributed. Otherwise NCCL where
+    every rank can run it, else MPI. ``timeout``: how long MPI's start may wait for a rank.
     """
     from ringcomm.backends import nccl
 
@@ -141,7 +156,13 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo) -> tuple[str, str]:
                    f"{'' if world != info.size else ', numbering them otherwise'})")
             if nccl.usable_everywhere(None):
                 return "nccl", f"{why}; every rank has a GPU of its own and NCCL"
-            return "gloo", f"{why}; not every rank has a GPU of its own and NCCL"
+            cannot = join_mpi_over_torch(info, timeout)
+            if cannot is None:
+                return "mpi", (f"{info.describe()}: not every rank has a GPU of its own and "
+                               "NCCL, and its processes joined one MPI world over "
+                               "ringcomm's PMI server")
+            return "gloo", (f"{why}; not every rank has a GPU of its own and NCCL, and MPI "
+                            f"cannot join them: {cannot}")
     if mpi_comm is not None or info.size > 1:
         if nccl.usable_everywhere(mpi_comm):
             return "nccl", "every rank has a GPU of its own and NCCL"
@@ -178,3 +199,22 @@ def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
         where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
         raise RuntimeError(f"{info.describe()}, but torch.distributed could not start from "
                            f"torchrun's environment ({where}): {err}") from err
+
+
+def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:
+    """Start MPI in every process of a torchrun job (or of torch.distributed's default group)
+    as one world, over torch.distributed's store (``ringcomm.backends.mpi_join``); collective.
+
+    Returns:
+        None once MPI's world is the job's processes, numbered as torch.distributed numbers
+        them; else why not, the same on every rank (MPI is then started nowhere).
+    """
+    _start_torch_distributed(info, timeout)
+    import torch.distributed as dist
+
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None:
+        return "this PyTorch gives no access to torch.distributed's store"
+    from ringcomm.backends.mpi_join import join
+
+    return join(default_store(), dist.get_rank(), dist.get_world_size(), timeout)

@@ -1,6 +1,6 @@
 """torch.distributed's "ringcomm" backend (ringcomm/torch/dist_backend.py), as users start it:
-init_process_group("ringcomm") under torchrun (gloo underneath) and under mpiexec (MPI
-underneath), its collectives checked against exact values, a refused op refused on every rank,
+init_process_group("ringcomm") under torchrun (MPI underneath, its processes joined into one
+MPI world, or gloo with RINGCOMM_TORCHRUN_MPI=0) and under mpiexec (MPI underneath), its collectives checked against exact values, a refused op refused on every rank,
 sub-groups with communicators of their own (hybrid sharding among them), and DDP training
 whose parameters are bit-identical to the same training on gloo."""
 
@@ -201,6 +201,10 @@ def _reports(where: Path) -> list[dict]:
 
 
 def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> list[dict]:
+    """Run JOB on ``backend`` under ``launcher`` ("torchrun", "mpiexec", or "torchrun-gloo":
+    torchrun with RINGCOMM_TORCHRUN_MPI=0, the ringcomm backend's communicator over gloo)."""
+    if launcher == "torchrun-gloo":
+        launcher, env = "torchrun", {**env, "RINGCOMM_TORCHRUN_MPI": "0"}
     job = tmp_path / "job.py"
     job.write_text(JOB)
     proc = run_job(_command(launcher, 2, job, backend, launcher), timeout=240, env=env,
@@ -225,7 +229,8 @@ def _check_exit(proc: subprocess.CompletedProcess[str], reports: list[dict], wha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, underneath", [("torchrun", "gloo"), ("mpiexec", "mpi")])
+@pytest.mark.parametrize("launcher, underneath", [("torchrun", "mpi"), ("torchrun-gloo", "gloo"),
+                                                  ("mpiexec", "mpi")])
 def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpiexec, launcher,
                                                   underneath):
     ours = _run(tmp_path, subprocess_env, launcher, "ringcomm")
@@ -442,7 +447,7 @@ def test_the_backend_is_registered_as_torch_starts(tmp_path, subprocess_env):
     _check_exit(proc, reports, "init_process_group('ringcomm') without importing ringcomm")
     for row in reports:
         assert row["sum"] == [3.0, 3.0, 3.0] and row["backend"] == "ringcomm", row
-        assert row["communicator"] == "gloo", row
+        assert row["communicator"] == "mpi", row  # torchrun's processes joined one MPI world
 
 
 MIXED_PATHS_JOB = r'''

@@ -36,7 +36,11 @@ print(f"<{rank}|{comm.backend} {comm.rank} {comm.size} {info.launcher} {y[0]} {y
 comm.close()
 
 # A state over a one-process communicator (made as if before the group was up): the hook
-# refuses it at the first bucket instead of letting each rank train its own model.
+# refuses it at the first bucket instead of letting each rank train its own model. (On gloo
+# only: once the processes joined one MPI world, MPI's is the whole job's.)
+if comm.backend != "gloo":
+    print(f"<{rank + 2}|joined>", flush=True)
+    raise SystemExit
 import torch
 from ringcomm.backends.mpi import MPICommunicator
 from ringcomm.torch import RingcommState, ringcomm_hook
@@ -81,9 +85,13 @@ def _lines(text: str) -> dict[int, str]:
     return {int(r): line for r, line in re.findall(r"<(\d)\|(.*?)>", text)}
 
 
-def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env):
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env, transport):
+    """The group is the job: its processes join one MPI world over its store (or, told,
+    stay on gloo), never a communicator of one."""
     env = {k: v for k, v in subprocess_env.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", SPAWNED, str(r), port], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,9 +106,10 @@ def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_e
         for p in procs:
             p.kill()
     lines = _lines("".join(outs))
-    assert lines == {0: "gloo 0 2 torch.distributed 3.0 3.0 3.0",
-                     1: "gloo 1 2 torch.distributed 3.0 3.0 3.0",
-                     2: "refused", 3: "refused"}, lines
+    hook = "refused" if transport == "gloo" else "joined"
+    assert lines == {0: f"{transport} 0 2 torch.distributed 3.0 3.0 3.0",
+                     1: f"{transport} 1 2 torch.distributed 3.0 3.0 3.0",
+                     2: hook, 3: hook}, lines
 
 
 def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env):

@@ -1,5 +1,7 @@
-"""Jobs started by torchrun: ringcomm.init() spans the job over gloo, the hook and hvd work as
-under MPI, and the gloo transport splits into sub-groups."""
+"""Jobs started by torchrun: ringcomm.init() spans the job, over MPI (every process joins one
+MPI world over ringcomm's PMI server) or over gloo (RINGCOMM_TORCHRUN_MPI=0, or a rank that
+cannot join), the hook and hvd work as under mpiexec, and the gloo transport splits into
+sub-groups."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from exit_checks import run_bounded
 pytest.importorskip("torch")
 
 SCRIPT = r"""
+import os
 import torch
 import torch.distributed as dist
 import ringcomm
@@ -23,10 +26,11 @@ import ringcomm.torch as hvd
 from ringcomm.torch import RingcommState, ringcomm_hook
 
 torch.set_num_threads(1)
-hvd.init()                                  # torchrun's environment: a gloo group
+hvd.init()                                  # torchrun's environment: MPI, or gloo if told
 rank, size = hvd.rank(), hvd.size()
 assert dist.is_initialized() and size == dist.get_world_size() == 2, size
-assert hvd.gloo_enabled() and hvd.local_size() == 2
+on_gloo = os.environ.get("RINGCOMM_TORCHRUN_MPI") == "0"
+assert hvd.gloo_enabled() == on_gloo and hvd.mpi_enabled() != on_gloo and hvd.local_size() == 2
 
 t = torch.full((5,), float(rank))
 assert torch.equal(hvd.allreduce(t, op=hvd.Sum), torch.full((5,), 1.0))
@@ -141,23 +145,38 @@ dist.destroy_process_group()
 
 
 INIT_SCRIPT = r"""
+import os
 import numpy as np
 import torch.distributed as dist
 import ringcomm
 
-comm = ringcomm.init()                      # torchrun's environment: gloo, over the whole job
+transport = "gloo" if os.environ.get("RINGCOMM_TORCHRUN_MPI") == "0" else "mpi"
+comm = ringcomm.init()                      # torchrun's environment: over the whole job
 rank = comm.rank
-assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
-assert dist.is_initialized() and dist.get_world_size() == 2
+assert (comm.backend, comm.size) == (transport, 2), (comm.backend, comm.size)
+assert dist.is_initialized() and dist.get_world_size() == 2 and dist.get_rank() == rank
 for n in (5, 300_000):                      # inline in the agreement, and the pipelined ring
     got = comm.allreduce(np.arange(n, dtype=np.float64) + 10.0 * rank)
     assert got.tobytes() == (2 * np.arange(n, dtype=np.float64) + 10.0).tobytes(), n
-try:
-    ringcomm.init("mpi", abort_on_exception=False)
-    raise AssertionError("no error")
-except RuntimeError as err:
-    assert str(err) == ("WORLD_SIZE=2 (torchrun) but MPI.COMM_WORLD has 1 process: launch with "
-                        "mpiexec -n 2, or use backend='auto' or 'gloo' under torchrun"), err
+if transport == "gloo":
+    try:
+        ringcomm.init("mpi", abort_on_exception=False)
+        raise AssertionError("no error")
+    except RuntimeError as err:
+        assert str(err) == (
+            "WORLD_SIZE=2 (torchrun) but MPI cannot start over its processes (ranks 0, 1: "
+            "RINGCOMM_TORCHRUN_MPI=0): launch with mpiexec -n 2, or use backend='auto' or "
+            "'gloo' under torchrun"), err
+else:
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD                  # one world, numbered as torch numbers the ranks
+    assert (world.Get_rank(), world.Get_size()) == (rank, 2)
+    assert world.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == 2   # one node: shared memory
+    assert not any(k in os.environ for k in ("PMI_PORT", "PMI_ID")), "start-up variables left"
+    mpi = ringcomm.init("mpi", abort_on_exception=False)
+    assert (mpi.backend, mpi.rank, mpi.size) == ("mpi", rank, 2)
+    assert mpi.allreduce(np.full(3, rank + 1.0)).tolist() == [3.0] * 3
+    mpi.close()
 again = ringcomm.init("gloo", abort_on_exception=False)   # the group is there: reused
 assert again.size == 2 and again.allreduce(np.ones(3))[0] == 2.0
 again.close()
@@ -187,15 +206,26 @@ def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
     return proc
 
 
+_TRANSPORTS = pytest.mark.parametrize("transport", ["mpi", "gloo"])
+
+
+def _on(transport: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` keeping torchrun's processes on gloo for transport "gloo"."""
+    return {**env, "RINGCOMM_TORCHRUN_MPI": "0" if transport == "gloo" else "1"}
+
+
 @pytest.mark.slow
+@_TRANSPORTS
 @pytest.mark.parametrize("module", [False, True], ids=["torchrun", "python-m"])
-def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module):
-    """ringcomm.init() under torchrun: a size-2 communicator whose allreduce sums both ranks;
-    backend="mpi" raises on both ranks; RINGCOMM_LOG_LEVEL=INFO says what was chosen."""
-    env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO"}
+def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module, transport):
+    """ringcomm.init() under torchrun: a size-2 communicator whose allreduce sums both ranks,
+    over one MPI world of torchrun's processes (shared memory between them; backend="mpi"
+    too), or over gloo when told (backend="mpi" then raises on both ranks, saying why);
+    RINGCOMM_LOG_LEVEL=INFO says what was chosen."""
+    env = {**_on(transport, subprocess_env), "RINGCOMM_LOG_LEVEL": "INFO"}
     proc = _torchrun(tmp_path, env, INIT_SCRIPT, module=module)
     lines = sorted(line for line in proc.stderr.splitlines()
-                   if "INFO ringcomm.init: backend gloo (auto:" in line)
+                   if f"INFO ringcomm.init: backend {transport} (auto:" in line)
     assert len(lines) == 2, proc.stderr[-3000:]
     for rank, line in enumerate(lines):
         assert line.startswith(f"[ringcomm rank {rank}/2]"), line
@@ -203,8 +233,9 @@ def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module):
 
 
 @pytest.mark.slow
-def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env):
-    _torchrun(tmp_path, subprocess_env, SCRIPT)
+@_TRANSPORTS
+def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env, transport):
+    _torchrun(tmp_path, _on(transport, subprocess_env), SCRIPT)
 
 
 @pytest.mark.slow
@@ -252,7 +283,7 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
         pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(TIMEOUT_SCRIPT)
-    env = {**subprocess_env, "RINGCOMM_TIMEOUT": "3"}
+    env = {**_on("gloo", subprocess_env), "RINGCOMM_TIMEOUT": "3"}
     start = time.monotonic()
     proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
                        timeout=110, env=env)
@@ -278,7 +309,7 @@ import ringcomm
 import ringcomm.torch as hvd
 from ringcomm.torch import RingcommState, ringcomm_hook
 
-comm = ringcomm.init()                      # auto: gloo, without asking MPI
+comm = ringcomm.init()                      # auto: gloo, without loading MPI
 assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
 assert comm.allreduce(np.ones(300_000, np.float32))[0] == 2
 comm.close()
@@ -292,17 +323,63 @@ hvd.shutdown()
 
 
 @pytest.mark.slow
-def test_torchrun_without_an_mpi_launcher_never_starts_mpi(tmp_path, subprocess_env):
-    """Under torchrun and no MPI launcher, MPI is not started at all: an mpi4py whose MPI ends
-    the process when it starts without its launcher (Open MPI's singletons need a daemon) is
-    never reached, by ringcomm.init(), ringcomm.torch.init() or the hook."""
+def test_torchrun_never_loads_an_mpi_that_ends_its_process(tmp_path, subprocess_env):
+    """Under torchrun and no MPI launcher, an mpi4py whose MPI ends the process that loads it
+    without its launcher (Open MPI's singletons need a daemon) is never loaded in the job's
+    processes, by ringcomm.init(), ringcomm.torch.init() or the hook: it is asked which MPI it
+    is in a process of its own, which it ends, and the job keeps gloo, saying why."""
     fake = tmp_path / "fake" / "mpi4py"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("class rc:\n    initialize = finalize = True\n")
     (fake / "MPI.py").write_text("import os, sys\n"
                                  "sys.stderr.write('MPI started without its launcher\\n')\n"
                                  "os._exit(17)\n")
-    env = {**subprocess_env, "PYTHONPATH": os.pathsep.join(
+    env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO", "PYTHONPATH": os.pathsep.join(
         [str(tmp_path / "fake"), subprocess_env.get("PYTHONPATH", "")])}
     proc = _torchrun(tmp_path, env, NO_MPI_SCRIPT)
-    assert "MPI started without its launcher" not in proc.stderr
+    chosen = [line for line in proc.stderr.splitlines() if "backend gloo (auto:" in line]
+    assert len(chosen) == 4, proc.stderr[-3000:]   # ringcomm.init and hvd.init, each rank
+    assert ("MPI cannot join them: ranks 0, 1: mpi4py's MPI did not load (MPI started "
+            "without its launcher)") in chosen[0], chosen[0]
+
+
+UNEVEN_SCRIPT = r"""
+import os, sys
+import numpy as np
+rank, case = int(os.environ["RANK"]), sys.argv[1]
+if case == "imported" and rank == 1:
+    from mpi4py import MPI                  # MPI started in rank 1 alone, before ringcomm
+if case == "flag" and rank == 1:
+    os.environ["RINGCOMM_TORCHRUN_MPI"] = "0"
+import ringcomm
+from ringcomm.core.types import ArgumentMismatchError
+
+try:
+    comm = ringcomm.init(abort_on_exception=False)
+except ArgumentMismatchError as err:
+    assert case == "flag", err
+    assert str(err) == ("RINGCOMM_TORCHRUN_MPI differs between ranks: rank 0 '1', rank 1 "
+                        "'0'"), err
+else:
+    assert case == "imported"
+    assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
+    assert comm.allreduce(np.arange(4.0) + rank).tolist() == [1.0, 3.0, 5.0, 7.0]
+    comm.close()
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["imported", "flag"])
+def test_ranks_that_differ_take_one_path(tmp_path, subprocess_env, case):
+    """Where one rank cannot join MPI's world (it started MPI alone before) every rank stays on
+    gloo, told which rank and why; where RINGCOMM_TORCHRUN_MPI differs, every rank raises the
+    same error naming each rank's value. Never a hang, nor a world of one."""
+    env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_TORCHRUN_MPI"}
+    proc = _torchrun(tmp_path, {**env, "RINGCOMM_LOG_LEVEL": "INFO"}, UNEVEN_SCRIPT,
+                     args=(case,))
+    if case == "imported":
+        chosen = [line for line in proc.stderr.splitlines() if "backend gloo (auto:" in line]
+        assert len(chosen) == 2, proc.stderr[-3000:]
+        assert all("MPI cannot join them: rank 1: mpi4py.MPI was imported before" in line
+                   for line in chosen), chosen

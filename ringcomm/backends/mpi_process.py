@@ -11,8 +11,26 @@ from typing import Any
 
 from ringcomm.core import launch
 
-__all__ = ["cores", "import_mpi", "install_abort_hook", "world_numbers_alike",
-           "yield_when_oversubscribed"]
+__all__ = ["cores", "import_mpi", "install_abort_hook", "mpi_world_is_job", "note_world_joined",
+           "world_joined", "world_numbers_alike", "yield_when_oversubscribed"]
+
+_JOINED: list[bool] = []  # set once MPI started over ringcomm's PMI server (mpi_join)
+
+
+def note_world_joined() -> None:
+    """Record that MPI's world is the job, started by ``ringcomm.backends.mpi_join``."""
+    _JOINED.append(True)
+
+
+def world_joined() -> bool:
+    """Whether MPI started in this process over ringcomm's PMI server (torchrun's job)."""
+    return bool(_JOINED)
+
+
+def mpi_world_is_job() -> bool:
+    """Whether MPI's world is this job's processes: an MPI launcher started them, or they
+    joined one world over ringcomm's PMI server."""
+    return launch.mpi_launched() or world_joined()
 
 
 def cores() -> int:
@@ -53,9 +71,10 @@ def world_numbers_alike(rank: int, size: int) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
     rank), False without mpi4py, and False for a job of several processes that no MPI launcher
-    started (MPI is not even started then). For a job whose torch.distributed group is up: its
-    ranks may be numbered otherwise than MPI's, and then MPI cannot stand in for it."""
-    if size > 1 and not launch.mpi_launched():
+    started (MPI is not even started then) and that did not join over ringcomm's PMI server.
+    For a job whose torch.distributed group is up: its ranks may be numbered otherwise than
+    MPI's, and then MPI cannot stand in for it."""
+    if size > 1 and not mpi_world_is_job():
         return False
     try:
         world = import_mpi().COMM_WORLD

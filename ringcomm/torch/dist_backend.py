@@ -68,11 +68,11 @@ from torch.futures import Future
 
 from ringcomm.backends.gloo import ProcessGroupTransport
 from ringcomm.backends.gloo_held import hold, pause_at_exit
-from ringcomm.backends.mpi_process import import_mpi
+from ringcomm.backends.mpi_join import join as join_mpi
+from ringcomm.backends.mpi_process import import_mpi, mpi_world_is_job
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.callers import calls_as
 from ringcomm.comm.settings import read as read_settings
-from ringcomm.core import launch
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
@@ -363,9 +363,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._comm
 
     def _job_communicator(self) -> Communicator:
-        """ringcomm.init()'s communicator over the job, numbered as this group is."""
+        """ringcomm.init()'s communicator over the job, numbered as this group is: over MPI
+        under an MPI launcher, and under torchrun too where every process can join one MPI
+        world over this group's store (``ringcomm.backends.mpi_join``), else over gloo."""
         from ringcomm import init
 
+        if not mpi_world_is_job() and self.size() > 1:
+            # MPI's world numbered as torch's default group (this group may number otherwise:
+            # then _check_numbering below says so, on every rank).
+            cannot = join_mpi(self._store, dist.get_rank(), dist.get_world_size(),
+                              self._timeout.total_seconds())
+            if cannot is not None:
+                _LOG.info("the ringcomm backend stays on gloo: MPI cannot join the job's "
+                          "processes (%s)", cannot)
         comm = init(timeout=self._timeout.total_seconds(), abort_on_exception=False)
         try:
             self._check_numbering(comm)
@@ -422,7 +432,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         job (an MPI launcher started it); None elsewhere: gathered over the members' gloo
         group, so every member gets the same answer."""
         mine = -1
-        if launch.mpi_launched():
+        if mpi_world_is_job():
             try:
                 world = import_mpi().COMM_WORLD
             except RuntimeError:  # no mpi4py

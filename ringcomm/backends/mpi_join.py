@@ -1,0 +1,204 @@
+"""One MPI world for processes that no MPI launcher started (torchrun, Lightning's launcher):
+MPICH started in each of them against ringcomm's own PMI server.
+
+Under mpiexec every process gets its place in MPI's world from the launcher. torchrun starts
+the same processes without one, and MPI started alone is a world of one. :func:`join` gives
+MPI what mpiexec would have: rank 0 answers MPICH's start-up questions
+(:class:`~ringcomm.backends.pmi_server.PMIServer`), every process learns its address through
+torch.distributed's rendezvous store, and ``MPI_Init`` then makes one world of the job, with
+shared memory between the processes of a node. ringcomm's MPI backend, faster than gloo at
+every size, then runs under torchrun as under mpiexec.
+
+It is all or nothing, and the same on every rank: each process first says whether it can
+(mpi4py over MPICH, MPI not yet started in it, ``RINGCOMM_TORCHRUN_MPI`` not 0), and unless
+every one can, none starts MPI and the caller keeps gloo, told why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ringcomm.backends.mpi_process import import_mpi, note_world_joined, world_joined
+from ringcomm.backends.pmi_server import process_mapping
+from ringcomm.core.env import env
+from ringcomm.core.types import ArgumentMismatchError
+
+__all__ = ["FLAG", "join"]
+
+_LOG = logging.getLogger("ringcomm.init")
+
+#: ``RINGCOMM_TORCHRUN_MPI=0`` keeps torchrun's processes on gloo.
+FLAG = "RINGCOMM_TORCHRUN_MPI"
+
+_PREFIX = "ringcomm-mpi-join/"
+_SERVER: list[subprocess.Popen[str]] = []  # rank 0's PMI server
+_CANNOT: list[str] = []  # why the job's processes could not join, once agreed
+
+# Asked in a process of its own: an MPI that cannot start without its launcher (Open MPI's)
+# ends the process that starts it, so this one never loads it before knowing which it is.
+_PROBE = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
+          "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
+
+
+def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
+    """Start MPI in this process as rank ``rank`` of a world of ``size`` (collective: call it
+    on every rank of the job with the same store).
+
+    Args:
+        store: torch.distributed's rendezvous store of the job (``set`` and ``get``).
+        rank, size: this process's rank in the job, and the job's size.
+        timeout: seconds MPI's start-up may wait for a process.
+
+    Returns:
+        None once ``MPI.COMM_WORLD`` holds the job, numbered as ``rank``; otherwise why not
+        (the same text on every rank), and MPI is not started in any process.
+
+    Raises:
+        ArgumentMismatchError: ``RINGCOMM_TORCHRUN_MPI`` differs between ranks (on every rank).
+        RuntimeError: MPI started but its world is not the job's.
+    """
+    if world_joined():
+        return None
+    if _CANNOT:  # agreed by every rank before: the same answer again, without the store
+        return _CANNOT[0]
+    flag = env(FLAG) or "1"
+    status = {"flag": flag, "obstacle": _obstacle(flag), "node": _node()}
+    store.set(f"{_PREFIX}status/{rank}", json.dumps(status))
+    everyone = [json.loads(_get(store, f"status/{r}")) for r in range(size)]
+    _check_flags([s["flag"] for s in everyone])
+    obstacles = [s["obstacle"] for s in everyone]
+    if any(obstacles):
+        _CANNOT.append(_listed(obstacles))
+        return _CANNOT[0]
+    nodes = [s["node"] for s in everyone]
+    if rank == 0:
+        server = _serve(nodes, timeout)
+        _SERVER.append(server)  # its stdin stays open while this process lives
+        assert server.stdout is not None
+        store.set(f"{_PREFIX}address", server.stdout.readline().strip() or "none")
+    address = _get(store, "address")
+    _start_mpi(address, rank, nodes)
+    world = import_mpi().COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (rank, size):
+        raise RuntimeError(f"MPI started over ringcomm's PMI server at {address} as rank "
+                           f"{world.Get_rank()} of {world.Get_size()}; expected rank {rank} "
+                           f"of {size}")
+    note_world_joined()
+    _LOG.info("MPI started over ringcomm's PMI server at %s: rank %d of %d, ranks on nodes %s",
+              address, rank, size, process_mapping(nodes))
+    return None
+
+
+def _get(store: Any, key: str) -> str:
+    value = store.get(_PREFIX + key)
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _obstacle(flag: str) -> str:
+    """Why this process cannot start MPI as part of the job; empty when it can."""
+    if flag.strip().lower() in ("0", "false", "no", "off"):
+        return f"{FLAG}={flag}"
+    if "mpi4py.MPI" in sys.modules:
+        return "mpi4py.MPI was imported before (MPI started as a world of its own)"
+    if os.name != "posix":
+        return "not on a POSIX system"
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                               timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"mpi4py's MPI could not be asked its version ({err})"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        if "No module named 'mpi4py'" in probe.stderr:
+            return "mpi4py is not installed"
+        return f"mpi4py's MPI did not load ({last})"
+    library = probe.stdout.strip()
+    if not library.startswith("MPICH"):
+        return f"mpi4py's MPI is {library or 'unknown'}, and only MPICH starts this way"
+    return ""
+
+
+def _check_flags(flags: list[str]) -> None:
+    if len(set(flags)) > 1:
+        raise ArgumentMismatchError(
+            f"{FLAG} differs between ranks: " + ", ".join(
+                f"rank {r} {flag!r}" for r, flag in enumerate(flags)))
+
+
+def _listed(obstacles: list[str]) -> str:
+    """Each obstacle with the ranks it holds on, in rank order of first appearance."""
+    ranks: dict[str, list[int]] = {}
+    for r, why in enumerate(obstacles):
+        if why:
+            ranks.setdefault(why, []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_span(rs)}: {why}"
+                     for why, rs in ranks.items())
+
+
+def _span(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _node() -> str:
+    """What tells nodes apart: the host name and the running kernel (processes of one kernel
+    share /dev/shm, which MPICH's shared memory between them needs)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _serve(nodes: list[str], timeout: float) -> subprocess.Popen[str]:
+    """Rank 0's PMI server, a process of its own listening where the other processes reach
+    it; its address is the first line it prints."""
+    host = "127.0.0.1" if len(set(nodes)) == 1 else _routable_address()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ringcomm.backends.pmi_server", "--size", str(len(nodes)),
+         "--mapping", process_mapping(nodes), "--host", host, "--timeout", str(timeout)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return server
+
+
+def _routable_address(resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+    """This host's address on the route to the rendezvous store (``MASTER_ADDR``), else its
+    host name's address."""
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((resolve(master), 9))  # no packet: a route lookup
+                address = probe.getsockname()[0]
+            if not address.startswith("127."):
+                return str(address)
+        except OSError:
+            pass
+    return resolve(socket.gethostname())
+
+
+def _start_mpi(address: str, rank: int, nodes: list[str]) -> None:
+    """``MPI_Init`` as PMI process ``rank`` of the server at ``address`` (the variables Hydra
+    would set, for the start only)."""
+    local = [r for r, node in enumerate(nodes) if node == nodes[rank]]
+    variables = {"PMI_PORT": address, "PMI_ID": str(rank), "MPIR_CVAR_PMI_VERSION": "1",
+                 "MPI_LOCALNRANKS": str(len(local)), "MPI_LOCALRANKID": str(local.index(rank))}
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        import_mpi()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

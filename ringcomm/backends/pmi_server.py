@@ -1,0 +1,266 @@
+"""A PMI-1 server: what MPICH's processes ask their launcher while MPI starts, answered by
+ringcomm itself, so that processes another launcher started (torchrun) form one MPI world.
+
+MPICH's ``MPI_Init`` asks a process manager over a socket (``PMI_PORT``, the "simple PMI"
+wire protocol Hydra speaks): its rank and the job's size, a key-value space where each process
+puts its address and gets the others', barriers, and which ranks share a node
+(``PMI_process_mapping``: MPICH then uses shared memory between them). This module answers the
+same questions, one thread per process, in a process of its own that rank 0 starts (``python
+-m ringcomm.backends.pmi_server``: MPI's start holds the interpreter's lock of the process that
+starts it, so the server cannot be a thread there); see :mod:`ringcomm.backends.mpi_join` for
+how the processes find it.
+
+Nothing waits forever: a barrier some rank never reaches within ``timeout``, a connection that
+closes before ``finalize``, or the end of the process that started the server fails every
+waiting process (MPICH then ends with an error), and the server ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["PMIServer", "process_mapping"]
+
+_LOG = logging.getLogger("ringcomm.pmi")
+
+#: Seconds the server waits for the others' ``finalize`` once the process that started it ended.
+_FINALIZE_WAIT_S = 10.0
+
+
+def process_mapping(nodes: Sequence[str]) -> str:
+    """``PMI_process_mapping`` for ranks on ``nodes`` (one node key per rank, in rank order),
+    as Hydra writes it: ``(vector,(first node, nodes, ranks each),...)``.
+
+    >>> process_mapping(["a", "a", "b", "b"])
+    '(vector,(0,2,2))'
+    >>> process_mapping(["a", "b", "a"])
+    '(vector,(0,2,1),(0,1,1))'
+    """
+    ids: dict[str, int] = {}
+    runs: list[list[int]] = []  # [node id, ranks] per run of consecutive ranks on one node
+    for node in nodes:
+        node_id = ids.setdefault(node, len(ids))
+        if runs and runs[-1][0] == node_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([node_id, 1])
+    blocks: list[list[int]] = []  # [first node, nodes, ranks each]
+    for node_id, count in runs:
+        last = blocks[-1] if blocks else None
+        if last is not None and last[2] == count and node_id == last[0] + last[1]:
+            last[1] += 1
+        else:
+            blocks.append([node_id, 1, count])
+    return "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in blocks) + ")"
+
+
+class PMIServer:
+    """Answers the PMI-1 requests of ``size`` MPICH processes (``PMI_ID`` 0 to size - 1).
+
+    Args:
+        size: how many processes will connect.
+        mapping: ``PMI_process_mapping`` (:func:`process_mapping`).
+        host: the address to listen on (one the other processes reach).
+        timeout: seconds a barrier waits for every process, and the server for every
+            process to connect, before every waiting process is failed.
+    """
+
+    def __init__(self, size: int, mapping: str, host: str, timeout: float) -> None:
+        self.size = size
+        self.kvsname = f"ringcomm_{os.getpid()}_{secrets.token_hex(6)}"
+        self._timeout = timeout
+        self._kvs: dict[str, str] = {"PMI_process_mapping": mapping}
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+        self._ids: set[int] = set()
+        self._finished: set[int] = set()
+        self._failure: str | None = None
+        self._listener = socket.create_server((host, 0), backlog=max(size, 8))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="ringcomm-pmi", daemon=True).start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the job's PMI failed (a process gone, a barrier timed out), or None."""
+        return self._failure
+
+    def close(self) -> None:
+        """Stop taking connections (those open are served to their end)."""
+        self._listener.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every process has finalized or the job failed (True), or ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._finished) == self.size
+                                       or self._failure is not None, timeout)
+
+    def fail(self, why: str) -> None:
+        """Fail the job's PMI: every waiting process, and every later request, gets ``why``."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = why
+                _LOG.warning("MPI's start over ringcomm's PMI server failed: %s", why)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ connections
+    def _accept(self) -> None:
+        accepted = 0
+        self._listener.settimeout(self._timeout)
+        while accepted < self.size:
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                self.fail(f"{self.size - accepted} of {self.size} processes did not connect "
+                          f"within {self._timeout:g} s")
+                return
+            except OSError:  # closed
+                return
+            conn.settimeout(None)
+            accepted += 1
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="ringcomm-pmi",
+                             daemon=True).start()
+        self._listener.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pmi_id: int | None = None
+        with conn, conn.makefile("rb") as lines:
+            for raw in lines:
+                fields = dict(f.split("=", 1) for f in raw.decode().split() if "=" in f)
+                command = fields.get("cmd", "")
+                if command == "initack":
+                    pmi_id = self._initack(fields.get("pmiid", ""))
+                    if pmi_id is None:
+                        return
+                    replies = ["cmd=initack", f"cmd=set size={self.size}",
+                               f"cmd=set rank={pmi_id}", "cmd=set debug=0"]
+                else:
+                    replies = [self._answer(command, fields, pmi_id)]
+                try:
+                    conn.sendall("".join(r + "\n" for r in replies).encode())
+                except OSError:
+                    break
+                if command in ("finalize", "abort"):
+                    return
+        if pmi_id is not None and pmi_id not in self._finished:
+            self.fail(f"the process of rank {pmi_id} ended its connection before "
+                       "MPI_Finalize (it exited, or its MPI start failed)")
+
+    def _initack(self, raw: str) -> int | None:
+        try:
+            pmi_id = int(raw)
+        except ValueError:
+            pmi_id = -1
+        with self._cond:
+            if not 0 <= pmi_id < self.size or pmi_id in self._ids:
+                failure = (f"a process connected with PMI_ID {raw!r} (expected 0 to "
+                           f"{self.size - 1}, once each)")
+            else:
+                self._ids.add(pmi_id)
+                return pmi_id
+        self.fail(failure)
+        return None
+
+    def _answer(self, command: str, fields: dict[str, str], pmi_id: int | None) -> str:
+        if command == "init":
+            return (f"cmd=response_to_init rc=0 pmi_version=1 "
+                    f"pmi_subversion={fields.get('pmi_subversion', '1')}")
+        if command == "get_maxes":
+            return "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024"
+        if command == "get_appnum":
+            return "cmd=appnum rc=0 appnum=0"
+        if command == "get_my_kvsname":
+            return f"cmd=my_kvsname rc=0 kvsname={self.kvsname}"
+        if command == "get_universe_size":
+            return f"cmd=universe_size rc=0 size={self.size}"
+        if command == "put":
+            with self._cond:
+                self._kvs[fields.get("key", "")] = fields.get("value", "")
+            return "cmd=put_result rc=0"
+        if command == "get":
+            with self._cond:
+                value = self._kvs.get(fields.get("key", ""))
+            return "cmd=get_result rc=1" if value is None else f"cmd=get_result rc=0 value={value}"
+        if command == "barrier_in":
+            failure = self._barrier()
+            if failure is None:
+                return "cmd=barrier_out rc=0"
+            return f"cmd=barrier_out rc=1 msg={_word(failure)}"
+        if command == "finalize":
+            self._finalize(pmi_id)
+            return "cmd=finalize_ack rc=0"
+        if command == "abort":
+            self.fail(f"rank {pmi_id} called MPI_Abort")
+            return "cmd=abort_ack rc=0"
+        _LOG.warning("PMI request not supported under ringcomm's PMI server: %s", command)
+        return f"cmd={command}_result rc=1 msg=not_supported_by_ringcomm"
+
+    def _barrier(self) -> str | None:
+        with self._cond:
+            if self._failure is not None:
+                return self._failure
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived, self._generation = 0, generation + 1
+                self._cond.notify_all()
+                return None
+            deadline = time.monotonic() + self._timeout
+            while self._generation == generation and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._failure = (f"a PMI barrier waited {self._timeout:g} s for "
+                                     f"{self.size - self._arrived} of {self.size} processes")
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(left)
+            return None if self._generation != generation else self._failure
+
+    def _finalize(self, pmi_id: int | None) -> None:
+        with self._cond:
+            if pmi_id is not None:
+                self._finished.add(pmi_id)
+            self._cond.notify_all()
+
+
+def _word(text: str) -> str:
+    """``text`` as one PMI field value (no spaces)."""
+    return text.replace(" ", "_").replace("=", ":")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve one job: print the address, then serve until every process has finalized, the job
+    failed, or (after the process that started the server closed its stdin) a grace period."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--mapping", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--grace", type=float, default=_FINALIZE_WAIT_S,
+                        help="seconds left to the others once the starting process ended")
+    args = parser.parse_args(argv)
+    server = PMIServer(args.size, args.mapping, args.host, args.timeout)
+    print(server.address, flush=True)
+
+    def watch_parent() -> None:
+        sys.stdin.read()  # returns when the process that started the server ends
+        if not server.wait(args.grace):
+            server.fail("the process of rank 0, which started the PMI server, ended")
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    server.wait()
+    time.sleep(0.5)  # the last answers leave before the process ends
+    return 0 if server.failure is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
