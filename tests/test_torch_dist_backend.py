@@ -1,8 +1,9 @@
 """torch.distributed's "ringcomm" backend (ringcomm/torch/dist_backend.py), as users start it:
 init_process_group("ringcomm") under torchrun (MPI underneath, its processes joined into one
-MPI world, or gloo with RINGCOMM_TORCHRUN_MPI=0) and under mpiexec (MPI underneath), its collectives checked against exact values, a refused op refused on every rank,
-sub-groups with communicators of their own (hybrid sharding among them), and DDP training
-whose parameters are bit-identical to the same training on gloo."""
+MPI world, or gloo with RINGCOMM_TORCHRUN_MPI=0) and under mpiexec (MPI underneath), its
+collectives checked against exact values, a refused op refused on every rank, sub-groups with
+communicators of their own (hybrid sharding among them), and DDP training whose parameters
+are bit-identical to the same training on gloo."""
 
 from __future__ import annotations
 
