@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ringcomm.backends import pmi_server
 from ringcomm.backends.pmi_server import PMIServer, process_mapping
 
 
@@ -165,10 +166,10 @@ def test_processes_that_never_connect_fail_the_job():
 
 
 def test_the_server_process_ends_with_the_process_that_started_it():
-    """``python -m ringcomm.backends.pmi_server`` prints its address, and ends (status 1) once
+    """The server run from its file, as rank 0 runs it, prints its address, and ends (status 1) once
     the process that started it ended (its stdin closed) and the grace period passed without
     every process finalized: nothing is left behind."""
-    proc = subprocess.Popen([sys.executable, "-m", "ringcomm.backends.pmi_server", "--size", "2",
+    proc = subprocess.Popen([sys.executable, pmi_server.__file__, "--size", "2",
                              "--mapping", "(vector,(0,1,2))", "--host", "127.0.0.1",
                              "--timeout", "60", "--grace", "0.5"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

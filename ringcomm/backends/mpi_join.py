@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ringcomm.backends import pmi_server
 from ringcomm.backends.mpi_process import import_mpi, note_world_joined, world_joined
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env
@@ -79,11 +80,11 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
         return _CANNOT[0]
     nodes = [s["node"] for s in everyone]
     if rank == 0:
-        server = _serve(nodes, timeout)
-        _SERVER.append(server)  # its stdin stays open while this process lives
-        assert server.stdout is not None
-        store.set(f"{_PREFIX}address", server.stdout.readline().strip() or "none")
+        store.set(f"{_PREFIX}address", _serve(nodes, timeout))
     address = _get(store, "address")
+    if not address:
+        _CANNOT.append("rank 0 could not start ringcomm's PMI server (its log says why)")
+        return _CANNOT[0]
     _start_mpi(address, rank, nodes)
     world = import_mpi().COMM_WORLD
     if (world.Get_rank(), world.Get_size()) != (rank, size):
@@ -159,15 +160,25 @@ def _node() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _serve(nodes: list[str], timeout: float) -> subprocess.Popen[str]:
-    """Rank 0's PMI server, a process of its own listening where the other processes reach
-    it; its address is the first line it prints."""
+def _serve(nodes: list[str], timeout: float) -> str:
+    """Start rank 0's PMI server, a process of its own listening where the other processes
+    reach it, and return its address (empty where it did not start). It runs from its file,
+    which imports nothing but the standard library."""
     host = "127.0.0.1" if len(set(nodes)) == 1 else _routable_address()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ringcomm.backends.pmi_server", "--size", str(len(nodes)),
-         "--mapping", process_mapping(nodes), "--host", host, "--timeout", str(timeout)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return server
+    command = [sys.executable, pmi_server.__file__, "--size", str(len(nodes)),
+               "--mapping", process_mapping(nodes), "--host", host, "--timeout", str(timeout)]
+    try:
+        server = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+    except OSError as err:
+        _LOG.error("ringcomm's PMI server did not start: %s", err)
+        return ""
+    _SERVER.append(server)  # its stdin stays open while this process lives
+    assert server.stdout is not None
+    address = server.stdout.readline().strip()
+    if not address:
+        _LOG.error("ringcomm's PMI server ended as it started (status %s)", server.wait())
+    return address
 
 
 def _routable_address(resolve: Callable[[str], str] = socket.gethostbyname) -> str:

@@ -5,10 +5,10 @@ MPICH's ``MPI_Init`` asks a process manager over a socket (``PMI_PORT``, the "si
 wire protocol Hydra speaks): its rank and the job's size, a key-value space where each process
 puts its address and gets the others', barriers, and which ranks share a node
 (``PMI_process_mapping``: MPICH then uses shared memory between them). This module answers the
-same questions, one thread per process, in a process of its own that rank 0 starts (``python
--m ringcomm.backends.pmi_server``: MPI's start holds the interpreter's lock of the process that
-starts it, so the server cannot be a thread there); see :mod:`ringcomm.backends.mpi_join` for
-how the processes find it.
+same questions, one thread per process, in a process of its own that rank 0 starts (this file
+run as a script, which imports nothing but the standard library: MPI's start holds the
+interpreter's lock of the process that starts it, so the server cannot be a thread there); see
+:mod:`ringcomm.backends.mpi_join` for how the processes find it.
 
 Nothing waits forever: a barrier some rank never reaches within ``timeout``, a connection that
 closes before ``finalize``, or the end of the process that started the server fails every
