@@ -73,6 +73,7 @@ def fit(tag, strategy, state=None):
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "calls": None if comm is None else comm.stats.calls,
                 "size": None if comm is None else comm.size,
+                "transport": None if comm is None else comm.backend,
                 "backend": torch.distributed.get_backend()},
                OUT / f"{tag}_{trainer.global_rank}.pt")
 
@@ -224,19 +225,26 @@ def test_lightning_strategy_on_cpu(tmp_path, subprocess_env):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env):
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher):
     """DDPStrategy(process_group_backend="ringcomm"): Lightning's own DDP on torch.distributed's
-    "ringcomm" backend trains to the parameters of its gloo run, bit for bit (2 ranks)."""
+    "ringcomm" backend trains to the parameters of its gloo run, bit for bit (2 ranks). Under
+    torchrun the backend's processes join one MPI world; under Lightning's own launcher
+    (``python train.py``) they stay on gloo, the same on both ranks: Lightning itself started
+    MPI in each process, alone (its MPIEnvironment check imports mpi4py.MPI)."""
     pytest.importorskip("lightning")
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
+    start = [sys.executable] if launcher == "lightning" else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     for mode in ("backend", "hooks"):
         env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
-        _run([sys.executable, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
+        _run([*start, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
              gloo_baseline=mode != "backend")
     backend, plain = _ranks(tmp_path, "backend"), _ranks(tmp_path, "plain")
     for run in backend:
         assert run["backend"] == "ringcomm" and run["size"] == 2, run
+        assert run["transport"] == ("mpi" if launcher == "torchrun" else "gloo"), run
         assert run["calls"] >= STEPS, run  # DDP's bucket allreduces went through ringcomm
     assert [run["backend"] for run in plain] == ["gloo", "gloo"]
     assert torch.equal(backend[0]["params"], backend[1]["params"])
@@ -289,6 +297,7 @@ for _ in range(STEPS):
 comm = getattr(dist.group.WORLD, "communicator", None)
 torch.save({"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
             "backend": dist.get_backend(),
+            "transport": None if comm is None else comm.backend,
             "calls": None if comm is None else comm.stats.calls},
            OUT / f"accelerate_{BACKEND}_{rank}.pt")
 print(f"rank {rank} ok", flush=True)
@@ -314,6 +323,7 @@ def test_accelerate_on_the_ringcomm_backend(tmp_path, subprocess_env):
     ours, theirs = _ranks(tmp_path, "accelerate_ringcomm"), _ranks(tmp_path, "accelerate_gloo")
     for run in ours:
         assert run["backend"] == "ringcomm" and run["calls"] >= STEPS, run
+        assert run["transport"] == "mpi", run  # torchrun's processes joined one MPI world
     assert [run["backend"] for run in theirs] == ["gloo", "gloo"]
     for run in ours + theirs:
         assert torch.equal(run["params"], theirs[0]["params"])
