@@ -150,14 +150,20 @@ def _span(ranks: list[int]) -> str:
 
 
 def _node() -> str:
-    """What tells nodes apart: the host name and the running kernel (processes of one kernel
-    share /dev/shm, which MPICH's shared memory between them needs)."""
+    """What tells nodes apart for MPICH's shared memory: the host name, the running kernel and
+    the file system of /dev/shm, where MPICH makes its segments (containers of one host with
+    /dev/shm of their own are nodes apart; they then talk over the network, not shared
+    memory)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = str(os.stat("/dev/shm").st_dev)
+    except OSError:
+        shm = ""
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 def _serve(nodes: list[str], timeout: float) -> str:
