@@ -165,7 +165,7 @@ if transport == "gloo":
     except RuntimeError as err:
         assert str(err) == (
             "WORLD_SIZE=2 (torchrun) but MPI cannot start over its processes (ranks 0, 1: "
-            "RINGCOMM_TORCHRUN_MPI=0): launch with mpiexec -n 2, or use backend='auto' or "
+            "RINGCOMM_TORCHRUN_MPI is off): launch with mpiexec -n 2, or use backend='auto' or "
             "'gloo' under torchrun"), err
 else:
     from mpi4py import MPI
@@ -349,10 +349,11 @@ import numpy as np
 rank, case = int(os.environ["RANK"]), sys.argv[1]
 if case == "imported" and rank == 1:
     from mpi4py import MPI                  # MPI started in rank 1 alone, before ringcomm
-if case == "flag" and rank == 1:
-    os.environ["RINGCOMM_TORCHRUN_MPI"] = "0"
+if rank == 1:
+    os.environ["RINGCOMM_TORCHRUN_MPI"] = {"flag": "0", "spelled": "true", "bad": "maybe",
+                                          "imported": "1"}[case]
 import ringcomm
-from ringcomm.core.types import ArgumentMismatchError
+from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
 
 try:
     comm = ringcomm.init(abort_on_exception=False)
@@ -360,9 +361,14 @@ except ArgumentMismatchError as err:
     assert case == "flag", err
     assert str(err) == ("RINGCOMM_TORCHRUN_MPI differs between ranks: rank 0 '1', rank 1 "
                         "'0'"), err
+except InvalidArgumentError as err:
+    assert case == "bad", err
+    assert str(err) == ("RINGCOMM_TORCHRUN_MPI must be 0 or 1 (or true/false, yes/no, on/off), "
+                        "got rank 1 'maybe'"), err
 else:
-    assert case == "imported"
-    assert (comm.backend, comm.size) == ("gloo", 2), (comm.backend, comm.size)
+    expected = "gloo" if case == "imported" else "mpi"     # "true" is on, as "1" is
+    assert case in ("imported", "spelled")
+    assert (comm.backend, comm.size) == (expected, 2), (comm.backend, comm.size)
     assert comm.allreduce(np.arange(4.0) + rank).tolist() == [1.0, 3.0, 5.0, 7.0]
     comm.close()
 print(f"rank {rank} ok", flush=True)
@@ -370,11 +376,12 @@ print(f"rank {rank} ok", flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["imported", "flag"])
+@pytest.mark.parametrize("case", ["imported", "flag", "spelled", "bad"])
 def test_ranks_that_differ_take_one_path(tmp_path, subprocess_env, case):
     """Where one rank cannot join MPI's world (it started MPI alone before) every rank stays on
-    gloo, told which rank and why; where RINGCOMM_TORCHRUN_MPI differs, every rank raises the
-    same error naming each rank's value. Never a hang, nor a world of one."""
+    gloo, told which rank and why; where RINGCOMM_TORCHRUN_MPI differs, or is no yes/no on a
+    rank, every rank raises the same error naming each rank's value ("true" against "1" is no
+    difference). Never a hang, nor a world of one."""
     env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_TORCHRUN_MPI"}
     proc = _torchrun(tmp_path, {**env, "RINGCOMM_LOG_LEVEL": "INFO"}, UNEVEN_SCRIPT,
                      args=(case,))
@@ -383,3 +390,27 @@ def test_ranks_that_differ_take_one_path(tmp_path, subprocess_env, case):
         assert len(chosen) == 2, proc.stderr[-3000:]
         assert all("MPI cannot join them: rank 1: mpi4py.MPI was imported before" in line
                    for line in chosen), chosen
+
+
+APART_SCRIPT = r"""
+import os, time
+import numpy as np
+import ringcomm
+
+comm = ringcomm.init()                      # MPI, joined over ringcomm's PMI server
+assert (comm.backend, comm.size) == ("mpi", 2), comm.backend
+assert comm.allreduce(np.full(300_000, comm.rank + 1.0))[0] == 3.0
+comm.close()
+if comm.rank == 1:
+    time.sleep(12)                          # still at work long after rank 0 is done
+print(f"rank {comm.rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_end_apart_end_well(tmp_path, subprocess_env):
+    """MPI_Finalize waits for the slowest rank however long its work takes, as under mpiexec:
+    rank 1 ends 12 s after rank 0, past the timeout (5 s, which bounds MPI's start only)."""
+    env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "5"}
+    proc = _torchrun(tmp_path, env, APART_SCRIPT)
+    assert "PMI" not in proc.stderr, proc.stderr[-3000:]

@@ -6,8 +6,10 @@ across. Root only; skipped elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,12 +68,15 @@ def test_torchrun_on_two_nodes_joins_one_mpi_world(tmp_path, subprocess_env):
             procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", cluster.namespace(rank), "unshare", "--uts", "sh", "-c",
                  f'hostname {cluster.hostname(rank)} && exec "$@"', "sh", *torchrun],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))
         try:
             outputs = [p.communicate(timeout=180)[0] for p in procs]
         finally:
-            for p in procs:
-                p.kill()
+            for p in procs:  # torchrun, its workers and the PMI server, whatever happened
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
         assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
         sent = [b - a for a, b in zip(before, cluster.tx_bytes(), strict=True)]
     reports = sorted((json.loads(p.read_text()) for p in tmp_path.glob("report_*.json")),

@@ -29,7 +29,7 @@ from ringcomm.backends import pmi_server
 from ringcomm.backends.mpi_process import import_mpi, note_world_joined, world_joined
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env
-from ringcomm.core.types import ArgumentMismatchError
+from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
 
 __all__ = ["FLAG", "join"]
 
@@ -40,7 +40,7 @@ FLAG = "RINGCOMM_TORCHRUN_MPI"
 
 _PREFIX = "ringcomm-mpi-join/"
 _SERVER: list[subprocess.Popen[str]] = []  # rank 0's PMI server
-_CANNOT: list[str] = []  # why the job's processes could not join, once agreed
+_OUTCOME: list[str | Exception] = []  # why the job's processes could not join, once agreed
 
 # Asked in a process of its own: an MPI that cannot start without its launcher (Open MPI's)
 # ends the process that starts it, so this one never loads it before knowing which it is.
@@ -62,29 +62,44 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
         (the same text on every rank), and MPI is not started in any process.
 
     Raises:
+        InvalidArgumentError: ``RINGCOMM_TORCHRUN_MPI`` is not 0 or 1 on some rank (on every
+            rank, naming it).
         ArgumentMismatchError: ``RINGCOMM_TORCHRUN_MPI`` differs between ranks (on every rank).
         RuntimeError: MPI started but its world is not the job's.
+
+    A later call gives the first call's answer (or error) again, without the store.
     """
     if world_joined():
         return None
-    if _CANNOT:  # agreed by every rank before: the same answer again, without the store
-        return _CANNOT[0]
-    flag = env(FLAG) or "1"
-    status = {"flag": flag, "obstacle": _obstacle(flag), "node": _node()}
+    if _OUTCOME:  # agreed by every rank before: the same answer again, without the store
+        if isinstance(_OUTCOME[0], BaseException):
+            raise _OUTCOME[0]
+        return _OUTCOME[0]
+    try:
+        cannot = _join(store, rank, size, timeout)
+    except Exception as err:
+        _OUTCOME.append(err)
+        raise
+    if cannot is not None:
+        _OUTCOME.append(cannot)
+    return cannot
+
+
+def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
+    raw = env(FLAG) or "1"
+    status = {"flag": raw, "obstacle": _obstacle(_switch(raw)), "node": _node()}
     store.set(f"{_PREFIX}status/{rank}", json.dumps(status))
     everyone = [json.loads(_get(store, f"status/{r}")) for r in range(size)]
     _check_flags([s["flag"] for s in everyone])
     obstacles = [s["obstacle"] for s in everyone]
     if any(obstacles):
-        _CANNOT.append(_listed(obstacles))
-        return _CANNOT[0]
+        return _listed(obstacles)
     nodes = [s["node"] for s in everyone]
     if rank == 0:
         store.set(f"{_PREFIX}address", _serve(nodes, timeout))
     address = _get(store, "address")
     if not address:
-        _CANNOT.append("rank 0 could not start ringcomm's PMI server (its log says why)")
-        return _CANNOT[0]
+        return "rank 0 could not start ringcomm's PMI server (its log says why)"
     _start_mpi(address, rank, nodes)
     world = import_mpi().COMM_WORLD
     if (world.Get_rank(), world.Get_size()) != (rank, size):
@@ -102,10 +117,19 @@ def _get(store: Any, key: str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _obstacle(flag: str) -> str:
+def _switch(raw: str) -> bool | None:
+    """``RINGCOMM_TORCHRUN_MPI``'s value as on or off; None for neither."""
+    value = raw.strip().lower()
+    return True if value in _ON else False if value in _OFF else None
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _obstacle(switch: bool | None) -> str:
     """Why this process cannot start MPI as part of the job; empty when it can."""
-    if flag.strip().lower() in ("0", "false", "no", "off"):
-        return f"{FLAG}={flag}"
+    if not switch:
+        return f"{FLAG} is off" if switch is False else f"{FLAG} is not 0 or 1"
     if "mpi4py.MPI" in sys.modules:
         return "mpi4py.MPI was imported before (MPI started as a world of its own)"
     if os.name != "posix":
@@ -127,10 +151,16 @@ def _obstacle(flag: str) -> str:
 
 
 def _check_flags(flags: list[str]) -> None:
-    if len(set(flags)) > 1:
+    """Raise the same error on every rank for a bad ``RINGCOMM_TORCHRUN_MPI`` on any rank, or
+    values that differ between ranks."""
+    bad = [f"rank {r} {raw!r}" for r, raw in enumerate(flags) if _switch(raw) is None]
+    if bad:
+        raise InvalidArgumentError(f"{FLAG} must be 0 or 1 (or true/false, yes/no, on/off), "
+                                   f"got {', '.join(bad)}")
+    if len({_switch(raw) for raw in flags}) > 1:
         raise ArgumentMismatchError(
             f"{FLAG} differs between ranks: " + ", ".join(
-                f"rank {r} {flag!r}" for r, flag in enumerate(flags)))
+                f"rank {r} {raw!r}" for r, raw in enumerate(flags)))
 
 
 def _listed(obstacles: list[str]) -> str:
@@ -150,10 +180,10 @@ def _span(ranks: list[int]) -> str:
 
 
 def _node() -> str:
-    """What tells nodes apart for MPICH's shared memory: the host name, the running kernel and
-    the file system of /dev/shm, where MPICH makes its segments (containers of one host with
-    /dev/shm of their own are nodes apart; they then talk over the network, not shared
-    memory)."""
+    """What tells nodes apart: the host name, the running kernel, the file system of /dev/shm,
+    where MPICH makes its shared-memory segments, and the network namespace (containers of
+    one host with /dev/shm or a network of their own are nodes apart: they then talk over the
+    network)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -163,28 +193,39 @@ def _node() -> str:
         shm = str(os.stat("/dev/shm").st_dev)
     except OSError:
         shm = ""
-    return f"{socket.gethostname()}/{boot}/{shm}"
+    try:  # processes of other network namespaces do not reach this one's loopback
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = ""
+    return f"{socket.gethostname()}/{boot}/{shm}/{net}"
 
 
 def _serve(nodes: list[str], timeout: float) -> str:
     """Start rank 0's PMI server, a process of its own listening where the other processes
-    reach it, and return its address (empty where it did not start). It runs from its file,
-    which imports nothing but the standard library."""
-    host = "127.0.0.1" if len(set(nodes)) == 1 else _routable_address()
-    command = [sys.executable, pmi_server.__file__, "--size", str(len(nodes)),
-               "--mapping", process_mapping(nodes), "--host", host, "--timeout", str(timeout)]
+    reach it, and return its address; empty where it did not start, or where it could listen
+    only on this host's loopback while the job spans several nodes. It runs from its file
+    (``-I``: the standard library alone, which is all it imports)."""
     try:
-        server = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        host = "127.0.0.1" if len(set(nodes)) == 1 else _routable_address()
+        if host.startswith("127.") and len(set(nodes)) > 1:
+            _LOG.warning("ringcomm's PMI server not started: the job spans %d nodes and this "
+                         "host's address is %s (set MASTER_ADDR to an address the other "
+                         "nodes reach)", len(set(nodes)), host)
+            return ""
+        command = [sys.executable, "-I", pmi_server.__file__, "--size", str(len(nodes)),
+                   "--mapping", process_mapping(nodes), "--host", host,
+                   "--timeout", str(timeout), "--parent-id", "0"]
+        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   text=True)
-    except OSError as err:
+        _SERVER.append(server)
+        assert server.stdout is not None
+        address = server.stdout.readline().strip()
+        if not address:
+            _LOG.error("ringcomm's PMI server ended as it started (status %s)", server.wait())
+        return address
+    except Exception as err:  # every rank waits for the address: always publish one
         _LOG.error("ringcomm's PMI server did not start: %s", err)
         return ""
-    _SERVER.append(server)  # its stdin stays open while this process lives
-    assert server.stdout is not None
-    address = server.stdout.readline().strip()
-    if not address:
-        _LOG.error("ringcomm's PMI server ended as it started (status %s)", server.wait())
-    return address
 
 
 def _routable_address(resolve: Callable[[str], str] = socket.gethostbyname) -> str:

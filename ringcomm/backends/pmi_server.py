@@ -10,9 +10,11 @@ run as a script, which imports nothing but the standard library: MPI's start hol
 interpreter's lock of the process that starts it, so the server cannot be a thread there); see
 :mod:`ringcomm.backends.mpi_join` for how the processes find it.
 
-Nothing waits forever: a barrier some rank never reaches within ``timeout``, a connection that
-closes before ``finalize``, or the end of the process that started the server fails every
-waiting process (MPICH then ends with an error), and the server ends.
+Nothing waits forever: a process that does not connect within ``timeout``, a connection that
+closes before ``finalize`` (its process ended), or the end of the process that started the
+server before it connected, fails every waiting process (MPICH then ends with an error), and
+the server ends. Barriers have no timeout, as under Hydra: the one in ``MPI_Finalize`` waits
+for the slowest rank, however long its work takes.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ __all__ = ["PMIServer", "process_mapping"]
 
 _LOG = logging.getLogger("ringcomm.pmi")
 
-#: Seconds the server waits for the others' ``finalize`` once the process that started it ended.
-_FINALIZE_WAIT_S = 10.0
+#: Seconds between looks at whether the process that started the server still lives.
+_PARENT_POLL_S = 1.0
 
 
 def process_mapping(nodes: Sequence[str]) -> str:
@@ -69,8 +71,8 @@ class PMIServer:
         size: how many processes will connect.
         mapping: ``PMI_process_mapping`` (:func:`process_mapping`).
         host: the address to listen on (one the other processes reach).
-        timeout: seconds a barrier waits for every process, and the server for every
-            process to connect, before every waiting process is failed.
+        timeout: seconds the server waits for every process to connect before every
+            waiting process is failed.
     """
 
     def __init__(self, size: int, mapping: str, host: str, timeout: float) -> None:
@@ -103,12 +105,17 @@ class PMIServer:
             return self._cond.wait_for(lambda: len(self._finished) == self.size
                                        or self._failure is not None, timeout)
 
+    def connected(self, pmi_id: int) -> bool:
+        """Whether process ``pmi_id`` has connected."""
+        with self._cond:
+            return pmi_id in self._ids
+
     def fail(self, why: str) -> None:
         """Fail the job's PMI: every waiting process, and every later request, gets ``why``."""
         with self._cond:
             if self._failure is None:
                 self._failure = why
-                _LOG.warning("MPI's start over ringcomm's PMI server failed: %s", why)
+                _LOG.warning("ringcomm's PMI server ends the job's MPI: %s", why)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ connections
@@ -121,6 +128,7 @@ class PMIServer:
             except TimeoutError:
                 self.fail(f"{self.size - accepted} of {self.size} processes did not connect "
                           f"within {self._timeout:g} s")
+                self._listener.close()
                 return
             except OSError:  # closed
                 return
@@ -135,7 +143,8 @@ class PMIServer:
         pmi_id: int | None = None
         with conn, conn.makefile("rb") as lines:
             for raw in lines:
-                fields = dict(f.split("=", 1) for f in raw.decode().split() if "=" in f)
+                fields = dict(f.split("=", 1) for f in raw.decode(errors="replace").split()
+                              if "=" in f)
                 command = fields.get("cmd", "")
                 if command == "initack":
                     pmi_id = self._initack(fields.get("pmiid", ""))
@@ -149,6 +158,8 @@ class PMIServer:
                     conn.sendall("".join(r + "\n" for r in replies).encode())
                 except OSError:
                     break
+                if command == "finalize":  # answered: now it may count as done
+                    self._finalize(pmi_id)
                 if command in ("finalize", "abort"):
                     return
         if pmi_id is not None and pmi_id not in self._finished:
@@ -196,7 +207,6 @@ class PMIServer:
                 return "cmd=barrier_out rc=0"
             return f"cmd=barrier_out rc=1 msg={_word(failure)}"
         if command == "finalize":
-            self._finalize(pmi_id)
             return "cmd=finalize_ack rc=0"
         if command == "abort":
             self.fail(f"rank {pmi_id} called MPI_Abort")
@@ -214,15 +224,10 @@ class PMIServer:
                 self._arrived, self._generation = 0, generation + 1
                 self._cond.notify_all()
                 return None
-            deadline = time.monotonic() + self._timeout
-            while self._generation == generation and self._failure is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._failure = (f"a PMI barrier waited {self._timeout:g} s for "
-                                     f"{self.size - self._arrived} of {self.size} processes")
-                    self._cond.notify_all()
-                    break
-                self._cond.wait(left)
+            # No timeout: MPI_Finalize's barrier waits for the slowest rank's work, however
+            # long (as under Hydra); a process that ends fails it through its connection.
+            self._cond.wait_for(lambda: self._generation != generation
+                                or self._failure is not None)
             return None if self._generation != generation else self._failure
 
     def _finalize(self, pmi_id: int | None) -> None:
@@ -238,27 +243,31 @@ def _word(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Serve one job: print the address, then serve until every process has finalized, the job
-    failed, or (after the process that started the server closed its stdin) a grace period."""
+    """Serve one job: print the address, then serve until every process has finalized or the
+    job failed (also when the process that started the server ends before it connected)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--mapping", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--timeout", type=float, required=True)
-    parser.add_argument("--grace", type=float, default=_FINALIZE_WAIT_S,
-                        help="seconds left to the others once the starting process ended")
+    parser.add_argument("--parent-id", type=int, default=0,
+                        help="the PMI_ID of the process that starts the server")
     args = parser.parse_args(argv)
     server = PMIServer(args.size, args.mapping, args.host, args.timeout)
     print(server.address, flush=True)
+    parent = os.getppid()
 
     def watch_parent() -> None:
-        sys.stdin.read()  # returns when the process that started the server ends
-        if not server.wait(args.grace):
-            server.fail("the process of rank 0, which started the PMI server, ended")
+        # Once it connected, its connection tells when it ends; before, only this does.
+        while not server.wait(_PARENT_POLL_S):
+            if os.getppid() != parent and not server.connected(args.parent_id):
+                server.fail("the process that started the PMI server ended before it "
+                            "connected")
 
     threading.Thread(target=watch_parent, daemon=True).start()
     server.wait()
-    time.sleep(0.5)  # the last answers leave before the process ends
+    server.close()
+    time.sleep(0.2)  # the last answers leave before the process ends
     return 0 if server.failure is None else 1
 
 
