@@ -206,3 +206,27 @@ def test_the_server_ends_when_its_starter_ends_before_connecting(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_abort_tells_every_lifeline_to_end_with_its_status():
+    """MPICH's MPI_Abort returns after telling its launcher; the launcher ends the job. Every
+    process's lifeline (ringcomm's second connection) is told to end, with the abort's status;
+    a lifeline that connects after the job failed is told at once."""
+    server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
+    clients = [Client(server.address) for _ in range(2)]
+    lifelines = [Client(server.address) for _ in range(2)]
+    for i, c in enumerate(clients):
+        c.start(i)
+        lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    time.sleep(0.3)                                   # the server has taken both lifelines
+    clients[1].send("cmd=abort exitcode=3 message=boom")
+    for lifeline in lifelines:
+        told = lifeline.read()
+        assert (told["cmd"], told["code"]) == ("die", "3"), told
+        assert "rank%201%20called%20MPI_Abort%20with%20status%203" == told["msg"], told
+    late = Client(server.address)
+    late.send("cmd=lifeline pmiid=0")
+    assert late.read()["cmd"] == "die"
+    for c in (*clients, *lifelines, late):
+        c.close()
+    server.close()

@@ -414,3 +414,42 @@ def test_ranks_that_end_apart_end_well(tmp_path, subprocess_env):
     env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "5"}
     proc = _torchrun(tmp_path, env, APART_SCRIPT)
     assert "PMI" not in proc.stderr, proc.stderr[-3000:]
+
+
+ABORT_SCRIPT = r"""
+import time
+import numpy as np
+import ringcomm
+
+comm = ringcomm.init(abort_on_exception=False)
+assert comm.backend == "mpi", comm.backend
+if comm.rank == 1:
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(3)                 # MPICH returns here: the launcher ends the job
+    time.sleep(1)
+    print("rank 1 went on after MPI_Abort", flush=True)
+comm.allreduce(np.ones(300_000))            # rank 0 waits for rank 1, which never comes
+print("rank 0 went on", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_abort_ends_every_rank_as_mpiexec_would(tmp_path, subprocess_env):
+    """MPI_Abort(3) on rank 1 ends both processes at once, with status 3, as mpiexec ends a
+    job (MPICH's MPI_Abort returns, leaving that to its launcher): rank 1 goes no further,
+    and rank 0 does not wait in its collective for the timeout (300 s here)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(ABORT_SCRIPT)
+    env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "300"}
+    start = time.monotonic()
+    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+                       timeout=110, env=env)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "went on" not in proc.stdout, proc.stdout
+    ended = [line for line in proc.stderr.splitlines() if "ending this process" in line]
+    assert len(ended) == 2, proc.stderr[-3000:]
+    assert all("rank 1 called MPI_Abort with status 3; ending this process (exit status 3)"
+               in line for line in ended), ended

@@ -22,6 +22,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +102,7 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
     address = _get(store, "address")
     if not address:
         return "rank 0 could not start ringcomm's PMI server (its log says why)"
+    _lifeline(address, rank, timeout)
     _start_mpi(address, rank, nodes)
     world = import_mpi().COMM_WORLD
     if (world.Get_rank(), world.Get_size()) != (rank, size):
@@ -242,6 +245,40 @@ def _routable_address(resolve: Callable[[str], str] = socket.gethostbyname) -> s
         except OSError:
             pass
     return resolve(socket.gethostname())
+
+
+def _lifeline(address: str, rank: int, timeout: float) -> None:
+    """Connect to the server a second time and end this process when it says so: where a
+    process aborts (MPICH's MPI_Abort returns, leaving it to the launcher to end the job),
+    ends before MPI_Finalize, or the server itself is gone, every process ends, as mpiexec
+    ends every process of such a job."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.settimeout(None)
+    sock.sendall(f"cmd=lifeline pmiid={rank}\n".encode())
+    threading.Thread(target=_watch, args=(sock,), name="ringcomm-lifeline", daemon=True).start()
+
+
+def _watch(sock: socket.socket) -> None:
+    with sock, sock.makefile("rb") as lines:
+        for raw in lines:
+            fields = dict(f.split("=", 1) for f in raw.decode(errors="replace").split()
+                          if "=" in f)
+            if fields.get("cmd") == "bye":
+                return
+            if fields.get("cmd") == "die":
+                code = int(fields.get("code", "1")) if fields.get("code", "").isdigit() else 1
+                _end(code, urllib.parse.unquote(fields.get("msg", "")))
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_finalized():
+        return
+    _end(1, "the job's PMI server (a process of rank 0's) is gone")
+
+
+def _end(code: int, why: str) -> None:
+    os.write(2, f"ringcomm: {why}; ending this process (exit status {code}), as mpiexec "
+                f"ends every process of such a job\n".encode())
+    os._exit(code)
 
 
 def _start_mpi(address: str, rank: int, nodes: list[str]) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 from ringcomm.core import launch
 
-__all__ = ["cores", "import_mpi", "install_abort_hook", "mpi_world_is_job", "note_world_joined",
-           "world_joined", "world_numbers_alike", "yield_when_oversubscribed"]
+__all__ = ["abort", "cores", "import_mpi", "install_abort_hook", "mpi_world_is_job",
+           "note_world_joined", "world_joined", "world_numbers_alike",
+           "yield_when_oversubscribed"]
 
 _JOINED: list[bool] = []  # set once MPI started over ringcomm's PMI server (mpi_join)
 
@@ -67,6 +68,15 @@ def import_mpi() -> Any:
     return MPI
 
 
+def abort(comm: Any, code: int) -> None:
+    """``MPI_Abort`` on ``comm``, then the end of this process where MPI started over
+    ringcomm's PMI server: MPICH's MPI_Abort returns there, leaving the launcher to end the job
+    (the server tells every other process to end; this one ends at once)."""
+    comm.Abort(code)
+    if world_joined():
+        os._exit(code)
+
+
 def world_numbers_alike(rank: int, size: int) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
@@ -111,7 +121,7 @@ def install_abort_hook() -> None:
             from mpi4py import MPI
 
             if MPI.Is_initialized() and not MPI.Is_finalized():
-                MPI.COMM_WORLD.Abort(1)
+                abort(MPI.COMM_WORLD, 1)
         except Exception:
             pass
 

@@ -10,9 +10,15 @@ run as a script, which imports nothing but the standard library: MPI's start hol
 interpreter's lock of the process that starts it, so the server cannot be a thread there); see
 :mod:`ringcomm.backends.mpi_join` for how the processes find it.
 
+Each process also keeps a second connection of ringcomm's own, its lifeline
+(``cmd=lifeline``): Hydra ends every process of a job where one calls MPI_Abort (MPICH's
+MPI_Abort returns, leaving that to its launcher) or ends before MPI_Finalize, and so does this
+server, telling each lifeline to end its process (``cmd=die``, with the abort's status), or,
+once every process has finalized, that all is well (``cmd=bye``).
+
 Nothing waits forever: a process that does not connect within ``timeout``, a connection that
-closes before ``finalize`` (its process ended), or the end of the process that started the
-server before it connected, fails every waiting process (MPICH then ends with an error), and
+closes before ``finalize`` (its process ended), an abort, or the end of the process that
+started the server before it connected, fails the job (every process is told to end), and
 the server ends. Barriers have no timeout, as under Hydra: the one in ``MPI_Finalize`` waits
 for the slowest rank, however long its work takes.
 """
@@ -20,6 +26,7 @@ for the slowest rank, however long its work takes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -27,7 +34,9 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["PMIServer", "process_mapping"]
 
@@ -35,6 +44,8 @@ _LOG = logging.getLogger("ringcomm.pmi")
 
 #: Seconds between looks at whether the process that started the server still lives.
 _PARENT_POLL_S = 1.0
+#: Seconds between looks, while no process connects, at whether the connect deadline passed.
+_ACCEPT_POLL_S = 0.5
 
 
 def process_mapping(nodes: Sequence[str]) -> str:
@@ -86,6 +97,7 @@ class PMIServer:
         self._ids: set[int] = set()
         self._finished: set[int] = set()
         self._failure: str | None = None
+        self._lifelines: list[socket.socket] = []  # see _lifeline
         self._listener = socket.create_server((host, 0), backlog=max(size, 8))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, name="ringcomm-pmi", daemon=True).start()
@@ -110,34 +122,49 @@ class PMIServer:
         with self._cond:
             return pmi_id in self._ids
 
-    def fail(self, why: str) -> None:
-        """Fail the job's PMI: every waiting process, and every later request, gets ``why``."""
+    def fail(self, why: str, code: int = 1) -> None:
+        """Fail the job: every waiting process, and every later request, gets ``why``, and
+        every process with a lifeline is told to end with status ``code`` (as Hydra ends
+        every process of a job where one aborts, or ends before MPI_Finalize)."""
         with self._cond:
             if self._failure is None:
                 self._failure = why
-                _LOG.warning("ringcomm's PMI server ends the job's MPI: %s", why)
+                _LOG.warning("ringcomm's PMI server ends the job: %s", why)
+                self._tell(f"cmd=die code={code} msg={urllib.parse.quote(why)}")
             self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Tell every lifeline the job ended well (its process may end as it likes)."""
+        with self._cond:
+            self._tell("cmd=bye")
+
+    def _tell(self, line: str) -> None:
+        for lifeline in self._lifelines:
+            with contextlib.suppress(OSError):
+                lifeline.sendall((line + "\n").encode())
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
-        accepted = 0
-        self._listener.settimeout(self._timeout)
-        while accepted < self.size:
+        deadline = time.monotonic() + self._timeout
+        self._listener.settimeout(_ACCEPT_POLL_S)
+        while True:
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
-                self.fail(f"{self.size - accepted} of {self.size} processes did not connect "
-                          f"within {self._timeout:g} s")
-                self._listener.close()
-                return
+                with self._cond:
+                    missing = self.size - len(self._ids)
+                if missing and time.monotonic() > deadline:
+                    self.fail(f"{missing} of {self.size} processes did not connect within "
+                              f"{self._timeout:g} s")
+                    self._listener.close()
+                    return
+                continue
             except OSError:  # closed
                 return
             conn.settimeout(None)
-            accepted += 1
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="ringcomm-pmi",
                              daemon=True).start()
-        self._listener.close()
 
     def _serve(self, conn: socket.socket) -> None:
         pmi_id: int | None = None
@@ -146,6 +173,9 @@ class PMIServer:
                 fields = dict(f.split("=", 1) for f in raw.decode(errors="replace").split()
                               if "=" in f)
                 command = fields.get("cmd", "")
+                if command == "lifeline":
+                    self._lifeline(conn, lines)
+                    return
                 if command == "initack":
                     pmi_id = self._initack(fields.get("pmiid", ""))
                     if pmi_id is None:
@@ -165,6 +195,19 @@ class PMIServer:
         if pmi_id is not None and pmi_id not in self._finished:
             self.fail(f"the process of rank {pmi_id} ended its connection before "
                        "MPI_Finalize (it exited, or its MPI start failed)")
+
+    def _lifeline(self, conn: socket.socket, lines: Any) -> None:
+        """A process's second connection, ringcomm's own: the server writes on it when the
+        process must end (``cmd=die``, MPICH's MPI_Abort returns and expects its launcher to
+        end the job) or may stop listening (``cmd=bye``)."""
+        with self._cond:
+            self._lifelines.append(conn)
+            if self._failure is not None:  # too late: the job has failed
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"cmd=die code=1 msg={urllib.parse.quote(self._failure)}\n"
+                                 .encode())
+        for _ in lines:  # until the process ends
+            pass
 
     def _initack(self, raw: str) -> int | None:
         try:
@@ -209,7 +252,11 @@ class PMIServer:
         if command == "finalize":
             return "cmd=finalize_ack rc=0"
         if command == "abort":
-            self.fail(f"rank {pmi_id} called MPI_Abort")
+            try:
+                code = int(fields.get("exitcode", "1"))
+            except ValueError:
+                code = 1
+            self.fail(f"rank {pmi_id} called MPI_Abort with status {code}", code)
             return "cmd=abort_ack rc=0"
         _LOG.warning("PMI request not supported under ringcomm's PMI server: %s", command)
         return f"cmd={command}_result rc=1 msg=not_supported_by_ringcomm"
@@ -266,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threading.Thread(target=watch_parent, daemon=True).start()
     server.wait()
+    if server.failure is None:
+        server.finish()
     server.close()
     time.sleep(0.2)  # the last answers leave before the process ends
     return 0 if server.failure is None else 1
