@@ -1,4 +1,4 @@
-"""One MPI world for processes that no MPI launcher started (torchrun, Lightning's launcher):
+"""One MPI world for processes that no MPI launcher started (torchrun, ``accelerate launch``):
 MPICH started in each of them against ringcomm's own PMI server.
 
 Under mpiexec every process gets its place in MPI's world from the launcher. torchrun starts
@@ -6,7 +6,8 @@ the same processes without one, and MPI started alone is a world of one. :func:`
 MPI what mpiexec would have: rank 0 answers MPICH's start-up questions
 (:class:`~ringcomm.backends.pmi_server.PMIServer`), every process learns its address through
 torch.distributed's rendezvous store, and ``MPI_Init`` then makes one world of the job, with
-shared memory between the processes of a node. ringcomm's MPI backend, faster than gloo at
+shared memory between the processes of a node; each process's lifeline to the server ends it
+where the job fails (an abort, a process gone), as mpiexec ends a failed job. ringcomm's MPI backend, faster than gloo at
 every size, then runs under torchrun as under mpiexec.
 
 It is all or nothing, and the same on every rank: each process first says whether it can
