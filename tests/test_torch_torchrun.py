@@ -206,6 +206,20 @@ def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
     return proc
 
 
+def _torchrun_failing(tmp_path: Path, env: dict[str, str], script: str
+                      ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``script`` in 2 processes under torchrun, which may fail; the run and its time."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    start = time.monotonic()
+    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
+                       timeout=110, env=env)
+    return proc, time.monotonic() - start
+
+
 _TRANSPORTS = pytest.mark.parametrize("transport", ["mpi", "gloo"])
 
 
@@ -278,16 +292,8 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
     """A rank stuck outside the collective: with abort_on_timeout=False the wait raises
     CollectiveTimeoutError naming the collective and the step after the timeout; by default
     the process ends (status 1, the reason on stderr), and torchrun ends the job."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
-    path = tmp_path / "job.py"
-    path.write_text(TIMEOUT_SCRIPT)
     env = {**_on("gloo", subprocess_env), "RINGCOMM_TIMEOUT": "3"}
-    start = time.monotonic()
-    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
-                       timeout=110, env=env)
-    wall = time.monotonic() - start
+    proc, wall = _torchrun_failing(tmp_path, env, TIMEOUT_SCRIPT)
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "unreachable" not in proc.stdout
     report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
@@ -438,16 +444,9 @@ def test_an_abort_ends_every_rank_as_mpiexec_would(tmp_path, subprocess_env):
     """MPI_Abort(3) on rank 1 ends both processes at once, with status 3, as mpiexec ends a
     job (MPICH's MPI_Abort returns, leaving that to its launcher): rank 1 goes no further,
     and rank 0 does not wait in its collective for the timeout (300 s here)."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
-    path = tmp_path / "job.py"
-    path.write_text(ABORT_SCRIPT)
     env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "300"}
-    start = time.monotonic()
-    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
-                       timeout=110, env=env)
-    assert proc.returncode != 0 and time.monotonic() - start < 60
+    proc, wall = _torchrun_failing(tmp_path, env, ABORT_SCRIPT)
+    assert proc.returncode != 0 and wall < 60
     assert "went on" not in proc.stdout, proc.stdout
     ended = [line for line in proc.stderr.splitlines() if "ending this process" in line]
     assert len(ended) == 2, proc.stderr[-3000:]
