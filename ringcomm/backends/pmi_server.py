@@ -104,7 +104,8 @@ class PMIServer:
 
     @property
     def failure(self) -> str | None:
-        """Why the job's PMI failed (a process gone, a barrier timed out), or None."""
+        """Why the job failed (a process gone before MPI_Finalize, an abort, processes that
+        did not connect in time), or None."""
         return self._failure
 
     def close(self) -> None:
