@@ -7,8 +7,8 @@ MPI what mpiexec would have: rank 0 answers MPICH's start-up questions
 (:class:`~ringcomm.backends.pmi_server.PMIServer`), every process learns its address through
 torch.distributed's rendezvous store, and ``MPI_Init`` then makes one world of the job, with
 shared memory between the processes of a node; each process's lifeline to the server ends it
-where the job fails (an abort, a process gone), as mpiexec ends a failed job. ringcomm's MPI backend, faster than gloo at
-every size, then runs under torchrun as under mpiexec.
+where the job fails (an abort, a process gone), as mpiexec ends a failed job. ringcomm's MPI
+backend, faster than gloo at every size, then runs under torchrun as under mpiexec.
 
 It is all or nothing, and the same on every rank: each process first says whether it can
 (mpi4py over MPICH, MPI not yet started in it, ``RINGCOMM_TORCHRUN_MPI`` not 0), and unless
