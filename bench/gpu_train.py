@@ -9,7 +9,8 @@ gloo between them, as torchrun sets it up) trains the same model on the same syn
 once per variant: DDP with no hook (its own allreduce), PyTorch's fp16 and PowerSGD hooks, and
 ringcomm's hook uncompressed (through pinned host copies, and piece by piece as before them),
 with Int8, TopK and PowerSGD, and with compression="auto". ringcomm's communicator is the one
-of ``ringcomm.torch.init()``, as a torchrun user gets it. Each variant's step time is the
+of ``ringcomm.torch.init()``, as a torchrun user gets it (MPI where the processes can join
+one MPI world, else gloo; the table says which). Each variant's step time is the
 median of ``--steps`` steps after ``--warmup``, with its quartiles; the parameters after
 training are digested (SHA-256) on every rank: identical on all ranks, and, for uncompressed
 variants, bit-identical to DDP's own.
@@ -188,6 +189,8 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
             step(i)
     gc.collect()
     extra = {"settle_steps": settled, "auto": _auto_choices(state)} if settle else {}
+    if state is not None:  # MPI where torchrun's processes joined one MPI world, else gloo
+        extra["communicator"] = state.comm.backend
     return {"times": times, "digest": digest, "finite": bool(torch.isfinite(flat).all()),
             **extra}
 
@@ -285,7 +288,8 @@ def worker(args: Any) -> int:
             "finite": all(g["finite"] for g, _ in everyone),
             "same_as_ddp": None if reference is None else everyone[0][0]["digest"] == reference,
             "digest": everyone[0][0]["digest"][:16],
-            **{k: everyone[0][0][k] for k in ("settle_steps", "auto") if k in everyone[0][0]}})
+            **{k: everyone[0][0][k] for k in ("settle_steps", "auto", "communicator")
+               if k in everyone[0][0]}})
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -319,7 +323,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           else "differ from DDP default's")
             else:
                 params = "identical on all ranks"
-            lines.append(f"| {r['variant']} | {r['ms']:.1f} [{r['q1']:.1f}-{r['q3']:.1f}] "
+            over = f" (over {r['communicator']})" if "communicator" in r else ""
+            lines.append(f"| {r['variant']}{over} | {r['ms']:.1f} [{r['q1']:.1f}-{r['q3']:.1f}] "
                          f"| {ratio} | {params} `{r['digest']}` |")
         lines.append("")
         for r in rows:
