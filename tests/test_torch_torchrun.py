@@ -369,8 +369,8 @@ except ArgumentMismatchError as err:
                         "'0'"), err
 except InvalidArgumentError as err:
     assert case == "bad", err
-    assert str(err) == ("RINGCOMM_TORCHRUN_MPI must be 0 or 1 (or true/false, yes/no, on/off), "
-                        "got rank 1 'maybe'"), err
+    assert str(err) == ("RINGCOMM_TORCHRUN_MPI must be 0, 1 (or true/false, yes/no, on/off) "
+                        "or auto, got rank 1 'maybe'"), err
 else:
     expected = "gloo" if case == "imported" else "mpi"     # "true" is on, as "1" is
     assert case in ("imported", "spelled")
@@ -388,9 +388,8 @@ def test_ranks_that_differ_take_one_path(tmp_path, subprocess_env, case):
     gloo, told which rank and why; where RINGCOMM_TORCHRUN_MPI differs, or is no yes/no on a
     rank, every rank raises the same error naming each rank's value ("true" against "1" is no
     difference). Never a hang, nor a world of one."""
-    env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_TORCHRUN_MPI"}
-    proc = _torchrun(tmp_path, {**env, "RINGCOMM_LOG_LEVEL": "INFO"}, UNEVEN_SCRIPT,
-                     args=(case,))
+    env = {**subprocess_env, "RINGCOMM_TORCHRUN_MPI": "1", "RINGCOMM_LOG_LEVEL": "INFO"}
+    proc = _torchrun(tmp_path, env, UNEVEN_SCRIPT, args=(case,))
     if case == "imported":
         chosen = [line for line in proc.stderr.splitlines() if "backend gloo (auto:" in line]
         assert len(chosen) == 2, proc.stderr[-3000:]
@@ -452,3 +451,24 @@ def test_an_abort_ends_every_rank_as_mpiexec_would(tmp_path, subprocess_env):
     assert len(ended) == 2, proc.stderr[-3000:]
     assert all("rank 1 called MPI_Abort with status 3; ending this process (exit status 3)"
                in line for line in ended), ended
+
+
+AUTO_SCRIPT = r"""
+import os
+import torch
+import ringcomm
+
+comm = ringcomm.init()
+gpu = torch.cuda.is_available()
+assert comm.backend == ("gloo" if gpu else "mpi"), (comm.backend, gpu)
+print(f"rank {comm.rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_auto_joins_where_no_gpu_is_seen(tmp_path, subprocess_env):
+    """RINGCOMM_TORCHRUN_MPI unset ("auto"): torchrun's processes join one MPI world where
+    PyTorch sees no GPU; where it sees one they keep gloo (whose GPU path is the measured one),
+    saying so."""
+    env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_TORCHRUN_MPI"}
+    _torchrun(tmp_path, {**env, "RINGCOMM_LOG_LEVEL": "INFO"}, AUTO_SCRIPT)

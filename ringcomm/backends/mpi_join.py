@@ -11,8 +11,10 @@ where the job fails (an abort, a process gone), as mpiexec ends a failed job. ri
 backend, faster than gloo at every size, then runs under torchrun as under mpiexec.
 
 It is all or nothing, and the same on every rank: each process first says whether it can
-(mpi4py over MPICH, MPI not yet started in it, ``RINGCOMM_TORCHRUN_MPI`` not 0), and unless
-every one can, none starts MPI and the caller keeps gloo, told why.
+(mpi4py over MPICH, MPI not yet started in it, ``RINGCOMM_TORCHRUN_MPI`` not 0, and with it
+unset or "auto" no GPU visible to PyTorch: the GPU path under torchrun is measured over gloo,
+and 1 joins GPU jobs too), and unless every one can, none starts MPI and the caller keeps
+gloo, told why.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ __all__ = ["FLAG", "join"]
 
 _LOG = logging.getLogger("ringcomm.init")
 
-#: ``RINGCOMM_TORCHRUN_MPI=0`` keeps torchrun's processes on gloo.
+#: ``RINGCOMM_TORCHRUN_MPI``: 0 keeps torchrun's processes on gloo, 1 joins them into one MPI
+#: world, auto (the default) joins them where PyTorch sees no GPU.
 FLAG = "RINGCOMM_TORCHRUN_MPI"
 
 _PREFIX = "ringcomm-mpi-join/"
@@ -65,8 +68,8 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
         (the same text on every rank), and MPI is not started in any process.
 
     Raises:
-        InvalidArgumentError: ``RINGCOMM_TORCHRUN_MPI`` is not 0 or 1 on some rank (on every
-            rank, naming it).
+        InvalidArgumentError: ``RINGCOMM_TORCHRUN_MPI`` is not 0, 1 or auto on some rank (on
+            every rank, naming it).
         ArgumentMismatchError: ``RINGCOMM_TORCHRUN_MPI`` differs between ranks (on every rank).
         RuntimeError: MPI started but its world is not the job's.
 
@@ -89,7 +92,7 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
 
 
 def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
-    raw = env(FLAG) or "1"
+    raw = env(FLAG) or "auto"
     status = {"flag": raw, "obstacle": _obstacle(_switch(raw)), "node": _node()}
     store.set(f"{_PREFIX}status/{rank}", json.dumps(status))
     everyone = [json.loads(_get(store, f"status/{r}")) for r in range(size)]
@@ -121,19 +124,23 @@ def _get(store: Any, key: str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _switch(raw: str) -> bool | None:
-    """``RINGCOMM_TORCHRUN_MPI``'s value as on or off; None for neither."""
+def _switch(raw: str) -> str | None:
+    """``RINGCOMM_TORCHRUN_MPI``'s value: "on", "off" or "auto"; None for none of them."""
     value = raw.strip().lower()
-    return True if value in _ON else False if value in _OFF else None
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "auto" if value == "auto" else None
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _obstacle(switch: bool | None) -> str:
+def _obstacle(switch: str | None) -> str:
     """Why this process cannot start MPI as part of the job; empty when it can."""
-    if not switch:
-        return f"{FLAG} is off" if switch is False else f"{FLAG} is not 0 or 1"
+    if switch != "on" and switch != "auto":
+        return f"{FLAG} is off" if switch == "off" else f"{FLAG} is not 0, 1 or auto"
+    if switch == "auto" and _cuda_visible():
+        return (f"a GPU is visible ({FLAG}=auto keeps GPU jobs on gloo, whose GPU path is "
+                "the measured one; 1 joins them)")
     if "mpi4py.MPI" in sys.modules:
         return "mpi4py.MPI was imported before (MPI started as a world of its own)"
     if os.name != "posix":
@@ -154,13 +161,22 @@ def _obstacle(switch: bool | None) -> str:
     return ""
 
 
+def _cuda_visible() -> bool:
+    """Whether PyTorch, where this process imported it, sees a CUDA device."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:  # a broken CUDA set-up: not a GPU job's path either
+        return False
+
+
 def _check_flags(flags: list[str]) -> None:
     """Raise the same error on every rank for a bad ``RINGCOMM_TORCHRUN_MPI`` on any rank, or
     values that differ between ranks."""
     bad = [f"rank {r} {raw!r}" for r, raw in enumerate(flags) if _switch(raw) is None]
     if bad:
-        raise InvalidArgumentError(f"{FLAG} must be 0 or 1 (or true/false, yes/no, on/off), "
-                                   f"got {', '.join(bad)}")
+        raise InvalidArgumentError(f"{FLAG} must be 0, 1 (or true/false, yes/no, on/off) or "
+                                   f"auto, got {', '.join(bad)}")
     if len({_switch(raw) for raw in flags}) > 1:
         raise ArgumentMismatchError(
             f"{FLAG} differs between ranks: " + ", ".join(
