@@ -109,7 +109,6 @@ def _mpi_world_size() -> int | None:
     if not mpi_world_is_job():
         return None if importlib.util.find_spec("mpi4py") is None else 1
     try:
-
         return int(import_mpi().COMM_WORLD.Get_size())
     except RuntimeError:
         return None
