@@ -447,8 +447,10 @@ def test_an_abort_ends_every_rank_as_mpiexec_would(tmp_path, subprocess_env):
     proc, wall = _torchrun_failing(tmp_path, env, ABORT_SCRIPT)
     assert proc.returncode != 0 and wall < 60
     assert "went on" not in proc.stdout, proc.stdout
+    # Rank 1 ends on the server's word; rank 0 on it too, or on torchrun's SIGTERM if that
+    # came first (a loaded machine), never after the timeout.
     ended = [line for line in proc.stderr.splitlines() if "ending this process" in line]
-    assert len(ended) == 2, proc.stderr[-3000:]
+    assert 1 <= len(ended) <= 2, proc.stderr[-3000:]
     assert all("rank 1 called MPI_Abort with status 3; ending this process (exit status 3)"
                in line for line in ended), ended
 
