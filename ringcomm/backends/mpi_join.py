@@ -27,13 +27,12 @@ import subprocess
 import sys
 import threading
 import urllib.parse
-from collections.abc import Callable
 from typing import Any
 
 from ringcomm.backends import pmi_server
 from ringcomm.backends.mpi_process import import_mpi, note_world_joined, world_joined
 from ringcomm.backends.pmi_server import process_mapping
-from ringcomm.core.env import env
+from ringcomm.core.env import env, flag_value
 from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
 
 __all__ = ["FLAG", "join"]
@@ -126,12 +125,10 @@ def _get(store: Any, key: str) -> str:
 
 def _switch(raw: str) -> str | None:
     """``RINGCOMM_TORCHRUN_MPI``'s value: "on", "off" or "auto"; None for none of them."""
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return "on"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    return "auto" if value == "auto" else None
+    if raw.strip().lower() == "auto":
+        return "auto"
+    value = flag_value(raw)
+    return None if value is None else "on" if value else "off"
 
 
 def _obstacle(switch: str | None) -> str:
@@ -226,11 +223,12 @@ def _serve(nodes: list[str], timeout: float) -> str:
     only on this host's loopback while the job spans several nodes. It runs from its file
     (``-I``: the standard library alone, which is all it imports)."""
     try:
-        host = "127.0.0.1" if len(set(nodes)) == 1 else _routable_address()
-        if host.startswith("127.") and len(set(nodes)) > 1:
+        spanned = len(set(nodes))
+        host = "127.0.0.1" if spanned == 1 else _routable_address()
+        if host.startswith("127.") and spanned > 1:
             _LOG.warning("ringcomm's PMI server not started: the job spans %d nodes and this "
                          "host's address is %s (set MASTER_ADDR to an address the other "
-                         "nodes reach)", len(set(nodes)), host)
+                         "nodes reach)", spanned, host)
             return ""
         command = [sys.executable, "-I", pmi_server.__file__, "--size", str(len(nodes)),
                    "--mapping", process_mapping(nodes), "--host", host,
@@ -248,20 +246,20 @@ def _serve(nodes: list[str], timeout: float) -> str:
         return ""
 
 
-def _routable_address(resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+def _routable_address() -> str:
     """This host's address on the route to the rendezvous store (``MASTER_ADDR``), else its
     host name's address."""
     master = os.environ.get("MASTER_ADDR")
     if master:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((resolve(master), 9))  # no packet: a route lookup
+                probe.connect((socket.gethostbyname(master), 9))  # no packet: a route lookup
                 address = probe.getsockname()[0]
             if not address.startswith("127."):
                 return str(address)
         except OSError:
             pass
-    return resolve(socket.gethostname())
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _lifeline(address: str, rank: int, timeout: float) -> None:
@@ -279,8 +277,7 @@ def _lifeline(address: str, rank: int, timeout: float) -> None:
 def _watch(sock: socket.socket) -> None:
     with sock, sock.makefile("rb") as lines:
         for raw in lines:
-            fields = dict(f.split("=", 1) for f in raw.decode(errors="replace").split()
-                          if "=" in f)
+            fields = pmi_server.parse(raw)
             if fields.get("cmd") == "bye":
                 return
             if fields.get("cmd") == "die":

@@ -38,7 +38,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PMIServer", "process_mapping"]
+__all__ = ["PMIServer", "parse", "process_mapping"]
 
 _LOG = logging.getLogger("ringcomm.pmi")
 
@@ -46,6 +46,11 @@ _LOG = logging.getLogger("ringcomm.pmi")
 _PARENT_POLL_S = 1.0
 #: Seconds between looks, while no process connects, at whether the connect deadline passed.
 _ACCEPT_POLL_S = 0.5
+
+
+def parse(line: bytes) -> dict[str, str]:
+    """The ``key=value`` fields of one line of the wire protocol."""
+    return dict(f.split("=", 1) for f in line.decode(errors="replace").split() if "=" in f)
 
 
 def process_mapping(nodes: Sequence[str]) -> str:
@@ -97,6 +102,7 @@ class PMIServer:
         self._ids: set[int] = set()
         self._finished: set[int] = set()
         self._failure: str | None = None
+        self._die = ""  # what every lifeline is told once the job failed
         self._lifelines: list[socket.socket] = []  # see _lifeline
         self._listener = socket.create_server((host, 0), backlog=max(size, 8))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -131,7 +137,8 @@ class PMIServer:
             if self._failure is None:
                 self._failure = why
                 _LOG.warning("ringcomm's PMI server ends the job: %s", why)
-                self._tell(f"cmd=die code={code} msg={urllib.parse.quote(why)}")
+                self._die = f"cmd=die code={code} msg={urllib.parse.quote(why)}"
+                self._tell(self._die)
             self._cond.notify_all()
 
     def finish(self) -> None:
@@ -139,8 +146,8 @@ class PMIServer:
         with self._cond:
             self._tell("cmd=bye")
 
-    def _tell(self, line: str) -> None:
-        for lifeline in self._lifelines:
+    def _tell(self, line: str, lifelines: Sequence[socket.socket] | None = None) -> None:
+        for lifeline in self._lifelines if lifelines is None else lifelines:
             with contextlib.suppress(OSError):
                 lifeline.sendall((line + "\n").encode())
 
@@ -171,8 +178,7 @@ class PMIServer:
         pmi_id: int | None = None
         with conn, conn.makefile("rb") as lines:
             for raw in lines:
-                fields = dict(f.split("=", 1) for f in raw.decode(errors="replace").split()
-                              if "=" in f)
+                fields = parse(raw)
                 command = fields.get("cmd", "")
                 if command == "lifeline":
                     self._lifeline(conn, lines)
@@ -203,10 +209,8 @@ class PMIServer:
         end the job) or may stop listening (``cmd=bye``)."""
         with self._cond:
             self._lifelines.append(conn)
-            if self._failure is not None:  # too late: the job has failed
-                with contextlib.suppress(OSError):
-                    conn.sendall(f"cmd=die code=1 msg={urllib.parse.quote(self._failure)}\n"
-                                 .encode())
+            if self._die:  # too late: the job has failed
+                self._tell(self._die, [conn])
         for _ in lines:  # until the process ends
             pass
 

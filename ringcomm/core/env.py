@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["env", "env_bytes", "env_flag"]
+__all__ = ["env", "env_bytes", "env_flag", "flag_value"]
 
 _BYTES = re.compile(r"\s*([0-9]+)\s*(?:([KMG])(?:iB)?)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -17,6 +17,16 @@ def env(name: str) -> str | None:
     return raw if raw is not None and raw.strip() else None
 
 
+def flag_value(raw: str) -> bool | None:
+    """A yes/no value (1/0, true/false, yes/no, on/off, any case) as a bool; None otherwise."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def env_flag(name: str, default: bool) -> bool:
     """A yes/no variable (1/0, true/false, yes/no, on/off); ``default`` when unset.
 
@@ -26,11 +36,10 @@ def env_flag(name: str, default: bool) -> bool:
     raw = env(name)
     if raw is None:
         return default
-    if raw.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1 (or true/false, yes/no, on/off), got {raw!r}")
+    value = flag_value(raw)
+    if value is None:
+        raise ValueError(f"{name} must be 0 or 1 (or true/false, yes/no, on/off), got {raw!r}")
+    return value
 
 
 def env_bytes(name: str) -> int | None:
