@@ -249,3 +249,27 @@ def test_cluster2_small_run(tmp_path):
     assert set(res["median_time_s"]) == {*data["meta"]["variants"], "mpi"}
     assert all(t > 0 for v in res["median_time_s"].values() for t in v.values())
     assert (tmp_path / "cluster2_2x2.md").exists() and netns.existing(prefix) == []
+
+
+# every rank prints whether its transport shares the cores (a short spin, then pauses)
+_SHARED = ("import os, ringcomm; from ringcomm.backends.mpi_process import cores; "
+           "c = ringcomm.init('mpi'); "
+           "print('shared', c.rank, c.transport._yield, c.transport.local_size, cores())")
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_ranks_in_namespaces_of_one_host_count_as_sharing_its_cores():
+    # four one-rank "nodes" (network namespaces) of this host: MPI's shared-memory node is
+    # each rank alone, yet the four share this machine's cores
+    prefix = f"rcsh{os.getpid()}x"
+    with netns.Cluster(4, None, prefix=prefix) as cluster:
+        proc = subprocess.run([str(MPIEXEC), *cluster.launch_args(), "-n", "4", sys.executable,
+                               str(BENCH / "netns_exec.py"), sys.executable, "-c", _SHARED],
+                              env=cluster.mpi_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(r"shared (\d) (True|False) (\d+) (\d+)", proc.stdout)
+    assert sorted(int(r[0]) for r in rows) == [0, 1, 2, 3], proc.stdout
+    for _, shared, local_size, cores in rows:
+        assert local_size == "1"
+        assert shared == str(4 > int(cores))

@@ -35,7 +35,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_exchange import SizedExchange
-from ringcomm.backends.mpi_process import abort, cores, import_mpi
+from ringcomm.backends.mpi_process import abort, cores, import_mpi, machine_id
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_byte_limit
 from ringcomm.comm.transport import (
@@ -69,13 +69,20 @@ _WHAT = {RING: "ring exchange", USER: "sendrecv"}  # what a point-to-point wait 
 # transfers and the steps of nonblocking collectives wait for it to wake. Past that, each pause
 # is _PAUSE_FRACTION of the time waited so far (10 us to 1 ms), which adds at most ~3% to a
 # long wait while a straggler no longer costs a core, and a timeout is seen within 1 ms. With
-# more ranks than cores here, the whole wait spins, yielding the core each round (a sleeping
-# rank would stall everyone's collective; MPICH's heavy yield does the same).
+# more ranks than cores here, the first _SHARED_SPIN_S spin yielding the core each round (a
+# rank that sleeps at once would stall everyone's collective; MPICH's heavy yield does the
+# same), then the pauses start: a rank still waiting by then waits for another's compute,
+# which its spinning would slow (its own, where a collective runs on a thread of its own
+# beside the caller's work, as the torch.distributed backend's large ones do).
 # Measured at 2 ranks on 2 cores against MPI's blocking calls: 4 KiB and 1 MiB allreduces as
 # fast in step and with ranks arriving up to 5 ms apart, 2-3% slower at 20 ms apart (doubling
 # pauses from 10 us after a 200 us spin cost 15-65% with ranks 2-5 ms apart). At 4 ranks on 2
-# cores, 3-8x faster than MPI's blocking calls under MPICH's heavy yield.
+# cores, 3-8x faster than MPI's blocking calls under MPICH's heavy yield; there a DDP step on
+# the torch.distributed backend took 0.79-0.82x gloo's rate when the whole wait spun, 1.05-1.09x
+# with 1 ms of spin (5 ms: 0.89-0.99x; 0.2 ms: a 512 KiB allreduce 2.5x slower), FSDP 0.87-1.04x
+# against 1.36x, and the allreduce sweep alike within its noise (bench/results/shared_spin/).
 _SPIN_S = 5e-3
+_SHARED_SPIN_S = 1e-3
 # The agreement's exchange and the persistent allreduces first poll _TIGHT_POLLS times (10-20
 # us) without reading the clock: a small collective completes within them, and each round of
 # the timed loop below adds to when its completion is seen (measured at 2 ranks: an 8-byte
@@ -204,7 +211,7 @@ class MPITransport(TransportBase):
         self._MPI, self._testall = MPI, MPI.Request.Testall
         self.timeout = check_timeout(timeout)
         self.abort_on_timeout = bool(abort_on_timeout)
-        # More ranks than cores: spin the whole wait, yielding the core (see _SPIN_S).
+        # More ranks than cores: a shorter spin, yielding the core (see _SPIN_S).
         self._yield = False
         self._polls = 0
         self._stranded: list[Any] = []  # requests of timed-out waits, kept with their buffers
@@ -221,7 +228,10 @@ class MPITransport(TransportBase):
         local = self._ctl.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        self._yield = self.local_size > cores()
+        # The ranks sharing this machine's cores: MPI's shared-memory node, or more where
+        # containers or network namespaces of one host count as nodes apart.
+        here = machine_id()
+        self._yield = self._ctl.allgather(here).count(here) > cores()
         self._polls = 0 if self._yield else _TIGHT_POLLS
         self.operation = ""
         self.cuda_aware = staging.cuda_aware(MPI)
@@ -511,7 +521,7 @@ class MPITransport(TransportBase):
         """Poll ``done()`` until it is true or the deadline passes (see _SPIN_S)."""
         start = _now()
         deadline = start + self.timeout
-        spin_end = deadline if self._yield else start + _SPIN_S
+        spin_end = start + (_SHARED_SPIN_S if self._yield else _SPIN_S)
         while not done():
             now = _now()
             if now < spin_end:

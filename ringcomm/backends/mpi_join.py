@@ -30,7 +30,12 @@ import urllib.parse
 from typing import Any
 
 from ringcomm.backends import pmi_server
-from ringcomm.backends.mpi_process import import_mpi, note_world_joined, world_joined
+from ringcomm.backends.mpi_process import (
+    import_mpi,
+    machine_id,
+    note_world_joined,
+    world_joined,
+)
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env, flag_value
 from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
@@ -202,11 +207,6 @@ def _node() -> str:
     one host with /dev/shm or a network of their own are nodes apart: they then talk over the
     network)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
         shm = str(os.stat("/dev/shm").st_dev)
     except OSError:
         shm = ""
@@ -214,7 +214,7 @@ def _node() -> str:
         net = os.readlink("/proc/self/ns/net")
     except OSError:
         net = ""
-    return f"{socket.gethostname()}/{boot}/{shm}/{net}"
+    return f"{socket.gethostname()}/{machine_id()}/{shm}/{net}"
 
 
 def _serve(nodes: list[str], timeout: float) -> str:

@@ -5,6 +5,7 @@ job when one rank raises."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -32,6 +33,16 @@ def mpi_world_is_job() -> bool:
     """Whether MPI's world is this job's processes: an MPI launcher started them, or they
     joined one world over ringcomm's PMI server."""
     return launch.mpi_launched() or world_joined()
+
+
+def machine_id() -> str:
+    """What this process shares its cores with: the running kernel's boot id (the same for
+    the containers and network namespaces of one host), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def cores() -> int:
