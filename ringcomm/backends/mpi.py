@@ -77,10 +77,11 @@ _WHAT = {RING: "ring exchange", USER: "sendrecv"}  # what a point-to-point wait 
 # Measured at 2 ranks on 2 cores against MPI's blocking calls: 4 KiB and 1 MiB allreduces as
 # fast in step and with ranks arriving up to 5 ms apart, 2-3% slower at 20 ms apart (doubling
 # pauses from 10 us after a 200 us spin cost 15-65% with ranks 2-5 ms apart). At 4 ranks on 2
-# cores, 3-8x faster than MPI's blocking calls under MPICH's heavy yield; there a DDP step on
-# the torch.distributed backend took 0.79-0.82x gloo's rate when the whole wait spun, 1.05-1.09x
-# with 1 ms of spin (5 ms: 0.89-0.99x; 0.2 ms: a 512 KiB allreduce 2.5x slower), FSDP 0.87-1.04x
-# against 1.36x, and the allreduce sweep alike within its noise (bench/results/shared_spin/).
+# cores, 3-8x faster than MPI's blocking calls under MPICH's heavy yield; there, on the
+# torch.distributed backend against gloo, a DDP step ran at 0.70-0.80x gloo's rate when the whole
+# wait spun and 0.97-1.03x with 1 ms of spin, FSDP2 0.74-0.84x and 1.12-1.17x, all_reduce
+# 0.49-3.28x and 1.12-3.06x from 16 B to 32 MiB (5 ms: DDP 0.89-0.99x; 0.2 ms: a 512 KiB
+# allreduce 2.5x as long as with 1 ms; bench/results/shared_spin/).
 _SPIN_S = 5e-3
 _SHARED_SPIN_S = 1e-3
 # The agreement's exchange and the persistent allreduces first poll _TIGHT_POLLS times (10-20
