@@ -54,6 +54,10 @@ VARIANTS = {
     "ringcomm-powersgd": "ringcomm PowerSGD rank 1 (DDP's buckets)",
     "ringcomm-powersgd-gloo": "ringcomm PowerSGD rank 1 (DDP's buckets), over gloo",
     "backend": "DDP on the \"ringcomm\" torch.distributed backend (no hook)",
+    "fsdp": "FSDP2 (fully_shard per layer) on gloo",
+    "fsdp-backend": "FSDP2 (fully_shard per layer) on the \"ringcomm\" backend",
+    "fsdp-grad-op": "FSDP2, parameters kept after forward, on gloo",
+    "fsdp-grad-op-backend": "FSDP2, parameters kept after forward, on the \"ringcomm\" backend",
     "local": "no communication (compute floor)",
 }
 DEFAULT_VARIANTS = ("ddp,fp16,powersgd,ringcomm,ringcomm-int8,ringcomm-topk,ringcomm-auto,"

@@ -151,6 +151,16 @@ def wrap(variant: str, net: torch.nn.Module, comm: Any,
     """The model as ``variant`` trains it, and its hook state (None without a hook)."""
     if variant == "local":
         return net, None
+    if variant.startswith("fsdp"):  # on the default group: gloo's, or the backend's
+        from torch.distributed.fsdp import fully_shard
+
+        # FULL_SHARD gathers each layer in forward and again in backward; "grad-op"
+        # (SHARD_GRAD_OP, ZeRO-2) keeps the gathered parameters from forward to backward.
+        keep = {"reshard_after_forward": not variant.startswith("fsdp-grad-op")}
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, **keep)
+        return fully_shard(net, **keep), None
     # "backend": no hook; the process group is the "ringcomm" backend's (see main)
     cap = SINGLE_BUCKET_MB if variant == "powersgd" else None
     model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
@@ -278,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     # "backend": DDP without a hook on torch.distributed's "ringcomm" backend, whose process
     # group runs DDP's bucket allreduces on a ringcomm communicator (MPI here).
-    backend = "ringcomm" if args.variant == "backend" else "gloo"
+    on_backend = args.variant == "backend" or args.variant.endswith("-backend")
+    backend = "ringcomm" if on_backend else "gloo"
     init_process_group_from_mpi(backend, master_addr=args.master_addr)
     comm = ringcomm.init("mpi")
     if args.variant.endswith("-gloo"):
@@ -291,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     model, state = wrap(args.variant, build(args.hidden, args.seed), comm, timer)
     trainer = Trainer(args, world.Get_rank(), world.Get_size())
     stats = comm.stats
-    if args.variant == "backend":  # the process group's communicator (made by DDP's broadcast)
+    if on_backend:  # the process group's communicator (made by the first collective)
+        dist.barrier()
         stats = torch.distributed.group.WORLD.communicator.stats
     trainer.run(model, timer, world, stats)
     trace.set_tracer(None)
