@@ -51,7 +51,7 @@ test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py \
 		tests/mpi/test_allreduce_native.py tests/mpi/test_exchange.py \
 		tests/mpi/test_process_group_transport.py tests/mpi/test_started_allreduce.py \
-		tests/mpi/test_dist_all_to_all.py
+		tests/mpi/test_dist_all_to_all.py tests/mpi/test_result_out.py
 
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
 # then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched;

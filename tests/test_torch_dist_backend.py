@@ -111,6 +111,23 @@ if backend == "ringcomm":
     o = torch.empty(2)
     dist.reduce_scatter_tensor(o, torch.arange(2.0 * n) + r)
     assert o.tolist() == [n * (2 * r + j) + sum(range(n)) for j in range(2)], o
+    # Large ones, gathered straight into the output: the input a view of its own rows (as
+    # FSDP gathers), blocking and not; into a strided output (copied there).
+    k = 40_000
+    whole = torch.cat([torch.arange(float(k)) + q for q in range(n)])
+    o = torch.zeros(n * k)
+    o[r * k:(r + 1) * k] = torch.arange(float(k)) + r
+    dist.all_gather_into_tensor(o, o[r * k:(r + 1) * k])
+    assert torch.equal(o, whole), o
+    o = torch.zeros(n * k)
+    dist.all_gather_into_tensor(o, torch.arange(float(k)) + r, async_op=True).wait()
+    assert torch.equal(o, whole), o
+    wide = torch.zeros(n * k, 2)
+    dist.all_gather_into_tensor(wide[:, 1], torch.arange(float(k)) + r)
+    assert torch.equal(wide[:, 1], whole) and not wide[:, 0].any(), wide
+    o = torch.full((k,), -1.0)
+    dist.reduce_scatter_tensor(o, torch.arange(float(n * k)) + r)
+    assert torch.equal(o, n * (torch.arange(float(k)) + r * k) + sum(range(n))), o
     try:
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
     except ValueError as err:

@@ -8,13 +8,30 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.core.types import Array
 
-__all__ = ["apart", "check_overlap", "check_writeable", "flat", "is_subclass", "plain"]
+__all__ = ["apart", "check_overlap", "check_result_out", "check_writeable", "flat", "is_subclass",
+           "plain"]
 
 
 def check_writeable(x: Array, label: str) -> None:
     flags = getattr(x, "flags", None)
     if flags is not None and not getattr(flags, "writeable", True):
         raise ValueError(f"{label} is read-only; the result is written into it")
+
+
+def check_result_out(x: Array, out: Array, size: int, what: str) -> None:
+    """Refuse an ``out`` that cannot take a result of ``size`` elements of ``x``'s dtype,
+    ``what`` (a gather's or a reduce-scatter's): another array kind or dtype, another
+    element count, read-only, or not C-contiguous (the result is written as one block)."""
+    if type(out) is not type(x):
+        raise TypeError(f"out is a {type(out).__name__}, expected a {type(x).__name__}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {x.dtype}")
+    if out.size != size:
+        raise ValueError(f"out has {out.size} elements {tuple(out.shape)}, expected {size} "
+                         f"({what})")
+    check_writeable(out, "out")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous: the result is written into it as one block")
 
 
 def flat(x: Array) -> Array:

@@ -381,35 +381,54 @@ class Communicator:
         return pending
 
     @_serialized
-    def reduce_scatter(self, x: Array, *, op: str | ReduceOp = "sum") -> Array:
+    def reduce_scatter(self, x: Array, *, op: str | ReduceOp = "sum",
+                       out: Array | None = None) -> Array:
         """Reduce ``x`` over all ranks and return this rank's chunk of the flattened result.
 
         Rank r gets elements ``[r * L // size, (r + 1) * L // size)`` of the L reduced elements.
+        ``out``, where given, takes the chunk (an array of that many elements, ``x``'s kind and
+        dtype, C-contiguous, any shape) and is returned; it may share memory with ``x``.
         """
         self._ensure_open()
         self._transport.operation = "reduce_scatter"
         x = _arrays.plain(x)
         spec = agree.CallSpec("reduce_scatter")
         try:
-            self._transport.check_arrays(x)
+            self._transport.check_arrays(x, *(() if out is None else (out,)))
             dt = spec.set_array(x)
             rop = spec.set_op(check_op(op, dt))
+            if out is not None:
+                r, n = self.rank, self.size
+                _arrays.check_result_out(x, out, (r + 1) * x.size // n - r * x.size // n,
+                                         f"rank {r}'s chunk of {x.size} over {n} ranks")
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
         self._agreement.agree(spec)
         self.stats.calls += 1
         with self._on_device(x):
-            return ring.reduce_scatter(self._route(x), _arrays.flat(x), rop,
-                                       segment_bytes=self.segment_bytes)
+            flat = _arrays.flat(x)
+            if out is None:
+                return ring.reduce_scatter(self._route(x), flat, rop,
+                                           segment_bytes=self.segment_bytes)
+            # The ring's partial sums in a work array of their own; the chunk (a view of it)
+            # is then written once, into out.
+            work = _ops.get(x).empty((flat.size,), flat.dtype)
+            chunk = ring.reduce_scatter(self._route(x), flat, rop,
+                                        segment_bytes=self.segment_bytes, work=work)
+            _ops.get(x).copy(out.reshape(-1), chunk)
+            return out
 
-    def allgather(self, x: Array) -> Array:
+    def allgather(self, x: Array, *, out: Array | None = None) -> Array:
         """Concatenate ``x`` from every rank along the first axis, in rank order.
 
         Any dtype but object: allgather and broadcast only move bytes.
 
         Every rank must pass the same shape; use ``allgatherv`` when the first dimension differs.
+        ``out``, where given, takes the result (``size * len(x)`` rows: an array of that many
+        elements, ``x``'s kind and dtype, C-contiguous, any shape) and is returned; ``x`` may
+        be a view of it (its own rows, as FSDP gathers).
         """
-        return self._gather("allgather", x)
+        return self._gather("allgather", x, out)
 
     def allgatherv(self, x: Array) -> Array:
         """Concatenate ``x`` from every rank along the first axis; first dimensions may differ."""
@@ -564,31 +583,42 @@ class Communicator:
         return int(r)
 
     @_serialized
-    def _gather(self, kind: str, x: Array) -> Any:
+    def _gather(self, kind: str, x: Array, out: Array | None = None) -> Any:
         self._ensure_open()
         self._transport.operation = kind
         x = _arrays.plain(x)
         spec = agree.CallSpec(kind)
         try:
-            self._transport.check_arrays(x)
+            self._transport.check_arrays(x, *(() if out is None else (out,)))
             spec.set_array(x, reduced=False)
             if x.ndim == 0:
                 raise ValueError(f"{kind} needs an array with at least one dimension, got a scalar")
+            if out is not None:  # allgather: every rank's x has this one's shape
+                _arrays.check_result_out(x, out, x.size * self.size,
+                                         f"x's {x.size} from each of {self.size} ranks")
         except (TypeError, ValueError) as err:
             spec.error = err
         if (kind == "allgather" and spec.error is None and self._agreement.check
                 and type(x) is np.ndarray and x.nbytes <= self._agreement.inline_bytes):
             self.stats.calls += 1  # the exchange counts its bytes
-            return allgather_inline(self._agreement, spec, x)
+            gathered = allgather_inline(self._agreement, spec, x)
+            if out is None:
+                return gathered
+            out.reshape(-1)[...] = gathered.reshape(-1)
+            return out
         headers = self._agreement.headers(spec)
         self.stats.calls += 1
         firsts = [int(h) for h in headers[:, agree.DIM0]]
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         counts = [d * row for d in firsts]
         with self._on_device(x):
-            out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
+            if out is None:
+                out = _ops.get(x).empty((sum(firsts), *x.shape[1:]), x.dtype)
             if out.size:
-                self._route(x).allgatherv(_arrays.flat(x), counts, out.reshape(-1))
+                flat = out.reshape(-1)
+                # x may be a view of out (its own rows): sent from a copy, as MPI and the
+                # others need the send apart from what they receive into.
+                self._route(x).allgatherv(_arrays.apart(_arrays.flat(x), flat), counts, flat)
         own = x.nbytes
         self.stats.add(own * (self.size - 1), out.nbytes - own)
         return out

@@ -33,8 +33,9 @@ GIL, which deadlocks with gloo's worker thread (it takes the GIL to release a fi
 collective's tensors while holding its queue's lock).
 
 The collectives run one at a time per group, in the order they were called (the same on every
-rank): small ones (64 KiB at most) on the calling thread where no other is pending (no thread
-handoff: bench/results/dist_backend_inline.md), the others on a thread of the group's own
+rank): small ones (64 KiB at most) and those the caller waits for at once (``async_op=False``,
+as FSDP2's on CPU) on the calling thread where no other is pending (no thread handoff:
+bench/results/dist_backend_inline.md), the others on a thread of the group's own
 behind the pending ones, the call returning at once with a work object, so that DDP overlaps
 its bucket allreduces with backward as on torch's own backends; ``work.wait()`` (what a call
 without ``async_op=True`` does) raises the collective's error, if any, on the caller's
@@ -101,10 +102,24 @@ _CREATE_TAGS = 32768
 _HERE_BYTES = 64 << 10
 
 
+def _direct(output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether the communicator may write a collective's ``output`` itself: C-contiguous and
+    of ``input``'s dtype (else the result is copied into it, and cast)."""
+    return output.is_contiguous() and output.dtype == input.dtype
+
+
 def _small(tensors: list[torch.Tensor], factor: int = 1) -> bool:
     """Whether a collective of ``tensors`` (``factor`` times their bytes) is small enough to
     run on the calling thread."""
     return sum(t.numel() * t.element_size() for t in tensors) * factor <= _HERE_BYTES
+
+
+def _here(opts: Any, tensors: list[torch.Tensor], factor: int = 1) -> bool:
+    """Whether a collective may run on the calling thread (where nothing is pending): a
+    small one, or one the caller waits for at once (``async_op=False``, as FSDP2's gathers
+    and reduce-scatters of CPU tensors): then the group's thread would run it while the
+    caller waits, and the handoff is all it would add."""
+    return not getattr(opts, "asyncOp", True) or _small(tensors, factor)
 
 
 # torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
@@ -482,7 +497,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     comm.allreduce(x.array, out=x.array, op=op)
                 x.write_back()
             return tensors
-        return self._submit(run, here=_small(tensors))
+        return self._submit(run, here=_here(opts, tensors))
 
     def broadcast(self, tensors: Any, opts: Any = None) -> Any:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -499,7 +514,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 comm.broadcast(x.array, root=root)
                 x.write_back()
             return tensors
-        return self._submit(run, here=_small(tensors))
+        return self._submit(run, here=_here(opts, tensors))
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         comm = self._communicator()
@@ -516,7 +531,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 for r, out in enumerate(outs):
                     out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
             return output_lists
-        return self._submit(run, here=_small(inputs, self.size()))
+        return self._submit(run, here=_here(opts, inputs, self.size()))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -539,6 +554,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             # Every collective runs before an output of the wrong size raises on its rank.
             problem = None
             for output, input in zip(outputs, inputs, strict=True):
+                if (problem is None and _direct(output, input)
+                        and output.numel() == input.numel() * size):  # into the output
+                    comm.allgather(as_array(input).reshape(1, -1),
+                                   out=as_array(output).reshape(size, -1))
+                    continue
                 gathered = comm.allgather(as_array(input).reshape(1, -1))
                 if output.numel() != gathered.size:
                     problem = problem or (
@@ -550,7 +570,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             if problem is not None:
                 raise ValueError(problem)
             return outputs
-        return self._submit(run, here=_small(inputs, size))
+        return self._submit(run, here=_here(opts, inputs, size))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # its name before torch 2.12
 
@@ -562,6 +582,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 tensors, opts)
         plain = dist.AllreduceOptions()
         plain.reduceOp = opts.reduceOp
+        plain.asyncOp = getattr(opts, "asyncOp", True)
         return self.allreduce(tensors, plain)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
@@ -612,8 +633,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
             # instead of leaving the other ranks waiting in the collective.
             problem = wrong
             for output, input in zip(outputs, inputs, strict=True):
+                direct = (problem is None and _direct(output, input)
+                          and input.numel() == output.numel() * size)
                 with _refusing_ops("reduce_scatter"):
-                    chunk = comm.reduce_scatter(as_array(input).reshape(-1), op=op)
+                    chunk = comm.reduce_scatter(
+                        as_array(input).reshape(-1), op=op,
+                        out=as_array(output).reshape(-1) if direct else None)
+                if direct:  # written into the output
+                    continue
                 if input.numel() != output.numel() * size:
                     problem = problem or (
                         f"the input has {input.numel()} elements, expected "
@@ -624,7 +651,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             if problem is not None:
                 raise ValueError(f"{what}: {problem}")
             return outputs
-        return self._submit(run, here=_small(inputs))
+        return self._submit(run, here=_here(opts, inputs))
 
     def _on_nccl(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a call of ``tensors`` that leaves ringcomm's communicator goes to torch's
@@ -698,7 +725,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             def run() -> torch.Tensor:
                 _all_to_all.all_to_all_single(comm, output, input, *sizes)
                 return output
-            return self._submit(run, here=_small([input, output]))
+            return self._submit(run, here=_here(opts, [input, output]))
         # Over gloo, gloo's own all-to-all moves the bytes (faster than gloo's point-to-point
         # pairs underneath the communicator), once the counts are agreed in call order.
         self._submit(lambda: _all_to_all.agree_counts(comm, output, input, *sizes),
@@ -717,8 +744,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def _submit(self, run: Callable[[], Any], *, here: bool = False) -> Any:
         """Hand ``run`` to the group's worker, which runs the collectives one after another
         in the order they were called (the same on every rank), and return the work object
-        whose future ``run``'s result (or error) completes; ``here``: a small call, which the
-        worker runs on this thread where nothing is pending."""
+        whose future ``run``'s result (or error) completes; ``here``: a call the worker may
+        run on this thread where nothing is pending (see _here)."""
         future: Future[Any] = Future()
         if self._worker is None:
             # Named alike on every rank: the caller's name is part of each call's agreement.
