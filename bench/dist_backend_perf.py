@@ -81,10 +81,40 @@ def _model() -> torch.nn.Module:
 
 
 def ddp_steps(groups: dict[str, Any], steps: int) -> dict[str, Any]:
+    """DDP (no hook) on each group, steps alternating; the parameters after the steps."""
     models = {name: _model() for name in groups}
     ddps = {name: torch.nn.parallel.DistributedDataParallel(m, process_group=groups[name])
             for name, m in models.items()}
-    opts = {name: torch.optim.SGD(d.parameters(), lr=0.01) for name, d in ddps.items()}
+    times = _train(ddps, groups, steps)
+    return _summary(times, {name: list(m.parameters()) for name, m in models.items()}, groups)
+
+
+def fsdp_steps(groups: dict[str, Any], steps: int, reshard: bool = True) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on each layer and on the model) on each group's device mesh,
+    steps alternating; the full parameters after the steps. ``reshard``: parameters resharded
+    after forward (FULL_SHARD: an all-gather per layer in forward and again in backward, a
+    reduce-scatter per layer), else kept to backward (SHARD_GRAD_OP: one all-gather)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    models = {}
+    for name, group in groups.items():
+        mesh = DeviceMesh.from_group(group, "cpu")
+        model = _model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        models[name] = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    times = _train(models, groups, steps)
+    full = {name: [p.full_tensor() for p in m.parameters()] for name, m in models.items()}
+    return _summary(times, full, groups)
+
+
+def _train(models: dict[str, Any], groups: dict[str, Any], steps: int
+           ) -> dict[str, list[float]]:
+    """Each step's time on each model (SGD, batch 64 per rank), the models alternating and
+    every step after a barrier; the first two steps are not timed."""
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     gens = {name: torch.Generator().manual_seed(10 + dist.get_rank()) for name in groups}
     times: dict[str, list[float]] = {name: [] for name in groups}
     for i in range(steps + 2):
@@ -94,23 +124,35 @@ def ddp_steps(groups: dict[str, Any], steps: int) -> dict[str, Any]:
             dist.barrier(group=groups["gloo"])
             t0 = time.perf_counter()
             opts[name].zero_grad()
-            torch.nn.functional.cross_entropy(ddps[name](x), torch.zeros(64, dtype=torch.long)
+            torch.nn.functional.cross_entropy(models[name](x), torch.zeros(64, dtype=torch.long)
                                               ).backward()
             opts[name].step()
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
-    out: dict[str, dict] = {}
-    for name, m in models.items():
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                         for p in m.parameters())).hexdigest()[:16]
-        everyone: list[str] = [""] * groups["gloo"].size()
-        dist.all_gather_object(everyone, digest, group=groups["gloo"])
+    return times
+
+
+def _summary(times: dict[str, list[float]], params: dict[str, list[torch.Tensor]],
+             groups: dict[str, Any]) -> dict[str, Any]:
+    """Median step (slowest rank), the parameters' digest and whether every rank has it, per
+    backend, and the largest difference between the backends' parameters."""
+    out: dict[str, Any] = {}
+    for name, ps in params.items():
+        digest, same = _digest(ps, groups["gloo"])
         out[name] = {"step_s": _median_slowest(times[name], groups["gloo"]), "params": digest,
-                     "same_on_every_rank": len(set(everyone)) == 1}
-    flat = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-            for name, m in models.items()}
+                     "same_on_every_rank": same}
+    flat = {name: torch.cat([p.detach().reshape(-1) for p in ps]) for name, ps in params.items()}
     out["max_abs_difference"] = float((flat["gloo"] - flat["ringcomm"]).abs().max())
     return out
+
+
+def _digest(params: list[torch.Tensor], group: Any) -> tuple[str, bool]:
+    """The sha256 (16 hex digits) of ``params`` and whether every rank of ``group`` has it."""
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)
+                            ).hexdigest()[:16]
+    everyone: list[str] = [""] * group.size()
+    dist.all_gather_object(everyone, digest, group=group)
+    return digest, len(set(everyone)) == 1
 
 
 def main() -> None:
@@ -127,7 +169,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=1,
                    help="calls back to back in each timed sample (default 1: each call after "
                         "a barrier)")
-    p.add_argument("--no-ddp", action="store_true", help="the sweep alone")
+    p.add_argument("--no-ddp", action="store_true", help="no DDP steps")
+    p.add_argument("--fsdp", action="store_true",
+                   help="also FSDP2 steps (fully_shard) of the same model, with parameters "
+                        "resharded after forward and kept")
+    p.add_argument("--no-sweep", action="store_true", help="no collective sweep")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -151,8 +197,11 @@ def main() -> None:
     while s <= args.maxbytes:
         sizes.append(s)
         s *= args.stepfactor
-    rows = sweep(groups, sizes, args.iters, args.collective, args.calls)
+    rows = [] if args.no_sweep else sweep(groups, sizes, args.iters, args.collective,
+                                          args.calls)
     ddp = None if args.no_ddp else ddp_steps(groups, args.steps)
+    fsdp = fsdp_steps(groups, args.steps) if args.fsdp else None
+    grad_op = fsdp_steps(groups, args.steps, reshard=False) if args.fsdp else None
     if dist.get_rank() == 0:
         title = (f"{k} ranks" if k == job
                  else f"a sub-group of {k} of a job's {job} ranks (the others idle)")
@@ -169,14 +218,23 @@ def main() -> None:
                  f"- {args.collective}: float32 (size: each rank's input), median of "
                  f"{args.iters} samples (slowest rank) of {args.calls} call(s) back to back "
                  "after a barrier, backends alternating"
-                 + ("" if ddp is None else f"; DDP: {args.steps} steps of a 256-1024-1024-10 "
-                    "MLP, batch 64 per rank"), "",
+                 + ("" if ddp is None and fsdp is None else
+                    f"; {' and '.join(w for w, r in (('DDP', ddp), ('FSDP2', fsdp)) if r)}: "
+                    f"{args.steps} steps of a 256-1024-1024-10 MLP, batch 64 per rank"), "",
                  "| size | gloo | ringcomm | gloo / ringcomm |", "| ---: | ---: | ---: | ---: |"]
         for row in rows:
             lines.append(f"| {row['size']} B | {row['gloo'] * 1e6:.1f} us | "
                          f"{row['ringcomm'] * 1e6:.1f} us | {row['gloo'] / row['ringcomm']:.2f}x |")
         if ddp is not None:
-            lines += _ddp_lines(ddp)
+            lines += _ddp_lines(ddp, "DDP")
+        if fsdp is not None:
+            lines += _ddp_lines(fsdp, "FSDP2")
+        if grad_op is not None:
+            lines += _ddp_lines(grad_op, "FSDP2, parameters kept after forward")
+        if ddp is not None or fsdp is not None:
+            lines += ["", "With more than 2 ranks the backends add the ranks' gradients in "
+                      "different orders, so their parameters may differ in the last bits; "
+                      "each backend's are the same on every rank."]
         text = "\n".join(lines) + "\n"
         print(text)
         if args.markdown:
@@ -186,18 +244,15 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _ddp_lines(ddp: dict[str, Any]) -> list[str]:
+def _ddp_lines(ddp: dict[str, Any], what: str) -> list[str]:
     g, r = ddp["gloo"], ddp["ringcomm"]
-    return ["", "| DDP | gloo | ringcomm | gloo / ringcomm | parameters: gloo's = "
+    return ["", f"| {what} | gloo | ringcomm | gloo / ringcomm | parameters: gloo's = "
             "ringcomm's | max abs difference | each the same on every rank |",
             "| --- | ---: | ---: | ---: | --- | ---: | --- |",
             f"| step | {g['step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms | "
             f"{g['step_s'] / r['step_s']:.2f}x | {g['params'] == r['params']} "
             f"({r['params']}) | {ddp['max_abs_difference']:.1e} | "
-            f"{g['same_on_every_rank'] and r['same_on_every_rank']} |", "",
-            "With more than 2 ranks the backends add the ranks' gradients in different "
-            "orders, so their parameters may differ in the last bits; each backend's are "
-            "the same on every rank."]
+            f"{g['same_on_every_rank'] and r['same_on_every_rank']} |"]
 
 
 if __name__ == "__main__":
