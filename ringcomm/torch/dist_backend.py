@@ -226,12 +226,12 @@ class _Works(dist._Work):
 
 class _Worker:
     """Runs a group's collectives one at a time, in the order they were submitted (the same
-    on every rank): a small one on the submitting thread where none is queued or running (no
-    thread handoff, which cost more than the call: 31 us against 22 for an 8-byte
-    all_reduce), the others on a thread of the group's own, behind what is pending, so that
-    the caller (DDP's autograd thread, say) goes on meanwhile, as with torch's own backends.
-    Either way the calls are made under the worker's name (``calls_as``), which the
-    agreement matches across ranks."""
+    on every rank): one that may run here (see _here) on the submitting thread where none is
+    queued or running (no thread handoff, which cost more than the call: 31 us against 22 for
+    an 8-byte all_reduce), the others on a thread of the group's own, behind what is
+    pending, so that the caller (DDP's autograd thread, say) goes on meanwhile, as with
+    torch's own backends. Either way the calls are made under the worker's name
+    (``calls_as``), which the agreement matches across ranks."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -242,11 +242,11 @@ class _Worker:
         self._running = threading.Lock()  # held by whichever thread runs a collective
         self._thread: threading.Thread | None = None
 
-    def submit(self, run: Callable[[], Any], future: Future[Any], small: bool) -> None:
-        """Run ``run`` and complete ``future`` with its result or error: here and now for a
-        ``small`` call where nothing is pending, else on the group's thread after what is."""
+    def submit(self, run: Callable[[], Any], future: Future[Any], may_run_here: bool) -> None:
+        """Run ``run`` and complete ``future`` with its result or error: here and now where
+        ``may_run_here`` and nothing is pending, else on the group's thread after what is."""
         with self._state:
-            here = small and self._pending == 0
+            here = may_run_here and self._pending == 0
             self._pending += 1
             if here:  # free: whoever ran last released it before it stopped pending
                 self._running.acquire()
