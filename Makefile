@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
+# Python writes bytecode caches here even where the environment says not to: the tests start
+# hundreds of processes that each import ringcomm, 0.3-0.4 s faster from cached bytecode.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: demo test test-unit test-mpi test-horovod test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 

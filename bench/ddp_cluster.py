@@ -1,7 +1,7 @@
 """PyTorch DDP training over an emulated cluster of shaped links: gradient hooks compared.
 
     sudo .venv/bin/python bench/ddp_cluster.py                 # 4 ranks; 1 and 10 Gbit/s
-    sudo .venv/bin/python bench/ddp_cluster.py --quick         # one rate, two variants
+    sudo .venv/bin/python bench/ddp_cluster.py --quick         # one rate, two variants, 2 ranks
 
 For every link rate it builds one network namespace per rank joined by a bridge (bench/netns.py,
 tc tbf on both ends of every link) and runs one mpiexec job per variant
@@ -62,8 +62,8 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = ("ddp,fp16,powersgd,ringcomm,ringcomm-int8,ringcomm-topk,ringcomm-auto,"
                     "ringcomm-powersgd")
-QUICK = {"rates": "10gbit", "variants": "ddp,ringcomm-int8", "steps": 8, "warmup": 3,
-         "timeout": 120.0}
+QUICK = {"rates": "10gbit", "variants": "ddp,ringcomm-int8", "ranks": 2, "steps": 8,
+         "warmup": 3, "timeout": 120.0}
 _LOG = logging.getLogger("ddp_cluster")
 
 
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "stale namespaces of its prefix: give concurrent runs different ones)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['rates']}, {QUICK['variants']}, "
-                        f"{QUICK['steps']} steps (overrides those flags)")
+                        f"{QUICK['ranks']} ranks, {QUICK['steps']} steps (overrides those flags)")
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():

@@ -252,9 +252,13 @@ def test_cluster2_small_run(tmp_path):
 
 
 # every rank prints whether its transport shares the cores (a short spin, then pauses)
-_SHARED = ("import os, ringcomm; from ringcomm.backends.mpi_process import cores; "
+# rank 0 prints every rank's row: lines printed by four ranks at once can interleave
+_SHARED = ("import numpy as np, ringcomm; from ringcomm.backends.mpi_process import cores; "
            "c = ringcomm.init('mpi'); "
-           "print('shared', c.rank, c.transport._yield, c.transport.local_size, cores())")
+           "row = np.array([c.rank, c.transport._yield, c.transport.local_size, cores()]); "
+           "rows = c.allgather(row).reshape(c.size, 4); "
+           "c.rank == 0 and print('\\n'.join("
+           "f'shared {r} {bool(y)} {s} {k}' for r, y, s, k in rows.tolist()))")
 
 
 @needs_root
