@@ -43,3 +43,33 @@ def test_dead_rank_ends_the_job(mpiexec, subprocess_env, tmp_path, how):
     assert "unreachable" not in proc.stdout
     if how == "raise":
         assert "rank 1 fails mid-job" in proc.stderr
+
+
+SETUP_SCRIPT = r"""
+import datetime, os, sys
+from mpi4py import MPI
+from ringcomm.torch.process_group import init_process_group_from_mpi
+
+if MPI.COMM_WORLD.Get_rank() == 1:  # its gloo cannot start: no such interface
+    os.environ["GLOO_SOCKET_IFNAME"] = "rcnosuchif0"
+init_process_group_from_mpi(timeout=datetime.timedelta(seconds=300),
+                            abort_on_exception=sys.argv[1] == "abort")
+print("unreachable", flush=True)
+"""
+
+
+def test_a_rank_whose_process_group_fails_to_start_ends_the_job(mpiexec, subprocess_env,
+                                                               tmp_path):
+    """init_process_group_from_mpi on a rank whose gloo cannot start: the job ends at once,
+    non-zero, with that rank's error, instead of rank 0 waiting the group's timeout for it."""
+    pytest.importorskip("torch")
+    script = tmp_path / "setup.py"
+    script.write_text(SETUP_SCRIPT)
+    start = time.monotonic()
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, str(script), "abort"],
+                       timeout=90, env=subprocess_env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+    assert "unreachable" not in proc.stdout
+    assert "rcnosuchif0" in proc.stderr, proc.stderr[-3000:]

@@ -50,7 +50,8 @@ def _master_addr(comm: Any, given: str | None) -> str:
 
 def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
                                 master_addr: str | None = None,
-                                timeout: datetime.timedelta | None = None) -> None:
+                                timeout: datetime.timedelta | None = None,
+                                abort_on_exception: bool = True) -> None:
     """Set up torch.distributed's default process group over the processes of an MPI job.
 
     Rank and world size come from ``mpi_comm``; rank 0 starts the rendezvous store on a free
@@ -64,6 +65,10 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
         master_addr: address of rank 0's host; $MASTER_ADDR, else 127.0.0.1 when every rank
             is on one host, else rank 0's host name.
         timeout: timeout of the store and of the group's collectives (30 minutes by default).
+        abort_on_exception: make an uncaught exception on any rank abort the whole job, as
+            ``ringcomm.init`` does (from here on, this set-up included: a rank whose gloo
+            cannot start, say on an interface it lacks, ends the job at once instead of leaving
+            the others waiting for it until ``timeout``).
 
     Raises:
         RuntimeError: torch.distributed is already initialized, or rank 0 could not start its
@@ -81,6 +86,10 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
     rank, size = comm.Get_rank(), comm.Get_size()
+    if abort_on_exception and size > 1:
+        from ringcomm.backends.mpi_process import install_abort_hook
+
+        install_abort_hook()
     addr = _master_addr(comm, master_addr)
     timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
     store, port, error = None, 0, None
