@@ -277,3 +277,27 @@ def test_ranks_in_namespaces_of_one_host_count_as_sharing_its_cores():
     for _, shared, local_size, cores in rows:
         assert local_size == "1"
         assert shared == str(4 > int(cores))
+
+
+# each rank writes its own file (lines printed by two ranks at once can interleave)
+_TORCH_JOB = ("import sys, torch, torch.distributed as dist; "
+              "from ringcomm.torch.process_group import init_process_group_from_mpi; "
+              "init_process_group_from_mpi(); r = dist.get_rank(); t = torch.ones(3) * (r + 1); "
+              "dist.all_reduce(t); open(f'{sys.argv[1]}/sum{r}', 'w').write(str(t.tolist()))")
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_netns_run_starts_torch_distributed_across_namespaces(tmp_path):
+    """bench/netns_run.py: a gloo group of ranks in namespaces of their own rendezvous over
+    their NICs (without MASTER_ADDR and GLOO_SOCKET_IFNAME it waited until its timeout)."""
+    pytest.importorskip("torch")
+    job = tmp_path / "job.py"
+    job.write_text(_TORCH_JOB)
+    proc = subprocess.run([sys.executable, str(BENCH / "netns_run.py"), "--ranks", "2",
+                           "--rate", "1gbit", "--timeout", "90", str(job), str(tmp_path)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        assert (tmp_path / f"sum{r}").read_text() == "[3.0, 3.0, 3.0]"
+    assert netns.existing() == []
