@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 NP ?= 4
 TORCH_VERSION ?= 2.13.0
 
-# Python writes bytecode caches here even where the environment says not to: the tests start
-# hundreds of processes that each import ringcomm, 0.3-0.4 s faster from cached bytecode.
+# Bytecode caches are written even where the environment asks not to (PYTHONDONTWRITEBYTECODE):
+# the tests start hundreds of processes that each import ringcomm, 0.3-0.4 s faster from them.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test test-unit test-mpi test-horovod test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
@@ -67,7 +67,7 @@ test-horovod: $(VENV)/.test
 
 # PyTorch's own distributed tests (DistributedTest, shipped in the torch wheel) on the
 # "ringcomm" backend, 3 processes per test: the collectives, point-to-point, all_to_all_single
-# and CPU DDP here (about 4 minutes); test-torch-dist-all runs every one of them (about 15
+# and CPU DDP here (4-8 minutes on 2 cores); test-torch-dist-all runs every one of them (about 15
 # minutes; results in tests/upstream/results/torch_distributed.md).
 TORCH_DIST_SUBSET ?= all_reduce_sum or all_reduce_max or broadcast or barrier or all_gather or \
 	send_recv_with_tag or scatter_full_group or gather_full_group or DistributedDataParallelCPU \
