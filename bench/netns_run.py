@@ -37,12 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rate", default="1gbit", help="the NICs' rate (tc); none = unshaped")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the job")
+    p.add_argument("--prefix", default="rcrun",
+                   help="namespace name prefix (give concurrent runs different ones)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     rate = None if args.rate == "none" else args.rate
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    with netns.Cluster(args.ranks, rate, prefix="rcrun") as cluster:
+    with netns.Cluster(args.ranks, rate, prefix=args.prefix) as cluster:
         cmd = [str(mpiexec), *cluster.launch_args(), "-n", str(args.ranks), sys.executable,
                str(HERE / "netns_exec.py"), sys.executable, args.script, *args.args]
         return subprocess.run(cmd, env=job_env(cluster), timeout=args.timeout).returncode

@@ -251,8 +251,8 @@ def test_cluster2_small_run(tmp_path):
     assert (tmp_path / "cluster2_2x2.md").exists() and netns.existing(prefix) == []
 
 
-# every rank prints whether its transport shares the cores (a short spin, then pauses)
-# rank 0 prints every rank's row: lines printed by four ranks at once can interleave
+# whether each rank's transport shares the cores (a short spin, then pauses), every rank's
+# row printed by rank 0 (lines printed by four ranks at once can interleave)
 _SHARED = ("import numpy as np, ringcomm; from ringcomm.backends.mpi_process import cores; "
            "c = ringcomm.init('mpi'); "
            "row = np.array([c.rank, c.transport._yield, c.transport.local_size, cores()]); "
@@ -294,10 +294,12 @@ def test_netns_run_starts_torch_distributed_across_namespaces(tmp_path):
     pytest.importorskip("torch")
     job = tmp_path / "job.py"
     job.write_text(_TORCH_JOB)
+    prefix = f"rcnr{os.getpid()}x"
     proc = subprocess.run([sys.executable, str(BENCH / "netns_run.py"), "--ranks", "2",
-                           "--rate", "1gbit", "--timeout", "90", str(job), str(tmp_path)],
+                           "--rate", "1gbit", "--timeout", "90", "--prefix", prefix,
+                           str(job), str(tmp_path)],
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for r in (0, 1):
         assert (tmp_path / f"sum{r}").read_text() == "[3.0, 3.0, 3.0]"
-    assert netns.existing() == []
+    assert netns.existing(prefix) == []
