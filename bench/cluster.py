@@ -69,10 +69,13 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.communicate()
 
 
-def run_in_cluster(cluster: Cluster, args: list[str], timeout: float) -> str:
-    """Run ``python args...`` on every rank of ``cluster``; returns rank 0's output."""
+def run_in_cluster(cluster: Cluster, args: list[str], timeout: float,
+                   env: dict[str, str] | None = None) -> str:
+    """Run ``python args...`` on every rank of ``cluster`` (environment ``env``, by default
+    ``cluster.mpi_env()``); returns rank 0's output."""
     cmd = [*_mpiexec(cluster.n, cluster.launch_args()), _python(), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=cluster.mpi_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cluster.mpi_env() if env is None else env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -8,14 +8,14 @@
 One network namespace per rank (bench/netns.py: a bridge, tc tbf on both ends of every NIC),
 MPICH over TCP between them, and torch.distributed's rendezvous and gloo on the NICs too
 (``MASTER_ADDR`` rank 0's address, ``GLOO_SOCKET_IFNAME`` eth0: without them a torch job
-there waits for a store or a peer it cannot reach). The job's output passes through; the exit
-status is the job's.
+there waits for a store or a peer it cannot reach). Rank 0's output is printed when the job
+ends; a job that fails or runs past ``--timeout`` is ended (its ranks too) and raises with
+its output.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
+from cluster import run_in_cluster  # noqa: E402
 
 
 def job_env(cluster: netns.Cluster) -> dict[str, str]:
@@ -43,11 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     rate = None if args.rate == "none" else args.rate
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with netns.Cluster(args.ranks, rate, prefix=args.prefix) as cluster:
-        cmd = [str(mpiexec), *cluster.launch_args(), "-n", str(args.ranks), sys.executable,
-               str(HERE / "netns_exec.py"), sys.executable, args.script, *args.args]
-        return subprocess.run(cmd, env=job_env(cluster), timeout=args.timeout).returncode
+        print(run_in_cluster(cluster, [str(Path(args.script).resolve()), *args.args],
+                             args.timeout, env=job_env(cluster)), end="", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
