@@ -230,3 +230,47 @@ def test_an_abort_tells_every_lifeline_to_end_with_its_status():
     for c in (*clients, *lifelines, late):
         c.close()
     server.close()
+
+
+def test_a_process_that_says_it_finalized_may_end_without_finalize():
+    """A process multiprocessing forked ends with os._exit, without MPICH's exit handler (which
+    sends ``finalize``): it says ``cmd=finalized`` on its lifeline once its MPI_Finalize
+    returned, is answered, and its connection may then close without failing the job. The
+    server ends only once every connection has ended: the other process still sends
+    ``finalize`` as it exits (MPICH fails on a server gone)."""
+    server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
+    clients = [Client(server.address) for _ in range(2)]
+    lifelines = [Client(server.address) for _ in range(2)]
+    for i, c in enumerate(clients):
+        c.start(i)
+        lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    answers = _in_threads(*(lambda c=c: c.ask("cmd=barrier_in") for c in clients))
+    assert [a["rc"] for a in answers] == ["0", "0"]  # MPI_Finalize's barrier
+    for lifeline in lifelines:
+        assert lifeline.ask("cmd=finalized") == {"cmd": "finalized_ack"}
+    clients[0].close()  # os._exit: no finalize
+    assert not server.wait(0.5)  # rank 1's connection is still open
+    assert clients[1].ask("cmd=finalize")["cmd"] == "finalize_ack"  # its exit handler
+    clients[1].close()
+    assert server.wait(10) and server.failure is None
+    for lifeline in lifelines:
+        lifeline.close()
+    server.close()
+
+
+def test_a_lifeline_that_never_said_finalized_still_fails_the_job():
+    server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
+    clients = [Client(server.address) for _ in range(2)]
+    lifelines = [Client(server.address) for _ in range(2)]
+    for i, c in enumerate(clients):
+        c.start(i)
+        lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    assert lifelines[1].ask("cmd=finalized") == {"cmd": "finalized_ack"}
+    clients[0].close()  # rank 0 gone, having said nothing
+    told = lifelines[1].read()
+    assert told["cmd"] == "die" and "rank%200%20ended" in told["msg"], told
+    assert server.wait(10) and "rank 0 ended its connection before MPI_Finalize" in \
+        server.failure
+    for c in (*clients, *lifelines):
+        c.close()
+    server.close()

@@ -38,6 +38,7 @@ from ringcomm.backends.mpi_process import (
 )
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env, flag_value
+from ringcomm.core.process_end import at_process_end
 from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
 
 __all__ = ["FLAG", "join"]
@@ -51,6 +52,9 @@ FLAG = "RINGCOMM_TORCHRUN_MPI"
 _PREFIX = "ringcomm-mpi-join/"
 _SERVER: list[subprocess.Popen[str]] = []  # rank 0's PMI server
 _OUTCOME: list[str | Exception] = []  # why the job's processes could not join, once agreed
+_LIFELINE: list[socket.socket] = []  # this process's lifeline to the server
+_FINALIZED_ACK = threading.Event()  # the server counts this process as finished
+_FINALIZED_ACK_S = 30.0
 
 # Asked in a process of its own: an MPI that cannot start without its launcher (Open MPI's)
 # ends the process that starts it, so this one never loads it before knowing which it is.
@@ -118,6 +122,7 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
                            f"{world.Get_rank()} of {world.Get_size()}; expected rank {rank} "
                            f"of {size}")
     note_world_joined()
+    at_process_end(_finalize_mpi, order=0)
     _LOG.info("MPI started over ringcomm's PMI server at %s: rank %d of %d, ranks on nodes %s",
               address, rank, size, process_mapping(nodes))
     return None
@@ -271,6 +276,7 @@ def _lifeline(address: str, rank: int, timeout: float) -> None:
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     sock.settimeout(None)
     sock.sendall(f"cmd=lifeline pmiid={rank}\n".encode())
+    _LIFELINE[:] = [sock]
     threading.Thread(target=_watch, args=(sock,), name="ringcomm-lifeline", daemon=True).start()
 
 
@@ -278,7 +284,10 @@ def _watch(sock: socket.socket) -> None:
     with sock, sock.makefile("rb") as lines:
         for raw in lines:
             fields = pmi_server.parse(raw)
+            if fields.get("cmd") == "finalized_ack":
+                _FINALIZED_ACK.set()
             if fields.get("cmd") == "bye":
+                _FINALIZED_ACK.set()
                 return
             if fields.get("cmd") == "die":
                 code = int(fields.get("code", "1")) if fields.get("code", "").isdigit() else 1
@@ -287,6 +296,22 @@ def _watch(sock: socket.socket) -> None:
     if mpi is not None and mpi.Is_finalized():
         return
     _end(1, "the job's PMI server (a process of rank 0's) is gone")
+
+
+def _finalize_mpi() -> None:
+    """``MPI_Finalize`` where a process multiprocessing forked ends (see
+    ringcomm.core.process_end), then the server told so on the lifeline: MPICH sends PMI's
+    own ``finalize`` from its exit handler, which such a process never runs, and the server
+    would count it gone before ``MPI_Finalize`` and end the job's other processes."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    mpi.Finalize()
+    if _LIFELINE:
+        _LIFELINE[0].sendall(b"cmd=finalized\n")
+        if not _FINALIZED_ACK.wait(_FINALIZED_ACK_S):
+            _LOG.warning("ringcomm's PMI server did not answer this process's end within "
+                         "%g s", _FINALIZED_ACK_S)
 
 
 def _end(code: int, why: str) -> None:

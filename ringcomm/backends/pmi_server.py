@@ -14,7 +14,9 @@ Each process also keeps a second connection of ringcomm's own, its lifeline
 (``cmd=lifeline``): Hydra ends every process of a job where one calls MPI_Abort (MPICH's
 MPI_Abort returns, leaving that to its launcher) or ends before MPI_Finalize, and so does this
 server, telling each lifeline to end its process (``cmd=die``, with the abort's status), or,
-once every process has finalized, that all is well (``cmd=bye``).
+once every process has finalized, that all is well (``cmd=bye``). A process that ends
+without MPICH's exit handler (one that multiprocessing forked) says there that its
+``MPI_Finalize`` returned (``cmd=finalized``).
 
 Nothing waits forever: a process that does not connect within ``timeout``, a connection that
 closes before ``finalize`` (its process ended), an abort, or the end of the process that
@@ -101,6 +103,7 @@ class PMIServer:
         self._generation = 0
         self._ids: set[int] = set()
         self._finished: set[int] = set()
+        self._serving: set[int] = set()  # processes whose connection is open
         self._failure: str | None = None
         self._die = ""  # what every lifeline is told once the job failed
         self._lifelines: list[socket.socket] = []  # see _lifeline
@@ -119,9 +122,12 @@ class PMIServer:
         self._listener.close()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every process has finalized or the job failed (True), or ``timeout``."""
+        """Wait until every process has finalized and ended its connection, or the job
+        failed (True), or ``timeout``. A process that said on its lifeline that it finalized
+        may still send PMI's ``finalize`` as it exits, and MPICH fails on a server gone."""
         with self._cond:
-            return self._cond.wait_for(lambda: len(self._finished) == self.size
+            return self._cond.wait_for(lambda: (len(self._finished) == self.size
+                                                and not self._serving)
                                        or self._failure is not None, timeout)
 
     def connected(self, pmi_id: int) -> bool:
@@ -176,43 +182,60 @@ class PMIServer:
 
     def _serve(self, conn: socket.socket) -> None:
         pmi_id: int | None = None
-        with conn, conn.makefile("rb") as lines:
-            for raw in lines:
-                fields = parse(raw)
-                command = fields.get("cmd", "")
-                if command == "lifeline":
-                    self._lifeline(conn, lines)
-                    return
-                if command == "initack":
-                    pmi_id = self._initack(fields.get("pmiid", ""))
-                    if pmi_id is None:
+        try:
+            with conn, conn.makefile("rb") as lines:
+                for raw in lines:
+                    fields = parse(raw)
+                    command = fields.get("cmd", "")
+                    if command == "lifeline":
+                        self._lifeline(conn, lines, fields.get("pmiid", ""))
                         return
-                    replies = ["cmd=initack", f"cmd=set size={self.size}",
-                               f"cmd=set rank={pmi_id}", "cmd=set debug=0"]
-                else:
-                    replies = [self._answer(command, fields, pmi_id)]
-                try:
+                    if command == "initack":
+                        pmi_id = self._initack(fields.get("pmiid", ""))
+                        if pmi_id is None:
+                            return
+                        replies = ["cmd=initack", f"cmd=set size={self.size}",
+                                   f"cmd=set rank={pmi_id}", "cmd=set debug=0"]
+                    else:
+                        replies = [self._answer(command, fields, pmi_id)]
                     conn.sendall("".join(r + "\n" for r in replies).encode())
-                except OSError:
-                    break
-                if command == "finalize":  # answered: now it may count as done
-                    self._finalize(pmi_id)
-                if command in ("finalize", "abort"):
-                    return
-        if pmi_id is not None and pmi_id not in self._finished:
-            self.fail(f"the process of rank {pmi_id} ended its connection before "
-                       "MPI_Finalize (it exited, or its MPI start failed)")
+                    if command == "finalize":  # answered: now it may count as done
+                        self._finalize(pmi_id)
+                    if command in ("finalize", "abort"):
+                        return
+        except OSError:  # a reset: the process ended
+            pass
+        finally:
+            if pmi_id is not None:
+                self._ended(pmi_id)
 
-    def _lifeline(self, conn: socket.socket, lines: Any) -> None:
+    def _ended(self, pmi_id: int) -> None:
+        """Process ``pmi_id``'s connection ended: a failed job unless it finalized first."""
+        with self._cond:
+            self._serving.discard(pmi_id)
+            finished = pmi_id in self._finished
+            self._cond.notify_all()
+        if not finished:
+            self.fail(f"the process of rank {pmi_id} ended its connection before "
+                      "MPI_Finalize (it exited, or its MPI start failed)")
+
+    def _lifeline(self, conn: socket.socket, lines: Any, raw_id: str) -> None:
         """A process's second connection, ringcomm's own: the server writes on it when the
         process must end (``cmd=die``, MPICH's MPI_Abort returns and expects its launcher to
-        end the job) or may stop listening (``cmd=bye``)."""
+        end the job) or may stop listening (``cmd=bye``). The process writes on it once its
+        ``MPI_Finalize`` returned where it will end without MPICH's exit handler, which sends
+        PMI's ``finalize`` (``cmd=finalized``, answered ``cmd=finalized_ack``; see
+        ringcomm.core.process_end): it then counts as finished."""
         with self._cond:
             self._lifelines.append(conn)
             if self._die:  # too late: the job has failed
                 self._tell(self._die, [conn])
-        for _ in lines:  # until the process ends
-            pass
+        with contextlib.suppress(OSError):  # a reset: the process ended
+            for raw in lines:  # until the process ends
+                if parse(raw).get("cmd") == "finalized" and raw_id.isdigit():
+                    self._finalize(int(raw_id))
+                    with self._cond:
+                        self._tell("cmd=finalized_ack", [conn])
 
     def _initack(self, raw: str) -> int | None:
         try:
@@ -225,6 +248,7 @@ class PMIServer:
                            f"{self.size - 1}, once each)")
             else:
                 self._ids.add(pmi_id)
+                self._serving.add(pmi_id)
                 return pmi_id
         self.fail(failure)
         return None

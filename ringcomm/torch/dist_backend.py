@@ -75,6 +75,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.comm.callers import calls_as
 from ringcomm.comm.settings import read as read_settings
 from ringcomm.core.log import get_logger
+from ringcomm.core.process_end import at_process_end
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
@@ -352,6 +353,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._making = self._shut = False
         self._worker: _Worker | None = None
         _LIVE.add(self)
+        at_process_end(_shutdown_at_exit, order=10)  # before MPI_Finalize (mpi_join)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
