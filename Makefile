@@ -67,8 +67,9 @@ test-horovod: $(VENV)/.test
 
 # PyTorch's own distributed tests (DistributedTest, shipped in the torch wheel) on the
 # "ringcomm" backend, 3 processes per test: the collectives, point-to-point, all_to_all_single
-# and CPU DDP here (4-8 minutes on 2 cores); test-torch-dist-all runs every one of them (about 15
-# minutes; results in tests/upstream/results/torch_distributed.md).
+# and CPU DDP here (about a minute on 2 cores: each test's processes are forked from a server
+# that imported torch once); test-torch-dist-all runs every one of them (about 2 minutes;
+# results in tests/upstream/results/torch_distributed.md).
 TORCH_DIST_SUBSET ?= all_reduce_sum or all_reduce_max or broadcast or barrier or all_gather or \
 	send_recv_with_tag or scatter_full_group or gather_full_group or DistributedDataParallelCPU \
 	or ringcomm_all_to_all

@@ -138,7 +138,8 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
     the job has several processes).
 
     Under torchrun, or with torch.distributed's default group already initialized (and no
-    MPI world numbering the same processes alike): NCCL where every rank can run it, else MPI
+    MPI world numbering the same processes alike), over that group's store (started from
+    torchrun's environment, gloo, where it is not up): NCCL where every rank can run it, else MPI
     where every rank can join one MPI world over torch.distributed's store
     (:func:`join_mpi_over_torch`), else gloo over torch.distributed. Otherwise NCCL where
     every rank can run it, else MPI. ``timeout``: how long MPI's start may wait for a rank.
@@ -151,6 +152,12 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
         world = _mpi_world_size()
         if world != info.size or not world_numbers_alike(info.rank, info.size):
             _require_torch(info, world)
+            # Every question below goes over torch.distributed's store: one store, the default
+            # group's. Where rank 0 hosts it (no torchrun agent: torch.multiprocessing.spawn
+            # with MASTER_ADDR and MASTER_PORT, Lightning's launcher), a store of ringcomm's
+            # own and then the group's, one after the other on MASTER_PORT, let a rank reach
+            # the first as rank 0 closed it (a connection reset, in 3 of 5 runs at 3 ranks).
+            _start_torch_distributed(info, timeout)
             why = (f"{info.describe()}, which is no MPI job ({mpi_world_text(world)}"
                    f"{'' if world != info.size else ', numbering them otherwise'})")
             if nccl.usable_everywhere(None):

@@ -7,12 +7,17 @@ ends with ``os._exit`` when its target returns: no ``atexit`` handler and no MPI
 handler run there. The backend's processes, which join one MPI world over ringcomm's PMI
 server, must still end as a finished job, not as a rank gone before ``MPI_Finalize`` (whose
 server then ends the others with status 1), and a rank that really ends early must still end
-the job instead of leaving the others waiting.
+the job instead of leaving the others waiting. Lightning's "ddp_fork" runs for real.
+
+Processes given torchrun's variables by hand (the DDP tutorial's way) have rank 0 host
+torch.distributed's store on ``MASTER_PORT``: ``hvd.init()`` must ask all it asks over that
+one store.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -88,3 +93,131 @@ def test_a_forked_rank_gone_before_the_end_still_ends_the_job(tmp_path, subproce
     assert "all ranks ended well" not in proc.stdout
     assert "the process of rank 1 ended its connection before MPI_Finalize" in output, \
         output[-6000:]
+
+
+INIT_SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.multiprocessing as mp
+
+
+def work(rank, size, out, port):
+    # The DDP tutorial's way: the rendezvous's variables set by hand, rank 0 hosting the store.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import ringcomm.torch as hvd
+    if rank == 0:  # busy with other work too (a data loader, say): slower between the stores
+        import threading
+        threading.Thread(target=lambda: [sum(range(1000)) for _ in iter(int, 1)],
+                         daemon=True).start()
+    hvd.init()
+    total = hvd.allreduce(torch.full((100,), float(rank + 1)), op=hvd.Sum)
+    import torch.distributed as dist
+    row = {"rank": rank, "size": hvd.size(), "sum": total[0].item(),
+           "group": dist.is_initialized() and dist.get_world_size()}
+    (out / f"rank{rank}.json").write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+    size = int(sys.argv[3])
+    mp.start_processes(work, args=(size, Path(sys.argv[2]), int(sys.argv[4])), nprocs=size,
+                       start_method=sys.argv[1])
+    print("all ranks ended well")
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_init_where_rank_0_hosts_the_store(tmp_path, subprocess_env, method):
+    """``hvd.init()`` (``ringcomm.init()`` with backend "auto") in processes given torchrun's
+    variables by hand, rank 0 hosting torch.distributed's store on MASTER_PORT: the whole job
+    over one store, the default group's (two stores one after the other on that port failed
+    3 runs in 5, a rank reaching the first as rank 0 closed it)."""
+    script = tmp_path / "init_job.py"
+    script.write_text(INIT_SCRIPT)
+    port = _free_port()
+    proc = run_job([sys.executable, str(script), method, str(tmp_path), str(RANKS), str(port)],
+                   timeout=150, env=subprocess_env, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "all ranks ended well" in proc.stdout, output[-6000:]
+    for row in _rows(tmp_path):
+        assert row == {"rank": row["rank"], "size": RANKS, "sum": 6.0, "group": RANKS}, row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+LIGHTNING_FORK_SCRIPT = r"""
+import hashlib, json, sys
+from pathlib import Path
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+import ringcomm.torch  # noqa: F401  (registers "ringcomm")
+
+torch.set_num_threads(1)
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_train_end(self):
+        comm = getattr(torch.distributed.group.WORLD, "communicator", None)
+        params = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+        row = {"backend": torch.distributed.get_backend(),
+               "size": None if comm is None else comm.size,
+               "params": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
+        Path(OUT, f"{BACKEND}_{self.global_rank}.json").write_text(json.dumps(row))
+
+
+def loader():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+if __name__ == "__main__":
+    OUT, BACKEND = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
+                         strategy=DDPStrategy(start_method="fork",
+                                              process_group_backend=BACKEND),
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Net(), loader())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_ddp_fork_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """Lightning's "ddp_fork" (``DDPStrategy(start_method="fork")``, what notebooks get) on the
+    "ringcomm" backend: 2 forked CPU processes train to the parameters of the same run on gloo,
+    bit for bit, and the job ends well (its processes end with ``os._exit``)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_FORK_SCRIPT)
+    for backend in ("ringcomm", "gloo"):
+        proc = run_job([sys.executable, str(script), str(tmp_path), backend], timeout=200,
+                       env={**subprocess_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = {b: [json.loads((tmp_path / f"{b}_{r}.json").read_text()) for r in (0, 1)]
+            for b in ("ringcomm", "gloo")}
+    assert [row["backend"] for row in rows["ringcomm"]] == ["ringcomm"] * 2, rows
+    assert [row["size"] for row in rows["ringcomm"]] == [2, 2], rows
+    assert len({row["params"] for runs in rows.values() for row in runs}) == 1, rows
