@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,20 @@ def _reports(where: Path) -> list[dict]:
     return sorted(rows, key=lambda row: row["rank"])
 
 
+# The same job on PyTorch's own gloo under torchrun (no ringcomm in the way), run once for
+# every launcher's ringcomm run to be compared with: its parameters do not depend on the
+# launcher.
+_GLOO_RUNS: dict[str, list[dict]] = {}
+
+
+def _gloo_run(kind: str, tmp_path_factory: pytest.TempPathFactory,
+              run: Callable[[Path], list[dict]]) -> list[dict]:
+    """``run(directory)``'s reports for job ``kind`` on gloo, run at its first request."""
+    if kind not in _GLOO_RUNS:
+        _GLOO_RUNS[kind] = run(tmp_path_factory.mktemp(f"gloo-{kind}"))
+    return _GLOO_RUNS[kind]
+
+
 def _run(tmp_path: Path, env: dict[str, str], launcher: str, backend: str) -> list[dict]:
     """Run JOB on ``backend`` under ``launcher`` ("torchrun", "mpiexec", or "torchrun-gloo":
     torchrun with RINGCOMM_TORCHRUN_MPI=0, the ringcomm backend's communicator over gloo)."""
@@ -249,10 +264,11 @@ def _check_exit(proc: subprocess.CompletedProcess[str], reports: list[dict], wha
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, underneath", [("torchrun", "mpi"), ("torchrun-gloo", "gloo"),
                                                   ("mpiexec", "mpi")])
-def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, subprocess_env, mpiexec, launcher,
-                                                  underneath):
+def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, subprocess_env,
+                                                  mpiexec, launcher, underneath):
     ours = _run(tmp_path, subprocess_env, launcher, "ringcomm")
-    theirs = _run(tmp_path, subprocess_env, launcher, "gloo")
+    theirs = _gloo_run("ddp", tmp_path_factory,
+                       lambda where: _run(where, subprocess_env, "torchrun", "gloo"))
     for row in ours:
         assert row["backend"] == "ringcomm" and row["communicator"] == underneath, row
         assert row["refused"] == (
@@ -711,8 +727,8 @@ def _run_subgroups(tmp_path: Path, env: dict[str, str], launcher: str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
-def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
-                                            underneath):
+def test_sub_groups_on_the_ringcomm_backend(tmp_path, tmp_path_factory, subprocess_env, mpiexec,
+                                            launcher, underneath):
     """Groups of some of the job's ranks (new_group): torch makes them, and runs their
     collectives, on their members only. Under mpiexec each gets a ringcomm communicator of
     its members alone, numbered as the group is (in the order given where torch keeps it):
@@ -722,7 +738,8 @@ def test_sub_groups_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, l
     and DDP over a two-rank sub-group ends with the same parameters, bit for bit, as on
     gloo."""
     ours = _run_subgroups(tmp_path, subprocess_env, launcher, "ringcomm")
-    theirs = _run_subgroups(tmp_path, subprocess_env, launcher, "gloo")
+    theirs = _gloo_run("subgroups", tmp_path_factory,
+                       lambda where: _run_subgroups(where, subprocess_env, "torchrun", "gloo"))
     first = [2, 1] if ours[1]["keeps_order"] else [1, 2]  # flipped's members, in its order
     for row in ours:
         r = row["rank"]
@@ -775,20 +792,25 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, underneath", [("mpiexec", "mpi"), ("torchrun", "gloo")])
-def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, subprocess_env, mpiexec, launcher,
-                                                 underneath):
+def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, tmp_path_factory, subprocess_env,
+                                                 mpiexec, launcher, underneath):
     """FSDP2 over a 2 x 2 device mesh (HSDP), 4 processes: its replicate and shard groups are
     sub-groups of two ranks, each with a ringcomm communicator of its members; the parameters
     end bit-identical to the same training on gloo, on every rank."""
-    job = tmp_path / "hsdp.py"
-    job.write_text(HSDP_JOB)
-    reports = {}
-    for backend in ("ringcomm", "gloo"):
+
+    def hsdp(where: Path, launcher: str, backend: str) -> list[dict]:
+        job = where / "hsdp.py"
+        job.write_text(HSDP_JOB)
         proc = run_job(_command(launcher, 4, job, backend, launcher), timeout=300,
-                       env=subprocess_env, cwd=tmp_path)
-        reports[backend] = _reports(tmp_path)
-        _check_exit(proc, reports[backend], f"HSDP, {backend}", ranks=4,
+                       env=subprocess_env, cwd=where)
+        reports = _reports(where)
+        _check_exit(proc, reports, f"HSDP, {backend}", ranks=4,
                     gloo_baseline=backend == "gloo")
+        return reports
+
+    reports = {"ringcomm": hsdp(tmp_path, launcher, "ringcomm"),
+               "gloo": _gloo_run("hsdp", tmp_path_factory,
+                                 lambda where: hsdp(where, "torchrun", "gloo"))}
     for row in reports["ringcomm"]:
         r = row["rank"]
         (rb, rr, rn, rcalls), (sb, sr, sn, scalls) = row["comms"]
