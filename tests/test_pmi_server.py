@@ -208,16 +208,22 @@ def test_the_server_ends_when_its_starter_ends_before_connecting(tmp_path):
         proc.wait()
 
 
-def test_an_abort_tells_every_lifeline_to_end_with_its_status():
-    """MPICH's MPI_Abort returns after telling its launcher; the launcher ends the job. Every
-    process's lifeline (ringcomm's second connection) is told to end, with the abort's status;
-    a lifeline that connects after the job failed is told at once."""
+def _started_with_lifelines() -> tuple[PMIServer, list[Client], list[Client]]:
+    """A 2-process job whose processes have started and connected their lifelines."""
     server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
     clients = [Client(server.address) for _ in range(2)]
     lifelines = [Client(server.address) for _ in range(2)]
     for i, c in enumerate(clients):
         c.start(i)
         lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    return server, clients, lifelines
+
+
+def test_an_abort_tells_every_lifeline_to_end_with_its_status():
+    """MPICH's MPI_Abort returns after telling its launcher; the launcher ends the job. Every
+    process's lifeline (ringcomm's second connection) is told to end, with the abort's status;
+    a lifeline that connects after the job failed is told at once."""
+    server, clients, lifelines = _started_with_lifelines()
     time.sleep(0.3)                                   # the server has taken both lifelines
     clients[1].send("cmd=abort exitcode=3 message=boom")
     for lifeline in lifelines:
@@ -238,12 +244,7 @@ def test_a_process_that_says_it_finalized_may_end_without_finalize():
     returned, is answered, and its connection may then close without failing the job. The
     server ends only once every connection has ended: the other process still sends
     ``finalize`` as it exits (MPICH fails on a server gone)."""
-    server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
-    clients = [Client(server.address) for _ in range(2)]
-    lifelines = [Client(server.address) for _ in range(2)]
-    for i, c in enumerate(clients):
-        c.start(i)
-        lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    server, clients, lifelines = _started_with_lifelines()
     answers = _in_threads(*(lambda c=c: c.ask("cmd=barrier_in") for c in clients))
     assert [a["rc"] for a in answers] == ["0", "0"]  # MPI_Finalize's barrier
     for lifeline in lifelines:
@@ -259,12 +260,7 @@ def test_a_process_that_says_it_finalized_may_end_without_finalize():
 
 
 def test_a_lifeline_that_never_said_finalized_still_fails_the_job():
-    server = PMIServer(2, "(vector,(0,1,2))", "127.0.0.1", timeout=30)
-    clients = [Client(server.address) for _ in range(2)]
-    lifelines = [Client(server.address) for _ in range(2)]
-    for i, c in enumerate(clients):
-        c.start(i)
-        lifelines[i].send(f"cmd=lifeline pmiid={i}")
+    server, clients, lifelines = _started_with_lifelines()
     assert lifelines[1].ask("cmd=finalized") == {"cmd": "finalized_ack"}
     clients[0].close()  # rank 0 gone, having said nothing
     told = lifelines[1].read()

@@ -73,3 +73,37 @@ def test_a_rank_whose_process_group_fails_to_start_ends_the_job(mpiexec, subproc
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
     assert "unreachable" not in proc.stdout
     assert "rcnosuchif0" in proc.stderr, proc.stderr[-3000:]
+
+
+BACKEND_SCRIPT = r"""
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+dist.init_process_group("ringcomm")          # torchrun's processes join one MPI world
+t = torch.ones(1 << 20)
+dist.all_reduce(t)
+assert dist.group.WORLD.communicator.backend == "mpi"
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 fails mid-job")
+dist.all_reduce(t)                          # the others wait for rank 1 here
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_under_torchrun_ends_the_job(subprocess_env, tmp_path):
+    """torch.distributed's "ringcomm" backend under torchrun, one rank raising mid-job: the job
+    ends at once, non-zero, with that rank's traceback, as on gloo (torchrun ends the rest
+    when a process fails). Without the abort the failing rank waited in MPI_Finalize's barrier
+    at exit, the others waited for it, and torchrun saw no process end."""
+    script = tmp_path / "job.py"
+    script.write_text(BACKEND_SCRIPT)
+    start = time.monotonic()
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], timeout=90, env=subprocess_env,
+                       cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "unreachable" not in output, output[-4000:]
+    assert "rank 1 fails mid-job" in output, output[-4000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

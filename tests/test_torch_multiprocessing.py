@@ -47,6 +47,8 @@ def work(rank, size, out, vanish):
            "transport": comm.backend, "joined": world_joined(), "size": comm.size}
     (out / f"rank{rank}.json").write_text(json.dumps(row))
     if vanish and rank == 1:
+        if os.environ.get("VANISH") == "raise":  # multiprocessing prints it, then ends
+            raise RuntimeError("rank 1 fails mid-job")
         os._exit(0)  # gone before MPI_Finalize, while the others wait in a collective
     dist.all_reduce(t)
     dist.barrier()
@@ -61,11 +63,11 @@ if __name__ == "__main__":
 """
 
 
-def _job(tmp_path: Path, env: dict[str, str], method: str, mode: str):
+def _job(tmp_path: Path, env: dict[str, str], method: str, mode: str, timeout: float = 150):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     return run_job([sys.executable, str(script), method, str(tmp_path), mode, str(RANKS)],
-                   timeout=150, env=env, cwd=tmp_path)
+                   timeout=timeout, env=env, cwd=tmp_path)
 
 
 def _rows(tmp_path: Path) -> list[dict]:
@@ -83,6 +85,20 @@ def test_ranks_multiprocessing_started_end_as_a_finished_job(tmp_path, subproces
     for row in _rows(tmp_path):
         assert row["sum_ok"] and row["size"] == RANKS, row
         assert row["transport"] == "mpi" and row["joined"], row  # one MPI world of the job
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_rank_whose_target_raises_ends_the_job(tmp_path, subprocess_env, method):
+    """A rank's target raising mid-job (torch.multiprocessing turns it into ``sys.exit(1)``):
+    the job fails within seconds with its traceback, instead of that rank waiting in
+    MPI_Finalize's barrier for ranks that wait for it (forked: it ends unfinalized, which the
+    server sees; spawned: it aborts at exit)."""
+    proc = _job(tmp_path, {**subprocess_env, "VANISH": "raise"}, method, "vanish", timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, -9), output[-6000:]  # failed, not hung
+    assert "rank 1 fails mid-job" in output, output[-6000:]
+    assert "all ranks ended well" not in proc.stdout
 
 
 @pytest.mark.timeout(200)

@@ -19,6 +19,7 @@ gloo, told why.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -32,13 +33,14 @@ from typing import Any
 from ringcomm.backends import pmi_server
 from ringcomm.backends.mpi_process import (
     import_mpi,
+    install_abort_hook,
     machine_id,
     note_world_joined,
     world_joined,
 )
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env, flag_value
-from ringcomm.core.process_end import at_process_end
+from ringcomm.core.process_end import at_process_end, failed_status
 from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
 
 __all__ = ["FLAG", "join"]
@@ -122,7 +124,12 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
                            f"{world.Get_rank()} of {world.Get_size()}; expected rank {rank} "
                            f"of {size}")
     note_world_joined()
+    # A rank that fails must end, not wait in MPI_Finalize's barrier for ranks that wait for
+    # it (torchrun would never see it fail): an uncaught exception aborts the job, as under
+    # ringcomm.init(); a failed multiprocessing target ends unfinalized (_end_after_failed_target).
+    install_abort_hook()
     at_process_end(_finalize_mpi, order=0)
+    atexit.register(_end_after_failed_target)
     _LOG.info("MPI started over ringcomm's PMI server at %s: rank %d of %d, ranks on nodes %s",
               address, rank, size, process_mapping(nodes))
     return None
@@ -312,6 +319,21 @@ def _finalize_mpi() -> None:
         if not _FINALIZED_ACK.wait(_FINALIZED_ACK_S):
             _LOG.warning("ringcomm's PMI server did not answer this process's end within "
                          "%g s", _FINALIZED_ACK_S)
+
+
+def _end_after_failed_target() -> None:
+    """End a process whose multiprocessing target failed at its exit, without
+    ``MPI_Finalize``: spawn's children exit through ``atexit``, where mpi4py would finalize and
+    wait for ranks that wait for this one. As a forked process ends (``os._exit``), so the
+    server sees it gone and ends the others, this one first: the launcher (torch.multiprocessing)
+    reports its error, not the others' ends."""
+    status = failed_status()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if status is not None and mpi is not None and mpi.Is_initialized() \
+            and not mpi.Is_finalized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _end(code: int, why: str) -> None:
