@@ -11,6 +11,7 @@ are ignored, which is why ringcomm.torch has its own.
 from __future__ import annotations
 
 import importlib
+import json
 import socket
 import subprocess
 import sys
@@ -25,20 +26,8 @@ from ringcomm.torch import register_ddp_hook, ringcomm_hook  # noqa: E402
 
 STEPS = 4  # optimizer steps per run; the model fits in one DDP bucket, so one hook call each
 
-LIGHTNING_SCRIPT = r"""
-import sys
-from pathlib import Path
-
-import lightning.pytorch as pl
-import torch
-import ringcomm
-from ringcomm.torch import RingcommState, ringcomm_hook
-from ringcomm.torch.lightning import RingcommDDPStrategy
-
-torch.set_num_threads(1)
-OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
-
-
+# A small LightningModule and its data, for the Lightning scripts below (after their imports).
+_LIGHTNING_MODEL = r"""
 class Net(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -57,7 +46,21 @@ def loader():
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+"""
 
+LIGHTNING_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import ringcomm
+from ringcomm.torch import RingcommState, ringcomm_hook
+from ringcomm.torch.lightning import RingcommDDPStrategy
+
+torch.set_num_threads(1)
+OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
+""" + _LIGHTNING_MODEL + r"""
 
 def fit(tag, strategy, state=None):
     pl.seed_everything(0, verbose=False)
@@ -250,6 +253,58 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher):
     assert torch.equal(backend[0]["params"], backend[1]["params"])
     assert torch.equal(backend[0]["params"], plain[0]["params"])
 
+
+LIGHTNING_FORK_SCRIPT = r"""
+import hashlib, json, sys
+from pathlib import Path
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+import ringcomm.torch  # noqa: F401  (registers "ringcomm")
+
+torch.set_num_threads(1)
+""" + _LIGHTNING_MODEL + r"""
+
+class ForkedNet(Net):
+    def on_train_end(self):  # in the forked processes: the launching one has no group
+        comm = getattr(torch.distributed.group.WORLD, "communicator", None)
+        params = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+        row = {"backend": torch.distributed.get_backend(),
+               "size": None if comm is None else comm.size,
+               "params": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
+        Path(OUT, f"{BACKEND}_{self.global_rank}.json").write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    OUT, BACKEND = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
+                         strategy=DDPStrategy(start_method="fork",
+                                              process_group_backend=BACKEND),
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(ForkedNet(), loader())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_ddp_fork_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """Lightning's "ddp_fork" (``DDPStrategy(start_method="fork")``, what notebooks get) on the
+    "ringcomm" backend: 2 forked CPU processes train to the parameters of the same run on gloo,
+    bit for bit, and the job ends well (its processes end with ``os._exit``)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_FORK_SCRIPT)
+    for backend in ("ringcomm", "gloo"):
+        proc = run_job([sys.executable, str(script), str(tmp_path), backend], timeout=200,
+                       env={**subprocess_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = {b: [json.loads((tmp_path / f"{b}_{r}.json").read_text()) for r in (0, 1)]
+            for b in ("ringcomm", "gloo")}
+    assert [row["backend"] for row in rows["ringcomm"]] == ["ringcomm"] * 2, rows
+    assert [row["size"] for row in rows["ringcomm"]] == [2, 2], rows
+    assert len({row["params"] for runs in rows.values() for row in runs}) == 1, rows
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)

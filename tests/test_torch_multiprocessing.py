@@ -7,7 +7,8 @@ ends with ``os._exit`` when its target returns: no ``atexit`` handler and no MPI
 handler run there. The backend's processes, which join one MPI world over ringcomm's PMI
 server, must still end as a finished job, not as a rank gone before ``MPI_Finalize`` (whose
 server then ends the others with status 1), and a rank that really ends early must still end
-the job instead of leaving the others waiting. Lightning's "ddp_fork" runs for real.
+the job instead of leaving the others waiting (Lightning's "ddp_fork" on the backend:
+tests/test_frameworks.py).
 
 Processes given torchrun's variables by hand (the DDP tutorial's way) have rank 0 host
 torch.distributed's store on ``MASTER_PORT``: ``hvd.init()`` must ask all it asks over that
@@ -167,73 +168,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-
-LIGHTNING_FORK_SCRIPT = r"""
-import hashlib, json, sys
-from pathlib import Path
-import torch
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
-import ringcomm.torch  # noqa: F401  (registers "ringcomm")
-
-torch.set_num_threads(1)
-
-
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                       torch.nn.Linear(64, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def on_train_end(self):
-        comm = getattr(torch.distributed.group.WORLD, "communicator", None)
-        params = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
-        row = {"backend": torch.distributed.get_backend(),
-               "size": None if comm is None else comm.size,
-               "params": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
-        Path(OUT, f"{BACKEND}_{self.global_rank}.json").write_text(json.dumps(row))
-
-
-def loader():
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-
-
-if __name__ == "__main__":
-    OUT, BACKEND = sys.argv[1], sys.argv[2]
-    torch.manual_seed(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
-                         strategy=DDPStrategy(start_method="fork",
-                                              process_group_backend=BACKEND),
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Net(), loader())
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_lightning_ddp_fork_on_the_ringcomm_backend(tmp_path, subprocess_env):
-    """Lightning's "ddp_fork" (``DDPStrategy(start_method="fork")``, what notebooks get) on the
-    "ringcomm" backend: 2 forked CPU processes train to the parameters of the same run on gloo,
-    bit for bit, and the job ends well (its processes end with ``os._exit``)."""
-    pytest.importorskip("lightning")
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_FORK_SCRIPT)
-    for backend in ("ringcomm", "gloo"):
-        proc = run_job([sys.executable, str(script), str(tmp_path), backend], timeout=200,
-                       env={**subprocess_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = {b: [json.loads((tmp_path / f"{b}_{r}.json").read_text()) for r in (0, 1)]
-            for b in ("ringcomm", "gloo")}
-    assert [row["backend"] for row in rows["ringcomm"]] == ["ringcomm"] * 2, rows
-    assert [row["size"] for row in rows["ringcomm"]] == [2, 2], rows
-    assert len({row["params"] for runs in rows.values() for row in runs}) == 1, rows
