@@ -18,10 +18,14 @@ from typing import Any
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
 from ringcomm.core.launch import LaunchInfo
+from ringcomm.core.log import get_logger
+from ringcomm.core.restarts import attempt_prefix, stale_keys_warning
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
 __all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "join_mpi_over_torch",
            "mpi_world_text", "register"]
+
+_LOG = get_logger("init")
 
 #: What builds a backend's Communicator: (mpi_comm, settings, launch, startup error).
 Builder = Callable[[Any, Settings, LaunchInfo, Exception | None], Communicator]
@@ -200,11 +204,30 @@ def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
             "torch.distributed.init_process_group() first (under mpiexec: "
             "ringcomm.torch.process_group.init_process_group_from_mpi())")
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        _init_default_group(info, datetime.timedelta(seconds=timeout))
     except (ValueError, RuntimeError) as err:
         where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
         raise RuntimeError(f"{info.describe()}, but torch.distributed could not start from "
                            f"torchrun's environment ({where}): {err}") from err
+
+
+def _init_default_group(info: LaunchInfo, timeout: datetime.timedelta) -> None:
+    """torch.distributed's default group (gloo) from torchrun's environment; in a restarted
+    job whose store still holds the earlier attempt's keys, under a prefix of this attempt's
+    own (``ringcomm.core.restarts``: the store is then the torchrun agent's)."""
+    import torch.distributed as dist
+
+    prefix = attempt_prefix()
+    if not prefix:
+        warning = stale_keys_warning()
+        if warning:
+            _LOG.warning("%s", warning)
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    agents = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           info.size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, agents), rank=info.rank,
+                            world_size=info.size, timeout=timeout)
 
 
 def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:

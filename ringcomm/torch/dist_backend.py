@@ -76,6 +76,7 @@ from ringcomm.comm.callers import calls_as
 from ringcomm.comm.settings import read as read_settings
 from ringcomm.core.log import get_logger
 from ringcomm.core.process_end import at_process_end
+from ringcomm.core.restarts import attempt_prefix, stale_keys_warning
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
@@ -318,6 +319,18 @@ def _pairwise(collective: Callable[..., Any], outputs: list[torch.Tensor],
     return works[0] if len(works) == 1 else _Works(works, outputs)
 
 
+def _this_attempts(store: Any) -> Any:
+    """``store`` under a prefix of this torchrun attempt's own, where it holds the keys of an
+    earlier attempt of a restarted job (``ringcomm.core.restarts``)."""
+    prefix = attempt_prefix()
+    if prefix:
+        return dist.PrefixStore(prefix, store)
+    warning = stale_keys_warning()
+    if warning:
+        _LOG.warning("%s", warning)
+    return store
+
+
 class RingcommProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a ringcomm communicator.
 
@@ -334,6 +347,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
         self._timeout = timeout
+        store = _this_attempts(store)
         # gloo over the same store: the control plane while the communicator is made, and the
         # backend of every collective this group does not run itself.
         self._store = store
