@@ -384,6 +384,65 @@ def test_accelerate_on_the_ringcomm_backend(tmp_path, subprocess_env):
         assert torch.equal(run["params"], theirs[0]["params"])
 
 
+NOTEBOOK_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import notebook_launcher
+
+OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
+
+
+def train():
+    from accelerate import Accelerator
+    import ringcomm.torch as hvd
+    from ringcomm.torch import register_ddp_hook
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    hvd.init()                   # torch.distributed is up (Accelerate's gloo group): the job
+    rank = hvd.rank()
+    big = torch.arange(300_000, dtype=torch.float32) * (rank + 1)
+    assert torch.equal(hvd.allreduce(big, op=hvd.Sum), torch.arange(300_000.0) * 3)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register_ddp_hook(model)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "calls": state.comm.stats.calls, "size": state.comm.size,
+                "mpi": hvd.mpi_enabled()}, OUT / f"notebook_{rank}.pt")
+
+
+notebook_launcher(train, num_processes=2)   # forks the processes, as in a notebook
+print("launcher ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_accelerate_notebook_launcher(tmp_path, subprocess_env):
+    """Accelerate's ``notebook_launcher`` (processes forked from a notebook's kernel, their
+    torch.distributed started by the Accelerator): ``hvd.init()`` spans both, over one MPI
+    world, and the hook trains them to identical parameters."""
+    pytest.importorskip("accelerate")
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK_SCRIPT)
+    proc = _run([sys.executable, str(script), str(tmp_path), str(STEPS)],
+                _env(subprocess_env, tmp_path), tmp_path)
+    assert "launcher ok" in proc.stdout
+    runs = _ranks(tmp_path, "notebook")
+    for run in runs:
+        assert (run["calls"], run["size"], run["mpi"]) == (STEPS, 2, True), run
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+
+
 def test_register_ddp_hook_refuses_a_module():
     with pytest.raises(TypeError, match=r"expects a torch.nn.parallel.DistributedDataParallel"
                                         r".*got torch.nn.modules.linear.Linear"):
