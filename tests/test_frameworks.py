@@ -228,18 +228,24 @@ def test_lightning_strategy_on_cpu(tmp_path, subprocess_env):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
-def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher):
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun", "mpiexec"])
+def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, request):
     """DDPStrategy(process_group_backend="ringcomm"): Lightning's own DDP on torch.distributed's
     "ringcomm" backend trains to the parameters of its gloo run, bit for bit (2 ranks). Under
-    torchrun the backend's processes join one MPI world; under Lightning's own launcher
-    (``python train.py``) they stay on gloo, the same on both ranks: Lightning itself started
-    MPI in each process, alone (its MPIEnvironment check imports mpi4py.MPI)."""
+    torchrun the backend's processes join one MPI world; under mpiexec (Lightning's
+    MPIEnvironment) they are one already; under Lightning's own launcher (``python
+    train.py``) they stay on gloo, the same on both ranks: Lightning itself started MPI in
+    each process, alone (its MPIEnvironment check imports mpi4py.MPI)."""
     pytest.importorskip("lightning")
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    start = [sys.executable] if launcher == "lightning" else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    if launcher == "lightning":
+        start = [sys.executable]
+    elif launcher == "torchrun":
+        start = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2"]
+    else:
+        start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
     for mode in ("backend", "hooks"):
         env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
         _run([*start, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
@@ -247,7 +253,7 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher):
     backend, plain = _ranks(tmp_path, "backend"), _ranks(tmp_path, "plain")
     for run in backend:
         assert run["backend"] == "ringcomm" and run["size"] == 2, run
-        assert run["transport"] == ("mpi" if launcher == "torchrun" else "gloo"), run
+        assert run["transport"] == ("gloo" if launcher == "lightning" else "mpi"), run
         assert run["calls"] >= STEPS, run  # DDP's bucket allreduces went through ringcomm
     assert [run["backend"] for run in plain] == ["gloo", "gloo"]
     assert torch.equal(backend[0]["params"], backend[1]["params"])
