@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "sync_device"]
+__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "sync_device",
+           "travels_widened"]
 
 # dtype -> (dtype it travels as, number of trailing unit dimensions that tag it)
 _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -35,6 +36,11 @@ _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.int16: (torch.int32, 4),
     torch.bfloat16: (torch.float32, 5),
 }
+
+
+def travels_widened(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` travel as a widened, tagged copy (see ``Operand``)."""
+    return dtype in _WIDENED
 
 
 def _cupy() -> Any:

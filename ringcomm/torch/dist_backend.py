@@ -80,6 +80,7 @@ from ringcomm.core.restarts import attempt_prefix, stale_keys_warning
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
+from ringcomm.torch._operand_errors import in_torch_terms
 from ringcomm.torch._tensors import Operand, as_array
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
@@ -509,7 +510,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         def run() -> list[torch.Tensor]:
             for t in tensors:
                 x = Operand(t)
-                with _refusing_ops("all_reduce"):
+                with _refusing_ops("all_reduce"), in_torch_terms(comm, "all_reduce", t, x.array):
                     comm.allreduce(x.array, out=x.array, op=op)
                 x.write_back()
             return tensors
@@ -527,7 +528,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         def run() -> list[torch.Tensor]:
             for t in tensors:
                 x = Operand(t)
-                comm.broadcast(x.array, root=root)
+                with in_torch_terms(comm, "broadcast", t, x.array):
+                    comm.broadcast(x.array, root=root)
                 x.write_back()
             return tensors
         return self._submit(run, here=_here(opts, tensors))

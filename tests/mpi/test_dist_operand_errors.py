@@ -1,0 +1,74 @@
+"""Refused all_reduce and broadcast calls on the "ringcomm" torch.distributed backend name the
+tensors as given (their torch dtype and shape), also for the dtypes that travel as widened
+copies (bool, uint8, int8, int16, bfloat16), where the communicator's agreement sees the
+copies' int32/float32 and tagged shapes; the same error on every rank, and the group goes on
+in step afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import process_group  # noqa: E402
+
+import ringcomm.torch  # noqa: E402, F401  (registers "ringcomm")
+from ringcomm.core.types import ArgumentMismatchError, InvalidTypeError  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+pytestmark = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+
+
+@pytest.fixture(scope="module")
+def group():
+    process_group()
+    g = dist.new_group(backend="ringcomm")
+    yield g
+    dist.destroy_process_group(g)
+
+
+# (case, this rank's tensor, the error, the message's words)
+CASES = [
+    ("int8 shapes", lambda: torch.ones(3 + RANK, dtype=torch.int8), ArgumentMismatchError,
+     "the tensors differ between ranks (shape): " + "; ".join(
+         f"torch.int8 of shape ({3 + r},) on rank {r}" for r in range(SIZE))),
+    ("int8 against int32",
+     lambda: torch.ones(3, dtype=torch.int8 if RANK == 0 else torch.int32),
+     ArgumentMismatchError, "the tensors differ between ranks (dtype): torch.int8 of shape "
+     "(3,) on rank 0; torch.int32 of shape (3,) on rank 1"),
+    ("bfloat16 shapes", lambda: torch.ones(2, 3 if RANK == 0 else 4, dtype=torch.bfloat16),
+     ArgumentMismatchError, "torch.bfloat16 of shape (2, 3) on rank 0; torch.bfloat16 of "
+     "shape (2, 4) on rank 1"),
+    ("float32 shapes", lambda: torch.ones(3 + RANK), ArgumentMismatchError,
+     "shape differs between ranks: (3,) on rank 0; (4,) on rank 1"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "error", "words"), CASES, ids=[c[0] for c in CASES])
+def test_all_reduce_refusals_name_the_tensors(group, case, make, error, words):
+    with pytest.raises(error) as info:
+        dist.all_reduce(make(), group=group)
+    assert words in str(info.value), str(info.value)
+    assert "1, 1, 1" not in str(info.value)         # no tag of a widened copy
+    messages = WORLD.allgather(str(info.value))
+    assert len(set(messages)) == 1, messages        # the same on every rank
+    t = torch.full((5,), float(RANK + 1))             # and the group goes on in step
+    dist.all_reduce(t, group=group)
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.bool, torch.int16])
+def test_an_average_of_integers_names_their_dtype(group, dtype):
+    with pytest.raises(InvalidTypeError, match=rf"op 'avg' needs a floating dtype, got {dtype}"):
+        dist.all_reduce(torch.ones(3, dtype=dtype), op=dist.ReduceOp.AVG, group=group)
+
+
+def test_broadcast_refusals_name_the_tensors(group):
+    with pytest.raises(ArgumentMismatchError, match=r"broadcast: the tensors differ between "
+                       r"ranks \(shape\): torch.bool of shape \(2,\) on rank 0; torch.bool of "
+                       r"shape \(3,\) on rank 1"):
+        dist.broadcast(torch.ones(2 + min(RANK, 1), dtype=torch.bool), src=0, group=group)
