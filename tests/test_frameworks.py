@@ -62,6 +62,19 @@ torch.set_num_threads(1)
 OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
 """ + _LIGHTNING_MODEL + r"""
 
+def synced_metrics(model, rank):  # torchmetrics' sync: all_gather of uneven tensors
+    import torchmetrics
+    from torchmetrics.classification import MulticlassAccuracy
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(37 + 11 * rank, 32, generator=gen), torch.randint(0, 4, (37 + 11 * rank,))
+    with torch.no_grad():
+        logits = model.net(x)
+    accuracy, cat = MulticlassAccuracy(num_classes=4), torchmetrics.CatMetric()
+    accuracy.update(logits, y)
+    cat.update(logits[:, 0])
+    return [accuracy.compute().item(), cat.compute().shape[0], cat.compute().sum().item()]
+
+
 def fit(tag, strategy, state=None):
     pl.seed_everything(0, verbose=False)
     model = Net()
@@ -74,6 +87,7 @@ def fit(tag, strategy, state=None):
     if tag == "backend":  # the process group's own communicator
         comm = torch.distributed.group.WORLD.communicator
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "metrics": synced_metrics(model, trainer.global_rank),
                 "calls": None if comm is None else comm.stats.calls,
                 "size": None if comm is None else comm.size,
                 "transport": None if comm is None else comm.backend,
@@ -258,6 +272,9 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, r
     assert [run["backend"] for run in plain] == ["gloo", "gloo"]
     assert torch.equal(backend[0]["params"], backend[1]["params"])
     assert torch.equal(backend[0]["params"], plain[0]["params"])
+    # torchmetrics' sync (all_gather of tensors whose sizes differ between ranks)
+    assert backend[0]["metrics"][1] == 37 + 48
+    assert backend[0]["metrics"] == backend[1]["metrics"] == plain[0]["metrics"]
 
 
 LIGHTNING_FORK_SCRIPT = r"""
