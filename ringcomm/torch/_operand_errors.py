@@ -21,7 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringcomm.core.types import ArgumentMismatchError, CollectiveError, InvalidTypeError
+from ringcomm.core.types import (
+    ArgumentMismatchError,
+    CollectiveError,
+    DtypeMismatchError,
+    InvalidTypeError,
+)
 from ringcomm.torch._tensors import travels_widened
 
 __all__ = ["in_torch_terms"]
@@ -43,10 +48,21 @@ def in_torch_terms(comm: Any, collective: str, tensor: torch.Tensor,
     try:
         yield
     except (ArgumentMismatchError, InvalidTypeError) as err:
+        if not _about_the_tensors(err):
+            raise
         given = _gathered(comm, tensor)
         if not any(widened for _, _, widened in given):
             raise
         raise _restated(err, collective, given, np.dtype(carried.dtype).name) from err
+
+
+def _about_the_tensors(err: CollectiveError) -> bool:
+    """Whether every rank ran this collective and refused its tensors: a dtype refused, or
+    only dtypes and shapes differing (not calls that crossed, whose ranks are in different
+    collectives and would not all come to the exchange, nor other arguments)."""
+    if isinstance(err, ArgumentMismatchError):
+        return bool(err.differences) and set(err.differences) <= {"dtype", "shape"}
+    return True
 
 
 def _gathered(comm: Any, tensor: torch.Tensor) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -73,7 +89,8 @@ def _restated(err: CollectiveError, collective: str,
                        if len(set(values)) > 1}
         each = "; ".join(f"{dtype} of shape {shape} on rank {rank}"
                          for rank, (dtype, shape, _) in enumerate(given))
-        return ArgumentMismatchError(
+        mismatch = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
+        return mismatch(
             f"{collective}: the tensors differ between ranks ({' and '.join(differences)}): "
             f"{each}", kind=err.kind, ranks=err.ranks, differences=differences)
     message = str(err).replace(f"got {carried}", f"got {dtypes[0]}")

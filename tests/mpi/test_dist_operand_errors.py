@@ -15,7 +15,11 @@ from mpi4py import MPI  # noqa: E402
 from torch_helpers import process_group  # noqa: E402
 
 import ringcomm.torch  # noqa: E402, F401  (registers "ringcomm")
-from ringcomm.core.types import ArgumentMismatchError, InvalidTypeError  # noqa: E402
+from ringcomm.core.types import (  # noqa: E402
+    ArgumentMismatchError,
+    DtypeMismatchError,
+    InvalidTypeError,
+)
 
 WORLD = MPI.COMM_WORLD
 SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
@@ -38,7 +42,7 @@ CASES = [
          f"torch.int8 of shape ({3 + r},) on rank {r}" for r in range(SIZE))),
     ("int8 against int32",
      lambda: torch.ones(3, dtype=torch.int8 if RANK == 0 else torch.int32),
-     ArgumentMismatchError, "the tensors differ between ranks (dtype): torch.int8 of shape "
+     DtypeMismatchError, "the tensors differ between ranks (dtype): torch.int8 of shape "
      "(3,) on rank 0; torch.int32 of shape (3,) on rank 1"),
     ("bfloat16 shapes", lambda: torch.ones(2, 3 if RANK == 0 else 4, dtype=torch.bfloat16),
      ArgumentMismatchError, "torch.bfloat16 of shape (2, 3) on rank 0; torch.bfloat16 of "
@@ -72,3 +76,27 @@ def test_broadcast_refusals_name_the_tensors(group):
                        r"ranks \(shape\): torch.bool of shape \(2,\) on rank 0; torch.bool of "
                        r"shape \(3,\) on rank 1"):
         dist.broadcast(torch.ones(2 + min(RANK, 1), dtype=torch.bool), src=0, group=group)
+
+
+def _in_step(group):
+    t = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(t, group=group)
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
+
+
+def test_crossed_calls_of_widened_tensors_fail_at_once(group):
+    """Ranks in different collectives are refused as before (no exchange that only some
+    ranks would come to)."""
+    t = torch.ones(3, dtype=torch.int8)
+    with pytest.raises(ArgumentMismatchError, match="collective calls differ between ranks"):
+        if RANK == 0:
+            dist.all_reduce(t, group=group)
+        else:
+            dist.all_gather([torch.empty_like(t) for _ in range(SIZE)], t, group=group)
+    _in_step(group)
+
+
+def test_other_arguments_keep_their_message(group):
+    with pytest.raises(ArgumentMismatchError, match="root differs between ranks"):
+        dist.broadcast(torch.ones(2, dtype=torch.bool), src=min(RANK, 1), group=group)
+    _in_step(group)
