@@ -98,6 +98,9 @@ def fit(tag, strategy, state=None):
 if sys.argv[3:] == ["backend"]:  # torch.distributed's "ringcomm" backend, no hook
     fit("backend", pl.strategies.DDPStrategy(process_group_backend="ringcomm"))
     sys.exit(0)
+if sys.argv[3:] == ["plain"]:  # Lightning's DDP on gloo alone: the backend's baseline
+    fit("plain", pl.strategies.DDPStrategy())
+    sys.exit(0)
 fit("plain", pl.strategies.DDPStrategy())
 fit("ringcomm", RingcommDDPStrategy())
 fit("int8", RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8(), "start_iter": 1,
@@ -227,44 +230,10 @@ def _check_runs(out: Path) -> None:
     assert torch.isfinite(int8[0]["params"]).all()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_lightning_strategy_on_cpu(tmp_path, subprocess_env):
-    pytest.importorskip("lightning")
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_SCRIPT)
-    env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
-    _run([sys.executable, str(script), str(tmp_path), str(STEPS)], env, tmp_path)
-    _check_runs(tmp_path)
-    ignored = _ranks(tmp_path, "ignored")
-    assert [run["calls"] for run in ignored] == [0, 0]  # DDPStrategy(ddp_comm_hook=) on CPU
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["lightning", "torchrun", "mpiexec"])
-def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, request):
-    """DDPStrategy(process_group_backend="ringcomm"): Lightning's own DDP on torch.distributed's
-    "ringcomm" backend trains to the parameters of its gloo run, bit for bit (2 ranks). Under
-    torchrun the backend's processes join one MPI world; under mpiexec (Lightning's
-    MPIEnvironment) they are one already; under Lightning's own launcher (``python
-    train.py``) they stay on gloo, the same on both ranks: Lightning itself started MPI in
-    each process, alone (its MPIEnvironment check imports mpi4py.MPI)."""
-    pytest.importorskip("lightning")
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_SCRIPT)
-    if launcher == "lightning":
-        start = [sys.executable]
-    elif launcher == "torchrun":
-        start = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2"]
-    else:
-        start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
-    for mode in ("backend", "hooks"):
-        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
-        _run([*start, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
-             gloo_baseline=mode != "backend")
-    backend, plain = _ranks(tmp_path, "backend"), _ranks(tmp_path, "plain")
+def _check_backend_runs(out: Path, launcher: str) -> None:
+    """Lightning's DDP on the "ringcomm" backend went through ringcomm (over MPI, or gloo under
+    Lightning's own launcher) and trained to its gloo run's parameters, bit for bit."""
+    backend, plain = _ranks(out, "backend"), _ranks(out, "plain")
     for run in backend:
         assert run["backend"] == "ringcomm" and run["size"] == 2, run
         assert run["transport"] == ("gloo" if launcher == "lightning" else "mpi"), run
@@ -275,6 +244,47 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, r
     # torchmetrics' sync (all_gather of tensors whose sizes differ between ranks)
     assert backend[0]["metrics"][1] == 37 + 48
     assert backend[0]["metrics"] == backend[1]["metrics"] == plain[0]["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
+    """``python train.py`` with ``Trainer(devices=2)``: RingcommDDPStrategy's hook (plain DDP's
+    parameters uncompressed, identical on both ranks with int8), DDPStrategy's own hook
+    argument ignored on CPU, and DDPStrategy(process_group_backend="ringcomm"), whose
+    processes stay on gloo, the same on both ranks: Lightning itself started MPI in each
+    process, alone (its MPIEnvironment check imports mpi4py.MPI)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    for mode in ((), ("backend",)):
+        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+        _run([sys.executable, str(script), str(tmp_path), str(STEPS), *mode], env, tmp_path)
+    _check_runs(tmp_path)
+    ignored = _ranks(tmp_path, "ignored")
+    assert [run["calls"] for run in ignored] == [0, 0]  # DDPStrategy(ddp_comm_hook=) on CPU
+    _check_backend_runs(tmp_path, "lightning")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, request):
+    """DDPStrategy(process_group_backend="ringcomm") under torchrun (the backend's processes
+    join one MPI world) and mpiexec (Lightning's MPIEnvironment: they are one already)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    if launcher == "torchrun":
+        start = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2"]
+    else:
+        start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
+    for mode in ("backend", "plain"):
+        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+        _run([*start, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
+             gloo_baseline=mode != "backend")
+    _check_backend_runs(tmp_path, launcher)
 
 
 LIGHTNING_FORK_SCRIPT = r"""
