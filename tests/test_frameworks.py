@@ -339,24 +339,6 @@ def test_lightning_ddp_fork_on_the_ringcomm_backend(tmp_path, subprocess_env):
     assert [row["size"] for row in rows["ringcomm"]] == [2, 2], rows
     assert len({row["params"] for runs in rows.values() for row in runs}) == 1, rows
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
-    """``accelerate launch --cpu --num_processes 2`` starts one process (two CPU processes need
-    mpirun there); ``--multi_gpu`` starts them with torchrun, and ``Accelerator(cpu=True)``
-    then runs DDP over gloo."""
-    pytest.importorskip("accelerate")
-    script = tmp_path / "train.py"
-    script.write_text(ACCELERATE_SCRIPT)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(script), str(tmp_path), str(STEPS)]
-    proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path)
-    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
-    _check_runs(tmp_path)
-
-
 ACCELERATE_BACKEND_SCRIPT = r"""
 import sys
 from pathlib import Path
@@ -392,29 +374,37 @@ print(f"rank {rank} ok", flush=True)
 """
 
 
+def _accelerate(script: Path, args: list[str], subprocess_env: dict[str, str],
+                out: Path) -> None:
+    """``accelerate launch --multi_gpu --num_processes 2 script args`` (torchrun underneath)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(script), *args]
+    proc = _run(cmd, _env(subprocess_env, out), out)
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_accelerate_on_the_ringcomm_backend(tmp_path, subprocess_env):
-    """Accelerate's DDP on torch.distributed's "ringcomm" backend (the group made before the
-    Accelerator) trains to the parameters of its gloo run, bit for bit (2 ranks)."""
+@pytest.mark.timeout(300)
+def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
+    """``accelerate launch --multi_gpu`` starts two processes with torchrun (``--cpu
+    --num_processes 2`` starts one: two CPU processes need mpirun there), and
+    ``Accelerator(cpu=True)`` runs DDP over gloo: the hook as with Lightning; and Accelerate's
+    DDP on torch.distributed's "ringcomm" backend (the group made before the Accelerator)
+    trains to the parameters of the plain gloo run, bit for bit."""
     pytest.importorskip("accelerate")
-    script = tmp_path / "train.py"
-    script.write_text(ACCELERATE_BACKEND_SCRIPT)
-    for backend in ("ringcomm", "gloo"):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               str(script), str(tmp_path), str(STEPS), backend]
-        proc = _run(cmd, _env(subprocess_env, tmp_path), tmp_path,
-                    gloo_baseline=backend == "gloo")
-        assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
-    ours, theirs = _ranks(tmp_path, "accelerate_ringcomm"), _ranks(tmp_path, "accelerate_gloo")
-    for run in ours:
+    hooks, backend = tmp_path / "train.py", tmp_path / "backend.py"
+    hooks.write_text(ACCELERATE_SCRIPT)
+    backend.write_text(ACCELERATE_BACKEND_SCRIPT)
+    _accelerate(hooks, [str(tmp_path), str(STEPS)], subprocess_env, tmp_path)
+    _check_runs(tmp_path)
+    _accelerate(backend, [str(tmp_path), str(STEPS), "ringcomm"], subprocess_env, tmp_path)
+    plain = _ranks(tmp_path, "plain")
+    for run in _ranks(tmp_path, "accelerate_ringcomm"):
         assert run["backend"] == "ringcomm" and run["calls"] >= STEPS, run
         assert run["transport"] == "mpi", run  # torchrun's processes joined one MPI world
-    assert [run["backend"] for run in theirs] == ["gloo", "gloo"]
-    for run in ours + theirs:
-        assert torch.equal(run["params"], theirs[0]["params"])
+        assert torch.equal(run["params"], plain[0]["params"])
 
 
 NOTEBOOK_SCRIPT = r"""
