@@ -48,6 +48,23 @@ def loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 """
 
+# The Accelerate scripts' model, data and steps (after their imports; ``hook(model)``, if
+# given, registers a hook on the prepared model and returns its state).
+_ACCELERATE_FIT = r"""
+def fit(accelerator, rank, hook=None):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = None if hook is None else hook(model)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    return model, state
+"""
+
 LIGHTNING_SCRIPT = r"""
 import sys
 from pathlib import Path
@@ -129,19 +146,11 @@ OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
 assert accelerator.num_processes == 2, accelerator.state
-
+""" + _ACCELERATE_FIT + r"""
 
 def train(tag, hooked=True, **state_kwargs):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    state = register_ddp_hook(model, **state_kwargs) if hooked else None
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
-        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        opt.zero_grad()
-        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-        opt.step()
+    hook = (lambda model: register_ddp_hook(model, **state_kwargs)) if hooked else None
+    model, state = fit(accelerator, rank, hook)
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "calls": None if state is None else state.comm.stats.calls,
                 "size": None if state is None else state.comm.size},
@@ -349,27 +358,18 @@ from accelerate import Accelerator
 import ringcomm.torch  # registers "ringcomm"
 
 torch.set_num_threads(1)
-OUT, STEPS, BACKEND = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-if BACKEND == "ringcomm":
-    # On CPU Accelerate takes gloo or mpi only; a group made first is the one it keeps.
-    dist.init_process_group("ringcomm")
+OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
+# On CPU Accelerate takes gloo or mpi only; a group made first is the one it keeps.
+dist.init_process_group("ringcomm")
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
-torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-gen = torch.Generator().manual_seed(rank)
-for _ in range(STEPS):
-    x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-    opt.zero_grad()
-    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-    opt.step()
-comm = getattr(dist.group.WORLD, "communicator", None)
-torch.save({"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
-            "backend": dist.get_backend(),
-            "transport": None if comm is None else comm.backend,
-            "calls": None if comm is None else comm.stats.calls},
-           OUT / f"accelerate_{BACKEND}_{rank}.pt")
+""" + _ACCELERATE_FIT + r"""
+model, _ = fit(accelerator, rank)
+comm = dist.group.WORLD.communicator
+torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "backend": dist.get_backend(), "transport": comm.backend,
+            "calls": comm.stats.calls},
+           OUT / f"accelerate_ringcomm_{rank}.pt")
 print(f"rank {rank} ok", flush=True)
 """
 
@@ -399,7 +399,7 @@ def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
     backend.write_text(ACCELERATE_BACKEND_SCRIPT)
     _accelerate(hooks, [str(tmp_path), str(STEPS)], subprocess_env, tmp_path)
     _check_runs(tmp_path)
-    _accelerate(backend, [str(tmp_path), str(STEPS), "ringcomm"], subprocess_env, tmp_path)
+    _accelerate(backend, [str(tmp_path), str(STEPS)], subprocess_env, tmp_path)
     plain = _ranks(tmp_path, "plain")
     for run in _ranks(tmp_path, "accelerate_ringcomm"):
         assert run["backend"] == "ringcomm" and run["calls"] >= STEPS, run
@@ -415,7 +415,7 @@ import torch
 from accelerate import notebook_launcher
 
 OUT, STEPS = Path(sys.argv[1]), int(sys.argv[2])
-
+""" + _ACCELERATE_FIT + r"""
 
 def train():
     from accelerate import Accelerator
@@ -428,16 +428,7 @@ def train():
     rank = hvd.rank()
     big = torch.arange(300_000, dtype=torch.float32) * (rank + 1)
     assert torch.equal(hvd.allreduce(big, op=hvd.Sum), torch.arange(300_000.0) * 3)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    state = register_ddp_hook(model)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
-        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        opt.zero_grad()
-        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-        opt.step()
+    model, state = fit(accelerator, rank, register_ddp_hook)
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "calls": state.comm.stats.calls, "size": state.comm.size,
                 "mpi": hvd.mpi_enabled()}, OUT / f"notebook_{rank}.pt")

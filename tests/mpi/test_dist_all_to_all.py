@@ -21,9 +21,8 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from torch_helpers import process_group  # noqa: E402
+from torch_helpers import ringcomm_group  # noqa: E402
 
-import ringcomm.torch  # noqa: E402, F401  (registers "ringcomm")
 from ringcomm.core.types import (  # noqa: E402
     ArgumentMismatchError,
     DtypeMismatchError,
@@ -36,12 +35,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.bool, torch.complex64)
 
 
-@pytest.fixture(scope="module")
-def group():
-    process_group()
-    g = dist.new_group(backend="ringcomm")
-    yield g
-    dist.destroy_process_group(g)
+group = pytest.fixture(scope="module", name="group")(ringcomm_group)
 
 
 def _input(rank: int, rows: int, trailing: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

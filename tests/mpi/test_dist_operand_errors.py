@@ -12,9 +12,8 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from torch_helpers import process_group  # noqa: E402
+from torch_helpers import ringcomm_group  # noqa: E402
 
-import ringcomm.torch  # noqa: E402, F401  (registers "ringcomm")
 from ringcomm.core.types import (  # noqa: E402
     ArgumentMismatchError,
     DtypeMismatchError,
@@ -27,12 +26,7 @@ SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 pytestmark = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
 
 
-@pytest.fixture(scope="module")
-def group():
-    process_group()
-    g = dist.new_group(backend="ringcomm")
-    yield g
-    dist.destroy_process_group(g)
+group = pytest.fixture(scope="module", name="group")(ringcomm_group)
 
 
 # (case, this rank's tensor, the error, the message's words)

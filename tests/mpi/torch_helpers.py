@@ -40,6 +40,18 @@ def gloo_communicator() -> Iterator[Any]:
     made.close()
 
 
+def ringcomm_group() -> Iterator[Any]:
+    """A group of every rank on torch.distributed's "ringcomm" backend, destroyed after its
+    tests (as a module-scoped fixture: ``pytest.fixture(scope="module",
+    name="group")(ringcomm_group)``)."""
+    import ringcomm.torch  # noqa: F401  (registers "ringcomm")
+
+    process_group()
+    group = dist.new_group(backend="ringcomm")
+    yield group
+    dist.destroy_process_group(group)
+
+
 def counting_gloo_allreduce(monkeypatch: Any) -> list[int]:
     """The element counts of the tensors the gloo transport hands to gloo's allreduce, counted
     by wrapping the real ``dist.all_reduce`` (as a fixture taking ``monkeypatch``)."""
