@@ -29,6 +29,13 @@ pytestmark = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
 group = pytest.fixture(scope="module", name="group")(ringcomm_group)
 
 
+def _in_step(group):
+    """The group goes on in step after a refusal."""
+    t = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(t, group=group)
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
+
+
 # (case, this rank's tensor, the error, the message's words)
 CASES = [
     ("int8 shapes", lambda: torch.ones(3 + RANK, dtype=torch.int8), ArgumentMismatchError,
@@ -54,9 +61,7 @@ def test_all_reduce_refusals_name_the_tensors(group, case, make, error, words):
     assert "1, 1, 1" not in str(info.value)         # no tag of a widened copy
     messages = WORLD.allgather(str(info.value))
     assert len(set(messages)) == 1, messages        # the same on every rank
-    t = torch.full((5,), float(RANK + 1))             # and the group goes on in step
-    dist.all_reduce(t, group=group)
-    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
+    _in_step(group)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.bool, torch.int16])
@@ -70,12 +75,6 @@ def test_broadcast_refusals_name_the_tensors(group):
                        r"ranks \(shape\): torch.bool of shape \(2,\) on rank 0; torch.bool of "
                        r"shape \(3,\) on rank 1"):
         dist.broadcast(torch.ones(2 + min(RANK, 1), dtype=torch.bool), src=0, group=group)
-
-
-def _in_step(group):
-    t = torch.full((5,), float(RANK + 1))
-    dist.all_reduce(t, group=group)
-    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
 
 
 def test_crossed_calls_of_widened_tensors_fail_at_once(group):
