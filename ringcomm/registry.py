@@ -18,14 +18,11 @@ from typing import Any
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
 from ringcomm.core.launch import LaunchInfo
-from ringcomm.core.log import get_logger
-from ringcomm.core.restarts import attempt_prefix, stale_keys_warning
+from ringcomm.core.restarts import attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
 __all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "join_mpi_over_torch",
            "mpi_world_text", "register"]
-
-_LOG = get_logger("init")
 
 #: What builds a backend's Communicator: (mpi_comm, settings, launch, startup error).
 Builder = Callable[[Any, Settings, LaunchInfo, Exception | None], Communicator]
@@ -219,9 +216,6 @@ def _init_default_group(info: LaunchInfo, timeout: datetime.timedelta) -> None:
 
     prefix = attempt_prefix()
     if not prefix:
-        warning = stale_keys_warning()
-        if warning:
-            _LOG.warning("%s", warning)
         dist.init_process_group("gloo", timeout=timeout)
         return
     agents = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

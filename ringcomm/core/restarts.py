@@ -8,7 +8,8 @@ pytorch/pytorch#135712, unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Where 
 starts every worker (a one-node job), its restart count (``TORCHELASTIC_RESTART_COUNT``) is the
 same in every worker, and ringcomm writes each attempt's keys under a prefix of their own.
 Across several agents the counts differ (an agent whose workers did not fail does not count
-the restart), so there nothing is prefixed and :func:`stale_keys_warning` says what to set.
+the restart), so there nothing is prefixed and a warning (:func:`stale_keys_warning`) says
+what to set.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from ringcomm.core.log import get_logger
+
 __all__ = ["attempt_prefix", "stale_keys_warning"]
+
+_LOG = get_logger("init")
+_WARNED: list[str] = []  # the warning, once logged in this process
 
 
 def _restarted_on_shared_store(env: Mapping[str, str]) -> int:
@@ -28,21 +34,31 @@ def _restarted_on_shared_store(env: Mapping[str, str]) -> int:
     return int(count) if count.isdigit() else 0
 
 
-def attempt_prefix(env: Mapping[str, str] | None = None) -> str:
-    """A store prefix of this attempt's own where the store holds an earlier attempt's keys and
-    every worker counts attempts alike (one agent); "" otherwise."""
-    env = os.environ if env is None else env
+def _prefix(env: Mapping[str, str]) -> str:
     count = _restarted_on_shared_store(env)
     if count == 0 or env.get("GROUP_WORLD_SIZE", "").strip() != "1":
         return ""
     return f"ringcomm-attempt-{count}/"
 
 
+def attempt_prefix(env: Mapping[str, str] | None = None) -> str:
+    """A store prefix of this attempt's own where the store holds an earlier attempt's keys and
+    every worker counts attempts alike (one agent); "" otherwise, with
+    :func:`stale_keys_warning` logged once where an earlier attempt's keys may still be read."""
+    env = os.environ if env is None else env
+    prefix = _prefix(env)
+    warning = None if prefix else stale_keys_warning(env)
+    if warning and not _WARNED:
+        _WARNED.append(warning)
+        _LOG.warning("%s", warning)
+    return prefix
+
+
 def stale_keys_warning(env: Mapping[str, str] | None = None) -> str | None:
     """What to do where an earlier attempt's keys may be read and no prefix can tell them apart
     (several agents sharing their store across restarts); None where that cannot happen."""
     env = os.environ if env is None else env
-    if _restarted_on_shared_store(env) == 0 or attempt_prefix(env):
+    if _restarted_on_shared_store(env) == 0 or _prefix(env):
         return None
     return ("this torchrun job was restarted (TORCHELASTIC_RESTART_COUNT="
             f"{env.get('TORCHELASTIC_RESTART_COUNT')}) on a rendezvous store shared with its "

@@ -84,15 +84,17 @@ def _restated(err: CollectiveError, collective: str,
               given: list[tuple[str, tuple[int, ...], bool]], carried: str) -> CollectiveError:
     dtypes = tuple(dtype for dtype, _, _ in given)
     shapes = tuple(shape for _, shape, _ in given)
-    if len(set(dtypes)) > 1 or len(set(shapes)) > 1:
-        differences = {name: values for name, values in (("dtype", dtypes), ("shape", shapes))
-                       if len(set(values)) > 1}
+    differences = {name: values for name, values in (("dtype", dtypes), ("shape", shapes))
+                   if len(set(values)) > 1}
+    if differences:
         each = "; ".join(f"{dtype} of shape {shape} on rank {rank}"
                          for rank, (dtype, shape, _) in enumerate(given))
         mismatch = DtypeMismatchError if "dtype" in differences else ArgumentMismatchError
         return mismatch(
             f"{collective}: the tensors differ between ranks ({' and '.join(differences)}): "
             f"{each}", kind=err.kind, ranks=err.ranks, differences=differences)
-    message = str(err).replace(f"got {carried}", f"got {dtypes[0]}")
-    return type(err)(message, kind=err.kind, ranks=err.ranks, differences=err.differences,
-                     reason=err.reason.replace(f"got {carried}", f"got {dtypes[0]}"))
+    def named(text: str) -> str:
+        return text.replace(f"got {carried}", f"got {dtypes[0]}")
+
+    return type(err)(named(str(err)), kind=err.kind, ranks=err.ranks,
+                     differences=err.differences, reason=named(err.reason))

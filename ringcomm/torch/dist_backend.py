@@ -76,7 +76,7 @@ from ringcomm.comm.callers import calls_as
 from ringcomm.comm.settings import read as read_settings
 from ringcomm.core.log import get_logger
 from ringcomm.core.process_end import at_process_end
-from ringcomm.core.restarts import attempt_prefix, stale_keys_warning
+from ringcomm.core.restarts import attempt_prefix
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
@@ -324,12 +324,7 @@ def _this_attempts(store: Any) -> Any:
     """``store`` under a prefix of this torchrun attempt's own, where it holds the keys of an
     earlier attempt of a restarted job (``ringcomm.core.restarts``)."""
     prefix = attempt_prefix()
-    if prefix:
-        return dist.PrefixStore(prefix, store)
-    warning = stale_keys_warning()
-    if warning:
-        _LOG.warning("%s", warning)
-    return store
+    return dist.PrefixStore(prefix, store) if prefix else store
 
 
 class RingcommProcessGroup(dist.ProcessGroup):
