@@ -298,35 +298,6 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     assert len(digests) == 1, (ours, theirs)
 
 
-FSDP_JOB = START + r'''
-r = dist.get_rank()
-params = sharded()
-comm = getattr(dist.group.WORLD, "communicator", None)
-with open(f"report_{r}.json", "w") as f:
-    json.dump({"rank": r, "backend": dist.get_backend(), "params": params,
-               "calls": None if comm is None else comm.stats.calls}, f)
-dist.destroy_process_group()
-'''
-
-
-@pytest.mark.slow
-def test_fsdp_on_the_ringcomm_backend(tmp_path, subprocess_env):
-    """FSDP (fully_shard) shards, gathers and reduce-scatters through the backend's
-    all_gather_into_tensor and reduce_scatter_tensor, to gloo's parameters (2 ranks)."""
-    pytest.importorskip("torch.distributed.fsdp")
-    job = tmp_path / "fsdp.py"
-    job.write_text(FSDP_JOB)
-    runs = {}
-    for backend in ("ringcomm", "gloo"):
-        proc = run_job(_command("torchrun", 2, job, backend, "torchrun"), timeout=240,
-                       env=subprocess_env, cwd=tmp_path)
-        runs[backend] = _reports(tmp_path)
-        _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
-    for row in runs["ringcomm"]:
-        assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
-    assert len({row["params"] for rows in runs.values() for row in rows}) == 1, runs
-
-
 FUNCTIONAL_JOB = r"""
 import json, sys, warnings
 import torch, torch.distributed as dist
@@ -391,6 +362,80 @@ def test_functional_collectives_on_the_ringcomm_backend(tmp_path, subprocess_env
         # reduce-scatters through the communicator (the bfloat16 allgather is gloo's)
         assert row["calls"] >= 8 * rounds, row
 
+
+FSDP_JOB = START + r"""
+import functools
+from torch.distributed.fsdp import fully_shard
+
+compiled = functools.partial(torch.compile, backend="aot_eager")  # dynamo's tracing, no C++
+r = dist.get_rank()
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+
+def fit(model, step_model, steps=4):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + r)
+    for _ in range(steps):
+        opt.zero_grad()
+        step_model(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    tensors = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+report = {"rank": r, "backend": dist.get_backend(), "params": sharded()}
+comm = getattr(dist.group.WORLD, "communicator", None)
+report["calls"] = None if comm is None else comm.stats.calls
+model = bn_model()  # DDP rebuilds its buckets and broadcasts the BatchNorm's buffers
+report["ddp"] = fit(model, compiled(torch.nn.parallel.DistributedDataParallel(model)))
+if backend == "ringcomm":  # ringcomm's own hook on the compiled model
+    from ringcomm.torch import register_ddp_hook
+    model = bn_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = register_ddp_hook(ddp)
+    report["ddp_hook"] = fit(model, compiled(ddp))
+    report["hook_calls"] = state.comm.stats.calls
+model = bn_model()
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer)
+fully_shard(model)
+report["fsdp"] = fit(model, compiled(model))  # FSDP2, compiled
+with open(f"report_{r}.json", "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_env):
+    """FSDP (fully_shard) shards, gathers and reduce-scatters through the backend's
+    all_gather_into_tensor and reduce_scatter_tensor, to gloo's parameters (2 ranks under
+    torchrun). Then torch.compile over DDP and FSDP2 models: c10d calls the group's Python
+    collectives from C++ inside the compiled forward (DDP rebuilding its buckets), where
+    TorchDynamo traced them and stopped at the group's attributes (UnsafeScriptObjectError;
+    gloo's C++ has nothing to trace). Now the same parameters as on gloo, bit for bit, with
+    and without ringcomm's DDP hook."""
+    pytest.importorskip("torch.distributed.fsdp")
+    job = tmp_path / "fsdp.py"
+    job.write_text(FSDP_JOB)
+    runs = {}
+    for backend in ("ringcomm", "gloo"):
+        proc = run_job(_command("torchrun", 2, job, backend, "torchrun"), timeout=300,
+                       env=subprocess_env, cwd=tmp_path)
+        runs[backend] = _reports(tmp_path)
+        _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
+    for name in ("params", "ddp", "fsdp"):
+        assert len({row[name] for rows in runs.values() for row in rows}) == 1, (name, runs)
+    for row in runs["ringcomm"]:
+        assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
+        # two ranks: the hook's a + b is DDP's own, bit for bit
+        assert row["ddp_hook"] == row["ddp"] and row["hook_calls"] > 0, row
 
 NUMBERING_JOB = r'''
 import functools, json, os, sys

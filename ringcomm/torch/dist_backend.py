@@ -166,6 +166,26 @@ _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.in
                            torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
+def _eager(cls: type) -> type:
+    """``cls`` with the methods PyTorch's C++ calls run eagerly, never traced by torch.compile.
+
+    c10d calls a Python group's collectives, and DDP's reducer its work objects, from C++;
+    in a compiled model's forward (DDP rebuilding its buckets, broadcasting its buffers)
+    TorchDynamo would trace those Python frames and stop at the group's attributes
+    (UnsafeScriptObjectError: the group is an opaque object to it), where torch's own C++
+    groups have no frame to trace. ``torch.compiler.disable`` costs about 0.5 us a call.
+    """
+    for name, member in list(vars(cls).items()):
+        if callable(member) and (not name.startswith("_") or name in _CALLED_FROM_CPP):
+            setattr(cls, name, torch.compiler.disable(member))
+    return cls
+
+
+# The underscored methods of a Python group that c10d's trampoline calls.
+_CALLED_FROM_CPP = frozenset({"_allgather_base", "_reduce_scatter_base"})
+
+
+@_eager
 class _Work(dist._Work):
     """The work object of one collective: ``wait()`` raises the collective's error on the
     caller's thread, and ``get_future()`` (what DDP waits on) is completed with its result or
@@ -196,6 +216,7 @@ class _Work(dist._Work):
         return True
 
 
+@_eager
 class _Works(dist._Work):
     """Several works of the gloo fallback as one: ``wait()`` waits for each (raising the first
     failed one's error); the future completes with ``result`` once all have, or with the
@@ -327,6 +348,7 @@ def _this_attempts(store: Any) -> Any:
     return dist.PrefixStore(prefix, store) if prefix else store
 
 
+@_eager
 class RingcommProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a ringcomm communicator.
 
