@@ -63,7 +63,12 @@ class RingcommState:
 
     Args:
         comm: the communicator; the one of ``ringcomm.torch.init()`` when None (started here
-            if need be: MPI under mpiexec, a gloo group under torchrun).
+            if need be: MPI under mpiexec, a gloo group under torchrun), over the whole job.
+            For a DDP model over a sub-group (``process_group=``), pass a communicator of
+            that group's ranks (its ``communicator`` on the "ringcomm" backend): the hook
+            averages over ``comm``'s ranks, as PyTorch's ``allreduce_hook`` over the group
+            its state names (WORLD for None). ``register_ddp_hook`` refuses a communicator
+            whose size differs from the model's group.
         compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: whichever of
             none, fp16 and int8 makes the training iteration shortest, each tried on every
             compressed bucket of whole iterations from ``start_iter`` on, one untimed and 3
