@@ -67,6 +67,7 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
         from ringcomm.backends.mpi_process import mpi_world_is_job
 
         if not mpi_world_is_job():
+            _require_torch(info, _mpi_world_size())
             why = join_mpi_over_torch(info, settings.timeout)
             if why is not None:
                 raise RuntimeError(
