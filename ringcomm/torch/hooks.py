@@ -63,7 +63,9 @@ class RingcommState:
 
     Args:
         comm: the communicator; the one of ``ringcomm.torch.init()`` when None (started here
-            if need be: MPI under mpiexec, a gloo group under torchrun), over the whole job.
+            if need be, as ``ringcomm.init()`` chooses: MPI under mpiexec; under torchrun
+            NCCL where every rank has a GPU, else MPI over its processes, else gloo), over
+            the whole job.
             For a DDP model over a sub-group (``process_group=``), pass a communicator of
             that group's ranks (its ``communicator`` on the "ringcomm" backend): the hook
             averages over ``comm``'s ranks, as PyTorch's ``allreduce_hook`` over the group
