@@ -184,6 +184,15 @@ except ValueError as err:
 alone.close()
 world.close()
 
+# One state per model: a state already running another model's hook is refused.
+first = accelerator.prepare(torch.nn.Linear(3, 3))
+state = register_ddp_hook(first)
+try:
+    register_ddp_hook(accelerator.prepare(torch.nn.Linear(3, 3)), state)
+    raise AssertionError("no ValueError")
+except ValueError as err:
+    assert "already runs the hook of another DDP model" in str(err), err
+
 # Accelerate's own way: a callable comm_hook is ignored (registered, it would run with state
 # None and fail in backward).
 ignored = Accelerator(cpu=True, kwargs_handlers=[

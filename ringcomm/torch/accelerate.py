@@ -22,6 +22,7 @@ Example (``accelerate launch --multi_gpu --num_processes 2 train.py``, CPU or GP
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -74,6 +75,13 @@ def _check_state(state: RingcommState, model: DistributedDataParallel) -> None:
                         f"{type(state).__qualname__}")
     if state.comm.closed:
         raise RuntimeError(f"the state's communicator is closed: {state.comm!r}")
+    given = state._model() if state._model is not None else None
+    if given is not None and given is not model:
+        raise ValueError(
+            "this RingcommState already runs the hook of another DDP model: give each model a "
+            "state of its own (a state counts its model's iterations and keeps the "
+            "compressor's state by bucket index), e.g. register_ddp_hook(model, "
+            "**state_kwargs) for each")
     expected = model.process_group.size()
     if state.comm.size != expected:
         raise ValueError(
@@ -124,4 +132,5 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
         state = _new_state(state_kwargs)
     _check_state(state, model)
     model.register_comm_hook(state, ringcomm_hook)
+    state._model = weakref.ref(model)
     return state

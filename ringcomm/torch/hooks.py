@@ -105,6 +105,11 @@ class RingcommState:
             host copy): give every rank the same ones; a bucket staged whole on one rank and
             handed over as it is on another raises ArgumentMismatchError on every rank.
 
+    One state per DDP model: the state counts its model's iterations and keeps the
+    compressor's own state (PowerSGD's Q) by bucket index, so that two models sharing one
+    would count each other's iterations and warm-start from each other's Q
+    (:func:`~ringcomm.torch.register_ddp_hook` refuses a state it gave another model).
+
     Raises:
         ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown
             ``algorithm``.
@@ -116,10 +121,10 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bound", "_bucket_params", "_engine", "_residuals", "_spans", "_staging",
-                 "_ticked", "_trials", "algorithm", "comm", "compression", "error_feedback",
-                 "feedback", "host_staging", "iter", "min_compress_bytes", "overlap",
-                 "start_iter")
+    __slots__ = ("_bound", "_bucket_params", "_engine", "_model", "_residuals", "_spans",
+                 "_staging", "_ticked", "_trials", "algorithm", "comm", "compression",
+                 "error_feedback", "feedback", "host_staging", "iter", "min_compress_bytes",
+                 "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
@@ -156,6 +161,9 @@ class RingcommState:
         self._trials = (IterationTrials(auto, start_iter)
                         if auto is not None and auto.rounds > 0 and comm.size > 1 else None)
         self._ticked = -1  # the iteration whose first bucket the trials have seen
+        # The model register_ddp_hook gave this state to (a weak reference), or None: one
+        # state per model, as its buckets are known by their index.
+        self._model: Any = None
 
     def check_spans_job(self) -> None:
         """Refuse a one-process communicator in a job of several (a state made before
