@@ -7,6 +7,7 @@ promptly: never a hang in MPI's start-up, never a wrong value.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -101,20 +102,26 @@ def test_log_level_differing_is_allowed(mpiexec, subprocess_env):
     assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
 
 
+# One job for every Horovod case (importing torch costs seconds a process): each rank sets
+# its value (or none) before hvd.init(), which a failed init leaves free to be called again.
 HVD_PROBE = r"""
-import os, torch, ringcomm.torch as hvd
+import json, os, sys, torch, ringcomm.torch as hvd
 rank = int(os.environ["PMI_RANK"])
-try:
-    hvd.init()
-    out = f"ok {hvd.size()} {hvd.allreduce(torch.ones(3), op=hvd.Sum)[0].item()}"
-    hvd.shutdown()
-except Exception as err:
-    out = f"{type(err).__name__}: {err}"
-os.write(1, f"<{rank}|{out}>\n".encode())
+for variable, value, other in json.loads(sys.argv[1]):
+    mine = value if rank == 0 else other
+    if mine is not None:
+        os.environ[variable] = mine
+    try:
+        hvd.init()
+        out = f"ok {hvd.size()} {hvd.allreduce(torch.ones(3), op=hvd.Sum)[0].item()}"
+        hvd.shutdown()
+    except Exception as err:
+        out = f"{type(err).__name__}: {err}"
+    os.environ.pop(variable, None)
+    os.write(1, f"<{rank}|{out}>\n".encode())
 """
 
-
-@pytest.mark.parametrize(("variable", "value", "other", "expected"), [
+HVD_CASES = [
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe", None,
      "InvalidArgumentError: init failed on rank 0: HOROVOD_HIERARCHICAL_ALLREDUCE must be 0 "
      "or 1"),
@@ -130,12 +137,24 @@ os.write(1, f"<{rank}|{out}>\n".encode())
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "0",
      "ArgumentMismatchError: init: HOROVOD_HIERARCHICAL_ALLREDUCE differs between ranks: "
      "hierarchical on rank 0; flat on rank 1"),
-])
-def test_horovod_variables_are_agreed(mpiexec, subprocess_env, variable, value, other,
-                                      expected):
+    ("HOROVOD_CYCLE_TIME", "5", "5", "ok 2 2.0"),           # and init works after all of them
+]
+
+
+def test_horovod_variables_are_agreed(mpiexec, subprocess_env):
     """hvd.init() agrees on the Horovod variables as ringcomm.init() on its own: a bad value
-    on one rank used to raise there before MPI started, leaving the other rank waiting."""
+    on one rank used to raise there before MPI started, leaving the other rank waiting. Each
+    case in turn in one 2-rank job, after the cases before it failed or shut down."""
     pytest.importorskip("torch")
-    lines = _run_two(mpiexec, subprocess_env, variable, value, other, probe=HVD_PROBE)
-    assert lines[0] == lines[1], lines
-    assert lines[0].startswith(expected), lines
+    base = {k: v for k, v in subprocess_env.items() if not k.startswith(("RINGCOMM_", "HOROVOD_"))}
+    cases = json.dumps([case[:3] for case in HVD_CASES])
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", HVD_PROBE, cases],
+                          capture_output=True, text=True, timeout=120, env=base)
+    ranks: dict[str, list[str]] = {"0": [], "1": []}
+    for rank, line in re.findall(r"^<(\d)\|(.*)>$", proc.stdout, re.MULTILINE):
+        ranks[rank].append(line)
+    assert len(ranks["0"]) == len(ranks["1"]) == len(HVD_CASES), (
+        proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    for case, got0, got1 in zip(HVD_CASES, ranks["0"], ranks["1"], strict=True):
+        assert got0 == got1, (case, got0, got1)
+        assert got0.startswith(case[3]), (case, got0)
