@@ -65,6 +65,43 @@ expected, got = train(False), train(True)
 torch.testing.assert_close(got, expected)
 int8 = train(True, ringcomm.Int8())
 assert torch.equal(hvd.broadcast(int8, root_rank=0), int8)   # identical on both ranks
+
+# DDP's features around a hook: Join over uneven inputs (the rank that ran out calls the hook
+# on zero buckets for the other's steps), no_sync() accumulation, gradients as views of the
+# buckets, a parameter that never gets one; small buckets, so several calls a step.
+class Forked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = (torch.nn.Linear(8, 32), torch.nn.Linear(32, 4),
+                                       torch.nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+def train_uneven(hooked, compression=None):
+    from torch.distributed.algorithms.join import Join
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        Forked(), find_unused_parameters=True, gradient_as_bucket_view=True, bucket_cap_mb=0.001)
+    if hooked:
+        model.register_comm_hook(RingcommState(compression=compression, start_iter=1,
+                                               min_compress_bytes=0), ringcomm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    with Join([model]):
+        for _ in range(5 if rank == 0 else 3):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)
+                with model.no_sync() if micro == 0 else torch.enable_grad():
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+expected, got = train_uneven(False), train_uneven(True)
+assert torch.equal(got, expected), (got - expected).abs().max()
+int8 = train_uneven(True, ringcomm.Int8())
+assert torch.equal(hvd.broadcast(int8, root_rank=0), int8)
 print(f"rank {rank} ok", flush=True)
 hvd.shutdown()
 """
@@ -252,6 +289,9 @@ def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module, transport
 @pytest.mark.slow
 @_TRANSPORTS
 def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env, transport):
+    """hvd's collectives and ringcomm's hook under torchrun: the hook's parameters are DDP
+    default's, also with Join over uneven inputs, no_sync(), gradient_as_bucket_view and an
+    unused parameter; Int8's are the same on both ranks."""
     _torchrun(tmp_path, _on(transport, subprocess_env), SCRIPT)
 
 
