@@ -206,6 +206,40 @@ if backend == "ringcomm":
 report["params"] = trained()
 if backend == "ringcomm":
     report["calls_after_ddp"] = dist.group.WORLD.communicator.stats.calls
+
+
+def joined():
+    """The sha256 after DDP training under Join with uneven inputs (the rank that ran out
+    matches the others' collectives), no_sync() accumulation, gradients as views of the buckets
+    and a layer that never gets a gradient."""
+    from torch.distributed.algorithms.join import Join
+    class Forked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 2),
+                                           torch.nn.Linear(16, 2))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Forked()
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=True, gradient_as_bucket_view=True, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(300 + r)
+    with Join([ddp]):
+        for _ in range(4 + 2 * r):
+            opt.zero_grad()
+            for micro in range(2):
+                with ddp.no_sync() if micro == 0 else torch.enable_grad():
+                    ddp(torch.randn(6, 8, generator=gen)).pow(2).mean().backward()
+            opt.step()
+    return hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+report["joined"] = joined()
 with open(f"report_{r}.json", "w") as f:  # a file each: the ranks' stdout interleaves
     json.dump({"rank": r, **report}, f)
 dist.destroy_process_group()
@@ -296,6 +330,7 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.
     digests = {row["params"] for row in ours + theirs}
     assert len(digests) == 1, (ours, theirs)
+    assert len({row["joined"] for row in ours + theirs}) == 1, (ours, theirs)
 
 
 FUNCTIONAL_JOB = r"""
