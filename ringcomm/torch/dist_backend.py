@@ -173,12 +173,18 @@ def _eager(cls: type) -> type:
     in a compiled model's forward (DDP rebuilding its buckets, broadcasting its buffers)
     TorchDynamo would trace those Python frames and stop at the group's attributes
     (UnsafeScriptObjectError: the group is an opaque object to it), where torch's own C++
-    groups have no frame to trace. ``torch.compiler.disable`` costs about 0.5 us a call.
+    groups have no frame to trace. Disabled lazily: TorchDynamo (2.6 s to import here) is
+    imported at the first call, never by ``import torch``, which registers this backend.
+    About 0.5 us a call.
     """
     for name, member in list(vars(cls).items()):
         if callable(member) and (not name.startswith("_") or name in _CALLED_FROM_CPP):
-            setattr(cls, name, torch.compiler.disable(member))
+            setattr(cls, name, _disable_dynamo(member))
     return cls
+
+
+# PyTorch's own lazy form of torch.compiler.disable (what its optimizers use), where it has one.
+_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
 # The underscored methods of a Python group that c10d's trampoline calls.
