@@ -175,7 +175,7 @@ def _eager(cls: type) -> type:
     (UnsafeScriptObjectError: the group is an opaque object to it), where torch's own C++
     groups have no frame to trace. Disabled lazily: TorchDynamo (2.6 s to import here) is
     imported at the first call, never by ``import torch``, which registers this backend.
-    About 0.5 us a call.
+    About 1.3 us a call on a loaded machine (torch.compiler.disable's own 1.0 us there).
     """
     for name, member in list(vars(cls).items()):
         if callable(member) and (not name.startswith("_") or name in _CALLED_FROM_CPP):
