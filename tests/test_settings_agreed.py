@@ -137,6 +137,18 @@ HVD_CASES = [
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "0",
      "ArgumentMismatchError: init: HOROVOD_HIERARCHICAL_ALLREDUCE differs between ranks: "
      "hierarchical on rank 0; flat on rank 1"),
+    ("HOROVOD_CACHE_CAPACITY", "0", None,
+     "ArgumentMismatchError: init: HOROVOD_CACHE_CAPACITY differs between ranks: 0 on rank 0; "
+     "1024 on rank 1"),
+    ("HOROVOD_CACHE_CAPACITY", "lots", None,
+     "InvalidArgumentError: init failed on rank 0: HOROVOD_CACHE_CAPACITY must be an integer"),
+    # Rank 0 writes the timeline: its missing directory fails every rank (it used to raise
+    # FileNotFoundError on rank 0 alone, the other rank going on to wait for it); another
+    # rank's is never opened.
+    ("HOROVOD_TIMELINE", "/nonexistent-ringcomm-dir/t.json", None,
+     "InvalidArgumentError: init failed on rank 0: HOROVOD_TIMELINE: timeline file "
+     "'/nonexistent-ringcomm-dir/t.json': directory '/nonexistent-ringcomm-dir' does not exist"),
+    ("HOROVOD_TIMELINE", None, "/nonexistent-ringcomm-dir/t.json", "ok 2 2.0"),
     ("HOROVOD_CYCLE_TIME", "5", "5", "ok 2 2.0"),           # and init works after all of them
 ]
 

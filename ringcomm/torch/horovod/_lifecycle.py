@@ -77,7 +77,7 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
 def _start(comm: Communicator, settings: dict[str, Any], problem: Exception | None) -> None:
     """Agree on the Horovod settings over the new communicator ``comm``, then start the
     engine, the negotiation and the timeline (collective)."""
-    agree_at_start(comm.transport, settings, problem)
+    agree_at_start(comm.transport, settings, problem or timeline.env_problem(comm.rank))
     if settings["HOROVOD_HIERARCHICAL_ALLREDUCE"] is not None and STATE.owned:
         comm.algorithm = settings["HOROVOD_HIERARCHICAL_ALLREDUCE"]
     STATE.engine = engine_for(comm)

@@ -41,7 +41,7 @@ from ringcomm.core import trace
 from ringcomm.core.log import get_logger
 from ringcomm.torch.horovod import _basics
 
-__all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "start_from_env",
+__all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "env_problem", "start_from_env",
            "start_timeline", "stop_timeline"]
 
 #: The timeline file to write from ``hvd.init()`` on (Horovod's variable; "DYNAMIC": none yet).
@@ -371,6 +371,20 @@ def start_from_env(rank: int) -> None:
         return
     mark = os.environ.get(ENV_MARK_CYCLES, "").strip().lower() in ("1", "true", "yes", "on")
     _start(path, rank, mark)
+
+
+def env_problem(rank: int) -> FileNotFoundError | None:
+    """What would stop :func:`start_from_env` on ``rank``: the directory of the file
+    ``HOROVOD_TIMELINE`` names missing on rank 0 (``hvd.init()`` raises it on every rank, where
+    it would otherwise fail on rank 0 alone and leave the others waiting for it)."""
+    path = os.environ.get(ENV_TIMELINE, "").strip()
+    if rank != 0 or not path or path.upper() == "DYNAMIC":
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        return None
+    return FileNotFoundError(f"HOROVOD_TIMELINE: timeline file {path!r}: directory {folder!r} "
+                             "does not exist")
 
 
 def _start(file_path: str, rank: int, mark_cycles: bool) -> None:
