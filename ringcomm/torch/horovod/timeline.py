@@ -41,8 +41,8 @@ from ringcomm.core import trace
 from ringcomm.core.log import get_logger
 from ringcomm.torch.horovod import _basics
 
-__all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "env_problem", "start_from_env",
-           "start_timeline", "stop_timeline"]
+__all__ = ["ENV_MARK_CYCLES", "ENV_TIMELINE", "Timeline", "active", "env_problem",
+           "start_from_env", "start_timeline", "stop_timeline"]
 
 #: The timeline file to write from ``hvd.init()`` on (Horovod's variable; "DYNAMIC": none yet).
 ENV_TIMELINE = "HOROVOD_TIMELINE"
@@ -289,10 +289,18 @@ class _Tracer:
         self.begin, self.end = timeline._span_begin, timeline._span_end
 
 
+def _missing_directory(path: str) -> FileNotFoundError | None:
+    """The error of a timeline file ``path`` whose directory does not exist, or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        return None
+    return FileNotFoundError(f"timeline file {path!r}: directory {folder!r} does not exist")
+
+
 def _create(path: str) -> TextIO:
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"timeline file {path!r}: directory {folder!r} does not exist")
+    missing = _missing_directory(path)
+    if missing is not None:
+        raise missing
     return open(path, "w", encoding="utf-8")  # closed by Timeline.close
 
 
@@ -366,8 +374,8 @@ def start_from_env(rank: int) -> None:
     Raises:
         FileNotFoundError: the file's directory does not exist (on rank 0).
     """
-    path = os.environ.get(ENV_TIMELINE, "").strip()
-    if rank != 0 or not path or path.upper() == "DYNAMIC":
+    path = _env_path(rank)
+    if path is None:
         return
     mark = os.environ.get(ENV_MARK_CYCLES, "").strip().lower() in ("1", "true", "yes", "on")
     _start(path, rank, mark)
@@ -377,14 +385,18 @@ def env_problem(rank: int) -> FileNotFoundError | None:
     """What would stop :func:`start_from_env` on ``rank``: the directory of the file
     ``HOROVOD_TIMELINE`` names missing on rank 0 (``hvd.init()`` raises it on every rank, where
     it would otherwise fail on rank 0 alone and leave the others waiting for it)."""
+    path = _env_path(rank)
+    missing = None if path is None else _missing_directory(path)
+    return None if missing is None else FileNotFoundError(f"{ENV_TIMELINE}: {missing}")
+
+
+def _env_path(rank: int) -> str | None:
+    """The file ``HOROVOD_TIMELINE`` names for ``rank`` to write: rank 0's, unless unset,
+    empty or ``DYNAMIC``; None otherwise."""
     path = os.environ.get(ENV_TIMELINE, "").strip()
     if rank != 0 or not path or path.upper() == "DYNAMIC":
         return None
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(folder):
-        return None
-    return FileNotFoundError(f"HOROVOD_TIMELINE: timeline file {path!r}: directory {folder!r} "
-                             "does not exist")
+    return path
 
 
 def _start(file_path: str, rank: int, mark_cycles: bool) -> None:
