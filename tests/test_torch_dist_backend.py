@@ -163,6 +163,21 @@ if backend == "ringcomm":
     want = torch.arange(12.0).reshape(3, 4) * (r + 1)
     want[:, 1] = torch.tensor([1.0, 5.0, 9.0])
     assert torch.equal(b, want), b
+    # A negative view (x.conj().imag) broadcast as its values, written through the view
+    # (gloo, torch 2.13, sends its memory: rank 1 of 2 kept -2.0, not rank 0's -1.0).
+    z = torch.tensor([1 + 1j * (r + 1)])
+    v = z.conj().imag
+    dist.broadcast(v, src=0)
+    assert v.tolist() == [-1.0] and z.tolist() == [1 + 1j], z
+    # Sparse tensors go to gloo's sparse allreduce (DDP's sparse gradients); dtypes NumPy
+    # lacks (float8, quantized) to gloo too, which refuses them alike on every rank.
+    sp = torch.sparse_coo_tensor([[0, 2 + r]], [1.0 + r, 10.0], (n + 2,))
+    dist.all_reduce(sp)
+    assert sp.to_dense().tolist() == [n + n * (n - 1) / 2, 0.0] + [10.0] * n, sp
+    try:
+        dist.broadcast(torch.ones(2, dtype=torch.float8_e4m3fn), src=0)
+    except RuntimeError as err:
+        report["float8"] = str(err)
     sub = dist.new_group([0])
     if r == 0:
         s = torch.ones(3)
@@ -239,7 +254,24 @@ def joined():
         b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
+def sparse_gradients():
+    """The sha256 after DDP training of an embedding with sparse gradients (DDP reduces each
+    in a bucket of its own, with the backend's all_reduce of a sparse tensor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(400 + r)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randint(0, 20, (6,), generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
 report["joined"] = joined()
+report["sparse"] = sparse_gradients()
 with open(f"report_{r}.json", "w") as f:  # a file each: the ranks' stdout interleaves
     json.dump({"rank": r, **report}, f)
 dist.destroy_process_group()
@@ -331,6 +363,8 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     digests = {row["params"] for row in ours + theirs}
     assert len(digests) == 1, (ours, theirs)
     assert len({row["joined"] for row in ours + theirs}) == 1, (ours, theirs)
+    assert len({row["sparse"] for row in ours + theirs}) == 1, (ours, theirs)
+    assert len({row["float8"] for row in ours}) == 1 and ours[0]["float8"], ours
 
 
 FUNCTIONAL_JOB = r"""

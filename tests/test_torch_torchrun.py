@@ -102,6 +102,23 @@ expected, got = train_uneven(False), train_uneven(True)
 assert torch.equal(got, expected), (got - expected).abs().max()
 int8 = train_uneven(True, ringcomm.Int8())
 assert torch.equal(hvd.broadcast(int8, root_rank=0), int8)
+
+def train_sparse(hooked):
+    # An embedding's sparse gradient, in a bucket of its own: averaged exactly, as DDP's own.
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Embedding(30, 4, sparse=True), torch.nn.Linear(4, 1)))
+    if hooked:
+        model.register_comm_hook(RingcommState(), ringcomm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randint(0, 10, (8,), generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+assert torch.equal(train_sparse(True), train_sparse(False))
 print(f"rank {rank} ok", flush=True)
 hvd.shutdown()
 """

@@ -172,6 +172,12 @@ class StreamFence:
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
+def _lazy_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view whose values are its memory's, conjugated or negated when read
+    (``x.conj()`` of a complex tensor, and its ``.imag``): NumPy would see the memory."""
+    return t.is_conj() or t.is_neg()
+
+
 class Operand:
     """One tensor as a collective's operand: a view of its memory, or a widened copy.
 
@@ -182,23 +188,33 @@ class Operand:
     Attributes:
         array: what to pass to the communicator.
         tensor: the tensor given.
-        widened: whether ``array`` is a copy (then ``write_back()`` moves results into tensor).
+        widened: whether ``array`` is a widened copy (of another dtype); a conjugate or
+            negative view travels as a copy of its dtype (``write_back()`` moves the results
+            of either into tensor).
     """
 
     __slots__ = ("_staged", "array", "tensor", "widened")
 
     def __init__(self, tensor: torch.Tensor, *, copy_in: bool = True) -> None:
         self.tensor = tensor
+        self._staged: torch.Tensor | None = None
         spec = _WIDENED.get(tensor.dtype)
-        if spec is None:
-            self._staged = None
-            self.array = as_array(tensor)
-        else:
+        if spec is not None:
             wide, tag = spec
             staged = (tensor.detach().to(wide, memory_format=torch.contiguous_format) if copy_in
                       else torch.empty(tensor.shape, dtype=wide, device=tensor.device))
             self._staged = staged
             self.array = as_array(staged).reshape(*tensor.shape, *(1,) * tag)
+        elif _lazy_view(tensor):
+            # A conjugate or negative view (x.conj(), its .imag): its memory holds the values
+            # before the lazy negation, so it travels as a resolved copy, written back through
+            # the view.
+            staged = (tensor.detach().resolve_conj().resolve_neg() if copy_in
+                      else torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device))
+            self._staged = staged
+            self.array = as_array(staged)
+        else:
+            self.array = as_array(tensor)
         self.widened = spec is not None
 
     def result(self, array: Any) -> torch.Tensor:

@@ -81,7 +81,7 @@ from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
 from ringcomm.torch._operand_errors import in_torch_terms
-from ringcomm.torch._tensors import Operand, as_array
+from ringcomm.torch._tensors import Operand, as_array, travels_widened
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
 
@@ -106,9 +106,10 @@ _HERE_BYTES = 64 << 10
 
 
 def _direct(output: torch.Tensor, input: torch.Tensor) -> bool:
-    """Whether the communicator may write a collective's ``output`` itself: C-contiguous and
-    of ``input``'s dtype (else the result is copied into it, and cast)."""
-    return output.is_contiguous() and output.dtype == input.dtype
+    """Whether the communicator may write a collective's ``output`` itself: C-contiguous, of
+    ``input``'s dtype and no negative view (else the result is copied into it, and cast)."""
+    return (output.layout == torch.strided and output.is_contiguous()
+            and output.dtype == input.dtype and not output.is_neg())
 
 
 def _small(tensors: list[torch.Tensor], factor: int = 1) -> bool:
@@ -157,13 +158,43 @@ def _refusing_ops(collective: str) -> Iterator[None]:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` goes to the communicator as a NumPy view (strided ones included): a
-    CPU tensor of a dtype NumPy has (the others run on the gloo fallback)."""
-    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
+    """Whether ``t`` goes to the communicator's gathers and reduce-scatters as a NumPy view
+    (strided ones included): a dense CPU tensor of a dtype NumPy has (the others run on the
+    gloo fallback)."""
+    return t.device.type == "cpu" and t.layout == torch.strided and t.dtype in _NUMPY_DTYPES
+
+
+def _bytes_of(t: torch.Tensor) -> bool:
+    """Whether the communicator's all-to-all may move ``t`` as its bytes: a dense CPU tensor
+    (any dtype but a quantized one)."""
+    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+
+
+def _read(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inputs as their values: a conjugate or negative view (``x.conj()``, its ``.imag``)
+    resolved into a copy, since its memory holds the values before the lazy negation, which
+    NumPy and gloo would send (the others as they are)."""
+    return [t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
+            for t in tensors]
+
+
+def _carried(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the communicator's allreduce and broadcast (as an Operand: a
+    NumPy view, a widened copy, or a resolved copy of a conjugate or negative view): a dense
+    CPU tensor of a dtype NumPy has, or bool or bfloat16. The others (sparse and quantized
+    tensors, float8 and the other dtypes NumPy lacks) run on the gloo fallback, which sums
+    sparse tensors as DDP's sparse gradients need and refuses the rest, on every rank: each
+    rank decides by its own tensors, and the fallback's agreement comes first."""
+    return (t.device.type == "cpu" and t.layout == torch.strided
+            and (t.dtype in _OPERAND_DTYPES or travels_widened(t.dtype)))
 
 
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
                            torch.uint8, torch.int16, torch.int32, torch.int64})
+# What an Operand hands over as a view of the tensor's own memory (``Tensor.numpy()``):
+# the communicator then refuses, on every rank, the dtypes it does not reduce.
+_OPERAND_DTYPES = _NUMPY_DTYPES | {torch.complex64, torch.complex128, torch.uint16,
+                                   torch.uint32, torch.uint64}
 
 
 def _eager(cls: type) -> type:
@@ -181,6 +212,11 @@ def _eager(cls: type) -> type:
         if callable(member) and (not name.startswith("_") or name in _CALLED_FROM_CPP):
             setattr(cls, name, _disable_dynamo(member))
     return cls
+
+
+def _layout(t: torch.Tensor) -> str:
+    """A tensor's layout as a word before its dtype in a message: "" for a dense one."""
+    return "" if t.layout == torch.strided else f"{str(t.layout).removeprefix('torch.')} "
 
 
 # PyTorch's own lazy form of torch.compiler.disable (what its optimizers use), where it has one.
@@ -526,7 +562,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceOptions()
         comm = self._communicator()
-        if comm is None or any(t.device.type != "cpu" for t in tensors):
+        if comm is None or not all(_carried(t) for t in tensors):
             return self._fallback("all_reduce", tensors).allreduce(tensors, opts)
         op = _reduce_op(opts)
 
@@ -544,7 +580,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.BroadcastOptions()
         comm = self._communicator()
-        if comm is None or any(t.device.type != "cpu" for t in tensors):
+        if comm is None or not all(_carried(t) for t in tensors):
             return self._fallback("broadcast", tensors).broadcast(tensors, opts)
         root = opts.rootRank
 
@@ -558,6 +594,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._submit(run, here=_here(opts, tensors))
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
+        inputs = _read(inputs)
         comm = self._communicator()
         if opts is None:
             opts = _AllgatherOptions()
@@ -582,6 +619,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
                                     inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        inputs = _read(inputs)
         comm = self._communicator()
         if opts is None:
             opts = _AllgatherOptions()
@@ -618,7 +656,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
-        if self._communicator() is None or any(t.device.type != "cpu" for t in tensors):
+        if self._communicator() is None or not all(_carried(t) for t in tensors):
             return self._fallback("all_reduce_coalesced", tensors).allreduce_coalesced(
                 tensors, opts)
         plain = dist.AllreduceOptions()
@@ -640,6 +678,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor],
                        input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        input_lists = [_read(ts) for ts in input_lists]
         pieces = [t for ts in input_lists for t in ts]
         if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
             fallback = self._fallback("reduce_scatter", outputs, held=pieces)
@@ -659,6 +698,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                         opts: Any, what: str, wrong: str | None = None) -> Any:
         """Reduce-scatter each of ``inputs`` into its output; ``wrong``: an error of this
         rank's arguments, raised here once the collective has run."""
+        inputs = _read(inputs)
         comm = self._communicator()
         if opts is None:
             opts = dist.ReduceScatterOptions()
@@ -718,7 +758,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         fallback, name = (self._nccl, "NCCL") if cuda else (self._gloo, "gloo")
         comm = self._comm
         if comm is not None:
-            what = ", ".join(f"{str(t.dtype).removeprefix('torch.')}"
+            what = ", ".join(f"{_layout(t)}{str(t.dtype).removeprefix('torch.')}"
                              f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
             label = f"{collective} of {what} on the {name} fallback"
             # After the pending collectives (their exchanges come first), as one of them.
@@ -753,10 +793,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
+        input = _read([input])[0]
         comm = self._communicator()
         if opts is None:
             opts = dist.AllToAllOptions()
-        if comm is None or output.device.type != "cpu" or input.device.type != "cpu":
+        if comm is None or not (_bytes_of(output) and _bytes_of(input)):
             source = _all_to_all.apart(output, input)  # in place: neither gloo nor NCCL can
             fallback = self._fallback("all_to_all_single", [source, output], sizes=False)
             return fallback.alltoall_base(output, source, output_split_sizes,

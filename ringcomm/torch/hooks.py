@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -367,6 +368,33 @@ def _reduce_started(state: RingcommState, buffer: torch.Tensor, ready: Any,
     return fallback() if pending is None else pending
 
 
+def _sparse_average(state: RingcommState, grad: torch.Tensor,
+                    device: torch.device) -> torch.Tensor:
+    """The average over every rank of a sparse COO gradient (``grad``, coalesced, on the
+    host), as a coalesced sparse tensor on ``device``: every rank's entries gathered, each
+    divided by the world size, and added rank after rank, as DDP's own reduction of a sparse
+    gradient does (it divides, then gloo's sparse allreduce adds the ranks' tensors in rank
+    order). Exact, never compressed: the same gathered entries on every rank give every rank
+    the same bits."""
+    n = state.comm.size
+    indices = Operand(grad.indices().transpose(0, 1).contiguous())
+    values = Operand((grad.values() / n).contiguous())
+    try:
+        counts = state.comm.allgather(np.array([grad.values().shape[0]], dtype=np.int64))
+        every_index = indices.result(state.comm.allgatherv(indices.array))
+        every_value = values.result(state.comm.allgatherv(values.array))
+    except (ValueError, TypeError) as err:
+        raise collective_error(state.comm, err, "allreduce", grad) from err
+    total = None
+    for index, value in zip(every_index.split(counts.tolist()),
+                            every_value.split(counts.tolist()), strict=True):
+        part = torch.sparse_coo_tensor(index.transpose(0, 1), value, grad.shape,
+                                       check_invariants=False)
+        total = part if total is None else total + part
+    assert total is not None
+    return total.coalesce().to(device)
+
+
 def _pass_on(future: torch.futures.Future, buffer: torch.Tensor,
              done: torch.futures.Future) -> None:
     """Complete the hook's ``future`` with the bucket's ``buffer`` (which the backend's result
@@ -411,6 +439,8 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     state.check_spans_job()
     state.iteration_starts()
     buffer = bucket.buffer()
+    if buffer.layout == torch.sparse_coo:
+        return _sparse_hook(state, bucket, buffer)
     compression, name, layout = None, None, None
     if state.compresses(buffer):
         # The name keys the residuals and the compressor's own state (PowerSGD's Q).
@@ -457,6 +487,34 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     handle = Handle(buffer.device)
     handle.callback = settle
     state._engine.execute(task, overlap=overlap, handle=handle)
+    return future
+
+
+def _sparse_hook(state: RingcommState, bucket: dist.GradBucket,
+                 grad: torch.Tensor) -> torch.futures.Future:
+    """The hook for a sparse gradient (an ``nn.Embedding(sparse=True)``'s: DDP gives each
+    its own bucket, undivided): averaged exactly on the collectives' thread, in call order
+    with the dense buckets; the future holds the sparse average, which DDP makes the
+    parameter's gradient. A CUDA gradient is copied to the host here (on backward's thread,
+    where it is written) and its average back to the GPU."""
+    if bucket.is_last():
+        state.iter += 1
+    device = grad.device
+    devices: list[int | str | torch.device] | None = [device] if device.type == "cuda" else None
+    future: torch.futures.Future = torch.futures.Future(devices=devices)
+    host = grad.coalesce().cpu()
+
+    def settle(handle: Handle) -> None:
+        try:
+            future.set_result(handle.wait())
+        except Exception as err:
+            future.set_exception(err)
+
+    handle = Handle(torch.device("cpu"))
+    handle.callback = settle
+    overlap = device.type == "cuda" if state.overlap is None else state.overlap  # as dense ones
+    state._engine.execute(functools.partial(_sparse_average, state, host, device),
+                          overlap=overlap, handle=handle)
     return future
 
 
