@@ -131,6 +131,39 @@ def test_sparse_gradients_average_like_ddp_default(overlap, compression):
     assert same_on_all_ranks(got)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_sparse_cuda_gradients_average_like_ddp_default_on_the_host():
+    """A CUDA model's sparse gradient (every rank on the GPU it sees, which ranks may
+    share): copied to the host, averaged there, its average back on the GPU; the embedding
+    ends as DDP default's on the host does, within float32's rounding, and the same on
+    every rank."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+
+    def model(device):
+        net = Embedded().to(device)
+        net.out.requires_grad_(False)  # the embedding alone reduced
+        return DDP(net, device_ids=[0] if device == "cuda" else None)
+
+    def train_on(ddp, device):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(200 + RANK)
+        for _ in range(4):
+            opt.zero_grad()
+            ddp(torch.randint(0, 12, (10,), generator=gen).to(device)).pow(2).mean().backward()
+            opt.step()
+        return flat_params(ddp).cpu()
+
+    expected = train_on(model("cpu"), "cpu")
+    hooked = model("cuda")
+    hooked.register_comm_hook(RingcommState(), ringcomm_hook)
+    got = train_on(hooked, "cuda")
+    assert hooked.module.emb.weight.device.type == "cuda"
+    torch.testing.assert_close(got, expected)
+    assert same_on_all_ranks(got)
+
+
 def test_hook_is_zero_copy_and_in_place():
     seen = []
 
