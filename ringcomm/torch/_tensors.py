@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "sync_device",
-           "travels_widened"]
+__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "resolved",
+           "sync_device", "travels_widened"]
 
 # dtype -> (dtype it travels as, number of trailing unit dimensions that tag it)
 _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -178,6 +178,13 @@ def _lazy_view(t: torch.Tensor) -> bool:
     return t.is_conj() or t.is_neg()
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values: a conjugate or negative view resolved into a copy (its memory holds the
+    values before the lazy negation, which NumPy and gloo would send); any other tensor as it
+    is."""
+    return t.detach().resolve_conj().resolve_neg() if _lazy_view(t) else t
+
+
 class Operand:
     """One tensor as a collective's operand: a view of its memory, or a widened copy.
 
@@ -209,7 +216,7 @@ class Operand:
             # A conjugate or negative view (x.conj(), its .imag): its memory holds the values
             # before the lazy negation, so it travels as a resolved copy, written back through
             # the view.
-            staged = (tensor.detach().resolve_conj().resolve_neg() if copy_in
+            staged = (resolved(tensor) if copy_in
                       else torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device))
             self._staged = staged
             self.array = as_array(staged)

@@ -81,7 +81,7 @@ from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
 from ringcomm.torch._operand_errors import in_torch_terms
-from ringcomm.torch._tensors import Operand, as_array, travels_widened
+from ringcomm.torch._tensors import Operand, as_array, resolved, travels_widened
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "register"]
 
@@ -171,11 +171,8 @@ def _bytes_of(t: torch.Tensor) -> bool:
 
 
 def _read(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inputs as their values: a conjugate or negative view (``x.conj()``, its ``.imag``)
-    resolved into a copy, since its memory holds the values before the lazy negation, which
-    NumPy and gloo would send (the others as they are)."""
-    return [t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
-            for t in tensors]
+    """Inputs as their values (see ``resolved``: a conjugate or negative view as a copy)."""
+    return [resolved(t) for t in tensors]
 
 
 def _carried(t: torch.Tensor) -> bool:

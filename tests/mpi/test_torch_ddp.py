@@ -94,14 +94,15 @@ class Embedded(torch.nn.Module):
         return self.out(self.emb(x))
 
 
-def train_embedded(model, steps: int = 4) -> torch.Tensor:
+def train_embedded(model, steps: int = 4, device: str = "cpu") -> torch.Tensor:
+    """The parameters (on the host) after training ``model`` on ``device``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(200 + RANK)  # indices that repeat within and across ranks
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randint(0, 12, (10,), generator=gen)).pow(2).mean().backward()
+        model(torch.randint(0, 12, (10,), generator=gen).to(device)).pow(2).mean().backward()
         opt.step()
-    return flat_params(model)
+    return flat_params(model).cpu()
 
 
 @pytest.mark.parametrize("overlap", [None, True])
@@ -146,19 +147,10 @@ def test_sparse_cuda_gradients_average_like_ddp_default_on_the_host():
         net.out.requires_grad_(False)  # the embedding alone reduced
         return DDP(net, device_ids=[0] if device == "cuda" else None)
 
-    def train_on(ddp, device):
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(200 + RANK)
-        for _ in range(4):
-            opt.zero_grad()
-            ddp(torch.randint(0, 12, (10,), generator=gen).to(device)).pow(2).mean().backward()
-            opt.step()
-        return flat_params(ddp).cpu()
-
-    expected = train_on(model("cpu"), "cpu")
+    expected = train_embedded(model("cpu"))
     hooked = model("cuda")
     hooked.register_comm_hook(RingcommState(), ringcomm_hook)
-    got = train_on(hooked, "cuda")
+    got = train_embedded(hooked, device="cuda")
     assert hooked.module.emb.weight.device.type == "cuda"
     torch.testing.assert_close(got, expected)
     assert same_on_all_ranks(got)
