@@ -317,6 +317,9 @@ def test_an_interruption_between_groups_fails_what_did_not_run(coordinator, monk
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_negotiate, "run_group", interrupted)
+    # Ctrl-C reaches the waiting thread: the background thread must not run the cycle first
+    # (due one cycle time after "queued", which a loaded machine can let pass before the wait).
+    monkeypatch.setattr(coordinator, "_cycle_time", 3600.0)
     other = coordinator.submit(_op("queued", lambda comm: 1))
     mine = coordinator.submit(_op("waited", lambda comm: 2), waited=True)
     with pytest.raises(KeyboardInterrupt):
