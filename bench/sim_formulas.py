@@ -13,7 +13,8 @@ busiest resource) and ``chain = mean_h(alpha_h + d_h) + c`` (one segment's hop a
 
 The flat ring's hops are ``k - 1`` intra-node hops and one NIC hop per node; the hierarchical
 allreduce is a node-local reduce-scatter, ``k`` cross-node rings at once (each NIC carries ``k``
-flows), and a node-local allgather of whole shards.
+flows), and a node-local allgather of whole shards (for top-k: of the cross-node rings' selected
+pairs, after a node-local exchange of pairs).
 """
 
 from __future__ import annotations
@@ -98,7 +99,30 @@ def _dense_ring(links: LinkModel, cost: CostModel, n: int, elems: float, per_nod
             + ring_phase(Phase(n - 1, 1, hops, _op(cost, "scatter_add", k))))
 
 
+def _sparse_hierarchical(links: LinkModel, cost: CostModel, n: int, elems: float,
+                         comp: Any) -> float:
+    """Top-k in two levels, every phase sparse (ringcomm.algorithms.sparse_hierarchical):
+    ``k - 1`` direct exchanges of selected pairs, the cross-node sparse ring of each shard,
+    then the cross-node ring's messages around the node, decoded by every rank."""
+    k = links.ranks_per_node
+    nodes = n // k
+    shard = elems / k
+    pairs = comp.k_for(int(shard))
+    select = (_op(cost, "compensate", shard) + _op(cost, "topk", shard)
+              + _op(cost, "sparse_residual", shard) + _op(cost, "scatter_add", pairs))
+    alpha, wire, _ = _hops(links, k, k, 1, 8 * pairs)[0]
+    gather = (k - 1) * (select + alpha + wire)
+    cross = _dense_ring(links, cost, nodes, shard, 1, k, comp)
+    chunk_pairs = comp.k_for(int(shard / nodes))
+    messages = nodes * min(8 * chunk_pairs, 4 * shard / nodes)
+    alpha, wire, _ = _hops(links, k, k, 1, messages)[0]
+    share = (k - 1) * (alpha + wire + nodes * _op(cost, "scatter_add", chunk_pairs))
+    return gather + cross + share
+
+
 def _hierarchical(links: LinkModel, cost: CostModel, n: int, elems: float, comp: Any) -> float:
+    if comp is not None and comp.allreduce_algorithm == "sparse-ring":
+        return _sparse_hierarchical(links, cost, n, elems, comp)
     k = links.ranks_per_node
     nodes = n // k
     shard = elems / k

@@ -10,7 +10,6 @@ and warm start keeps Q on the device.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,25 +23,6 @@ from ringcomm.comm.base import Communicator
 pytestmark = pytest.mark.timeout(300)
 SHAPES = [(32, 24), (24,), (6, 2, 3, 3), (3, 3), (1,), (40, 7)]  # (3, 3): dense at rank 1..2
 LENGTH = sum(int(np.prod(s)) for s in SHAPES)
-
-
-class Device:
-    """How the test puts arrays on the emulated device and reads them back."""
-
-    def __init__(self, put: Any, get: Any) -> None:
-        self.put, self.get = put, get
-
-
-@pytest.fixture(scope="module")
-def dev() -> Iterator[Device]:
-    import gpu_emulator
-
-    try:
-        emulator = gpu_emulator.build(gpu_emulator.cache_dir())
-    except FileNotFoundError:
-        pytest.skip("no C++ compiler for the emulated kernels")
-    with gpu_emulator.one_launch_at_a_time(emulator), gpu_emulator.installed(emulator) as fake:
-        yield Device(fake.asarray, lambda a: np.array(a).view(np.ndarray))
 
 
 @pytest.fixture
@@ -67,10 +47,10 @@ def _steps(n: int, xs: list[np.ndarray], put: Any, get: Any, comp: Any, op: str,
 
 @pytest.mark.parametrize("op", ["sum", "avg"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_device_results_identical_conserving_and_the_hosts(dev, rng, n, op):
+def test_device_results_identical_conserving_and_the_hosts(thread_device, rng, n, op):
     xs = [rng.standard_normal((n, LENGTH)).astype(np.float32) for _ in range(3)]
     comp = ringcomm.PowerSGD(rank=2, shapes=SHAPES)
-    on_device = _steps(n, xs, dev.put, dev.get, comp, op)
+    on_device = _steps(n, xs, thread_device.put, thread_device.get, comp, op)
     on_host = _steps(n, xs, np.asarray, np.asarray, comp, op)
     for step in range(len(xs)):
         assert identical([o[0][step] for o in on_device])
@@ -84,14 +64,14 @@ def test_device_results_identical_conserving_and_the_hosts(dev, rng, n, op):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_non_finite_tensor_goes_dense_on_every_rank(dev, rng, bad):
+def test_non_finite_tensor_goes_dense_on_every_rank(thread_device, rng, bad):
     """One rank's NaN/Inf in the first matrix: that tensor is reduced dense (non-finite where
     the dense sum is), the others stay low-rank and finite, on every rank alike."""
     n = 2
     x = rng.standard_normal((n, LENGTH)).astype(np.float32)
     x[1, 5] = bad
     comp = ringcomm.PowerSGD(rank=1, shapes=SHAPES)
-    out = _steps(n, [x], dev.put, dev.get, comp, "sum")
+    out = _steps(n, [x], thread_device.put, thread_device.get, comp, "sum")
     assert identical([o[0][0] for o in out])
     got = out[0][0][0]
     first = int(np.prod(SHAPES[0]))
@@ -102,7 +82,7 @@ def test_non_finite_tensor_goes_dense_on_every_rank(dev, rng, bad):
     assert np.isfinite(got[first:]).all()
 
 
-def test_warm_start_keeps_q_on_the_device(dev, rng):
+def test_warm_start_keeps_q_on_the_device(thread_device, rng):
     """A second call starts from the last Q, kept on the device (no host copy of it)."""
     comp = ringcomm.PowerSGD(rank=1, shapes=[(16, 12)])
     xs = [rng.standard_normal((2, 192)).astype(np.float32) for _ in range(2)]
@@ -113,10 +93,10 @@ def test_warm_start_keeps_q_on_the_device(dev, rng):
         mine = comp.with_shapes(comp.shapes)
         mine.memory = ringcomm.PowerSGD().memory
         for x in xs:
-            comm.allreduce(dev.put(x[t.rank]), compression=mine, name="w")
+            comm.allreduce(thread_device.put(x[t.rank]), compression=mine, name="w")
         if t.rank == 0:
             memory.append(mine.memory.entry("w").qs[0])
 
     run_ranks(2, job, timeout=120.0)
-    assert type(memory[0]) is type(dev.put(np.zeros(1, np.float32)))
+    assert type(memory[0]) is type(thread_device.put(np.zeros(1, np.float32)))
     assert memory[0].shape == (1, 12)

@@ -18,7 +18,7 @@ from ringcomm.algorithms import ring
 from ringcomm.codecs.base import DenseCompressor
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["CompressedCodec", "allreduce", "keep_rounding", "mix_seed"]
+__all__ = ["CompressedCodec", "allreduce", "keep_chunk_rounding", "keep_rounding", "mix_seed"]
 
 
 def mix_seed(*values: int) -> int:
@@ -145,3 +145,12 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: DenseCompr
     seg = ring.segment_elems(x, t.size, segment_bytes, 4)
     layout = ring.RingLayout.build(x.size, t.size, t.rank, seg, comp.align)
     ring.run(t, layout, CompressedCodec(t, x, out, op, comp, residual, seed, layout))
+
+
+def keep_chunk_rounding(ops: Any, t: Transport, residual: Array, exact: Any, out: Array,
+                        op: ReduceOp, n: int) -> None:
+    """:func:`keep_rounding` of this rank's chunk (``ring.chunk_bounds`` over ``t``) of a
+    shard that every rank of ``t`` holds alike: each keeps one chunk of the rounding, so it
+    is counted once. ``residual``, ``exact`` and ``out`` are the shard's; ``n`` divides "avg"."""
+    a, b = ring.chunk_bounds(exact.size, t.size)[t.rank: t.rank + 2]
+    keep_rounding(ops, residual[a:b], exact[a:b], out[a:b], op, n)

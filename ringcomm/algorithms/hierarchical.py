@@ -17,6 +17,9 @@ over the network). The allreduce of a flat array runs in three phases:
    unchanged, so every rank of the job holds the same bits (the ``cross`` groups already agree
    bit for bit on every shard).
 
+Top-k (its sparse ring) on several nodes runs :mod:`ringcomm.algorithms.sparse_hierarchical`
+instead, whose node-local phases move selected pairs rather than float32.
+
 "avg" divides by the whole job's size, ``C L``, once, in float32 or the dtype. Error feedback:
 the input plus this rank's residual is what gets reduced; afterwards the residual holds what
 this rank's part of the cross-node phase did not send (zero outside its shard), so the sum of
@@ -30,16 +33,17 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.algorithms import ring
+from ringcomm.algorithms import ring, sparse_hierarchical
 from ringcomm.algorithms.compressed import algorithm_of
-from ringcomm.algorithms.compressed_ring import keep_rounding
+from ringcomm.algorithms.compressed_ring import keep_chunk_rounding
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
 from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype
 
 __all__ = ["allreduce", "allreduce_with_feedback", "check_compressor",
-           "ring_allgather", "shard_bounds"]
+           "shard_bounds"]
 
 def check_compressor(comp: Compressor | None) -> None:
     """Raise ValueError unless the cross-node phase can reduce shards through ``comp``.
@@ -98,6 +102,9 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
     check_compressor(comp)
     if x.size == 0:
         return
+    if isinstance(comp, TopK) and sparse_hierarchical.applies(local, cross, x.size, comp):
+        sparse_hierarchical.allreduce(local, cross, x, out, op, comp, residual, seed)
+        return
     ops = _ops.get(x)
     whole = local.size * cross.size
     combine = ReduceOp.SUM if op is ReduceOp.AVG else op  # divided once, by the whole job
@@ -119,10 +126,10 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
         if op is ReduceOp.AVG:
             ops.divide(shard, whole, shard)
         ops.copy(out[lo:hi], shard)  # onto itself where the ring reduced into out already
-        if comp is not None:
-            _keep_own_rounding(ops, cross, residual, shard, out, lo, op, whole)
+        if comp is not None and residual is not None:
+            keep_chunk_rounding(ops, cross, residual[lo:hi], shard, out[lo:hi], op, whole)
     with trace.span("LOCAL_ALLGATHER"):
-        ring_allgather(local, out, bounds)
+        ring.allgather_parts(local, out, bounds)
 
 
 def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: Array, op: ReduceOp,
@@ -143,26 +150,12 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: A
     if comp is None:
         feedback.reset(name)  # spent: later dense calls need not add zeros
         return
+    if sparse_hierarchical.applies(local, cross, x.size, comp):
+        return  # its residual is nonzero anywhere
     # What this call left: zero outside this rank's shard (the node-local phase spent the
     # rest, the cross-node phase wrote only the shard).
     bounds = shard_bounds(x.size, local.size)
     feedback.declare_within(name, bounds[local.rank], bounds[local.rank + 1])
-
-
-def ring_allgather(t: Transport, out: Array, bounds: list[int]) -> None:
-    """Pass every rank's chunk ``[bounds[r], bounds[r + 1])`` of flat ``out`` around the ring
-    of ``t`` unchanged, so every rank ends with every owner's bytes (``t.size - 1`` steps)."""
-    n, r = t.size, t.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    sent = received = 0
-    for step in range(n - 1):
-        mine, theirs = (r - step) % n, (r - step - 1) % n
-        send = out[bounds[mine]: bounds[mine + 1]]
-        recv = out[bounds[theirs]: bounds[theirs + 1]]
-        t.isendrecv(send, right, recv, left).wait()
-        sent += send.nbytes
-        received += recv.nbytes
-    t.stats.add(sent, received)
 
 
 def _compensated(local: Transport, ops: Any, x: Array, comp: Compressor | None,
@@ -209,15 +202,3 @@ def _cross(cross: Transport, shard: Any, op: ReduceOp, comp: Compressor | None,
     algorithm = algorithm_of(comp)
     algorithm(cross, shard, reduced, op, comp, residual, seed, segment_bytes=segment_bytes)
     return reduced
-
-
-def _keep_own_rounding(ops: Any, cross: Transport, residual: Array | None, exact: Any, out: Array,
-                       lo: int, op: ReduceOp, whole: int) -> None:
-    """Add to the residual what rounding the float32 shard into a 16-bit ``out`` lost, on this
-    rank's chunk of the shard only (every rank of the cross group holds the same shard: each
-    keeps one chunk of its rounding, so it is counted once)."""
-    if residual is None:
-        return
-    sub = ring.chunk_bounds(exact.size, cross.size)[cross.rank: cross.rank + 2]
-    a, b = lo + sub[0], lo + sub[1]
-    keep_rounding(ops, residual[a:b], exact[sub[0]: sub[1]], out[a:b], op, whole)

@@ -32,6 +32,7 @@ __all__ = [
     "WINDOW",
     "RingCodec",
     "RingLayout",
+    "allgather_parts",
     "allreduce",
     "chunk_bounds",
     "reduce_scatter",
@@ -394,3 +395,19 @@ def reduce_scatter(t: Transport, x: Array, op: ReduceOp, *,
     run(t, layout, _codec(t, x, y, op, layout), allgather=False)
     chunk = y[layout.chunk(t.rank)]
     return chunk.copy() if work is None else chunk
+
+
+def allgather_parts(t: Transport, buf: Array, bounds: list[int]) -> None:
+    """Pass every rank's part ``[bounds[r], bounds[r + 1])`` of flat ``buf`` around the ring of
+    ``t`` unchanged, so every rank ends with every owner's bytes (``t.size - 1`` steps)."""
+    n, r = t.size, t.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    sent = received = 0
+    for step in range(n - 1):
+        mine, theirs = (r - step) % n, (r - step - 1) % n
+        send = buf[bounds[mine]: bounds[mine + 1]]
+        recv = buf[bounds[theirs]: bounds[theirs + 1]]
+        t.isendrecv(send, right, recv, left).wait()
+        sent += send.nbytes
+        received += recv.nbytes
+    t.stats.add(sent, received)

@@ -6,7 +6,8 @@ node-local and cross-node transports the latter runs over.
 different numbers of ranks); "auto" runs it only where it can help: more than one node, more
 than one rank per node, every node the same size, and a dense call, or one through a
 compressor that encodes every element (casts, Int8), of at least ``HIERARCHICAL_MIN_BYTES``,
-or a sparse one (top-k) on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED`` nodes.
+or a sparse one (top-k) on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED`` nodes (host arrays) or
+``HIERARCHICAL_MIN_NODES_SPARSE_DEVICE`` (device arrays).
 
 The topology and the two transports are made once, when the first call that may use them
 comes, after that call's cross-rank agreement: every rank then takes the same decision, so
@@ -26,7 +27,7 @@ from ringcomm.core.env import env
 from ringcomm.core.types import Array, InvalidArgumentError, Transport
 
 __all__ = ["ALGORITHMS", "ALGORITHM_ENV", "HIERARCHICAL_MIN_BYTES",
-           "HIERARCHICAL_MIN_NODES_COMPRESSED", "TwoLevel",
+           "HIERARCHICAL_MIN_NODES_COMPRESSED", "HIERARCHICAL_MIN_NODES_SPARSE_DEVICE", "TwoLevel",
            "check_algorithm", "resolve_algorithm", "route"]
 
 #: What ``algorithm=`` takes.
@@ -38,14 +39,19 @@ ALGORITHM_ENV = "RINGCOMM_ALGORITHM"
 # the smaller cross-node volume of each node pays for those only once transfer time
 # dominates.
 HIERARCHICAL_MIN_BYTES = 1 << 20
-#: Sparse compressed calls (top-k) go two-level under "auto" on at least this many nodes. The
-# two-level path moves float32 inside each node where the flat ring moves the few selected
-# pairs, so it is no faster until the flat ring's 2(n - 1) serial steps dominate: measured
-# 0.87-1.07x at 2 nodes of 2 (1 Gbit/s, 0.83-1.04x at 10 Gbit/s; sparse node phases instead
-# were 0.78x, as every rank then selects twice: bench/results/cluster2/topk_two_level/),
-# simulated slower up to 32 nodes of 8 and faster from 64 (bench/results/scale_sim/). Its
-# error is lower at any size: ask for algorithm="hierarchical" to have that.
+#: Sparse compressed calls (top-k) on host arrays go two-level under "auto" on at least this
+# many nodes. Top-k's two-level allreduce (ringcomm.algorithms.sparse_hierarchical) selects over
+# as much of each rank's array as the flat ring does, and on the CPU the selection, not the
+# link, bounds it: measured 0.85-0.94x the flat ring at 2 nodes of 2 on 2 shared cores at 1
+# Gbit/s and 0.97-0.99x at 10 Gbit/s (the earlier two-level path, float32 inside the node,
+# 0.71-1.09x and 0.81-0.94x: bench/results/cluster2/topk_two_level/). Its error is lower.
 HIERARCHICAL_MIN_NODES_COMPRESSED = 64
+#: Sparse compressed calls on device arrays go two-level under "auto" from this many nodes:
+# with the GPU's selection the NIC bounds top-k, and the two-level path moves fewer pairs over
+# it in fewer serial steps (simulated 1.09x the flat ring at 2 nodes of 8 GPUs with 400 Gbit/s
+# NICs, 1.29x at 100 Gbit/s, 2.2x at 64 nodes: bench/results/scale_sim/; not measured on a
+# GPU cluster).
+HIERARCHICAL_MIN_NODES_SPARSE_DEVICE = 2
 #: Compressors that encode every element (casts, Int8) go two-level under "auto" from this
 # many nodes, for calls of HIERARCHICAL_MIN_BYTES or more, as dense calls do: the cross-node
 # phase moves their payload over a node's NIC once instead of 2(n - 1) / n times per rank,
@@ -161,7 +167,7 @@ class TwoLevel:
                     reason="nodes of different sizes")
         elif not (topo.uniform and len(topo.nodes) > 1 and topo.local_size > 1):
             return None
-        elif len(topo.nodes) < min_nodes(comp):
+        elif len(topo.nodes) < min_nodes(comp, x):
             return None
         return self._split(topo)
 
@@ -204,12 +210,15 @@ def route(sub: Transport, x: Array) -> Transport:
     return sub.transport_for(x)
 
 
-def min_nodes(comp: Compressor | None) -> int:
-    """The nodes from which "auto" runs a call through ``comp`` two-level (None: dense)."""
+def min_nodes(comp: Compressor | None, x: Array) -> int:
+    """The nodes from which "auto" runs a call of ``x`` through ``comp`` two-level (None:
+    dense)."""
     if comp is None:
         return 2
     if isinstance(comp, DenseCompressor):
         return HIERARCHICAL_MIN_NODES_ENCODED
+    if _ops.is_device_array(x):
+        return HIERARCHICAL_MIN_NODES_SPARSE_DEVICE
     return HIERARCHICAL_MIN_NODES_COMPRESSED
 
 
@@ -219,7 +228,7 @@ def _may_help(t: Transport, x: Array, comp: Any | None) -> bool:
         return False
     if comp is None and t.follows_nodes_on_device and _ops.is_device_array(x):
         return False
-    if t.size < 2 * min_nodes(comp):  # that many nodes of at least two ranks
+    if t.size < 2 * min_nodes(comp, x):  # that many nodes of at least two ranks
         return False
     if comp is None or isinstance(comp, DenseCompressor):
         return x.nbytes >= HIERARCHICAL_MIN_BYTES

@@ -1,0 +1,147 @@
+"""Top-k's two-level allreduce (ringcomm.algorithms.sparse_hierarchical), ranks as threads.
+
+test_hierarchical.py runs every compressor through the two-level entry point (results the same
+on every rank, error feedback conserving, NaN and Inf kept); here: that top-k's node-local
+phases move selected pairs, not float32, what the path does at its edges, and device arrays on
+the CPU emulator of tests/gpu_emulator.py, where "auto" takes the path from two nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from thread_helpers import identical
+
+import ringcomm
+from ringcomm.algorithms import hierarchical, sparse_hierarchical
+from ringcomm.algorithms.compressed_ring import mix_seed
+from ringcomm.backends.threads import run_ranks
+from ringcomm.comm.base import Communicator
+from ringcomm.core.types import ReduceOp
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def on_grid(nodes: int, per_node: int, fn: Any) -> list:
+    """``fn(local, cross, rank)`` on every rank of a job of ``nodes`` x ``per_node``."""
+
+    def body(t):
+        local = t.split(t.rank // per_node, t.rank)
+        cross = t.split(t.rank % per_node, t.rank)
+        return fn(local, cross, t.rank)
+
+    return run_ranks(nodes * per_node, body, timeout=120.0)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
+def test_node_phases_move_pairs_and_conserve(shape):
+    """Inside each node only pairs travel (a small fraction of the float32 array); every rank
+    gets the same bits; results plus residuals hold every input's mass."""
+    nodes, per_node = shape
+    n, length = nodes * per_node, 60_000
+    comp = ringcomm.TopK(0.01)
+    xs = np.random.default_rng(n).standard_normal((3, n, length)).astype(np.float32)
+
+    def body(local, cross, rank):
+        assert sparse_hierarchical.applies(local, cross, length, comp)
+        ef = ringcomm.ErrorFeedback()
+        results = []
+        for step, x in enumerate(xs):
+            out = np.empty(length, np.float32)
+            hierarchical.allreduce_with_feedback(local, cross, x[rank], out, ReduceOp.SUM,
+                                                 comp, ef, "w", mix_seed(step, rank))
+            results.append(out)
+        return results, ef.residual("w"), local.stats.bytes_sent
+
+    per_rank = on_grid(nodes, per_node, body)
+    for step in range(len(xs)):
+        assert identical([r[0][step] for r in per_rank])
+        assert np.count_nonzero(per_rank[0][0][step]) <= 2 * comp.k_for(length) * per_node
+    for _, _, node_bytes in per_rank:
+        # Pairs of 8 bytes for 1% of the array, twice a call, against 4 bytes per element.
+        assert node_bytes < 3 * 2 * 8 * comp.k_for(length) * 1.1
+    results = sum(y.astype(np.float64) for y in per_rank[0][0])
+    held = sum(r[1].astype(np.float64) for r in per_rank)
+    inputs = xs.astype(np.float64).sum(axis=(0, 1))
+    np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
+
+
+def test_in_place_float16_and_avg():
+    """``out`` may be ``x``; a float16 result rounds its float32 sum once and keeps the
+    rounding in the residual (conserved); "avg" divides by the whole job."""
+    n, length = 4, 5000
+    comp = ringcomm.TopK(0.05)
+    xs = np.random.default_rng(7).standard_normal((2, n, length)).astype(np.float16)
+
+    def body(local, cross, rank):
+        ef = ringcomm.ErrorFeedback()
+        results = []
+        for step, x in enumerate(xs):
+            buf = x[rank].copy()
+            hierarchical.allreduce_with_feedback(local, cross, buf, buf, ReduceOp.AVG, comp,
+                                                 ef, "w", mix_seed(step, rank))
+            results.append(buf)
+        return results, ef.residual("w")
+
+    per_rank = on_grid(2, 2, body)
+    for step in range(len(xs)):
+        assert identical([r[0][step] for r in per_rank])
+    results = n * sum(y.astype(np.float64) for y in per_rank[0][0])
+    held = sum(r[1].astype(np.float64) for r in per_rank)
+    inputs = xs.astype(np.float64).sum(axis=(0, 1))
+    np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
+
+
+def test_where_the_path_does_not_apply():
+    """One node, one rank per node, arrays shorter than the job, ratios whose pairs outweigh
+    the values, and top-k's allgather algorithm take the other paths."""
+    comp = ringcomm.TopK(0.01)
+
+    def body(local, cross, rank):
+        return (sparse_hierarchical.applies(local, cross, 1000, comp),
+                sparse_hierarchical.applies(local, cross, 3, comp),
+                sparse_hierarchical.applies(local, cross, 1000, ringcomm.TopK(0.6)),
+                sparse_hierarchical.applies(local, cross, 1000,
+                                            ringcomm.TopK(0.01, algorithm="allgather")),
+                sparse_hierarchical.applies(local, cross, 1000, ringcomm.Int8()))
+
+    assert on_grid(2, 2, body) == [(True, False, False, False, False)] * 4
+    assert on_grid(1, 4, body)[0][0] is False
+    assert on_grid(4, 1, body)[0][0] is False
+
+
+def test_message_offsets_match_the_sparse_ring():
+    """The node's other ranks cut the cross-node messages where the ring laid them out."""
+    comp = ringcomm.TopK(0.3)
+    # 3 chunks of 3, 3 and 4 elements: k = 1, 1, 2; 8 bytes a pair, 4 a value dense (k=2 of 4
+    # pairs weigh 16 bytes, as the 4 values: dense).
+    assert sparse_hierarchical.message_offsets(comp, 10, 3) == [0, 8, 16, 32]
+
+
+# --------------------------------------------------------------------------------- device
+def test_device_arrays_go_two_level_under_auto_and_match_the_host(thread_device):
+    """On device arrays "auto" runs top-k two-level from two nodes (host arrays stay flat
+    below HIERARCHICAL_MIN_NODES_COMPRESSED); the device's bits are the host's."""
+    n, length = 4, 20_000
+    xs = np.random.default_rng(3).standard_normal((n, length)).astype(np.float32)
+
+    def job(put: Any) -> list[dict[str, np.ndarray]]:
+        def body(t):
+            with Communicator(t, topology=2) as comm:
+                return {algorithm: thread_device.get(comm.allreduce(
+                            put(xs[t.rank]), compression=ringcomm.TopK(0.01),
+                            algorithm=algorithm))
+                        for algorithm in ("flat", "hierarchical", "auto")}
+        return run_ranks(n, body, timeout=120.0)
+
+    on_device, on_host = job(thread_device.put), job(np.asarray)
+    for per_rank in (on_device, on_host):
+        for algorithm in ("flat", "hierarchical", "auto"):
+            assert identical([r[algorithm] for r in per_rank])
+        assert not identical([per_rank[0]["flat"], per_rank[0]["hierarchical"]])
+    assert identical([on_device[0]["auto"], on_device[0]["hierarchical"]])
+    assert identical([on_host[0]["auto"], on_host[0]["flat"]])
+    for algorithm in ("flat", "hierarchical"):
+        assert on_device[0][algorithm].tobytes() == on_host[0][algorithm].tobytes()
