@@ -48,9 +48,9 @@ HIERARCHICAL_MIN_BYTES = 1 << 20
 HIERARCHICAL_MIN_NODES_COMPRESSED = 64
 #: Sparse compressed calls on device arrays go two-level under "auto" from this many nodes:
 # with the GPU's selection the NIC bounds top-k, and the two-level path moves fewer pairs over
-# it in fewer serial steps (simulated 1.09x the flat ring at 2 nodes of 8 GPUs with 400 Gbit/s
-# NICs, 1.29x at 100 Gbit/s, 2.2x at 64 nodes: bench/results/scale_sim/; not measured on a
-# GPU cluster).
+# it in fewer serial steps (simulated 1.11x the flat ring at 2 nodes of 8 GPUs with 400 Gbit/s
+# NICs, 1.25x at 8 nodes, 2.2x at 64 nodes: bench/results/scale_sim/; not measured on a GPU
+# cluster).
 HIERARCHICAL_MIN_NODES_SPARSE_DEVICE = 2
 #: Compressors that encode every element (casts, Int8) go two-level under "auto" from this
 # many nodes, for calls of HIERARCHICAL_MIN_BYTES or more, as dense calls do: the cross-node
