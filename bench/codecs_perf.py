@@ -38,6 +38,7 @@ import numpy as np
 
 from ringcomm.ops import cpu
 from ringcomm.ops import numpy as ref
+from ringcomm.ops._host import int8_views
 from ringcomm.perf.options import parse_size
 from ringcomm.perf.report import machine
 
@@ -81,13 +82,13 @@ def _blocked_int8(n: int, block: int, run: Callable[[slice, np.ndarray, np.ndarr
                   out: np.ndarray, tmp: np.ndarray) -> None:
     """Run ``run(piece, piece_payload)`` per piece, then move each piece's scales and q into
     ``out`` (the payload of the whole array)."""
-    scales, q = ref._int8_views(out, n, block)
+    scales, q = int8_views(out, n, block)
     step = _pieces(n, block).step
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         pay = tmp[: ref.int8_nbytes(hi - lo, block)]
         run(slice(lo, hi), pay, tmp)
-        ps, pq = ref._int8_views(pay, hi - lo, block)
+        ps, pq = int8_views(pay, hi - lo, block)
         scales[lo // block: lo // block + ps.size] = ps
         q[lo:hi] = pq
 
@@ -104,11 +105,11 @@ def blocked_int8_hop(payload: np.ndarray, own: np.ndarray, out: np.ndarray, bloc
                      ) -> None:
     """ringcomm.ops.numpy.int8_hop, piece by piece (each piece's input payload gathered)."""
     n = own.size
-    scales, q = ref._int8_views(payload, n, block)
+    scales, q = int8_views(payload, n, block)
 
     def hop(s: slice, pay: np.ndarray, _: np.ndarray) -> None:
         src = tmp_in[: pay.size]
-        ps, pq = ref._int8_views(src, s.stop - s.start, block)
+        ps, pq = int8_views(src, s.stop - s.start, block)
         ps[:] = scales[s.start // block: s.start // block + ps.size]
         pq[:] = q[s]
         ref.int8_hop(src, own[s], pay, block, error=None if error is None else error[s])

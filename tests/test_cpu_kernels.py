@@ -277,6 +277,21 @@ def test_topk_without_candidates_enough():
         assert_same(a, b)
 
 
+@needs_numba
+def test_topk_with_more_candidates_than_room():
+    """A threshold that every entry reaches (all magnitudes tied) passes more candidates than
+    the kept buffers hold: the pass runs again with room, and the values returned are the
+    entries' own bits (NaN payloads and -0.0 included)."""
+    n, k = 100_000, 2000
+    x = np.full(n, -1.0, np.float32)
+    x[::3] = 1.0
+    x[5] = np.float32(np.nan)
+    x[7] = -0.0
+    x.view(np.uint32)[11] = 0x7FC00123  # a NaN with a payload
+    for a, b in zip(ref.topk(x, k, seed=3), cpu.topk(x, k, seed=3), strict=True):
+        assert_same(a, b)
+
+
 # ------------------------------------------------------------- what the kernels do not take
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_other_dtypes_run_the_reference(dtype):
