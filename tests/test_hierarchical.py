@@ -503,6 +503,24 @@ def test_communicator_auto_compressed_two_level_where_it_helps(monkeypatch, comp
     assert identical([ys["auto"], ys["hierarchical" if expect_two_level else "flat"]])
 
 
+def test_communicator_auto_int8_on_device_arrays_stays_flat_below_64_nodes(thread_device):
+    """On device arrays (the GPU emulator) "auto" keeps an Int8 call flat on 2 nodes, where it
+    runs the same call on host arrays two-level (HIERARCHICAL_MIN_NODES_ENCODED_DEVICE)."""
+    xs = rank_inputs(np.random.default_rng(13), 4, 300_000, "float32", "sum")
+
+    def job(put):
+        def body(comm):
+            return {algorithm: thread_device.get(comm.allreduce(
+                        put(xs[comm.rank]), compression=ringcomm.Int8(), algorithm=algorithm))
+                    for algorithm in ("flat", "hierarchical", "auto")}
+        return communicators(4, body, topology=2)
+
+    on_device, on_host = job(thread_device.put), job(np.asarray)
+    assert not identical([on_device[0]["flat"], on_device[0]["hierarchical"]])
+    assert identical([r["auto"] for r in on_device] + [on_device[0]["flat"]])
+    assert identical([r["auto"] for r in on_host] + [on_host[0]["hierarchical"]])
+
+
 def test_communicator_compressed_hierarchical_conserves():
     rng = np.random.default_rng(8)
     xs = rng.standard_normal((STEPS, 6, 5000)).astype(np.float32)

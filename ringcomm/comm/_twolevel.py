@@ -5,8 +5,10 @@ node-local and cross-node transports the latter runs over.
 :mod:`ringcomm.algorithms.hierarchical` (and raises, the same on every rank, where the nodes hold
 different numbers of ranks); "auto" runs it only where it can help: more than one node, more
 than one rank per node, every node the same size, and a dense call, or one through a
-compressor that encodes every element (casts, Int8), of at least ``HIERARCHICAL_MIN_BYTES``,
-or a sparse one (top-k) on at least ``HIERARCHICAL_MIN_NODES_COMPRESSED`` nodes (host arrays) or
+compressor that encodes every element (casts, Int8), of at least ``HIERARCHICAL_MIN_BYTES``
+(on device arrays through such a compressor: on at least
+``HIERARCHICAL_MIN_NODES_ENCODED_DEVICE`` nodes), or a sparse one (top-k) on at least
+``HIERARCHICAL_MIN_NODES_COMPRESSED`` nodes (host arrays) or
 ``HIERARCHICAL_MIN_NODES_SPARSE_DEVICE`` (device arrays).
 
 The topology and the two transports are made once, when the first call that may use them
@@ -27,7 +29,8 @@ from ringcomm.core.env import env
 from ringcomm.core.types import Array, InvalidArgumentError, Transport
 
 __all__ = ["ALGORITHMS", "ALGORITHM_ENV", "HIERARCHICAL_MIN_BYTES",
-           "HIERARCHICAL_MIN_NODES_COMPRESSED", "HIERARCHICAL_MIN_NODES_SPARSE_DEVICE", "TwoLevel",
+           "HIERARCHICAL_MIN_NODES_COMPRESSED", "HIERARCHICAL_MIN_NODES_ENCODED_DEVICE",
+           "HIERARCHICAL_MIN_NODES_SPARSE_DEVICE", "TwoLevel",
            "check_algorithm", "resolve_algorithm", "route"]
 
 #: What ``algorithm=`` takes.
@@ -59,6 +62,12 @@ HIERARCHICAL_MIN_NODES_SPARSE_DEVICE = 2
 # residual added by the cross-node phase: int8 1.27x flat at 1 Gbit/s, 1.75x at 10 Gbit/s,
 # fp16 1.47x at 10 Gbit/s (64 MiB, shared memory within the node).
 HIERARCHICAL_MIN_NODES_ENCODED = 2
+#: The same compressors on device arrays go two-level under "auto" from this many nodes: on
+# NVLink and the GPU's codecs the flat ring's steps are cheap, and the two-level path's float32
+# node phases cost more than the NIC bytes they save until the flat ring's 2(n - 1) steps
+# dominate: int8 simulated 0.94x the flat ring at 2 nodes of 8 GPUs, 0.69-0.72x at 8-32 nodes,
+# 1.14x at 64 (400 Gbit/s NICs, bench/results/scale_sim/; not measured on a GPU cluster).
+HIERARCHICAL_MIN_NODES_ENCODED_DEVICE = 64
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -215,9 +224,10 @@ def min_nodes(comp: Compressor | None, x: Array) -> int:
     dense)."""
     if comp is None:
         return 2
+    device = _ops.is_device_array(x)
     if isinstance(comp, DenseCompressor):
-        return HIERARCHICAL_MIN_NODES_ENCODED
-    if _ops.is_device_array(x):
+        return HIERARCHICAL_MIN_NODES_ENCODED_DEVICE if device else HIERARCHICAL_MIN_NODES_ENCODED
+    if device:
         return HIERARCHICAL_MIN_NODES_SPARSE_DEVICE
     return HIERARCHICAL_MIN_NODES_COMPRESSED
 

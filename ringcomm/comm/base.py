@@ -304,8 +304,8 @@ class Communicator:
                 across nodes, within each node: see :mod:`ringcomm.algorithms.hierarchical`;
                 nodes must hold the same number of ranks) or "auto" (hierarchical where
                 there are several nodes of several ranks, for calls of at least 1 MiB dense or
-                through a cast or Int8, and top-k ones on 2 nodes or more for device
-                arrays, 64 for host arrays: see
+                through a cast or Int8 (on device arrays: on 64 nodes or more), and top-k
+                ones on 2 nodes or more for device arrays, 64 for host arrays: see
                 :mod:`ringcomm.comm._twolevel`); the
                 communicator's ``algorithm`` when None.
                 Checked to match across ranks.
