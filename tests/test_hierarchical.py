@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from thread_helpers import SEGMENT, assert_matches_reference, identical, rank_inputs, reference
+from thread_helpers import (
+    SEGMENT,
+    assert_conserved,
+    assert_matches_reference,
+    communicators,
+    identical,
+    on_grid,
+    rank_inputs,
+    reference,
+)
 
 import ringcomm
 from ringcomm.algorithms import compressed as algorithms
@@ -20,7 +29,6 @@ from ringcomm.algorithms import hierarchical
 from ringcomm.algorithms.compressed_ring import mix_seed
 from ringcomm.backends.threads import run_ranks
 from ringcomm.comm import _twolevel, topology
-from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError, ReduceOp
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,19 +51,6 @@ STEPS = 4
 def lengths(n: int) -> list[int]:
     """0, 1, fewer than the ranks, uneven, and several segments per shard (SEGMENT)."""
     return sorted({0, 1, max(n - 1, 0), 7 * n + 3, 3001})
-
-
-def on_grid(shape: tuple[int, int], fn, *, timeout: float = 60.0) -> list:
-    """Run ``fn(local, cross, rank)`` on every rank of a ``shape`` job; results in rank
-    order."""
-    nodes, per_node = shape
-
-    def body(t):
-        local = t.split(t.rank // per_node, t.rank)
-        cross = t.split(t.rank % per_node, t.rank)
-        return fn(local, cross, t.rank)
-
-    return run_ranks(nodes * per_node, body, timeout=timeout)
 
 
 def cases_for(n: int, seed: int) -> list[tuple[str, str, np.ndarray]]:
@@ -158,20 +153,6 @@ def feedback_steps(shape, comp, op: str, xs: np.ndarray) -> list:
         return results, ef.residual("w")
 
     return on_grid(shape, body)
-
-
-def assert_conserved(per_rank, xs: np.ndarray, op: str) -> None:
-    """(sum of results, in sum units) + (sum of residuals) == (sum of inputs), elementwise,
-    to 2 n float32 epsilons of the inputs' total magnitude at the element (every addition of
-    a partial sum rounds once; the flat ring's tests state the same bound)."""
-    n = xs.shape[1]
-    results, _ = per_rank[0]
-    lhs = sum(y.astype(np.float64) for y in results) * (n if op == "avg" else 1)
-    lhs = lhs + sum(res.astype(np.float64) for _, res in per_rank)
-    rhs = xs.astype(np.float64).sum(axis=(0, 1))
-    bound = 2 * n * np.finfo(np.float32).eps * np.abs(xs.astype(np.float64)).sum(axis=(0, 1))
-    error = np.abs(lhs - rhs)
-    assert (error <= bound).all(), f"mass lost: max error {error.max():.3g}"
 
 
 @pytest.mark.parametrize("comp", list(COMPRESSORS), ids=list(COMPRESSORS))
@@ -426,16 +407,6 @@ def test_horovod_hierarchical_variable(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- communicator
-def communicators(n: int, fn, **options) -> list:
-    """Run ``fn(comm)`` on a Communicator per rank of an n-rank threads job."""
-
-    def body(t):
-        with Communicator(t, **options) as comm:
-            return fn(comm)
-
-    return run_ranks(n, body)
-
-
 def test_communicator_algorithms_agree_with_flat():
     big = 300_000  # 1.2 MB: "auto" goes two-level
     xs = rank_inputs(np.random.default_rng(6), 4, big, "float32", "sum")

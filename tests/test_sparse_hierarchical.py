@@ -12,35 +12,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from thread_helpers import identical
+from thread_helpers import assert_conserved, communicators, identical, on_grid
 
 import ringcomm
 from ringcomm.algorithms import hierarchical, sparse_hierarchical
 from ringcomm.algorithms.compressed_ring import mix_seed
-from ringcomm.backends.threads import run_ranks
-from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ReduceOp
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def on_grid(nodes: int, per_node: int, fn: Any) -> list:
-    """``fn(local, cross, rank)`` on every rank of a job of ``nodes`` x ``per_node``."""
-
-    def body(t):
-        local = t.split(t.rank // per_node, t.rank)
-        cross = t.split(t.rank % per_node, t.rank)
-        return fn(local, cross, t.rank)
-
-    return run_ranks(nodes * per_node, body, timeout=120.0)
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
 def test_node_phases_move_pairs_and_conserve(shape):
     """Inside each node only pairs travel (a small fraction of the float32 array); every rank
     gets the same bits; results plus residuals hold every input's mass."""
-    nodes, per_node = shape
-    n, length = nodes * per_node, 60_000
+    n, length = shape[0] * shape[1], 60_000
+    per_node = shape[1]
     comp = ringcomm.TopK(0.01)
     xs = np.random.default_rng(n).standard_normal((3, n, length)).astype(np.float32)
 
@@ -53,19 +40,16 @@ def test_node_phases_move_pairs_and_conserve(shape):
             hierarchical.allreduce_with_feedback(local, cross, x[rank], out, ReduceOp.SUM,
                                                  comp, ef, "w", mix_seed(step, rank))
             results.append(out)
-        return results, ef.residual("w"), local.stats.bytes_sent
+        return (results, ef.residual("w")), local.stats.bytes_sent
 
-    per_rank = on_grid(nodes, per_node, body)
+    per_rank = on_grid(shape, body, timeout=120.0)
     for step in range(len(xs)):
-        assert identical([r[0][step] for r in per_rank])
-        assert np.count_nonzero(per_rank[0][0][step]) <= 2 * comp.k_for(length) * per_node
-    for _, _, node_bytes in per_rank:
+        assert identical([r[0][0][step] for r in per_rank])
+        assert np.count_nonzero(per_rank[0][0][0][step]) <= 2 * comp.k_for(length) * per_node
+    for _, node_bytes in per_rank:
         # Pairs of 8 bytes for 1% of the array, twice a call, against 4 bytes per element.
         assert node_bytes < 3 * 2 * 8 * comp.k_for(length) * 1.1
-    results = sum(y.astype(np.float64) for y in per_rank[0][0])
-    held = sum(r[1].astype(np.float64) for r in per_rank)
-    inputs = xs.astype(np.float64).sum(axis=(0, 1))
-    np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
+    assert_conserved([r[0] for r in per_rank], xs, "sum")
 
 
 def test_in_place_float16_and_avg():
@@ -85,13 +69,10 @@ def test_in_place_float16_and_avg():
             results.append(buf)
         return results, ef.residual("w")
 
-    per_rank = on_grid(2, 2, body)
+    per_rank = on_grid((2, 2), body, timeout=120.0)
     for step in range(len(xs)):
         assert identical([r[0][step] for r in per_rank])
-    results = n * sum(y.astype(np.float64) for y in per_rank[0][0])
-    held = sum(r[1].astype(np.float64) for r in per_rank)
-    inputs = xs.astype(np.float64).sum(axis=(0, 1))
-    np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
+    assert_conserved(per_rank, xs, "avg")
 
 
 def test_where_the_path_does_not_apply():
@@ -107,9 +88,9 @@ def test_where_the_path_does_not_apply():
                                             ringcomm.TopK(0.01, algorithm="allgather")),
                 sparse_hierarchical.applies(local, cross, 1000, ringcomm.Int8()))
 
-    assert on_grid(2, 2, body) == [(True, False, False, False, False)] * 4
-    assert on_grid(1, 4, body)[0][0] is False
-    assert on_grid(4, 1, body)[0][0] is False
+    assert on_grid((2, 2), body) == [(True, False, False, False, False)] * 4
+    assert on_grid((1, 4), body)[0][0] is False
+    assert on_grid((4, 1), body)[0][0] is False
 
 
 def test_message_offsets_match_the_sparse_ring():
@@ -128,13 +109,12 @@ def test_device_arrays_go_two_level_under_auto_and_match_the_host(thread_device)
     xs = np.random.default_rng(3).standard_normal((n, length)).astype(np.float32)
 
     def job(put: Any) -> list[dict[str, np.ndarray]]:
-        def body(t):
-            with Communicator(t, topology=2) as comm:
-                return {algorithm: thread_device.get(comm.allreduce(
-                            put(xs[t.rank]), compression=ringcomm.TopK(0.01),
-                            algorithm=algorithm))
-                        for algorithm in ("flat", "hierarchical", "auto")}
-        return run_ranks(n, body, timeout=120.0)
+        def body(comm):
+            return {algorithm: thread_device.get(comm.allreduce(
+                        put(xs[comm.rank]), compression=ringcomm.TopK(0.01),
+                        algorithm=algorithm))
+                    for algorithm in ("flat", "hierarchical", "auto")}
+        return communicators(n, body, topology=2)
 
     on_device, on_host = job(thread_device.put), job(np.asarray)
     for per_rank in (on_device, on_host):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from thread_helpers import (
     SEGMENT,
     SIZES,
+    assert_conserved,
     assert_matches_reference,
     identical,
     rank_inputs,
@@ -156,25 +157,6 @@ def compressed_steps(n: int, comp, op: str, xs: np.ndarray, *, segment: int = SE
         return results, ef.residual("w")
 
     return run_ranks(n, body)
-
-
-def assert_conserved(per_rank, xs: np.ndarray, op: str) -> None:
-    """(sum of results, in sum units) + (sum of residuals) == (sum of inputs), elementwise.
-
-    Tolerance: 2 n float32 epsilons times the total magnitude of the inputs at the element
-    (sum over steps and ranks of |x|): every hop rounds one float32 addition of a partial sum,
-    and the partials of all steps together are at most that magnitude. (Measured here: at
-    most 0.75 epsilon times the magnitude.)
-    """
-    n = xs.shape[1]
-    results, _ = per_rank[0]
-    lhs = sum(y.astype(np.float64) for y in results) * (n if op == "avg" else 1)
-    lhs = lhs + sum(res.astype(np.float64) for _, res in per_rank)
-    rhs = xs.astype(np.float64).sum(axis=(0, 1))
-    magnitude = np.abs(xs.astype(np.float64)).sum(axis=(0, 1))
-    bound = 2 * n * np.finfo(np.float32).eps * magnitude
-    error = np.abs(lhs - rhs)
-    assert (error <= bound).all(), f"mass lost: max error {error.max():.3g}"
 
 
 @pytest.mark.parametrize("op", ["sum", "avg"])

@@ -13,7 +13,17 @@ from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["SparseRingCodec", "allgather_allreduce", "ring_allreduce"]
+__all__ = ["SparseRingCodec", "allgather_allreduce", "decode_message", "ring_allreduce"]
+
+
+def decode_message(ops: Any, msg: Any, acc: Array) -> None:
+    """Write the chunk that sparse-ring message ``msg`` carries into float32 ``acc``: its
+    values where it travelled dense, else zeros and its pairs."""
+    if msg.size == 4 * acc.size:
+        ops.copy(acc, msg.view(np.float32))
+    else:
+        acc[...] = 0
+        ops.scatter_add(acc, *TopK.unpack(msg))
 
 
 class SparseRingCodec:
@@ -31,8 +41,8 @@ class SparseRingCodec:
         self.ops = _ops.get(x)
         n = layout.n
         self.k = [comp.k_for(layout.chunk_len(c)) for c in range(n)]
-        self.dense = [8 * self.k[c] >= 4 * layout.chunk_len(c) for c in range(n)]
-        sizes = [self._nbytes(c) for c in range(n)]
+        sizes = [comp.message_nbytes(layout.chunk_len(c)) for c in range(n)]
+        self.dense = [sizes[c] == 4 * layout.chunk_len(c) for c in range(n)]
         self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = max(sizes)
@@ -42,7 +52,7 @@ class SparseRingCodec:
         self.acc = t.scratch("sring.acc", x, widest_chunk, np.float32)
 
     def _nbytes(self, c: int) -> int:
-        return 4 * self.layout.chunk_len(c) if self.dense[c] else 8 * self.k[c]
+        return self.offsets[c + 1] - self.offsets[c]
 
     def _encode(self, acc: Array, c: int, msg: Any, error: Any | None) -> Any:
         """Select chunk c's share of k from ``acc`` into ``msg``; the rest goes to ``error``."""
@@ -105,11 +115,7 @@ class SparseRingCodec:
         """Decode an owner's message into the result (every rank decodes the same bytes)."""
         out = self.out[self.layout.chunk(c)]
         acc = out if out.dtype == np.float32 else self.acc[: self.layout.chunk_len(c)]
-        if self.dense[c]:
-            self.ops.copy(acc, msg.view(np.float32))
-        else:
-            acc[...] = 0
-            self.ops.scatter_add(acc, *TopK.unpack(msg))
+        decode_message(self.ops, msg, acc)
         if self.op is ReduceOp.AVG:
             self.ops.divide(acc, self.layout.n, acc)
         if acc is not out:

@@ -34,7 +34,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.algorithms import ring
 from ringcomm.algorithms.compressed_ring import keep_chunk_rounding, mix_seed
-from ringcomm.algorithms.sparse import SparseRingCodec
+from ringcomm.algorithms.sparse import SparseRingCodec, decode_message
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
@@ -59,12 +59,8 @@ def applies(local: Transport, cross: Transport, length: int, comp: Compressor | 
 def message_offsets(comp: TopK, length: int, n: int) -> list[int]:
     """Byte offsets of the sparse ring's ``n`` chunk messages of a ``length``-element array
     (``n + 1`` of them; the last is their total), as :class:`SparseRingCodec` lays them out."""
-    layout = ring.RingLayout.build(length, n, 0, max(length, 1))
-    sizes = []
-    for c in range(n):
-        chunk = layout.chunk_len(c)
-        k = comp.k_for(chunk)
-        sizes.append(4 * chunk if 8 * k >= 4 * chunk else 8 * k)
+    chunks = ring.chunk_bounds(length, n)
+    sizes = [comp.message_nbytes(chunks[c + 1] - chunks[c]) for c in range(n)]
     return np.cumsum([0, *sizes]).tolist()
 
 
@@ -166,19 +162,15 @@ def _share_shards(local: Transport, cross: Transport, ops: Any, x: Array, out: A
 
 def _decode_shard(local: Transport, ops: Any, messages: Any, offsets: list[int], out: Any,
                   op: ReduceOp, whole: int, like: Array) -> None:
-    """Decode a shard's cross-node messages into ``out``, as :class:`SparseRingCodec` decodes
-    its own (zeros, then the pairs; dense chunks copied), "avg" divided by ``whole``."""
+    """Decode a shard's cross-node messages into ``out`` as :class:`SparseRingCodec` decodes
+    its own (``decode_message``), "avg" divided by ``whole``."""
     chunks = ring.chunk_bounds(out.size, len(offsets) - 1)
     for c in range(len(offsets) - 1):
         dst = out[chunks[c]: chunks[c + 1]]
         msg = messages[offsets[c]: offsets[c + 1]]
         acc = dst if dst.dtype == np.float32 else local.scratch(
             "shier.decoded", like, dst.size, np.float32)
-        if msg.size == 4 * dst.size:
-            ops.copy(acc, msg.view(np.float32))
-        else:
-            acc[...] = 0
-            ops.scatter_add(acc, *TopK.unpack(msg))
+        decode_message(ops, msg, acc)
         if op is ReduceOp.AVG:
             ops.divide(acc, whole, acc)
         if acc is not dst:

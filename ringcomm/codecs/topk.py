@@ -57,9 +57,12 @@ class TopK(Compressor):
         return f"sparse-{self.algorithm}"
 
     def wire_bytes(self, length: int, n: int) -> int:
-        # The sparse ring sends a chunk dense where its pairs would not be smaller.
-        chunk = length // n
-        return min(8 * self.k_for(chunk), 4 * chunk)
+        return self.message_nbytes(length // n)
+
+    def message_nbytes(self, length: int) -> int:
+        """Bytes of the sparse ring's message for a chunk of ``length`` elements: its k pairs of
+        8 bytes, or its float32 values where the pairs would not be smaller (it travels dense)."""
+        return min(8 * self.k_for(length), 4 * length)
 
     def hop_work(self, x: Array, own: Array) -> Callable[[], Any]:
         k = self.k_for(x.size)
