@@ -475,6 +475,32 @@ for layer in model:
         fully_shard(layer)
 fully_shard(model)
 report["fsdp"] = fit(model, compiled(model))  # FSDP2, compiled
+
+
+def digest(model):
+    full = [p.full_tensor() for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in full)).hexdigest()
+
+
+# torch.distributed.checkpoint: the sharded state saved (its plan gathered and broadcast as
+# objects), the parameters spoiled, then loaded back from the files each rank wrote.
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+model(torch.randn(4, 8)).pow(2).mean().backward()
+opt.step()
+saved = digest(model)
+model_state, optim_state = get_state_dict(model, opt)
+dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"ckpt_{backend}")
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+model_state, optim_state = get_state_dict(model, opt)
+state = {"model": model_state, "optim": optim_state}
+dcp.load(state, checkpoint_id=f"ckpt_{backend}")
+set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+report["dcp_saved"], report["dcp_loaded"] = saved, digest(model)
 with open(f"report_{r}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -489,7 +515,9 @@ def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_e
     collectives from C++ inside the compiled forward (DDP rebuilding its buckets), where
     TorchDynamo traced them and stopped at the group's attributes (UnsafeScriptObjectError;
     gloo's C++ has nothing to trace). Now the same parameters as on gloo, bit for bit, with
-    and without ringcomm's DDP hook."""
+    and without ringcomm's DDP hook. Then torch.distributed.checkpoint saves the FSDP2
+    model and its optimizer, and loads them back after the parameters were spoiled: the
+    saved state returns, and it is gloo's."""
     pytest.importorskip("torch.distributed.fsdp")
     job = tmp_path / "fsdp.py"
     job.write_text(FSDP_JOB)
@@ -499,8 +527,10 @@ def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_e
                        env=subprocess_env, cwd=tmp_path)
         runs[backend] = _reports(tmp_path)
         _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
-    for name in ("params", "ddp", "fsdp"):
+    for name in ("params", "ddp", "fsdp", "dcp_saved"):
         assert len({row[name] for rows in runs.values() for row in rows}) == 1, (name, runs)
+    for row in runs["ringcomm"] + runs["gloo"]:  # the checkpoint gave the saved state back
+        assert row["dcp_loaded"] == row["dcp_saved"], row
     for row in runs["ringcomm"]:
         assert row["backend"] == "ringcomm" and row["calls"] >= 10, row
         # two ranks: the hook's a + b is DDP's own, bit for bit
