@@ -14,9 +14,10 @@ where the flat sparse ring moves a few pairs. This one keeps every phase sparse:
    to the finished shard) travel to the node's other ranks, which decode the same bytes in the
    same order, so every rank of the job holds the same bits.
 
-Each rank selects over ``(L - 1) / L`` of its array in phase 1 and ``(C - 1) / C`` of its shard
-in phase 2 (with ``L = 2``, ``C = 2``: 0.75 of the array, as the flat ring of 4 does), and each
-node's link carries the pairs of ``L`` cross-node rings of ``1 / L`` of the array.
+Each rank selects over ``(L - 1) / L`` of its array in phase 1 and over its whole shard, ``1 /
+L`` of the array, in phase 2 (``C`` selections of ``1 / C`` of it, the last one the owner's
+message): the whole array, as in the flat ring (``n`` selections of ``1 / n``), and each node's
+link carries the pairs of ``L`` cross-node rings of ``1 / L`` of the array.
 
 Error feedback: what phase 1 did not send of another rank's shard stays in this rank's
 residual there; the owner's residual takes what the cross-node ring did not send of its
