@@ -305,6 +305,34 @@ def test_other_dtypes_run_the_reference(dtype):
         run_both(lambda m, p, x=x: m.cast_encode(x, p, "f16"), (ref.cast_nbytes(n), np.uint8))
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+@needs_numba
+def test_read_only_inputs_run_the_reference():
+    """Inputs the caller froze (a memory map, ``np.frombuffer`` of bytes) match no kernel's
+    signature: they get the reference's results, never Numba's "No matching definition"."""
+    rng = np.random.default_rng(5)
+    n, block = 20_000, 64
+    x = _frozen(rng.standard_normal(n).astype(np.float32))
+    run_both(lambda m, p, e: m.int8_encode(x, p, block, error=e),
+             (ref.int8_nbytes(n, block), np.uint8), (4 * n, np.float32))
+    run_both(lambda m, p: m.cast_encode(x, p, "bf16"), (ref.cast_nbytes(n), np.uint8))
+    payload = np.empty(ref.int8_nbytes(n, block), np.uint8)
+    ref.int8_encode(rng.standard_normal(n).astype(np.float32), payload, block)
+    received = _frozen(payload)
+    run_both(lambda m, o: m.int8_decode(received, o, block), (4 * n, np.float32))
+    run_both(lambda m, o: m.int8_hop(received, x, o, block), (ref.int8_nbytes(n, block), np.uint8))
+    words = np.empty(ref.cast_nbytes(n), np.uint8)
+    ref.cast_encode(rng.standard_normal(n).astype(np.float32), words, "f16")
+    run_both(lambda m, o: m.cast_hop(_frozen(words), x, o, "f16"), (ref.cast_nbytes(n), np.uint8))
+    for a, b in zip(ref.topk(x, 200, seed=1), cpu.topk(x, 200, seed=1), strict=True):
+        assert_same(a, b)
+
+
 def test_short_outputs_raise_like_the_reference():
     """An output too small is the reference's error, never a write past its end."""
     x = np.ones(1000, np.float32)

@@ -17,6 +17,7 @@ from thread_helpers import (
     SIZES,
     assert_conserved,
     assert_matches_reference,
+    communicators,
     identical,
     rank_inputs,
     reference,
@@ -170,6 +171,25 @@ def test_compressed_identical_and_conserving(n, comp, op):
         for step in range(STEPS):
             assert identical([res[step] for res, _ in per_rank]), f"step {step} differs"
         assert_conserved(per_rank, xs, op)
+
+
+@pytest.mark.parametrize("comp", list(COMPRESSORS), ids=list(COMPRESSORS))
+def test_compressed_read_only_input_on_one_rank(comp):
+    """An input the caller froze on one rank only (a memory map, ``np.frombuffer``) takes the
+    compiled codecs' reference path there: the same bits as the writeable input, on every rank
+    (it once raised Numba's "No matching definition" on that rank while the others waited)."""
+    x = np.random.default_rng(9).standard_normal((2, 20_000)).astype(np.float32)
+
+    def job(frozen: bool) -> list:
+        def body(comm: Communicator) -> np.ndarray:
+            mine = x[comm.rank].copy()
+            mine.flags.writeable = not (frozen and comm.rank == 0)
+            return comm.allreduce(mine, compression=COMPRESSORS[comp])
+        return communicators(2, body)
+
+    expected, got = job(False), job(True)
+    assert identical(got)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, got, strict=True))
 
 
 # Errors of one encoding relative to the magnitude of what is encoded.

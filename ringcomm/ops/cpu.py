@@ -159,11 +159,13 @@ def _guarded(what: str, step: Callable[[], Any]) -> Any:
 
 
 def _fits(a: Array, dtype: Any, size: int) -> bool:
-    """Whether ``a`` is what a kernel's signature takes: a 1-D, contiguous, aligned NumPy array
-    of ``dtype`` and ``size`` elements (anything else runs the reference, which raises where
-    the arguments are wrong instead of writing past an array)."""
+    """Whether ``a`` is what a kernel's signature takes: a 1-D, contiguous, aligned, writeable
+    NumPy array of ``dtype`` and ``size`` elements (anything else runs the reference, which
+    raises where the arguments are wrong instead of writing past an array). Writeable even
+    where the kernel only reads it: the signatures are of writeable arrays, and a read-only one
+    (``np.frombuffer`` of bytes, a memory map, a caller's frozen array) would match none."""
     return (type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.size == size
-            and a.flags.c_contiguous and a.flags.aligned)
+            and a.flags.c_contiguous and a.flags.aligned and a.flags.writeable)
 
 
 def _bytes(payload: Array) -> bool:
