@@ -125,3 +125,25 @@ def test_device_arrays_go_two_level_under_auto_and_match_the_host(thread_device)
     assert identical([on_host[0]["auto"], on_host[0]["flat"]])
     for algorithm in ("flat", "hierarchical"):
         assert on_device[0][algorithm].tobytes() == on_host[0][algorithm].tobytes()
+
+
+def test_device_top_k_the_sparse_path_does_not_take_stays_flat_under_auto(thread_device):
+    """Device top-k calls that the sparse two-level path does not take (top-k's allgather;
+    a ratio whose pairs outweigh the float32 values) keep the flat algorithm under "auto" at
+    two nodes: the float32 node phases they would run instead pay only on many nodes."""
+    n, length = 4, 20_000
+    xs = np.random.default_rng(4).standard_normal((n, length)).astype(np.float32)
+    comps = {"allgather": ringcomm.TopK(0.01, algorithm="allgather"), "dense": ringcomm.TopK(0.6)}
+
+    def body(comm):
+        return {(name, algorithm): thread_device.get(comm.allreduce(
+                    thread_device.put(xs[comm.rank]), compression=comp, algorithm=algorithm))
+                for name, comp in comps.items() for algorithm in ("flat", "hierarchical", "auto")}
+
+    per_rank = communicators(n, body, topology=2)
+    for name in comps:
+        assert not sparse_hierarchical.applies_to_shape(2, 2, length, comps[name])
+        for algorithm in ("flat", "hierarchical", "auto"):
+            assert identical([r[(name, algorithm)] for r in per_rank])
+        assert not identical([per_rank[0][(name, "flat")], per_rank[0][(name, "hierarchical")]])
+        assert identical([per_rank[0][(name, "auto")], per_rank[0][(name, "flat")]])

@@ -41,7 +41,7 @@ from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["allreduce", "applies", "message_offsets"]
+__all__ = ["allreduce", "applies", "applies_to_shape", "message_offsets"]
 
 
 def applies(local: Transport, cross: Transport, length: int, comp: Compressor | None) -> bool:
@@ -49,11 +49,17 @@ def applies(local: Transport, cross: Transport, length: int, comp: Compressor | 
     top-k ring compressor, several nodes, and node-local shards whose selected pairs are
     smaller than their float32 values (at higher ratios the dense two-level path loses
     nothing and moves no more)."""
+    return applies_to_shape(local.size, cross.size, length, comp)
+
+
+def applies_to_shape(local_size: int, nodes: int, length: int, comp: Compressor | None) -> bool:
+    """``applies`` for nodes of ``local_size`` ranks, ``nodes`` of them (before the node-local
+    and cross-node transports are made)."""
     if not isinstance(comp, TopK) or comp.allreduce_algorithm != "sparse-ring":
         return False
-    if cross.size < 2 or local.size < 2 or length < local.size * cross.size:
+    if nodes < 2 or local_size < 2 or length < local_size * nodes:
         return False
-    shortest = length // local.size
+    shortest = length // local_size
     return 8 * comp.k_for(shortest + 1) < 4 * shortest
 
 

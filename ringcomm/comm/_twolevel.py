@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ringcomm import ops as _ops
-from ringcomm.algorithms import hierarchical
+from ringcomm.algorithms import hierarchical, sparse_hierarchical
 from ringcomm.codecs.base import Compressor, DenseCompressor
 from ringcomm.comm import topology as _topology
 from ringcomm.core.env import env
@@ -49,11 +49,12 @@ HIERARCHICAL_MIN_BYTES = 1 << 20
 # Gbit/s and 0.97-0.99x at 10 Gbit/s (the earlier two-level path, float32 inside the node,
 # 0.71-1.09x and 0.81-0.94x: bench/results/cluster2/topk_two_level/). Its error is lower.
 HIERARCHICAL_MIN_NODES_COMPRESSED = 64
-#: Sparse compressed calls on device arrays go two-level under "auto" from this many nodes:
+#: Sparse compressed calls on device arrays go two-level under "auto" from this many nodes
+# where top-k's sparse two-level path takes them (its ring, pairs lighter than the floats):
 # with the GPU's selection the NIC bounds top-k, and the two-level path moves fewer pairs over
 # it in fewer serial steps (simulated 1.11x the flat ring at 2 nodes of 8 GPUs with 400 Gbit/s
 # NICs, 1.25x at 8 nodes, 2.2x at 64 nodes: bench/results/scale_sim/; not measured on a GPU
-# cluster).
+# cluster). Other sparse calls keep HIERARCHICAL_MIN_NODES_COMPRESSED.
 HIERARCHICAL_MIN_NODES_SPARSE_DEVICE = 2
 #: Compressors that encode every element (casts, Int8) go two-level under "auto" from this
 # many nodes, for calls of HIERARCHICAL_MIN_BYTES or more, as dense calls do: the cross-node
@@ -176,7 +177,7 @@ class TwoLevel:
                     reason="nodes of different sizes")
         elif not (topo.uniform and len(topo.nodes) > 1 and topo.local_size > 1):
             return None
-        elif len(topo.nodes) < min_nodes(comp, x):
+        elif len(topo.nodes) < min_nodes(comp, x, (topo.local_size, len(topo.nodes))):
             return None
         return self._split(topo)
 
@@ -219,15 +220,18 @@ def route(sub: Transport, x: Array) -> Transport:
     return sub.transport_for(x)
 
 
-def min_nodes(comp: Compressor | None, x: Array) -> int:
+def min_nodes(comp: Compressor | None, x: Array, shape: tuple[int, int] | None = None) -> int:
     """The nodes from which "auto" runs a call of ``x`` through ``comp`` two-level (None:
-    dense)."""
+    dense). ``shape``: (ranks per node, nodes) once the topology is known; before it, the
+    fewest nodes any shape could need. A device top-k call that the sparse two-level path
+    does not take at that shape (top-k's allgather, or pairs that outweigh the float32 values:
+    the float32 node phases then run) needs HIERARCHICAL_MIN_NODES_COMPRESSED, as on the host."""
     if comp is None:
         return 2
     device = _ops.is_device_array(x)
     if isinstance(comp, DenseCompressor):
         return HIERARCHICAL_MIN_NODES_ENCODED_DEVICE if device else HIERARCHICAL_MIN_NODES_ENCODED
-    if device:
+    if device and (shape is None or sparse_hierarchical.applies_to_shape(*shape, x.size, comp)):
         return HIERARCHICAL_MIN_NODES_SPARSE_DEVICE
     return HIERARCHICAL_MIN_NODES_COMPRESSED
 
