@@ -130,9 +130,10 @@ def keep_rounding(ops: Any, residual: Array | None, exact: Any, out: Array, op: 
     in the residual's units: times n for "avg"). Only a chunk's owner calls this, once."""
     if residual is None or out.dtype.itemsize >= 4:
         return
-    lost = exact - out.astype(np.float32)
-    if op is ReduceOp.AVG:
-        lost *= n
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf: zeroed just below
+        lost = exact - out.astype(np.float32)
+        if op is ReduceOp.AVG:
+            lost *= n
     ops.zero_nonfinite(lost)  # NaN/Inf are in the result already
     residual += lost
 
