@@ -190,14 +190,14 @@ if backend == "ringcomm":
             dist.all_reduce(bad)
         except Exception as err:
             report.setdefault("mismatch", []).append(f"{type(err).__name__}: {err}")
-    # An output of the wrong size on one rank: that rank raises, the others finish (no hang).
+    # An output of the wrong size on one rank: refused on every rank, before anything moves.
     o = torch.empty(2 if r else 3)
     try:
         dist.reduce_scatter_tensor(o, torch.arange(2.0 * n))
         report["reduce_scatter_bad_output"] = o.tolist()
     except ValueError as err:
         report["reduce_scatter_bad_output"] = str(err)
-    try:  # an output of the wrong size on rank 0, coalesced with a good one: no hang
+    try:  # an output of the wrong size on rank 0, coalesced with a good one: refused
         outs = [torch.empty(2 * n + (1 if r == 0 else 0)), torch.empty(n)]
         with dist._coalescing_manager():
             for out, x in zip(outs, (torch.ones(2), torch.ones(1))):
@@ -209,7 +209,7 @@ if backend == "ringcomm":
     dist.reduce_scatter(o, [torch.full((2,), float(q + 10 * r)) for q in range(n)])
     assert o.tolist() == [float(r * n + 10 * sum(range(n)))] * 2, o
     pieces = [torch.ones(3), torch.ones(1)] if r == 0 else [torch.ones(2), torch.ones(2)]
-    try:  # the same total, pieces of another size on rank 0: it raises, nobody waits
+    try:  # the same total, pieces of another size on rank 0: refused on every rank
         dist.reduce_scatter(torch.empty(2), pieces)
         report["reduce_scatter_bad_piece"] = "ok"
     except ValueError as err:
@@ -348,15 +348,16 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
         shape, dtype = row["mismatch"]
         assert "ArgumentMismatchError" in shape and "shape differs between ranks" in shape, row
         assert "dtype differs between ranks" in dtype, row
-        assert row["reduce_scatter_bad_output"] == (
-            "reduce_scatter_tensor: the input has 4 elements, expected 6 (the output's 3 "
-            "times the group's 2 ranks)" if row["rank"] == 0 else [4.0, 6.0]), row
-        assert row["all_gather_bad_output"] == (
-            "all_gather_into_tensor: the output has 5 elements, expected 4 (the input's 2 "
-            "times the group's 2 ranks)" if row["rank"] == 0 else [1.0, 1.0]), row
-        assert row["reduce_scatter_bad_piece"] == (
-            "reduce_scatter: input list 0's tensor for rank 0 has 3 elements, its output 2"
-            if row["rank"] == 0 else "ok"), row
+    # An output or piece of the wrong size on rank 0 only: refused on every rank, before
+    # anything moves, naming rank 0's problem (the same message on both).
+    for name, words in (("reduce_scatter_bad_output", "reduce_scatter_tensor: the input has "
+                         "4 elements, expected 6 (the output's 3 times the group's 2 ranks)"),
+                        ("all_gather_bad_output", "all_gather_into_tensor: the output has 5 "
+                         "elements, expected 4 (the input's 2 times the group's 2 ranks)"),
+                        ("reduce_scatter_bad_piece", "reduce_scatter: input list 0's tensor "
+                         "for rank 0 is 3 elements of float32, its output 2 of float32")):
+        got = [row[name] for row in ours]
+        assert got[0] == got[1] and "differ between ranks" in got[0] and words in got[0], got
         # DDP's broadcast of the parameters and its bucket allreduces went through ringcomm.
         assert row["calls_after_ddp"] >= row["calls"] + 6, row
     # Two ranks: a + b is b + a, so ringcomm's ring and gloo give the same bits.
@@ -773,6 +774,110 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         got = [row["outcomes"][name] for row in reports]
         assert got[0][:2] == got[1][:2] and got[0][0] == error, (name, got)
         assert words in got[0][1], (name, got)
+
+
+OUTPUTS_JOB = r"""
+import datetime, json, time
+import torch, torch.distributed as dist
+import ringcomm.torch  # registers "ringcomm"
+
+dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=60))
+r, n = dist.get_rank(), dist.get_world_size()
+outcomes = {}
+
+def attempt(name, call):
+    start = time.monotonic()
+    try:
+        outcomes[name] = ("ok", call())
+    except Exception as err:
+        outcomes[name] = (type(err).__name__, str(err).split(chr(10))[0])
+    outcomes[name] += (round(time.monotonic() - start, 1),)
+    t = torch.full((3,), float(r + 1))  # the group is still usable, and in step
+    dist.all_reduce(t)
+    assert t.tolist() == [n * (n + 1) / 2] * 3, (name, t)
+
+def gather(count, shape=(2, 3)):
+    outs = [torch.zeros(shape) for _ in range(count)]
+    dist.all_gather(outs, torch.arange(6.0).reshape(2, 3) + 10 * r)
+    return [o.tolist() for o in outs]
+attempt("all_gather short here", lambda: gather(1 if r == 1 else n))
+attempt("all_gather short everywhere", lambda: gather(1))
+attempt("all_gather long here", lambda: gather(n + 1 if r == 0 else n))
+attempt("all_gather reshaped", lambda: gather(n, (3, 2)))
+def into(dtype):
+    out = torch.zeros(2 * n, dtype=dtype)
+    dist.all_gather_into_tensor(out, torch.tensor([1.0001, 70000.0]))
+    return out.tolist()
+attempt("all_gather_into_tensor float16", lambda: into(torch.float16))
+attempt("all_gather_into_tensor float16 here",
+        lambda: into(torch.float16 if r == 0 else torch.float32))
+attempt("all_gather_into_tensor short here", lambda: dist.all_gather_into_tensor(
+    torch.zeros(2 * n - (r == 1)), torch.ones(2)))
+def scatter_into(dtype):
+    out = torch.zeros(2, dtype=dtype)
+    dist.reduce_scatter_tensor(out, torch.arange(2.0 * n) * 0.75)
+    return out.tolist()
+attempt("reduce_scatter_tensor int32", lambda: scatter_into(torch.int32))
+def scatter_pieces():
+    sizes = [5, 7] if r == 0 else [6, 6]
+    out = torch.zeros(6)
+    dist.reduce_scatter(out, [torch.ones(k) for k in sizes])
+    return out.tolist()
+attempt("reduce_scatter misaligned here", scatter_pieces)
+def result():
+    t = torch.full((2,), float(r))
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    return [x.tolist() for x in work.result()]
+attempt("result", result)
+def twice():
+    t = torch.full((2,), 1.0 + r)
+    dist.all_reduce_coalesced([t, t])
+    return t.tolist()
+attempt("coalesced twice", twice)
+with open(f"report_{r}.json", "w") as f:
+    json.dump({"rank": r, "outcomes": outcomes}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
+    """Outputs that do not fit their collective (an all_gather list of another length or
+    shapes, an all_gather_into_tensor or reduce_scatter_tensor output of another dtype or
+    size, reduce_scatter pieces of other sizes) are refused before anything moves, on every
+    rank, as gloo refuses them: they were filled in part, cast (a finite 70000.0 into float16
+    Inf), or raised on one rank only after the collective. Work.result() gives the outputs,
+    and a tensor listed twice in all_reduce_coalesced is reduced once, as on gloo."""
+    job = tmp_path / "outputs.py"
+    job.write_text(OUTPUTS_JOB)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(job)],
+                   timeout=240, env=subprocess_env, cwd=tmp_path)
+    reports = _reports(tmp_path)
+    _check_exit(proc, reports, "outputs that do not fit their collective")
+    everywhere = {  # refused alike on every rank: the same problem on each
+        "all_gather short everywhere": "output list 0 has 1 tensors, expected one per rank",
+        "all_gather reshaped": "output 0 of list 0 is float32 (3, 2), expected the input's "
+                               "float32 (2, 3)",
+        "all_gather_into_tensor float16": "the output's dtype is float16, expected the "
+                                          "input's, float32",
+        "reduce_scatter_tensor int32": "the output's dtype is int32, expected the input's, "
+                                       "float32"}
+    here = {  # on one rank only: every rank raises the same mismatch, naming that rank's
+        "all_gather short here": "output list 0 has 1 tensors",
+        "all_gather long here": "output list 0 has 3 tensors",
+        "all_gather_into_tensor float16 here": "the output's dtype is float16",
+        "all_gather_into_tensor short here": "the output has 3 elements, expected 4",
+        "reduce_scatter misaligned here": "input list 0's tensor for rank 0 is 5 elements"}
+    for name, words in (*everywhere.items(), *here.items()):
+        got = [row["outcomes"][name] for row in reports]
+        kind = "ValueError" if name in everywhere else "ArgumentMismatchError"
+        assert all(g[0] == kind and words in g[1] and g[2] < 20 for g in got), (name, got)
+        assert got[0][1] == got[1][1], (name, got)  # the same message on both ranks
+    for row in reports:
+        assert row["outcomes"]["result"][:2] == ["ok", [[1.0, 1.0]]], row
+        assert row["outcomes"]["coalesced twice"][:2] == ["ok", [3.0, 3.0]], row
 
 
 SUBGROUPS_JOB = START + r'''

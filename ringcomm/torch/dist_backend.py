@@ -126,6 +126,50 @@ def _here(opts: Any, tensors: list[torch.Tensor], factor: int = 1) -> bool:
     return not getattr(opts, "asyncOp", True) or _small(tensors, factor)
 
 
+def _refuse(comm: Any, problem: str | None) -> None:
+    """Raise ``problem``, an error of this rank's own arguments found before its collective,
+    on every rank, before anything moves: this rank marks the point with the problem
+    (``Communicator.checkpoint``), so that a rank without it, gone into the collective, meets
+    that mark in the collective's agreement and every rank raises ArgumentMismatchError
+    naming what each was at; ranks with the same problem each raise it as ValueError."""
+    if problem is not None:
+        comm.checkpoint(problem)
+        raise ValueError(problem)
+
+
+def _listed_twice(tensors: list[torch.Tensor]) -> bool:
+    """Whether a tensor is listed again in ``tensors`` (the same view of the same memory)."""
+    if len(tensors) < 2:
+        return False
+    keys = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors}
+    return len(keys) < len(tensors)
+
+
+def _dtype_problem(collective: str, output: torch.Tensor, input: torch.Tensor) -> str | None:
+    """Where a collective's output is of another dtype than its input: what to say (no cast:
+    gloo and NCCL refuse one too)."""
+    if output.dtype == input.dtype:
+        return None
+    return (f"{collective}: the output's dtype is {str(output.dtype).removeprefix('torch.')}, "
+            f"expected the input's, {str(input.dtype).removeprefix('torch.')}")
+
+
+def _gather_lists_problem(output_lists: list[list[torch.Tensor]],
+                          inputs: list[torch.Tensor], size: int) -> str | None:
+    """What is wrong with an all_gather's output lists for its inputs, or None: one output
+    per rank, each of its input's shape and dtype (as gloo checks)."""
+    for i, (outs, t) in enumerate(zip(output_lists, inputs, strict=True)):
+        if len(outs) != size:
+            return (f"all_gather: output list {i} has {len(outs)} tensors, expected one per "
+                    f"rank ({size})")
+        for r, out in enumerate(outs):
+            if out.shape != t.shape or out.dtype != t.dtype:
+                return (f"all_gather: output {r} of list {i} is "
+                        f"{str(out.dtype).removeprefix('torch.')} {tuple(out.shape)}, expected "
+                        f"the input's {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
+    return None
+
+
 # torch's reduce ops, by name, as ringcomm's (avg: ringcomm's own, exact as the others).
 _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}
 
@@ -242,6 +286,11 @@ class _Work(dist._Work):
     def get_future(self) -> Future[Any]:
         return self._future
 
+    def result(self) -> Any:
+        """The collective's output tensors, once it is done (raising its error, if any)."""
+        self._future.wait()
+        return self._future.value()
+
     def is_completed(self) -> bool:
         return self._future.done()
 
@@ -270,6 +319,12 @@ class _Works(dist._Work):
         for work in self._works:
             work.wait()
         return True
+
+    def result(self) -> Any:
+        """The output tensors, once every work is done (raising the first failed one's
+        error)."""
+        self.wait()
+        return self._result
 
     def get_future(self) -> Future[Any]:
         result = self._result
@@ -564,11 +619,18 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
 
         def run() -> list[torch.Tensor]:
-            for t in tensors:
+            # A tensor listed twice (all_reduce_coalesced) holds the sum once, as on gloo,
+            # which reduces the list's values as they were: copies reduced, then written
+            # back. As many collectives either way, on every rank.
+            work = [t.clone() for t in tensors] if _listed_twice(tensors) else tensors
+            for t in work:
                 x = Operand(t)
                 with _refusing_ops("all_reduce"), in_torch_terms(comm, "all_reduce", t, x.array):
                     comm.allreduce(x.array, out=x.array, op=op)
                 x.write_back()
+            if work is not tensors:
+                for t, w in zip(tensors, work, strict=True):
+                    t.copy_(w)
             return tensors
         return self._submit(run, here=_here(opts, tensors))
 
@@ -600,13 +662,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                       held=[t for outs in output_lists for t in outs])
             return fallback.allgather(output_lists, inputs, opts)
 
+        size = self.size()
+
         def run() -> Any:
+            _refuse(comm, _gather_lists_problem(output_lists, inputs, size))
             for outs, t in zip(output_lists, inputs, strict=True):
                 gathered = comm.allgather(as_array(t).reshape(1, -1))
                 for r, out in enumerate(outs):
                     out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
             return output_lists
-        return self._submit(run, here=_here(opts, inputs, self.size()))
+        return self._submit(run, here=_here(opts, inputs, size))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -627,24 +692,21 @@ class RingcommProcessGroup(dist.ProcessGroup):
         size = self.size()
 
         def run() -> list[torch.Tensor]:
-            # Every collective runs before an output of the wrong size raises on its rank.
             problem = None
             for output, input in zip(outputs, inputs, strict=True):
-                if (problem is None and _direct(output, input)
-                        and output.numel() == input.numel() * size):  # into the output
+                problem = problem or _dtype_problem("all_gather_into_tensor", output, input)
+                if problem is None and output.numel() != input.numel() * size:
+                    problem = (f"all_gather_into_tensor: the output has {output.numel()} "
+                               f"elements, expected {input.numel() * size} (the input's "
+                               f"{input.numel()} times the group's {size} ranks)")
+            _refuse(comm, problem)
+            for output, input in zip(outputs, inputs, strict=True):
+                if _direct(output, input):  # into the output
                     comm.allgather(as_array(input).reshape(1, -1),
                                    out=as_array(output).reshape(size, -1))
-                    continue
-                gathered = comm.allgather(as_array(input).reshape(1, -1))
-                if output.numel() != gathered.size:
-                    problem = problem or (
-                        f"all_gather_into_tensor: the output has {output.numel()} elements, "
-                        f"expected {gathered.size} (the input's {input.numel()} times the "
-                        f"group's {size} ranks)")
-                elif problem is None:
+                else:
+                    gathered = comm.allgather(as_array(input).reshape(1, -1))
                     output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
-            if problem is not None:
-                raise ValueError(problem)
             return outputs
         return self._submit(run, here=_here(opts, inputs, size))
 
@@ -681,12 +743,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
             fallback = self._fallback("reduce_scatter", outputs, held=pieces)
             return fallback.reduce_scatter(outputs, input_lists, opts if opts is not None
                                            else dist.ReduceScatterOptions())
-        # One input per rank, each of its output's size: a piece of another size on one rank
-        # raises there after the collective (the others are not left waiting in it).
-        wrong = [f"input list {i}'s tensor for rank {r} has {t.numel()} elements, its output "
-                 f"{o.numel()}"
+        # One input per rank, each of its output's size and dtype (refused on every rank).
+        wrong = [f"input list {i}'s tensor for rank {r} is {t.numel()} elements of "
+                 f"{str(t.dtype).removeprefix('torch.')}, its output {o.numel()} of "
+                 f"{str(o.dtype).removeprefix('torch.')}"
                  for i, (o, ts) in enumerate(zip(outputs, input_lists, strict=True))
-                 for r, t in enumerate(ts) if t.numel() != o.numel()]
+                 for r, t in enumerate(ts) if t.numel() != o.numel() or t.dtype != o.dtype]
+        wrong += [f"input list {i} has {len(ts)} tensors, expected one per rank "
+                  f"({self.size()})"
+                  for i, ts in enumerate(input_lists) if len(ts) != self.size()]
         flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in input_lists]
         return self._reduce_scatter(outputs, flat, opts, "reduce_scatter",
                                     wrong[0] if wrong else None)
@@ -694,7 +759,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                         opts: Any, what: str, wrong: str | None = None) -> Any:
         """Reduce-scatter each of ``inputs`` into its output; ``wrong``: an error of this
-        rank's arguments, raised here once the collective has run."""
+        rank's arguments, raised on every rank before anything moves."""
         inputs = _read(inputs)
         comm = self._communicator()
         if opts is None:
@@ -706,28 +771,22 @@ class RingcommProcessGroup(dist.ProcessGroup):
         size = self.size()
 
         def run() -> list[torch.Tensor]:
-            # Every collective runs first (its agreement raises on every rank where the
-            # inputs differ), so that an output of the wrong size on one rank raises there
-            # instead of leaving the other ranks waiting in the collective.
-            problem = wrong
+            problem = None if wrong is None else f"{what}: {wrong}"
             for output, input in zip(outputs, inputs, strict=True):
-                direct = (problem is None and _direct(output, input)
-                          and input.numel() == output.numel() * size)
+                problem = problem or _dtype_problem(what, output, input)
+                if problem is None and input.numel() != output.numel() * size:
+                    problem = (f"{what}: the input has {input.numel()} elements, expected "
+                               f"{output.numel() * size} (the output's {output.numel()} times "
+                               f"the group's {size} ranks)")
+            _refuse(comm, problem)
+            for output, input in zip(outputs, inputs, strict=True):
+                direct = _direct(output, input)
                 with _refusing_ops("reduce_scatter"):
                     chunk = comm.reduce_scatter(
                         as_array(input).reshape(-1), op=op,
                         out=as_array(output).reshape(-1) if direct else None)
-                if direct:  # written into the output
-                    continue
-                if input.numel() != output.numel() * size:
-                    problem = problem or (
-                        f"the input has {input.numel()} elements, expected "
-                        f"{output.numel() * size} (the output's {output.numel()} times the "
-                        f"group's {size} ranks)")
-                elif problem is None:
+                if not direct:
                     output.copy_(torch.from_numpy(chunk).view(output.shape))
-            if problem is not None:
-                raise ValueError(f"{what}: {problem}")
             return outputs
         return self._submit(run, here=_here(opts, inputs))
 
