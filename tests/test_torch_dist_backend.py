@@ -824,6 +824,12 @@ def scatter_pieces():
     dist.reduce_scatter(out, [torch.ones(k) for k in sizes])
     return out.tolist()
 attempt("reduce_scatter misaligned here", scatter_pieces)
+def narrow(dtype):  # summed on the gloo fallback, wrapping around as torch does
+    out = torch.zeros(2, dtype=dtype)
+    dist.reduce_scatter_tensor(out, (torch.arange(2 * n) * 60 + r).to(dtype))
+    return out.tolist()
+for name in ("int8", "uint8"):
+    attempt(f"reduce_scatter_tensor {name}", lambda name=name: narrow(getattr(torch, name)))
 def result():
     t = torch.full((2,), float(r))
     work = dist.all_reduce(t, async_op=True)
@@ -841,6 +847,12 @@ dist.destroy_process_group()
 """
 
 
+def _wrapped(value: int, bits: int, signed: bool) -> int:
+    """``value`` as an integer of ``bits`` bits holds it (wrapping around)."""
+    value %= 1 << bits
+    return value - (1 << bits) if signed and value >= 1 << (bits - 1) else value
+
+
 @pytest.mark.slow
 def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
     """Outputs that do not fit their collective (an all_gather list of another length or
@@ -848,7 +860,9 @@ def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
     size, reduce_scatter pieces of other sizes) are refused before anything moves, on every
     rank, as gloo refuses them: they were filled in part, cast (a finite 70000.0 into float16
     Inf), or raised on one rank only after the collective. Work.result() gives the outputs,
-    and a tensor listed twice in all_reduce_coalesced is reduced once, as on gloo."""
+    and a tensor listed twice in all_reduce_coalesced is reduced once, as on gloo. 8-bit
+    integers reduce-scatter as on gloo (wrapping around), where the communicator refused
+    them."""
     job = tmp_path / "outputs.py"
     job.write_text(OUTPUTS_JOB)
     proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -876,6 +890,10 @@ def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
         assert all(g[0] == kind and words in g[1] and g[2] < 20 for g in got), (name, got)
         assert got[0][1] == got[1][1], (name, got)  # the same message on both ranks
     for row in reports:
+        for name, bits, signed in (("int8", 8, True), ("uint8", 8, False)):
+            sums = [_wrapped(120 * k + 1, bits, signed) for k in range(4)]  # 60k + 0, 60k + 1
+            assert row["outcomes"][f"reduce_scatter_tensor {name}"][:2] == [
+                "ok", sums[2 * row["rank"]: 2 * row["rank"] + 2]], (name, row)
         assert row["outcomes"]["result"][:2] == ["ok", [[1.0, 1.0]]], row
         assert row["outcomes"]["coalesced twice"][:2] == ["ok", [3.0, 3.0]], row
 

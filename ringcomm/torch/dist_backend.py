@@ -208,6 +208,13 @@ def _plain(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.layout == torch.strided and t.dtype in _NUMPY_DTYPES
 
 
+def _reducible(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the communicator's reduce-scatter: ``_plain``, but 8-bit integers,
+    which its reductions refuse and gloo sums as torch does, wrapping around (16-bit ones,
+    which gloo refuses too, stay: the communicator's refusal names the dtype)."""
+    return _plain(t) and t.dtype not in _NARROW_INTEGERS
+
+
 def _bytes_of(t: torch.Tensor) -> bool:
     """Whether the communicator's all-to-all may move ``t`` as its bytes: a dense CPU tensor
     (any dtype but a quantized one)."""
@@ -230,6 +237,7 @@ def _carried(t: torch.Tensor) -> bool:
             and (t.dtype in _OPERAND_DTYPES or travels_widened(t.dtype)))
 
 
+_NARROW_INTEGERS = frozenset({torch.int8, torch.uint8})
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
                            torch.uint8, torch.int16, torch.int32, torch.int64})
 # What an Operand hands over as a view of the tensor's own memory (``Tensor.numpy()``):
@@ -739,7 +747,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                        input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:
         input_lists = [_read(ts) for ts in input_lists]
         pieces = [t for ts in input_lists for t in ts]
-        if self._communicator() is None or not all(_plain(t) for t in (*outputs, *pieces)):
+        if self._communicator() is None or not all(_reducible(t) for t in (*outputs, *pieces)):
             fallback = self._fallback("reduce_scatter", outputs, held=pieces)
             return fallback.reduce_scatter(outputs, input_lists, opts if opts is not None
                                            else dist.ReduceScatterOptions())
@@ -764,7 +772,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm = self._communicator()
         if opts is None:
             opts = dist.ReduceScatterOptions()
-        if comm is None or not all(_plain(t) for t in inputs):
+        if comm is None or not all(_reducible(t) for t in inputs):
             fallback = self._fallback(what, inputs, held=outputs)
             return _pairwise(fallback._reduce_scatter_base, outputs, inputs, opts)
         op = _reduce_op(opts)
