@@ -243,12 +243,49 @@ def test_join_average_divides_by_the_whole_job(h):
     assert last != 0
 
 
+def test_unnamed_operations_after_a_join_pair_up(h):
+    """Rank 0 runs unnamed allreduces while the others have joined (they count none of them);
+    after the join every rank numbers its unnamed operations afresh, so the next ones pair
+    with their own kind (two of the same shape used to pair crossed: silent wrong sums)."""
+    needs_two()
+    if RANK == 0:
+        for _ in range(2):
+            h.allreduce(torch.full((1,), 4.0), op=h.Sum)
+    h.join()
+    loss = torch.full((2,), 100.0 * (RANK + 1))
+    acc = torch.full((2,), 1.0 * (RANK + 1))
+    handles = [h.allreduce_async(loss, op=h.Sum), h.allreduce_async(acc, op=h.Sum)]
+    total = SIZE * (SIZE + 1) / 2
+    assert torch.equal(h.synchronize(handles[0]), torch.full((2,), 100.0 * total))
+    assert torch.equal(h.synchronize(handles[1]), torch.full((2,), total))
+    assert torch.equal(h.allreduce(torch.ones(3), op=h.Sum), torch.full((3,), float(SIZE)))
+
+
+def test_join_with_an_optimizer_bucket_of_one_matrix(h):
+    """DistributedOptimizer's bucket of one 2-D parameter on a rank whose peers have joined:
+    they contribute zeros of the bucket's agreed (flat) shape, which the bucket is reduced in
+    (it was reduced in the parameter's own shape: a shape mismatch on the stepping rank, a
+    hang on the joined ones)."""
+    needs_two()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    opt = h.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                 named_parameters=model.named_parameters())
+    before = model.weight.detach().clone()
+    if RANK == 0:
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        grad = model.weight.grad.clone()
+        opt.step()  # the average over the job: the others' zeros count
+        assert torch.allclose(model.weight.detach(), before - grad / SIZE)
+    assert h.join() == 0
+
+
 def test_allgather_with_a_joined_rank_fails_on_the_others(h):
     needs_two()
     if RANK == 0:
         h.join()
     else:
-        # Named: an unnamed one would advance this rank's automatic names only.
         with pytest.raises(RuntimeError, match="joined"):
             h.allgather(torch.ones(2, 2), name="while_joined")
         h.join()

@@ -171,15 +171,15 @@ class Reduction:
                 bucket.buffer = grads[0].new_empty(bucket.numel)
             flat = bucket.buffer
             torch.cat([g.reshape(-1) for g in grads], out=flat)
-        else:
-            flat = grads[0]
+        else:  # flat, as every rank agrees on it (a joined rank's zeros are (numel,) too)
+            flat = grads[0].reshape(-1)
         name = feedback = None
         if self.residuals is not None:
             name, feedback = bucket.name, self.residuals.feedback
             self.residuals.align(name, bucket.layout, lambda: Operand(flat).array.reshape(-1))
         # A compressor working per tensor (PowerSGD) needs the fused gradients' shapes.
         ring = self.ring
-        if fused and ring is not None:
+        if ring is not None and (fused or grads[0].dim() != 1):
             ring = ring.with_shapes([g.shape for g in grads])
         allreduce_tensor(comm, flat, flat, op=self.op, prescale=self.prescale,
                          postscale=self.postscale, compression=ring,

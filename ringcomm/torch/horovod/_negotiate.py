@@ -142,6 +142,8 @@ class Coordinator:
         self._due = math.inf  # when the background thread negotiates what is new
         self._mine: dict[str, _Mine] = {}
         self._counters: dict[tuple[str, str], int] = {}
+        # Joins completed: unnamed operations are numbered afresh after each (see _run).
+        self._joins = 0
         self._cycle = 0
         self._progressed = True
         self._sleeping = False  # the cycler waits for new work (see _take_new)
@@ -203,7 +205,8 @@ class Coordinator:
         thread = threading.current_thread().name
         k = self._counters.get((op.kind, thread), 0)
         where = "" if thread == "MainThread" else f"{thread}."
-        name = f"{op.kind}.noname.{where}{k}"
+        joins = f"join{self._joins}." if self._joins else ""
+        name = f"{op.kind}.noname.{where}{joins}{k}"
         return name, name
 
     def _commit_name(self, op: Op) -> None:
@@ -366,6 +369,14 @@ class Coordinator:
                     tl.negotiate_end(o.entry.name)
                     tl.start(o.entry.name, "QUEUE")
         last_joined = self._table.last_joined
+        if any(o.entry.kind == "join" and o.error is None for o in outcomes):
+            # Every rank is here in the same cycle, before any join returns: a rank that
+            # joined early counted none of the operations the others ran meanwhile, so the
+            # unnamed ones are numbered afresh from here on every rank (else the next one
+            # would pair with another operation of the same number on another rank).
+            with self._lock:
+                self._counters.clear()
+                self._joins += 1
         try:
             for group in self._table.groups(outcomes, self._threshold):
                 run_group(self.comm, self._name, group, tl, last_joined)
