@@ -898,6 +898,62 @@ def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
         assert row["outcomes"]["coalesced twice"][:2] == ["ok", [3.0, 3.0]], row
 
 
+PLAIN_INIT_JOB = r"""
+import json, sys
+import torch, torch.distributed as dist  # ringcomm's entry point registers the backend
+
+backend, world_size = sys.argv[1], int(sys.argv[2])
+try:
+    dist.init_process_group(backend, **({"world_size": world_size} if world_size else {}))
+except Exception as err:
+    print(json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
+    sys.exit(0)
+r, n = dist.get_rank(), dist.get_world_size()
+t = torch.full((3,), float(r + 1))
+dist.all_reduce(t)
+print(json.dumps({"rank": r, "size": n, "backend": dist.get_backend(), "sum": t.tolist()}),
+      flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_plain_init_process_group_under_mpiexec(tmp_path, subprocess_env, mpiexec):
+    """``dist.init_process_group("ringcomm")`` (and "gloo") as written for torchrun, launched
+    by mpiexec without torchrun's variables: rank and size from MPI (it raised "environment
+    variable RANK expected"), never a group of one; a world_size that is not the job's, or an
+    MPI world that is not the launcher's job, raises on every rank."""
+    job = tmp_path / "plain.py"
+    job.write_text(PLAIN_INIT_JOB)
+
+    def rows(cmd: list[str], env: dict[str, str] = subprocess_env) -> list[dict]:
+        proc = run_job(cmd, timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        found, decoder, at = [], json.JSONDecoder(), proc.stdout.find("{")
+        while at >= 0:  # the ranks' lines, which mpiexec may run together
+            row, end = decoder.raw_decode(proc.stdout, at)
+            found.append(row)
+            at = proc.stdout.find("{", end)
+        return found
+
+    for backend in ("ringcomm", "gloo"):
+        for n in (2, 3):
+            got = rows([mpiexec, "-n", str(n), sys.executable, str(job), backend, "0"])
+            assert sorted(row["rank"] for row in got) == list(range(n)), got
+            assert all(row["size"] == n and row["backend"] == backend
+                       and row["sum"] == [n * (n + 1) / 2] * 3 for row in got), got
+    got = rows([mpiexec, "-n", "2", sys.executable, str(job), "ringcomm", "3"])
+    assert len(got) == 2 and all("world_size=3, but the job" in row["error"] for row in got), got
+    # A launcher's variables for 2 processes around one process alone: MPI's world is 1.
+    alone = rows([sys.executable, str(job), "gloo", "0"],
+                 {**subprocess_env, "PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert len(alone) == 1 and "PMI_SIZE=2 (mpich), but MPI.COMM_WORLD has 1 process" in \
+        alone[0]["error"], alone
+    # No launcher at all: torch's own rendezvous and its own error.
+    plain = rows([sys.executable, str(job), "gloo", "0"])
+    assert len(plain) == 1 and "RANK expected" in plain[0]["error"], plain
+
+
 SUBGROUPS_JOB = START + r'''
 r, n = dist.get_rank(), dist.get_world_size()
 keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters

@@ -40,7 +40,7 @@ except ModuleNotFoundError as _err:
         "'ringcomm[torch]' (torch 2.4 or newer; install the torch build for your CUDA or CPU "
         "first, as pytorch.org says, then ringcomm)", name="torch") from _err
 
-from ringcomm.torch import dist_backend, elastic
+from ringcomm.torch import _mpi_rendezvous, dist_backend, elastic
 from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
 from ringcomm.torch.accelerate import register_ddp_hook
 from ringcomm.torch.compression import Compression, Compressor
@@ -117,6 +117,7 @@ from ringcomm.torch.horovod.sync_batch_norm import SyncBatchNorm
 from ringcomm.torch.horovod.timeline import start_timeline, stop_timeline
 
 dist_backend.register()  # torch.distributed.init_process_group("ringcomm")
+_mpi_rendezvous.install()  # ... under mpiexec too (its env:// rendezvous from MPI)
 
 __all__ = [
     "Adasum",

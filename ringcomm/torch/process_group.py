@@ -27,7 +27,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
 __all__ = ["init_process_group", "init_process_group_from_env", "init_process_group_from_mpi",
-           "launched_by_torchrun", "new_communicator"]
+           "launched_by_torchrun", "mpi_store", "new_communicator"]
 
 _DEFAULT_TIMEOUT = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
 
@@ -90,13 +90,27 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
         from ringcomm.backends.mpi_process import install_abort_hook
 
         install_abort_hook()
-    addr = _master_addr(comm, master_addr)
     timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
-    store, port, error = None, 0, None
+    store = mpi_store(comm, master_addr, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    pause_at_exit()  # gloo's threads finish with PyTorch's tensors before the interpreter ends
+
+
+def mpi_store(comm: Any, master_addr: str | None, timeout: datetime.timedelta,
+              port: int = 0) -> Any:
+    """The rendezvous store of the processes of MPI communicator ``comm``: rank 0's TCPStore
+    on ``port`` (0: a free one the system picks, which the store already holds: no race),
+    its port handed to the others over MPI, which connect to it (collective over ``comm``).
+
+    Raises:
+        RuntimeError: rank 0 could not start the store (on every rank).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    addr = _master_addr(comm, master_addr)
+    store, error = None, None
     if rank == 0:
         try:
-            # Port 0: the system picks a free port, and the store already holds it: no race.
-            store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout,
+            store = dist.TCPStore(addr, port, size, is_master=True, timeout=timeout,
                                   wait_for_workers=False)
             port = store.port
         except Exception as err:  # handed to every rank below, so that none waits forever
@@ -106,8 +120,7 @@ def init_process_group_from_mpi(backend: str = "gloo", mpi_comm: Any = None, *,
         raise RuntimeError(f"rank 0 could not start the rendezvous store on {addr}: {error}")
     if rank != 0:
         store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    pause_at_exit()  # gloo's threads finish with PyTorch's tensors before the interpreter ends
+    return store
 
 
 def launched_by_torchrun() -> bool:
