@@ -634,7 +634,9 @@ def test_the_backend_is_registered_as_torch_starts(tmp_path, subprocess_env):
         assert row["communicator"] == "mpi", row  # torchrun's processes joined one MPI world
 
 
-MIXED_PATHS_JOB = r'''
+# A job of attempts: each call's outcome (its result, or its error's kind and first line) and
+# seconds, then an all_reduce that checks the group is still usable, and in step.
+ATTEMPTS = r'''
 import datetime, json, sys, time
 import torch, torch.distributed as dist
 import ringcomm.torch  # registers "ringcomm"
@@ -650,9 +652,23 @@ def attempt(name, call):
     except Exception as err:
         outcomes[name] = (type(err).__name__, str(err).split(chr(10))[0])
     outcomes[name] += (round(time.monotonic() - start, 1),)
-    t = torch.full((3,), float(r + 1))  # the group is still usable, and in step
+    t = torch.full((3,), float(r + 1))
     dist.all_reduce(t)
     assert t.tolist() == [n * (n + 1) / 2] * 3, (name, t)
+'''
+
+def _attempted(where: Path, env: dict[str, str], text: str, what: str) -> list[dict]:
+    """The reports of an ATTEMPTS job ``text`` run by torchrun at 2 ranks in ``where``."""
+    job = where / "attempts.py"
+    job.write_text(text)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(job)], timeout=240, env=env, cwd=where)
+    reports = _reports(where)
+    _check_exit(proc, reports, what)
+    return reports
+
+
+MIXED_PATHS_JOB = ATTEMPTS + r'''
 
 # bfloat16 (no NumPy dtype) takes the gloo fallback, float32 ringcomm's communicator:
 # here on rank 1 only.
@@ -742,13 +758,8 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
     to wait there until the timeout (60 s here); now every rank raises the same
     ArgumentMismatchError at once, and the group goes on in step. Strided tensors take
     ringcomm's path, which copies them."""
-    job = tmp_path / "mixed.py"
-    job.write_text(MIXED_PATHS_JOB)
-    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "2", str(job)],
-                   timeout=240, env=subprocess_env, cwd=tmp_path)
-    reports = _reports(tmp_path)
-    _check_exit(proc, reports, "collectives whose ranks take different paths")
+    reports = _attempted(tmp_path, subprocess_env, MIXED_PATHS_JOB,
+                         "collectives whose ranks take different paths")
     for name in ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor"):
         got = [row["outcomes"][name] for row in reports]
         assert all(kind == "ArgumentMismatchError" and seconds < 20
@@ -776,25 +787,7 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         assert words in got[0][1], (name, got)
 
 
-OUTPUTS_JOB = r"""
-import datetime, json, time
-import torch, torch.distributed as dist
-import ringcomm.torch  # registers "ringcomm"
-
-dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=60))
-r, n = dist.get_rank(), dist.get_world_size()
-outcomes = {}
-
-def attempt(name, call):
-    start = time.monotonic()
-    try:
-        outcomes[name] = ("ok", call())
-    except Exception as err:
-        outcomes[name] = (type(err).__name__, str(err).split(chr(10))[0])
-    outcomes[name] += (round(time.monotonic() - start, 1),)
-    t = torch.full((3,), float(r + 1))  # the group is still usable, and in step
-    dist.all_reduce(t)
-    assert t.tolist() == [n * (n + 1) / 2] * 3, (name, t)
+OUTPUTS_JOB = ATTEMPTS + r"""
 
 def gather(count, shape=(2, 3)):
     outs = [torch.zeros(shape) for _ in range(count)]
@@ -863,13 +856,8 @@ def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
     and a tensor listed twice in all_reduce_coalesced is reduced once, as on gloo. 8-bit
     integers reduce-scatter as on gloo (wrapping around), where the communicator refused
     them."""
-    job = tmp_path / "outputs.py"
-    job.write_text(OUTPUTS_JOB)
-    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "2", str(job)],
-                   timeout=240, env=subprocess_env, cwd=tmp_path)
-    reports = _reports(tmp_path)
-    _check_exit(proc, reports, "outputs that do not fit their collective")
+    reports = _attempted(tmp_path, subprocess_env, OUTPUTS_JOB,
+                         "outputs that do not fit their collective")
     everywhere = {  # refused alike on every rank: the same problem on each
         "all_gather short everywhere": "output list 0 has 1 tensors, expected one per rank",
         "all_gather reshaped": "output 0 of list 0 is float32 (3, 2), expected the input's "

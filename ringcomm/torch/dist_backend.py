@@ -145,13 +145,23 @@ def _listed_twice(tensors: list[torch.Tensor]) -> bool:
     return len(keys) < len(tensors)
 
 
-def _dtype_problem(collective: str, output: torch.Tensor, input: torch.Tensor) -> str | None:
-    """Where a collective's output is of another dtype than its input: what to say (no cast:
-    gloo and NCCL refuse one too)."""
-    if output.dtype == input.dtype:
-        return None
-    return (f"{collective}: the output's dtype is {str(output.dtype).removeprefix('torch.')}, "
-            f"expected the input's, {str(input.dtype).removeprefix('torch.')}")
+def _fit_problem(collective: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 size: int, *, gathering: bool) -> str | None:
+    """What is wrong with a tensor collective's outputs for its inputs, or None: each output
+    of its input's dtype (no cast: gloo and NCCL refuse one too), and of ``size`` times the
+    input's elements (``gathering``) or the input of ``size`` times the output's."""
+    for output, input in zip(outputs, inputs, strict=True):
+        if output.dtype != input.dtype:
+            return (f"{collective}: the output's dtype is "
+                    f"{str(output.dtype).removeprefix('torch.')}, expected the input's, "
+                    f"{str(input.dtype).removeprefix('torch.')}")
+        names = ("output", "input") if gathering else ("input", "output")
+        whole, part = (output, input) if gathering else (input, output)
+        if whole.numel() != part.numel() * size:
+            return (f"{collective}: the {names[0]} has {whole.numel()} elements, expected "
+                    f"{part.numel() * size} (the {names[1]}'s {part.numel()} times the "
+                    f"group's {size} ranks)")
+    return None
 
 
 def _gather_lists_problem(output_lists: list[list[torch.Tensor]],
@@ -700,14 +710,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         size = self.size()
 
         def run() -> list[torch.Tensor]:
-            problem = None
-            for output, input in zip(outputs, inputs, strict=True):
-                problem = problem or _dtype_problem("all_gather_into_tensor", output, input)
-                if problem is None and output.numel() != input.numel() * size:
-                    problem = (f"all_gather_into_tensor: the output has {output.numel()} "
-                               f"elements, expected {input.numel() * size} (the input's "
-                               f"{input.numel()} times the group's {size} ranks)")
-            _refuse(comm, problem)
+            _refuse(comm, _fit_problem("all_gather_into_tensor", outputs, inputs, size,
+                                       gathering=True))
             for output, input in zip(outputs, inputs, strict=True):
                 if _direct(output, input):  # into the output
                     comm.allgather(as_array(input).reshape(1, -1),
@@ -779,14 +783,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         size = self.size()
 
         def run() -> list[torch.Tensor]:
-            problem = None if wrong is None else f"{what}: {wrong}"
-            for output, input in zip(outputs, inputs, strict=True):
-                problem = problem or _dtype_problem(what, output, input)
-                if problem is None and input.numel() != output.numel() * size:
-                    problem = (f"{what}: the input has {input.numel()} elements, expected "
-                               f"{output.numel() * size} (the output's {output.numel()} times "
-                               f"the group's {size} ranks)")
-            _refuse(comm, problem)
+            _refuse(comm, f"{what}: {wrong}" if wrong is not None else _fit_problem(
+                what, outputs, inputs, size, gathering=False))
             for output, input in zip(outputs, inputs, strict=True):
                 direct = _direct(output, input)
                 with _refusing_ops("reduce_scatter"):
