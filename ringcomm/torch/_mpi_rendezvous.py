@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from ringcomm.backends.gloo_held import pause_at_exit
 from ringcomm.core.launch import detect, mpi_launched
 
 __all__ = ["install"]
@@ -96,4 +97,5 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
                          f"{launched.describe()}) has {size} processes")
     port = int(os.environ.get("MASTER_PORT") or 0)
     store = mpi_store(comm, None, _DEFAULT_TIMEOUT if timeout is None else timeout, port)
+    pause_at_exit()  # a gloo group's threads let go of PyTorch's tensors before the exit
     return store, rank, size
