@@ -13,7 +13,8 @@ from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["SparseRingCodec", "allgather_allreduce", "decode_message", "ring_allreduce"]
+__all__ = ["SparseRingCodec", "allgather_allreduce", "decode_message", "message_offsets",
+           "ring_allreduce"]
 
 
 def decode_message(ops: Any, msg: Any, acc: Array) -> None:
@@ -24,6 +25,14 @@ def decode_message(ops: Any, msg: Any, acc: Array) -> None:
     else:
         acc[...] = 0
         ops.scatter_add(acc, *TopK.unpack(msg))
+
+
+def message_offsets(comp: TopK, length: int, n: int) -> list[int]:
+    """Byte offsets of the sparse ring's ``n`` chunk messages of a ``length``-element array
+    (``n + 1`` of them; the last is their total): each chunk's ``TopK.message_nbytes``."""
+    chunks = ring.chunk_bounds(length, n)
+    sizes = [comp.message_nbytes(chunks[c + 1] - chunks[c]) for c in range(n)]
+    return np.cumsum([0, *sizes]).tolist()
 
 
 class SparseRingCodec:
@@ -41,9 +50,9 @@ class SparseRingCodec:
         self.ops = _ops.get(x)
         n = layout.n
         self.k = [comp.k_for(layout.chunk_len(c)) for c in range(n)]
-        sizes = [comp.message_nbytes(layout.chunk_len(c)) for c in range(n)]
+        self.offsets = message_offsets(comp, layout.length, n)
+        sizes = [self.offsets[c + 1] - self.offsets[c] for c in range(n)]
         self.dense = [sizes[c] == 4 * layout.chunk_len(c) for c in range(n)]
-        self.offsets = np.cumsum([0, *sizes]).tolist()
         self.store = self.ops.empty((self.offsets[-1],), np.uint8)
         widest = max(sizes)
         self.staged = ring.staging(t, "sring.send", x, widest, np.uint8)

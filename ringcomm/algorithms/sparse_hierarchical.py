@@ -35,7 +35,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.algorithms import ring
 from ringcomm.algorithms.compressed_ring import keep_chunk_rounding, mix_seed
-from ringcomm.algorithms.sparse import SparseRingCodec, decode_message
+from ringcomm.algorithms.sparse import SparseRingCodec, decode_message, message_offsets
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.topk import TopK
 from ringcomm.core import trace
@@ -61,14 +61,6 @@ def applies_to_shape(local_size: int, nodes: int, length: int, comp: Compressor 
         return False
     shortest = length // local_size
     return 8 * comp.k_for(shortest + 1) < 4 * shortest
-
-
-def message_offsets(comp: TopK, length: int, n: int) -> list[int]:
-    """Byte offsets of the sparse ring's ``n`` chunk messages of a ``length``-element array
-    (``n + 1`` of them; the last is their total), as :class:`SparseRingCodec` lays them out."""
-    chunks = ring.chunk_bounds(length, n)
-    sizes = [comp.message_nbytes(chunks[c + 1] - chunks[c]) for c in range(n)]
-    return np.cumsum([0, *sizes]).tolist()
 
 
 def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: ReduceOp,

@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ringcomm.backends.gloo_held import pause_at_exit
 from ringcomm.core.launch import detect, mpi_launched
+from ringcomm.registry import mpi_world_text
 
 __all__ = ["install"]
 
@@ -49,15 +50,11 @@ def install() -> bool:
 
 
 def _wrapping(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-    def handler(url: str, timeout: datetime.timedelta | None = None,
-                **kwargs: Any) -> Iterator[Any]:
+    def handler(url: str, **kwargs: Any) -> Iterator[Any]:
         if not _from_mpi(url):
-            if timeout is None:
-                yield from original(url, **kwargs)
-            else:
-                yield from original(url, timeout=timeout, **kwargs)
+            yield from original(url, **kwargs)
             return
-        yield _rendezvous(url, timeout)
+        yield _rendezvous(url, kwargs.get("timeout"))
         raise RuntimeError("MPI's rendezvous of a job is made once")
 
     setattr(handler, _WRAPPED, True)
@@ -87,10 +84,9 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
     launched = detect(os.environ)
     if size != launched.size:
         raise RuntimeError(
-            f"init_process_group: {launched.describe()}, but MPI.COMM_WORLD has {size} "
-            f"process{'es' if size != 1 else ''}: mpi4py's MPI is not the launcher's (launch "
-            f"with the mpiexec of the MPI mpi4py was built with), or set RANK, WORLD_SIZE, "
-            f"MASTER_ADDR and MASTER_PORT yourself")
+            f"init_process_group: {launched.describe()}, but {mpi_world_text(size)}: mpi4py's "
+            f"MPI is not the launcher's (launch with the mpiexec of the MPI mpi4py was built "
+            f"with), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself")
     asked = _query(url).get("world_size", "-1")
     if asked not in ("-1", str(size)):
         raise ValueError(f"init_process_group: world_size={asked}, but the job (MPI's world, "

@@ -126,6 +126,11 @@ def _here(opts: Any, tensors: list[torch.Tensor], factor: int = 1) -> bool:
     return not getattr(opts, "asyncOp", True) or _small(tensors, factor)
 
 
+def _torch_name(value: Any) -> str:
+    """A torch dtype or layout as messages name it ("float32", "sparse_coo")."""
+    return str(value).removeprefix("torch.")
+
+
 def _refuse(comm: Any, problem: str | None) -> None:
     """Raise ``problem``, an error of this rank's own arguments found before its collective,
     on every rank, before anything moves: this rank marks the point with the problem
@@ -153,8 +158,8 @@ def _fit_problem(collective: str, outputs: list[torch.Tensor], inputs: list[torc
     for output, input in zip(outputs, inputs, strict=True):
         if output.dtype != input.dtype:
             return (f"{collective}: the output's dtype is "
-                    f"{str(output.dtype).removeprefix('torch.')}, expected the input's, "
-                    f"{str(input.dtype).removeprefix('torch.')}")
+                    f"{_torch_name(output.dtype)}, expected the input's, "
+                    f"{_torch_name(input.dtype)}")
         names = ("output", "input") if gathering else ("input", "output")
         whole, part = (output, input) if gathering else (input, output)
         if whole.numel() != part.numel() * size:
@@ -175,8 +180,8 @@ def _gather_lists_problem(output_lists: list[list[torch.Tensor]],
         for r, out in enumerate(outs):
             if out.shape != t.shape or out.dtype != t.dtype:
                 return (f"all_gather: output {r} of list {i} is "
-                        f"{str(out.dtype).removeprefix('torch.')} {tuple(out.shape)}, expected "
-                        f"the input's {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
+                        f"{_torch_name(out.dtype)} {tuple(out.shape)}, expected "
+                        f"the input's {_torch_name(t.dtype)} {tuple(t.shape)}")
     return None
 
 
@@ -275,7 +280,7 @@ def _eager(cls: type) -> type:
 
 def _layout(t: torch.Tensor) -> str:
     """A tensor's layout as a word before its dtype in a message: "" for a dense one."""
-    return "" if t.layout == torch.strided else f"{str(t.layout).removeprefix('torch.')} "
+    return "" if t.layout == torch.strided else f"{_torch_name(t.layout)} "
 
 
 # PyTorch's own lazy form of torch.compiler.disable (what its optimizers use), where it has one.
@@ -757,8 +762,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                            else dist.ReduceScatterOptions())
         # One input per rank, each of its output's size and dtype (refused on every rank).
         wrong = [f"input list {i}'s tensor for rank {r} is {t.numel()} elements of "
-                 f"{str(t.dtype).removeprefix('torch.')}, its output {o.numel()} of "
-                 f"{str(o.dtype).removeprefix('torch.')}"
+                 f"{_torch_name(t.dtype)}, its output {o.numel()} of "
+                 f"{_torch_name(o.dtype)}"
                  for i, (o, ts) in enumerate(zip(outputs, input_lists, strict=True))
                  for r, t in enumerate(ts) if t.numel() != o.numel() or t.dtype != o.dtype]
         wrong += [f"input list {i} has {len(ts)} tensors, expected one per rank "
@@ -820,7 +825,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         fallback, name = (self._nccl, "NCCL") if cuda else (self._gloo, "gloo")
         comm = self._comm
         if comm is not None:
-            what = ", ".join(f"{_layout(t)}{str(t.dtype).removeprefix('torch.')}"
+            what = ", ".join(f"{_layout(t)}{_torch_name(t.dtype)}"
                              f"{f' [{t.numel()}]' if sizes else ''}" for t in tensors)
             label = f"{collective} of {what} on the {name} fallback"
             # After the pending collectives (their exchanges come first), as one of them.
