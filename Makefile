@@ -72,13 +72,15 @@ test-horovod: $(VENV)/.test
 	$(BIN)/python tests/upstream/run_horovod_examples.py --json logs/horovod_examples.json
 
 # PyTorch's own distributed tests (DistributedTest, shipped in the torch wheel) on the
-# "ringcomm" backend, 3 processes per test: the collectives, point-to-point, all_to_all_single
-# and CPU DDP here (about a minute on 2 cores: each test's processes are forked from a server
-# that imported torch once); test-torch-dist-all runs every one of them (about 2 minutes;
+# "ringcomm" backend, 3 processes per test: the collectives, point-to-point, all_to_all_single,
+# the object collectives and CPU DDP (no_sync among them) here (about a minute on 2 cores:
+# each test's processes are forked from a server that imported torch once);
+# test-torch-dist-all runs every one of them (about 2 minutes;
 # results in tests/upstream/results/torch_distributed.md).
 TORCH_DIST_SUBSET ?= all_reduce_sum or all_reduce_max or broadcast or barrier or all_gather or \
 	send_recv_with_tag or scatter_full_group or gather_full_group or DistributedDataParallelCPU \
-	or ringcomm_all_to_all
+	or ringcomm_all_to_all or _object or grads_same_across_ranks_with_no_sync \
+	or all_reduce_coalesced_sum
 test-torch-dist: $(VENV)/.test
 	mkdir -p logs
 	$(BIN)/python tests/upstream/run_torch_distributed.py -k "$(TORCH_DIST_SUBSET)" \

@@ -40,9 +40,11 @@ its own (the same bits from NumPy and from the GPU kernel). Q may even differ be
 (a memory reset on one rank only): the results stay bit-identical, only the approximation is
 worse.
 
-Exactness. If the sum over ranks of M has rank exactly r (r <= n, m) and the start Q is generic
+Exactness. If the sum over ranks of M has rank at most r (r <= n, m) and the start Q is generic
 (the seeded Gaussian one is, almost surely), P spans that sum's column space and the result
 reproduces the sum to float32 rounding on the first call already; warm start keeps it so.
+(Below rank r, the reduced P has columns that the others span; orthonormalize sets them to
+zero rather than scaling their rounding up to norm 1.)
 
 Non-finite values. A rank whose M of a tensor holds NaN or Inf (its float32 sum is not finite)
 puts a NaN into that tensor's P, so the reduced P, the same bits on every rank, is not finite;
@@ -315,6 +317,13 @@ class PowerSGD(Compressor):
         return self._repr
 
 
+#: orthonormalize's threshold for a column that the columns before it span: the norm of what is
+#: left of it after their projections, relative to its own. Float32 rounding leaves about
+#: 1e-7 of an exactly dependent column; a direction this small that is no rounding carries at
+#: most 1e-8 of the column's energy, which the residual keeps.
+DEPENDENT = 1e-4
+
+
 def _shapes_text(shapes: tuple[tuple[int, ...], ...]) -> str:
     if len(shapes) <= _SHOWN_SHAPES:
         return repr(list(shapes))
@@ -325,17 +334,33 @@ def _shapes_text(shapes: tuple[tuple[int, ...], ...]) -> str:
 def orthonormalize(pt: np.ndarray, epsilon: float) -> None:
     """Make the rows of ``pt`` (r x n: P's columns) orthonormal in place, by modified
     Gram-Schmidt dividing each (scaled to largest magnitude 1) by its norm + ``epsilon``.
+    A row that the rows before it span (what is left of it after their projections is at
+    most ``DEPENDENT`` of its norm: rounding, which scaled to norm 1 would point anywhere) is
+    set to zero, so that P P^T stays a projection where the sum's rank is below r.
     Elementwise NumPy and pairwise sums only, so equal inputs give equal bits at any memory
     alignment."""
     eps = _F32(epsilon)
+    before = [_norm(pt[i]) for i in range(pt.shape[0])]
     for i in range(pt.shape[0]):
         col = pt[i]
         scale = np.max(np.abs(col)) if col.size else _F32(0)
         if 0 < scale < np.inf:
             col /= scale  # so that the squares below cannot overflow
-        col /= _F32(math.sqrt(float(np.sum(col * col, dtype=_F32)))) + eps
+        norm = _F32(math.sqrt(float(np.sum(col * col, dtype=_F32))))
+        if float(scale) * float(norm) <= DEPENDENT * before[i]:
+            col[...] = 0  # in the span of the rows before it (or zero)
+            continue
+        col /= norm + eps
         for j in range(i + 1, pt.shape[0]):
             pt[j] -= np.sum(col * pt[j], dtype=_F32) * col
+
+
+def _norm(row: np.ndarray) -> float:
+    """The Euclidean norm of ``row``, without overflow (NaN where it is not finite)."""
+    scale = float(np.max(np.abs(row))) if row.size else 0.0
+    if not 0 < scale < math.inf:
+        return scale if scale == 0 else math.nan
+    return scale * math.sqrt(float(np.sum(np.square(row / _F32(scale)), dtype=_F32)))
 
 
 def _draw_q(comp: PowerSGD, index: int, part: Part, draw: int) -> np.ndarray:

@@ -20,6 +20,7 @@ gloo, told why.
 from __future__ import annotations
 
 import atexit
+import datetime
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from typing import Any
 
@@ -41,7 +43,11 @@ from ringcomm.backends.mpi_process import (
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env, flag_value
 from ringcomm.core.process_end import at_process_end, failed_status
-from ringcomm.core.types import ArgumentMismatchError, InvalidArgumentError
+from ringcomm.core.types import (
+    ArgumentMismatchError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+)
 
 __all__ = ["FLAG", "join"]
 
@@ -81,6 +87,8 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
         InvalidArgumentError: ``RINGCOMM_TORCHRUN_MPI`` is not 0, 1 or auto on some rank (on
             every rank, naming it).
         ArgumentMismatchError: ``RINGCOMM_TORCHRUN_MPI`` differs between ranks (on every rank).
+        CollectiveTimeoutError: a rank did not come within ``timeout`` (it exited, stopped, or
+            is in another call); on the ranks that waited for it.
         RuntimeError: MPI started but its world is not the job's.
 
     A later call gives the first call's answer (or error) again, without the store.
@@ -105,6 +113,7 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
     raw = env(FLAG) or "auto"
     status = {"flag": raw, "obstacle": _obstacle(_switch(raw)), "node": _node()}
     store.set(f"{_PREFIX}status/{rank}", json.dumps(status))
+    _wait(store, [f"status/{r}" for r in range(size)], rank, size, timeout)
     everyone = [json.loads(_get(store, f"status/{r}")) for r in range(size)]
     _check_flags([s["flag"] for s in everyone])
     obstacles = [s["obstacle"] for s in everyone]
@@ -113,6 +122,7 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
     nodes = [s["node"] for s in everyone]
     if rank == 0:
         store.set(f"{_PREFIX}address", _serve(nodes, timeout))
+    _wait(store, ["address"], rank, size, timeout)
     address = _get(store, "address")
     if not address:
         return "rank 0 could not start ringcomm's PMI server (its log says why)"
@@ -133,6 +143,33 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
     _LOG.info("MPI started over ringcomm's PMI server at %s: rank %d of %d, ranks on nodes %s",
               address, rank, size, process_mapping(nodes))
     return None
+
+
+def _wait(store: Any, keys: list[str], rank: int, size: int, timeout: float) -> None:
+    """Wait until the store holds every key (``status/<r>``: rank r came; ``address``: rank 0
+    started the server) or raise CollectiveTimeoutError after ``timeout`` seconds, naming
+    the ranks that did not come (the store's own timeout, which the group's need not be, and
+    its message, which names a key, are not the user's)."""
+    start = time.monotonic()
+    keys = [_PREFIX + key for key in keys]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+        return
+    except Exception as err:  # torch's DistStoreError or RuntimeError, by version
+        if "timeout" not in str(err).lower():
+            raise
+    elapsed = time.monotonic() - start
+    missing = [key.rsplit("/", 1)[-1] for key in keys if not store.check([key])]
+    ranks = [int(r) for r in missing if r.isdigit()] or [0]
+    waited = "rank" if len(ranks) == 1 else "ranks"
+    raise CollectiveTimeoutError(
+        f"MPI's start-up timed out on rank {rank} of {size} after {elapsed:.1f} s waiting for "
+        f"{waited} {', '.join(map(str, ranks))}: the first collective of a ringcomm group "
+        f"starts MPI on every rank of the job, and {waited} {', '.join(map(str, ranks))} "
+        f"did not come (exited, stopped, or in another call). The timeout is {timeout:g} s: "
+        "the group's (init_process_group(timeout=...)) or ringcomm.init's",
+        kind="MPI start-up", peer=ranks[0] if len(ranks) == 1 else None, elapsed=elapsed,
+        timeout=timeout)
 
 
 def _get(store: Any, key: str) -> str:

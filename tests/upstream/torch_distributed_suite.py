@@ -32,6 +32,8 @@ from torch.testing._internal.common_distributed import DistTestCases
 for feature in ("plugin", "ddp", "subgroup"):
     DistTestCases.backend_feature[feature].add("ringcomm")
 
+import torch.distributed as dist  # noqa: E402
+import torch.testing._internal.distributed.distributed_test as _upstream  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
@@ -96,3 +98,59 @@ class TestRingcommBackend(TestDistBackend, DistributedTest._DistTestBase):
 
     def test_ringcomm_all_to_all_single_unequal_split_full_group(self) -> None:
         self._test_all_to_all_single_unequal_split_helper(*self._init_full_group_test())
+
+
+# PyTorch reserves some CPU tests for gloo by the backend's name: ``require_backend_is_available``
+# with a set that holds "gloo" (DDP's behaviour with unused parameters, control flow that
+# differs between ranks, the object collectives, all_reduce_coalesced), and conditions on
+# ``BACKEND`` for the tests named in _GLOO_BY_NAME. The ringcomm backend serves every CPU
+# collective gloo serves, with futures and timeouts, so each runs here on it too, under its
+# own name: PyTorch's test as it is, only not skipped for the backend's name; its other
+# conditions (GPUs, world sizes) still apply. Not monitored_barrier's:
+# torch.distributed.monitored_barrier itself refuses every backend but gloo. The tests in
+# _CPU_BRANCH_OF_GLOO choose their CPU set-up by the backend's name too (``if BACKEND == "mpi"
+# or BACKEND == "gloo"``): their body sees "gloo" there (the group is ringcomm's all the same).
+_GLOO_GATE = f"Test requires backend {os.environ['BACKEND']} to be one of "
+_GLOO_BY_NAME = (
+    # "get_future is only supported on mpi, nccl and gloo"
+    "test_get_future", "test_accumulate_gradients_no_sync",
+    "test_accumulate_gradients_no_sync_grad_is_view",
+    "test_accumulate_gradients_no_sync_allreduce_hook",
+    "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    # "Only Gloo backend supports sparse all reduce"
+    "test_sparse_all_reduce_sum",
+    # "Only gloo backend supports timeouts" (test_barrier_timeout_global also needs file://)
+    "test_barrier_timeout_group", "test_barrier_timeout_full_group",
+)
+_CPU_BRANCH_OF_GLOO = tuple(name for name in _GLOO_BY_NAME
+                            if name.startswith("test_accumulate_gradients_no_sync"))
+
+
+def _gated_for_gloo(name: str, test: Any) -> bool:
+    why = getattr(test, "__unittest_skip_why__", "")
+    if not getattr(test, "__unittest_skip__", False) or "monitored_barrier" in name:
+        return False
+    return name in _GLOO_BY_NAME or (why.startswith(_GLOO_GATE) and "'gloo'" in why)
+
+
+def _ungated(name: str, test: Any) -> Any:
+    def run(self: TestRingcommBackend) -> None:
+        if name not in _CPU_BRANCH_OF_GLOO:
+            test(self)
+            return
+        assert dist.get_backend() == "ringcomm"
+        _upstream.BACKEND = "gloo"
+        try:
+            test(self)
+        finally:
+            _upstream.BACKEND = os.environ["BACKEND"]
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = test.__doc__
+    return run
+
+
+for _name in dir(DistributedTest._DistTestBase):
+    _test = getattr(DistributedTest._DistTestBase, _name)
+    if _name.startswith("test_") and _gated_for_gloo(_name, _test):
+        setattr(TestRingcommBackend, _name, _ungated(_name, _test))
