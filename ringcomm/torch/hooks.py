@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ringcomm import ops as _ops
 from ringcomm.algorithms.auto import Auto, Compression
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
@@ -296,11 +297,49 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
                name: str | None) -> None:
     """Average ``array`` (the bucket's, or its host copy) in place over every rank."""
     feedback = _feedback(state, array, layout, name)
+    held = _hold_idle(state.feedback, array, layout, name) if feedback is not None else []
     try:
         state.comm.allreduce(array, out=array, op="avg", compression=compression,
                              feedback=feedback, name=name, algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
         raise collective_error(state.comm, err, "allreduce", buffer) from err
+    finally:
+        if held:
+            residual = state.feedback.take(name, array.reshape(-1))  # type: ignore[arg-type]
+            for off, piece in held:
+                residual[off: off + piece.size] += piece
+
+
+def _hold_idle(feedback: ErrorFeedback, array: Any, layout: Layout | None,
+               name: str | None) -> list[tuple[int, Any]]:
+    """Take out of the bucket's residual, for this call, the pieces of the tensors whose
+    gradient is all zero on this rank, and return them (offset, piece) to be put back after it.
+
+    DDP fills the gradient of a parameter this rank did not use with zeros
+    (``find_unused_parameters=True``) and, where no rank used it, drops its share of the
+    result: a residual sent there would be lost. So what a rank holds for a tensor waits for a
+    step whose gradient there is not all zero (a used tensor whose gradient is all zero waits
+    too, and loses nothing)."""
+    if layout is None or name is None:
+        return []
+    flat = array.reshape(-1)
+    spans = [(off, n) for _, off, n in layout if n]
+    if not spans:
+        return []
+    # Most gradients start with a nonzero: one gather of the first elements rules them out.
+    firsts = _ops.get(flat).to_host(flat[[off for off, _ in spans]])
+    idle = [(off, n) for (off, n), first in zip(spans, firsts, strict=True)
+            if first == 0 and not bool(flat[off: off + n].any())]
+    if not idle or not feedback.holds(name):
+        return []
+    residual = feedback.take(name, flat)
+    held = []
+    for off, n in idle:
+        piece = residual[off: off + n]
+        if bool(piece.any()):
+            held.append((off, piece.copy()))
+            piece[...] = 0
+    return held
 
 
 def _feedback(state: RingcommState, array: Any, layout: Layout | None,
