@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import subprocess
 import sys
@@ -126,6 +127,33 @@ def test_residuals_move_with_their_tensors():
     np.testing.assert_array_equal(ef.residual("b1"), [0, 1, 2, 3])
     np.testing.assert_array_equal(layouts.piece("a"), [1, 2, 3])
     assert layouts.pending() == 0 and layouts.piece("zz") is None
+
+
+def test_residuals_of_collected_tensors_are_dropped():
+    """A watched tensor's residual goes with it, wherever it is kept (in a buffer's residual, or
+    stashed after a re-cut), so a new tensor that takes its key (an id() freed with it) starts
+    from nothing, as the DDP hook's parameters must (a new model's parameter held a dead one's
+    residual before)."""
+    ef = ringcomm.ErrorFeedback()
+    layouts = ResidualLayouts(ef)
+    a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(1)
+    ka, kb, kc = "a", "b", "c"  # the keys the tensors go by (ids, in the DDP hook)
+    for key, t in ((ka, a), (kb, b), (kc, c)):
+        layouts.watch(key, t)
+    layouts.align("b0", ((ka, 0, 3), (kb, 3, 2)), np.zeros(5, np.float32))
+    ef.take("b0", np.zeros(5, np.float32))[:] = [1, 2, 3, 4, 5]
+    layouts.align("b1", ((kc, 0, 1),), np.zeros(1, np.float32))
+    ef.take("b1", np.zeros(1, np.float32))[:] = [7]
+    layouts.align("b1", ((kb, 0, 2),), np.zeros(2, np.float32))  # c stashed, b moved
+    del a, c, t
+    gc.collect()
+    assert layouts.piece(ka) is None and layouts.piece(kc) is None
+    np.testing.assert_array_equal(layouts.piece(kb), [4, 5])
+    assert layouts.pending() == 0
+    # New tensors under the freed keys, in a new cut: nothing of a's or c's comes back.
+    layouts.align("b0", ((kc, 0, 1), (ka, 1, 3)), np.zeros(4, np.float32))
+    assert ef.residual("b0") is None or not ef.residual("b0").any()
+    np.testing.assert_array_equal(ef.residual("b1"), [4, 5])
 
 
 def test_compression_names():

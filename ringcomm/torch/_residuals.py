@@ -5,10 +5,15 @@ offsets, and its residual is one flat vector. When the buffers are re-cut (DDP r
 buckets after the first iteration; the optimizer re-plans when ``requires_grad`` changes), the
 pieces of the old residuals move to wherever their tensors now live, so no gradient mass that
 compression held back is lost or added to the wrong tensor.
+
+Tensors may be known by ``id()`` (the DDP hook's parameters), which a new tensor can take once
+the old one is gone: :meth:`ResidualLayouts.watch` drops what a tensor left behind when it is
+collected, so a new model's parameter never starts from a dead one's residual.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -27,13 +32,44 @@ class ResidualLayouts:
         feedback: the ErrorFeedback that stores the residuals under the buffers' names.
     """
 
-    __slots__ = ("_layouts", "_owner", "_stash", "feedback")
+    __slots__ = ("__weakref__", "_dead", "_layouts", "_owner", "_stash", "_watched",
+                 "feedback")
 
     def __init__(self, feedback: ErrorFeedback) -> None:
         self.feedback = feedback
         self._layouts: dict[str, Layout] = {}
         self._owner: dict[Hashable, str] = {}
         self._stash: dict[Hashable, Any] = {}
+        self._watched: set[Hashable] = set()
+        self._dead: list[Hashable] = []  # keys of collected tensors, not yet dropped
+
+    def watch(self, key: Hashable, tensor: Any) -> None:
+        """Drop the residual kept under ``key`` (its piece, wherever it is) once ``tensor``,
+        which ``key`` stands for, is collected: the key (an ``id()``) may then name another."""
+        if key in self._watched:
+            return
+        self._watched.add(key)
+        weakref.finalize(tensor, _died, weakref.ref(self), key)
+
+    def _bury(self) -> None:
+        """Drop what the collected tensors left: their stashed pieces, and their slices of the
+        residuals that hold them (zeroed, their key in the layout replaced by one that matches
+        no tensor). Called before residuals move, on the thread that runs the collectives."""
+        while self._dead:
+            key = self._dead.pop()
+            self._stash.pop(key, None)
+            owner = self._owner.pop(key, None)
+            if owner is None:
+                continue
+            residual = self.feedback.residual(owner)
+            layout = []
+            for k, off, n in self._layouts[owner]:
+                if k == key:
+                    if residual is not None:
+                        residual[off: off + n] = 0
+                    k = _Gone()
+                layout.append((k, off, n))
+            self._layouts[owner] = tuple(layout)
 
     def align(self, name: str, layout: Layout, like: Any | Callable[[], Any]) -> None:
         """Make the residual under ``name`` match ``layout`` before a compressed call.
@@ -44,6 +80,7 @@ class ResidualLayouts:
             like: the flat buffer as an array (the residual is created on its device, with its
                 length), or a function returning it, called only if a residual is created.
         """
+        self._bury()
         if self._layouts.get(name) == layout:
             return
         self._release(name)
@@ -70,12 +107,13 @@ class ResidualLayouts:
         for key, off, n in layout:
             if self._owner.get(key) == name:
                 del self._owner[key]
-            if residual is not None:
+            if residual is not None and not isinstance(key, _Gone):
                 self._stash[key] = residual[off: off + n].copy()
         self.feedback.reset(name)
 
     def piece(self, key: Hashable) -> Any | None:
         """The residual kept for one tensor (a flat float32 array), or None if it has none."""
+        self._bury()
         if key in self._stash:
             return self._stash[key]
         owner = self._owner.get(key)
@@ -90,3 +128,17 @@ class ResidualLayouts:
     def pending(self) -> int:
         """Number of tensors whose residual waits for a buffer to hold them again."""
         return len(self._stash)
+
+
+class _Gone:
+    """The key, in a layout, of a tensor that was collected: equal to no other key."""
+
+    __slots__ = ()
+
+
+def _died(layouts: weakref.ref[ResidualLayouts], key: Hashable) -> None:
+    """A watched tensor was collected (any thread, any time): mark its key for dropping."""
+    owner = layouts()
+    if owner is not None:
+        owner._watched.discard(key)
+        owner._dead.append(key)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms.auto import Auto, Compression
+from ringcomm.algorithms.powersgd import LowRankMemory, PowerSGD
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
@@ -137,7 +138,7 @@ class RingcommState:
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
             raise ValueError(f"min_compress_bytes must be an integer >= 0, got "
                              f"{min_compress_bytes!r}")
-        self.compression = ring_of(compression)
+        self.compression = _own_memory(ring_of(compression))
         self.algorithm = None if algorithm is None else check_algorithm(algorithm)
         if comm is None:
             _lifecycle.init()
@@ -239,6 +240,8 @@ class RingcommState:
         base, item = buffer.data_ptr(), buffer.element_size()
         layout = tuple((id(p), (g.data_ptr() - base) // item, g.numel())
                        for p, g in zip(params, bucket.gradients(), strict=True))
+        for p in params:  # a parameter's id may name another once it is gone
+            self._residuals.watch(id(p), p)
         self._bucket_params[bucket.index()] = (ids, layout)
         return layout
 
@@ -274,6 +277,17 @@ class RingcommState:
         bound = self.compression.with_shapes(shapes)
         self._bound[bucket.index()] = (shapes, bound)
         return bound
+
+
+def _own_memory(compression: Compression | None) -> Compression | None:
+    """``compression``, with a memory of its own where it keeps one (PowerSGD's Q, keyed by
+    bucket index): one compressor given to the states of two models would otherwise warm-start
+    each model's buckets from the other's Q."""
+    if isinstance(compression, PowerSGD):
+        own = compression.with_shapes(compression.shapes)
+        own.memory = LowRankMemory()
+        return own
+    return compression
 
 
 def _bucket_shapes(bucket: dist.GradBucket, buffer: torch.Tensor) -> tuple[Any, ...]:

@@ -303,6 +303,33 @@ def test_error_feedback_kept_for_parameters_a_step_leaves_unused(fresh_comm, com
                                    atol=1e-5 * np.abs(total_in).max())
 
 
+def test_powersgd_given_to_two_states_keeps_each_models_q(fresh_comm):
+    """One PowerSGD object given to the states of two models (create the compressor once, as
+    its docs advise): each state keeps its own Q, so model A's averaged gradients are the same
+    bits with model B training beside it as alone (B's Q warm-started A's buckets before)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 32))
+
+    def run(with_b):
+        psgd = ringcomm.PowerSGD(rank=1)
+        models = [DDP(build(0))] + ([DDP(build(1))] if with_b else [])
+        for m in models:
+            m.register_comm_hook(RingcommState(fresh_comm, compression=psgd, start_iter=0,
+                                               min_compress_bytes=0), ringcomm_hook)
+        gens = [torch.Generator().manual_seed(10 * k + RANK) for k in (1, 5)]
+        grads = []
+        for _ in range(4):
+            for m, gen in zip(models, gens):
+                m.zero_grad()
+                m(torch.randn(8, 32, generator=gen)).pow(2).sum().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in models[0].parameters()]))
+        return torch.stack(grads)
+
+    assert torch.equal(run(False), run(True))
+
+
 def test_bad_state_arguments():
     with pytest.raises(ValueError, match="start_iter must be an integer >= 0, got -1"):
         RingcommState(start_iter=-1)
