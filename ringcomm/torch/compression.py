@@ -137,6 +137,10 @@ class Compression:
         powersgd: ``powersgd(rank=1)`` returns PowerSGD low-rank compression with error
             feedback (each gradient matrix apart, in fused buckets too).
 
+    Error feedback is kept per parameter by ``DistributedOptimizer``, and per operation name
+    by ``allreduce`` and ``grouped_allreduce`` (give the call the same name at every step; an
+    unnamed call keeps none).
+
     Example::
 
         opt = hvd.DistributedOptimizer(opt, model.named_parameters(),

@@ -23,7 +23,7 @@ from ringcomm.torch._residuals import ResidualLayouts
 from ringcomm.torch._tensors import Operand
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod._ops import ReduceSpec
-from ringcomm.torch.horovod._reduce import allreduce_tensor
+from ringcomm.torch.horovod._reduce import allreduce_tensor, feedback_of
 
 __all__ = ["DEFAULT_FUSION_BYTES", "Bucket", "Reduction", "fusion_threshold", "plan_buckets",
            "reduce_fused"]
@@ -77,8 +77,10 @@ def reduce_fused(comm: Communicator, specs: list[ReduceSpec]) -> list[torch.Tens
 def _reduce_into(comm: Communicator, spec: ReduceSpec, src: torch.Tensor,
                  dst: torch.Tensor) -> None:
     """``src`` reduced into ``dst`` with ``spec``'s op, scaling and compression."""
+    name = spec.feedback_name
     allreduce_tensor(comm, src, dst, op=spec.op, prescale=spec.prescale,
-                     postscale=spec.postscale, compression=spec.ring)
+                     postscale=spec.postscale, compression=spec.ring,
+                     feedback=None if name is None else feedback_of(comm), name=name)
 
 
 def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

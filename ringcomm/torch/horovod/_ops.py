@@ -29,6 +29,8 @@ class ReduceSpec:
         op: Horovod's ReduceOp.
         prescale, postscale: Horovod's scaling factors.
         ring: a ringcomm compressor for the ring, or None (compressed ops are never fused).
+        feedback_name: where ``ring`` keeps error feedback, the name its residual goes by
+            (the operation's own, the same on every rank); None: no error feedback.
     """
 
     tensor: torch.Tensor
@@ -37,6 +39,7 @@ class ReduceSpec:
     prescale: float = 1.0
     postscale: float = 1.0
     ring: Any = None
+    feedback_name: str | None = None
 
 
 @dataclasses.dataclass

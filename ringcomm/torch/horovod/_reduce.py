@@ -10,6 +10,7 @@ count, by the owner of each chunk), which compressed allreduces need.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -21,7 +22,19 @@ from ringcomm.torch._tensors import Operand
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod.unsupported import refusal
 
-__all__ = ["allreduce_tensor", "parse_op", "scale_"]
+__all__ = ["allreduce_tensor", "feedback_of", "parse_op", "scale_"]
+
+# The residuals of named compressed allreduces (hvd.allreduce with hvd.Compression.int8, topk,
+# powersgd), one ErrorFeedback per communicator (a process set's), gone with it.
+_FEEDBACK: weakref.WeakKeyDictionary[Communicator, ErrorFeedback] = weakref.WeakKeyDictionary()
+
+
+def feedback_of(comm: Communicator) -> ErrorFeedback:
+    """The error feedback of the named compressed allreduces run on ``comm``."""
+    feedback = _FEEDBACK.get(comm)
+    if feedback is None:
+        feedback = _FEEDBACK[comm] = ErrorFeedback()
+    return feedback
 
 _RING_OPS = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
              ReduceOp.PRODUCT: "prod"}

@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 
+from ringcomm.core.log import get_logger
 from ringcomm.torch._engine import Handle
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._tensors import Operand
@@ -59,15 +60,21 @@ __all__ = [
     "synchronize",
 ]
 
+_LOG = get_logger("torch.horovod")
+_WARNED: list[Any] = []  # compressors whose unnamed calls were said to keep no error feedback
+
 
 # ----------------------------------------------------------------------------- the operations
 def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None, op: ReduceOp,
-               pre: float, post: float, ring: Any, process_set: Any) -> Op:
+               pre: float, post: float, ring: Any, process_set: Any,
+               feedback: bool = False) -> Op:
     meta = describe(tensor)
     meta.update(op=op.name, prescale=float(pre), postscale=float(post),
                 compression=None if ring is None else type(ring).__name__)
     dst = torch.empty_like(tensor, memory_format=torch.contiguous_format) if out is None else out
-    return Op("allreduce", name, meta, reduce=ReduceSpec(tensor, dst, op, pre, post, ring),
+    spec = ReduceSpec(tensor, dst, op, pre, post, ring,
+                      f"allreduce.{name}" if feedback and ring is not None and name else None)
+    return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 
 
@@ -195,16 +202,17 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
-                post: float, ring: Any, process_set: Any) -> torch.Tensor:
+                post: float, ring: Any, process_set: Any, feedback: bool) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return execute(_reduce_op(tensor, None, name, op, pre, post, ring, process_set))
+        return execute(_reduce_op(tensor, None, name, op, pre, post, ring, process_set,
+                                  feedback))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, process_set = ctx.args
         out = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post,
                         process_set=process_set)
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -242,12 +250,24 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     _check_tensor(tensor)
     comp = as_compression(compression)
     if isinstance(comp, RingCompressor) or comp is Compression.none:
+        feedback = isinstance(comp, RingCompressor) and comp.error_feedback
+        if isinstance(comp, RingCompressor) and feedback and name is None:
+            _unnamed_feedback(comp)
         return _Allreduce.apply(tensor, name, rop, prescale_factor, postscale_factor,
-                                _ring(comp), process_set)
+                                _ring(comp), process_set, feedback)
     compressed, ctx = comp.compress(tensor)
     out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, None,
-                           process_set)
+                           process_set, False)
     return comp.decompress(out, ctx)
+
+
+def _unnamed_feedback(comp: RingCompressor) -> None:
+    """Say once per compressor that an unnamed call keeps no error feedback."""
+    if comp.ring not in _WARNED:
+        _WARNED.append(comp.ring)
+        _LOG.warning("hvd.allreduce with compression=%r and no name keeps no error feedback: "
+                     "what compression does not send is lost; give the call a name (the same "
+                     "at every step) to keep it", comp.ring)
 
 
 def _check_tensor(tensor: Any) -> None:
