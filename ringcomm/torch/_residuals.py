@@ -125,6 +125,15 @@ class ResidualLayouts:
                 return residual[off: off + n]
         return None
 
+    def scale(self, factor: float) -> None:
+        """Multiply every residual, and every piece waiting for a buffer, by ``factor``."""
+        for name in self.feedback.names():
+            residual = self.feedback.residual(name)
+            if residual is not None:
+                residual *= factor
+        for piece in self._stash.values():
+            piece *= factor
+
     def pending(self) -> int:
         """Number of tensors whose residual waits for a buffer to hold them again."""
         return len(self._stash)

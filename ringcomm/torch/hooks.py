@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -107,6 +108,13 @@ class RingcommState:
             ``host_staging`` pick what a CUDA bucket is agreed on (the device array, or its
             host copy): give every rank the same ones; a bucket staged whole on one rank and
             handed over as it is on another raises ArgumentMismatchError on every rank.
+        grad_scaler: the ``torch.amp.GradScaler`` the training loop scales its loss with, or
+            None. The gradients DDP hands over are in the units of the loss scale, and so are
+            the residuals error feedback keeps; where the scaler grows or backs off its scale
+            between iterations, the residuals are rescaled by the same factor at the next
+            iteration's first bucket (one ``get_scale()`` an iteration, which waits for the
+            GPU), so that they add to the gradients in the units they are in. Without it, a
+            scale that doubles turns what was held back into half its mass.
 
     One state per DDP model: the state counts its model's iterations and keeps the
     compressor's own state (PowerSGD's Q) by bucket index, so that two models sharing one
@@ -124,15 +132,16 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bound", "_bucket_params", "_engine", "_model", "_residuals", "_spans",
-                 "_staging", "_ticked", "_trials", "algorithm", "comm", "compression",
-                 "error_feedback", "feedback", "host_staging", "iter", "min_compress_bytes",
-                 "overlap", "start_iter")
+    __slots__ = ("_bound", "_bucket_params", "_engine", "_model", "_residuals", "_scale",
+                 "_spans", "_staging", "_ticked", "_trials", "algorithm", "comm", "compression",
+                 "error_feedback", "feedback", "grad_scaler", "host_staging", "iter",
+                 "min_compress_bytes", "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
                  min_compress_bytes: int = 64 * 1024, overlap: bool | None = None,
-                 algorithm: str | None = None, host_staging: bool | None = None) -> None:
+                 algorithm: str | None = None, host_staging: bool | None = None,
+                 grad_scaler: Any = None) -> None:
         if not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
@@ -164,6 +173,11 @@ class RingcommState:
         self._trials = (IterationTrials(auto, start_iter)
                         if auto is not None and auto.rounds > 0 and comm.size > 1 else None)
         self._ticked = -1  # the iteration whose first bucket the trials have seen
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()), "
+                            f"got {type(grad_scaler).__qualname__}")
+        self.grad_scaler = grad_scaler
+        self._scale: float | None = None  # the loss scale the residuals are in
         # The model register_ddp_hook gave this state to (a weak reference), or None: one
         # state per model, as its buckets are known by their index.
         self._model: Any = None
@@ -255,13 +269,30 @@ class RingcommState:
     def iteration_starts(self) -> None:
         """Tell the trials of ``compression="auto"`` that a bucket of iteration ``iter`` is
         handed over now; they act at each iteration's first one (on the engine, after the
-        calls queued before it: the same point of every rank's calls)."""
-        if self._trials is None or self._ticked == self.iter:
+        calls queued before it: the same point of every rank's calls). There, too, the
+        residuals follow a loss scale that changed (``grad_scaler``)."""
+        if self._ticked == self.iter:
+            return
+        if self.grad_scaler is not None:
+            self._follow_scale()
+        if self._trials is None:
+            self._ticked = self.iter
             return
         now = time.perf_counter()
         self._ticked = it = self.iter
         trials = self._trials
         self._engine.run(lambda: trials.iteration(it, self.comm, now))
+
+    def _follow_scale(self) -> None:
+        """Rescale every residual by new scale / old where the grad scaler's scale changed
+        since the last iteration (on the engine, before this iteration's calls)."""
+        assert self.grad_scaler is not None
+        scale = float(self.grad_scaler.get_scale())
+        before, self._scale = self._scale, scale
+        if before is None or scale == before or not (0 < scale < math.inf and before > 0):
+            return
+        factor = scale / before
+        self._engine.run(lambda: self._residuals.scale(factor))
 
     def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Compression:
         """The compressor for the bucket: ``compression`` told the shapes of its gradients, in

@@ -60,7 +60,9 @@ class RingcommDDPStrategy(DDPStrategy):
             (at the top of the script) has a communicator of the wrong size and is refused.
         state_kwargs: arguments of :class:`~ringcomm.torch.RingcommState` (``compression``,
             ``start_iter``, ``min_compress_bytes``, ...) for the state made here, with a
-            communicator over torch.distributed's default group unless ``comm`` is among them.
+            communicator over torch.distributed's default group unless ``comm`` is among them,
+            and the precision plugin's loss scaler (``precision="16-mixed"``) as its
+            ``grad_scaler`` unless given.
         **kwargs: the arguments of Lightning's ``DDPStrategy`` (``timeout``,
             ``process_group_backend``, ``start_method``, ...) and, as there, of
             ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``, ...).
@@ -108,6 +110,10 @@ class RingcommDDPStrategy(DDPStrategy):
         # configure_ddp wrapped it in DistributedDataParallel (register_ddp_hook checks that).
         model = cast(DistributedDataParallel, self.model)
         if self._ringcomm_state is None:
-            self._ringcomm_state = register_ddp_hook(model, **self._ringcomm_kwargs)
+            kwargs = dict(self._ringcomm_kwargs)
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if scaler is not None:  # "16-mixed": the residuals follow its loss scale
+                kwargs.setdefault("grad_scaler", scaler)
+            self._ringcomm_state = register_ddp_hook(model, **kwargs)
         else:
             register_ddp_hook(model, self._ringcomm_state)

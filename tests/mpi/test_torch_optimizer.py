@@ -232,6 +232,55 @@ class HalfCompressor:
         return tensor.to(ctx)
 
 
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_residuals_follow_the_loss_scale_of_a_grad_scaler(h, follow):
+    """With a GradScaler whose scale doubles every step and top-k's error feedback, the
+    residuals (in the loss scale's units) are rescaled with it (``grad_scaler=``), so that in
+    true units every rank's gradients add up to the averaged gradients applied plus the
+    residuals; without it they do not (what the test shows it can tell apart)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    sent = {n: np.zeros(p.numel()) for n, p in net.named_parameters()}
+    applied = {n: np.zeros(p.numel()) for n, p in net.named_parameters()}
+    opt = h.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0),
+                                 named_parameters=net.named_parameters(),
+                                 compression=h.Compression.topk(0.05), overlap=False,
+                                 grad_scaler=scaler if follow else None)
+    def record(n):
+        def hook(t):
+            sent[n] += t.grad.double().reshape(-1).numpy() / scaler.get_scale()
+        return hook
+
+    for n, p in net.named_parameters():  # after the optimizer's: sees the local gradient
+        p.register_post_accumulate_grad_hook(record(n))
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(6):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(net(torch.randn(8, 32, generator=gen)).pow(2).sum()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        for n, p in net.named_parameters():
+            applied[n] += p.grad.double().reshape(-1).numpy()
+        last_scale = scaler.get_scale()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    worst = 0.0
+    for n, p in net.named_parameters():
+        held = opt._residuals.piece(n)
+        held = np.zeros(p.numel()) if held is None else held.astype(np.float64) / last_scale
+        total_in = MPI.COMM_WORLD.allreduce(sent[n])
+        total_held = MPI.COMM_WORLD.allreduce(held)
+        error = np.abs(SIZE * applied[n] + total_held - total_in).max()
+        worst = max(worst, error / np.abs(total_in).max())
+    assert (worst < 1e-5) == follow, worst
+
+
 @pytest.mark.parametrize("compression", ["fp16", "custom"])
 def test_fp16_compression_stays_close(h, compression):
     comp = HalfCompressor if compression == "custom" else h.Compression.fp16

@@ -13,6 +13,7 @@ unless ``sparse_as_dense``.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import warnings
 import weakref
@@ -123,6 +124,8 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._synchronized = False
         self._should_synchronize = True
         self._warned = False
+        self._grad_scaler: Any = None  # set by DistributedOptimizer
+        self._scale: float | None = None  # the loss scale the residuals are in
         self._lock = threading.Lock()
         if self._comm is not None and self._comm.size > 1:  # else no hooks (as Horovod)
             active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
@@ -140,8 +143,18 @@ class _DistributedOptimizer(_OptimizerMixin):
             self._plan(active, key)
         for b in self._buckets:
             b.ready = 0
+        if self._grad_scaler is not None and self._residuals is not None:
+            self._follow_scale(self._residuals)
         self._delay = dict.fromkeys(self._bucket_of, self.backward_passes_per_step)
         self._handles, self._submitted, self._fresh = [], set(), False
+
+    def _follow_scale(self, residuals: ResidualLayouts) -> None:
+        """Rescale the residuals by new loss scale / old where the grad scaler's changed (at a
+        step's first gradient: the last step's reductions are over)."""
+        scale = float(self._grad_scaler.get_scale())
+        before, self._scale = self._scale, scale
+        if before is not None and scale != before and 0 < scale < math.inf and before > 0:
+            residuals.scale(scale / before)
 
     def _plan(self, active: list[Any], key: tuple[int, ...]) -> None:
         custom = self._reduction.compression is not None and self._reduction.ring is None
@@ -324,7 +337,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
                          fusion_threshold_bytes: int | None = None,
-                         overlap: bool | None = None) -> torch.optim.Optimizer:
+                         overlap: bool | None = None,
+                         grad_scaler: Any = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     The result is an instance of the wrapped optimizer's class (with its state and options).
@@ -351,6 +365,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         overlap: submit each bucket as soon as its gradients are ready, so that it is reduced
             while backward goes on (True), or at ``step()`` (False); None: at once for CUDA
             parameters only (on CPU the ring competes with backward for the cores).
+        grad_scaler: the ``torch.amp.GradScaler`` the loss is scaled with (ringcomm's, not
+            Horovod's): the gradients reduced are in the loss scale's units, and so are the
+            residuals of error feedback; where the scale changes between steps they are
+            rescaled with it at the next step's first gradient. Without it a scale that grows
+            or backs off mis-weights what compression held back.
 
     Raises:
         ValueError: duplicate or missing names, named_parameters not (name, tensor) pairs,
@@ -380,6 +399,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     names = _names(optimizer, named_parameters)
     comp = as_compression(compression)
     threshold = fusion_threshold(fusion_threshold_bytes)
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()), got "
+                        f"{type(grad_scaler).__qualname__}")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
-    return cls(optimizer, names, comp, passes, rop, float(gradient_predivide_factor), threshold,
-               sparse_as_dense, overlap, process_set)
+    opt = cls(optimizer, names, comp, passes, rop, float(gradient_predivide_factor), threshold,
+              sparse_as_dense, overlap, process_set)
+    opt._grad_scaler = grad_scaler
+    return opt
