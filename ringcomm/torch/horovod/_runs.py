@@ -21,7 +21,7 @@ from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch._tensors import device_scope
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod._fusion import reduce_fused
-from ringcomm.torch.horovod._ops import ReduceSpec
+from ringcomm.torch.horovod._ops import JOINED_RUNS, ReduceSpec
 from ringcomm.torch.horovod._table import Outcome, meta_dtype
 
 __all__ = ["run_group"]
@@ -75,6 +75,10 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
             raise HorovodInternalError(f"{entry.kind} {entry.user_name!r} reached a joined rank")
         if m is not None and m.op.run is not None:
             return [m.op.run(comm)]
+        joined = JOINED_RUNS.get(entry.user_name) if m is None else None
+        if joined is not None:
+            joined(comm, next(iter(entry.metas.values())))
+            return [None]
     return reduce_fused(comm, [_spec(o) for o in group])
 
 

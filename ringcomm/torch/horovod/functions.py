@@ -16,6 +16,7 @@ Horovod keeps it in ``mpi_ops``; each function is a thin operation handed to the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -35,8 +36,9 @@ from ringcomm.torch.horovod._basics import (
     root_in_set,
 )
 from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
-from ringcomm.torch.horovod._ops import Op, ReduceSpec, describe
+from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe
 from ringcomm.torch.horovod._reduce import parse_op
+from ringcomm.torch.horovod._table import meta_dtype
 
 __all__ = [
     "allgather",
@@ -74,8 +76,19 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
     dst = torch.empty_like(tensor, memory_format=torch.contiguous_format) if out is None else out
     spec = ReduceSpec(tensor, dst, op, pre, post, ring,
                       f"allreduce.{name}" if feedback and ring is not None and name else None)
+    if ring is not None and name is not None:
+        JOINED_RUNS[name] = functools.partial(_joined_reduce, op, pre, post, ring,
+                                              spec.feedback_name)
     return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
+
+
+def _joined_reduce(op: ReduceOp, pre: float, post: float, ring: Any,
+                   feedback_name: str | None, comm: Any, meta: dict[str, Any]) -> None:
+    """A joined rank's part in a compressed allreduce: zeros of the agreed dtype and shape,
+    through the same compression and error feedback (its residual goes out with them)."""
+    zeros = torch.zeros(meta["shape"], dtype=meta_dtype(meta["dtype"]))
+    reduce_fused(comm, [ReduceSpec(zeros, zeros, op, pre, post, ring, feedback_name)])
 
 
 def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:

@@ -13,6 +13,7 @@ unless ``sparse_as_dense``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import warnings
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch._residuals import ResidualLayouts
 from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
 from ringcomm.torch.horovod._basics import (
@@ -35,7 +37,7 @@ from ringcomm.torch.horovod._basics import (
 )
 from ringcomm.torch.horovod._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
 from ringcomm.torch.horovod._negotiate import enqueue
-from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod._ops import JOINED_RUNS, Op
 from ringcomm.torch.horovod._reduce import parse_op
 from ringcomm.torch.horovod.functions import allreduce_async_, sparse_allreduce_async, synchronize
 
@@ -164,6 +166,9 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._planned = key
         me = weakref.ref(self)
+        if self._reduction.ring is not None:  # a joined rank's part in each bucket
+            for b in self._buckets:
+                JOINED_RUNS[b.name] = functools.partial(_joined_bucket, me, b)
 
         def hook(t: torch.Tensor) -> None:
             opt = me()  # weak: the parameters must not keep the optimizer alive
@@ -316,6 +321,25 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._handles, self._fresh, self._synchronized = [], True, False
         self._should_synchronize = True
         return super().load_state_dict(state_dict)
+
+
+def _joined_bucket(opt_ref: weakref.ref[_DistributedOptimizer], bucket: Bucket, comm: Any,
+                   meta: dict[str, Any]) -> None:
+    """A joined rank's part in a compressed bucket the others reduce: zero gradients through
+    the optimizer's own reduction (the same compression, name and error feedback, whose
+    residual goes out with them); its gradients are left as they were."""
+    opt = opt_ref()
+    if opt is None:
+        raise HorovodInternalError(f"allreduce {bucket.name!r} reached a joined rank whose "
+                                   "DistributedOptimizer is gone")
+    saved = [p.grad for p in bucket.params]
+    try:
+        for p in bucket.params:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        opt._reduction(bucket)
+    finally:
+        for p, g in zip(bucket.params, saved, strict=True):
+            p.grad = g
 
 
 def base_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
