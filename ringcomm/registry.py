@@ -63,6 +63,7 @@ def communicator_options(settings: Settings, startup_error: Exception | None
 
 def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                startup_error: Exception | None) -> Communicator:
+    renumbered = None
     if info.over_torch and mpi_comm is None and info.size > 1:
         from ringcomm.backends.mpi_process import mpi_world_is_job
 
@@ -74,10 +75,28 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                     f"{info.describe()} but MPI cannot start over its processes ({why}): "
                     f"launch with mpiexec -n {info.size}, or use backend='auto' or 'gloo' "
                     "under torchrun")
+        else:
+            mpi_comm = renumbered = _numbered_as_torch(info)
     from ringcomm.backends.mpi import MPICommunicator
 
-    return MPICommunicator(mpi_comm, timeout=settings.timeout,
-                           **communicator_options(settings, startup_error))
+    try:
+        return MPICommunicator(mpi_comm, timeout=settings.timeout,
+                               **communicator_options(settings, startup_error))
+    finally:
+        if renumbered is not None:
+            renumbered.Free()  # the communicator runs on duplicates of it
+
+
+def _numbered_as_torch(info: LaunchInfo) -> Any:
+    """MPI's world numbered as torch.distributed's default group numbers its processes, where
+    they differ (a group initialized with ranks of its own choosing under mpiexec), else None
+    (collective over MPI's world): ringcomm's rank r is torch's rank r, so that a broadcast from
+    root 0 sends what torch calls rank 0's data."""
+    from ringcomm.backends.mpi_process import import_mpi, world_numbers_alike
+
+    if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size):
+        return None
+    return import_mpi().COMM_WORLD.Split(0, info.rank)
 
 
 def _build_nccl(mpi_comm: Any, settings: Settings, info: LaunchInfo,

@@ -66,10 +66,12 @@ rank = world.Get_size() - 1 - world.Get_rank()
 port = world.bcast(os.environ.get("PORT"), root=0)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world.Get_size())
-comm = ringcomm.init(abort_on_exception=False)
-x = np.zeros(4); x[comm.rank] = 1
+comm = ringcomm.init(os.environ["BACKEND"], abort_on_exception=False)
 y = comm.allgather(np.array([dist.get_rank()]))
-os.write(1, f"<{world.Get_rank()}|{comm.backend} {comm.rank} {comm.size} {y.tolist()}>\n".encode())
+root = np.array([float(dist.get_rank())])
+comm.broadcast(root, root=0)
+os.write(1, f"<{world.Get_rank()}|{comm.backend} {comm.rank} {comm.size} {y.tolist()} "
+            f"{root[0]}>\n".encode())
 comm.close()
 dist.destroy_process_group()
 """
@@ -112,14 +114,19 @@ def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_e
                      2: hook, 3: hook}, lines
 
 
-def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env):
+@pytest.mark.parametrize("backend", ["auto", "mpi"])
+def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env, backend):
     """MPI's world numbers the processes otherwise than torch.distributed's group: "auto"
-    runs over torch.distributed (gloo), so ringcomm's ranks are the group's."""
-    env = {**subprocess_env, "PORT": str(_free_port())}
+    runs over torch.distributed (gloo), "mpi" over MPI's world renumbered as the group, so
+    ringcomm's ranks are the group's and a broadcast from root 0 sends torch's rank 0's data
+    ("mpi" kept MPI's numbering before: root 0 sent torch's rank 1's data, without a word)."""
+    env = {**subprocess_env, "PORT": str(_free_port()), "BACKEND": backend}
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", REVERSED],
                        timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert _lines(proc.stdout) == {0: "gloo 1 2 [0, 1]", 1: "gloo 0 2 [0, 1]"}, proc.stdout
+    used = "gloo" if backend == "auto" else "mpi"
+    assert _lines(proc.stdout) == {0: f"{used} 1 2 [0, 1] 0.0",
+                                   1: f"{used} 0 2 [0, 1] 0.0"}, proc.stdout
 
 
 LIGHTNING_CHILD = ("import ringcomm\n"
