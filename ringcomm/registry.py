@@ -181,7 +181,7 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
             _start_torch_distributed(info, timeout)
             why = (f"{info.describe()}, which is no MPI job ({mpi_world_text(world)}"
                    f"{'' if world != info.size else ', numbering them otherwise'})")
-            if nccl.usable_everywhere(None):
+            if nccl.usable_everywhere(None, timeout):
                 return "nccl", f"{why}; every rank has a GPU of its own and NCCL"
             cannot = join_mpi_over_torch(info, timeout)
             if cannot is None:
@@ -191,7 +191,7 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
             return "gloo", (f"{why}; not every rank has a GPU of its own and NCCL, and MPI "
                             f"cannot join them: {cannot}")
     if mpi_comm is not None or info.size > 1:
-        if nccl.usable_everywhere(mpi_comm):
+        if nccl.usable_everywhere(mpi_comm, timeout):
             return "nccl", "every rank has a GPU of its own and NCCL"
         return "mpi", "not every rank has a GPU of its own and NCCL"
     if nccl.usable():

@@ -185,6 +185,38 @@ def test_lost_peer_ends_the_job(mpiexec, subprocess_env, tmp_path, how):
     assert "RINGCOMM_TIMEOUT" in proc.stderr, report
 
 
+# argv: the backend, the pid directory. Rank 1 comes to init long after the timeout.
+LATE = r"""
+import os, sys, time
+from mpi4py import MPI
+backend, piddir = sys.argv[1], sys.argv[2]
+rank = MPI.COMM_WORLD.Get_rank()
+with open(os.path.join(piddir, f"rank{rank}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+if rank == 1:
+    time.sleep(60)
+import ringcomm
+ringcomm.init(backend)                  # the timeout comes from RINGCOMM_TIMEOUT
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["auto", "mpi"])
+def test_a_rank_late_to_init_ends_the_job_at_the_timeout(mpiexec, subprocess_env, tmp_path,
+                                                         backend):
+    """init's own exchanges wait the timeout too: "auto" asked every rank whether it could run
+    NCCL with the default timeout (30 minutes), whatever the one given."""
+    env = dict(subprocess_env, RINGCOMM_TIMEOUT=str(TIMEOUT_S))
+    proc, elapsed, alive = _run_job([mpiexec], env, tmp_path, LATE, backend,
+                                    limit=TIMEOUT_S + GRACE_S + 30)
+    report = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode != 0, report
+    assert not alive, f"ranks {alive} outlived the job\n{report}"
+    assert elapsed < TIMEOUT_S + GRACE_S, f"the job took {elapsed:.1f} s to end\n{report}"
+    assert "timed out on rank 0 of 2" in proc.stderr, report
+    assert f"The timeout is {TIMEOUT_S:g} s" in proc.stderr, report
+
+
 def test_exit_under_auto_cleanup(mpiexec, subprocess_env, tmp_path):
     """With Hydra's default auto-cleanup the survivors are killed as soon as a rank exits
     before MPI_Finalize. Hydra reports the killed ranks' status as 0 (pmodels/mpich#5930), so

@@ -370,14 +370,15 @@ def local_setup(local_rank: int, device: int | None, make_uid: bool) -> LocalSet
                       lib.unique_id() if make_uid else None)
 
 
-def every_rank_can_start(mpi_comm: Any = None) -> bool:
+def every_rank_can_start(mpi_comm: Any = None, timeout: float | None = None) -> bool:
     """Whether every rank has CuPy, NCCL and a GPU of its own; the same answer on every rank.
 
-    Collective over the ranks ``connect(mpi_comm)`` finds. Never raises for a missing GPU,
-    library or rendezvous, or a shared GPU: those make the answer False.
+    Collective over the ranks ``connect(mpi_comm, timeout)`` finds. Never raises for a missing
+    GPU, library or rendezvous, or a shared GPU: those make the answer False; a rank that does
+    not come within ``timeout`` raises its CollectiveTimeoutError.
     """
     try:
-        rdv = connect(mpi_comm)
+        rdv = connect(mpi_comm, timeout)
     except RuntimeError:
         return False
     try:

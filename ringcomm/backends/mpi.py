@@ -35,7 +35,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_exchange import SizedExchange
-from ringcomm.backends.mpi_process import abort, cores, import_mpi, machine_id
+from ringcomm.backends.mpi_process import FORWARD_S, abort, cores, import_mpi, machine_id
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_byte_limit
 from ringcomm.comm.transport import (
@@ -542,6 +542,7 @@ class MPITransport(TransportBase):
         _LOG.error("%s", error)
         if self.abort_on_timeout:
             write_fatal(error, "Ending the job (MPI_Abort).")
+            time.sleep(FORWARD_S)  # for the launcher to forward it before the job ends
             abort(self._ctl, 1)
         raise error
 

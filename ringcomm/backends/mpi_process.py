@@ -12,7 +12,7 @@ from typing import Any
 
 from ringcomm.core import launch
 
-__all__ = ["abort", "cores", "import_mpi", "install_abort_hook", "mpi_world_is_job",
+__all__ = ["FORWARD_S", "abort", "cores", "import_mpi", "install_abort_hook", "mpi_world_is_job",
            "note_world_joined", "world_joined", "world_numbers_alike",
            "yield_when_oversubscribed"]
 
@@ -107,7 +107,7 @@ def world_numbers_alike(rank: int, size: int) -> bool:
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
-_FORWARD_S = 0.2
+FORWARD_S = 0.2
 
 
 def install_abort_hook() -> None:
@@ -115,7 +115,7 @@ def install_abort_hook() -> None:
 
     Without this, the failing rank waits in MPI_Finalize while the others wait for its messages.
     The hook prints the traceback, then calls ``MPI_Abort`` (as ``python -m mpi4py`` does),
-    after a pause of ``_FORWARD_S``: the launcher forwards each rank's output through a pipe,
+    after a pause of ``FORWARD_S``: the launcher forwards each rank's output through a pipe,
     and an abort right after the write can end the job before the traceback has left it (a job
     under load ended once with an empty stderr).
     """
@@ -127,7 +127,7 @@ def install_abort_hook() -> None:
         previous(etype, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
-        time.sleep(_FORWARD_S)
+        time.sleep(FORWARD_S)
         try:
             from mpi4py import MPI
 

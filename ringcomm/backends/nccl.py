@@ -74,7 +74,7 @@ def usable() -> bool:
     return _usable[0]
 
 
-def usable_everywhere(mpi_comm: Any = None) -> bool:
+def usable_everywhere(mpi_comm: Any = None, timeout: float | None = None) -> bool:
     """Whether NCCL can run on every rank: each has NCCL and a GPU of its own. Collective.
 
     What ``backend="auto"`` needs in a job of several processes: the ranks must all choose
@@ -82,8 +82,13 @@ def usable_everywhere(mpi_comm: Any = None) -> bool:
 
     Args:
         mpi_comm: as for NCCLCommunicator; every rank of it must call.
+        timeout: how long the ranks' exchange may wait for a rank (seconds; the default
+            timeout when None).
+
+    Raises:
+        CollectiveTimeoutError: a rank did not come within ``timeout``.
     """
-    return _nccl_setup.every_rank_can_start(mpi_comm)
+    return _nccl_setup.every_rank_can_start(mpi_comm, timeout)
 
 
 class NCCLCommunicator(Communicator):
