@@ -158,6 +158,9 @@ def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
     ({}, False),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # torchrun alone
     ({"RANK": "0", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "2"}, True),
+    # torchrun's worker under mpiexec: the PMI variables are its agent's
+    ({"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "1",
+      "TORCHELASTIC_RUN_ID": "none"}, False),
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, True),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, False),  # the batch script, not an srun task
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, True),

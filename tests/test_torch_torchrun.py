@@ -303,6 +303,22 @@ def test_init_spans_the_torchrun_job(tmp_path, subprocess_env, module, transport
         assert "launcher torchrun (WORLD_SIZE=2); rank" in line, line
 
 
+def test_torchrun_under_an_mpi_launcher(tmp_path, subprocess_env, mpiexec):
+    """torchrun started by mpiexec (one agent): its workers inherit the launcher's PMI
+    variables, which describe the agent; ringcomm no longer takes them for its own launch
+    (MPI_Init on them ended every worker: "PMIU_write error ... Bad file descriptor") and
+    joins the workers into one MPI world as under torchrun alone."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(INIT_SCRIPT)
+    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
+                        "2", str(path)], timeout=110, env=_on("mpi", subprocess_env))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
 @pytest.mark.slow
 @_TRANSPORTS
 def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env, transport):

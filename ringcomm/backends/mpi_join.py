@@ -42,6 +42,7 @@ from ringcomm.backends.mpi_process import (
 )
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.core.env import env, flag_value
+from ringcomm.core.launch import MPI_LAUNCHER_VARIABLES
 from ringcomm.core.process_end import at_process_end, failed_status
 from ringcomm.core.types import (
     ArgumentMismatchError,
@@ -385,7 +386,12 @@ def _start_mpi(address: str, rank: int, nodes: list[str]) -> None:
     local = [r for r, node in enumerate(nodes) if node == nodes[rank]]
     variables = {"PMI_PORT": address, "PMI_ID": str(rank), "MPIR_CVAR_PMI_VERSION": "1",
                  "MPI_LOCALNRANKS": str(len(local)), "MPI_LOCALRANKID": str(local.index(rank))}
-    saved = {name: os.environ.get(name) for name in variables}
+    # An MPI launcher's own, inherited from a torchrun agent it started: MPICH would take
+    # PMI_FD (a connection of the agent's) over PMI_PORT.
+    inherited = [name for name in MPI_LAUNCHER_VARIABLES if name not in variables]
+    saved = {name: os.environ.get(name) for name in [*variables, *inherited]}
+    for name in inherited:
+        os.environ.pop(name, None)
     os.environ.update(variables)
     try:
         import_mpi()

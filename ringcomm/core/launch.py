@@ -21,7 +21,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LaunchInfo", "detect", "mpi_launched"]
+__all__ = ["MPI_LAUNCHER_VARIABLES", "TORCHRUN_WORKER", "LaunchInfo", "detect", "mpi_launched"]
+
+#: Set by torchrun's agent in each worker it starts (and by nothing else).
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
+#: What MPI launchers set in a process for its MPI library (process-manager connections),
+#: which a process started by torchrun under one inherits from the agent.
+MPI_LAUNCHER_VARIABLES = ("PMI_FD", "PMI_RANK", "PMI_SIZE", "PMI_PORT", "PMI_ID",
+                          "PMI_SUBVERSION", "PMI_VERSION", "PMI_HOSTNAME")
 
 
 @dataclass(frozen=True)
@@ -156,12 +163,18 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
 
 def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
     """Whether an MPI launcher (MPICH's or Open MPI's mpiexec, MVAPICH, a PMIx launcher, srun)
-    started this process: its rank and size variables are set, whatever torchrun's say.
+    started this process: its rank and size variables are set, whatever torchrun's say,
+    unless torchrun's agent started it (``TORCHELASTIC_RUN_ID``, which the agent gives its
+    workers alone): torchrun run by mpiexec or srun hands its workers the launcher's variables,
+    which describe the agent, and an MPI started on them fails (MPICH: "PMIU_write error ...
+    Bad file descriptor").
 
     Without one, MPI's world is this process alone, and asking MPI costs more than the answer:
     an MPI whose lone start needs a launcher's daemon (Open MPI's) ends the process instead.
     """
     env = os.environ if env is None else env
+    if env.get(TORCHRUN_WORKER) and "RANK" in env and "WORLD_SIZE" in env:
+        return False
     for launcher, rank_var, size_var, *_ in _SCHEMES[1:]:
         if launcher == "slurm" and not any(env.get(name) for name in _SLURM_STEP):
             continue
