@@ -909,8 +909,9 @@ dist.destroy_process_group()
 def test_plain_init_process_group_under_mpiexec(tmp_path, subprocess_env, mpiexec):
     """``dist.init_process_group("ringcomm")`` (and "gloo") as written for torchrun, launched
     by mpiexec without torchrun's variables: rank and size from MPI (it raised "environment
-    variable RANK expected"), never a group of one; a world_size that is not the job's, or an
-    MPI world that is not the launcher's job, raises on every rank."""
+    variable RANK expected"), never a group of one; a world_size (or WORLD_SIZE) that is not the
+    job's, RANK set on some ranks only, or an MPI world that is not the launcher's job, raises
+    on every rank."""
     job = tmp_path / "plain.py"
     job.write_text(PLAIN_INIT_JOB)
 
@@ -931,7 +932,18 @@ def test_plain_init_process_group_under_mpiexec(tmp_path, subprocess_env, mpiexe
             assert all(row["size"] == n and row["backend"] == backend
                        and row["sum"] == [n * (n + 1) / 2] * 3 for row in got), got
     got = rows([mpiexec, "-n", "2", sys.executable, str(job), "ringcomm", "3"])
-    assert len(got) == 2 and all("world_size=3, but the job" in row["error"] for row in got), got
+    assert len(got) == 2 and all("world_size=3 on rank 0; world_size=3 on rank 1, but the job"
+                                 in row["error"] for row in got), got
+    # WORLD_SIZE wrong on one rank (it was not read), RANK set on one rank only (that rank took
+    # torch's rendezvous, the other MPI's: both waited forever): every rank raises.
+    got = rows([mpiexec, "-n", "1", "-env", "WORLD_SIZE", "3", sys.executable, str(job),
+                "ringcomm", "0", ":", "-n", "1", sys.executable, str(job), "ringcomm", "0"])
+    assert len(got) == 2 and all("WORLD_SIZE=3 on rank 0, but the job" in row["error"]
+                                 for row in got), got
+    got = rows([mpiexec, "-n", "1", "-env", "RANK", "0", sys.executable, str(job), "gloo", "0",
+                ":", "-n", "1", sys.executable, str(job), "gloo", "0"])
+    assert len(got) == 2 and all("a rank is set (RANK, or rank=) on MPI ranks 0 but not on 1"
+                                 in row["error"] for row in got), got
     # A launcher's variables for 2 processes around one process alone: MPI's world is 1.
     alone = rows([sys.executable, str(job), "gloo", "0"],
                  {**subprocess_env, "PMI_RANK": "0", "PMI_SIZE": "2"})

@@ -9,8 +9,10 @@ rank was passed, and an MPI launcher started the process (its rank and size vari
 :func:`ringcomm.core.launch.mpi_launched` reads them), rank and size come from MPI's world and
 rank 0's store listens on ``MASTER_PORT`` or a port the system picks, handed to the others
 over MPI (:func:`ringcomm.torch.process_group.mpi_store`). MPI's world must be the launcher's
-job (never a group of one in a larger job), and a ``world_size`` passed must be its size: else
-every rank raises. Everywhere else torch's own rendezvous runs, unchanged.
+job (never a group of one in a larger job), and a ``world_size`` passed (or ``WORLD_SIZE``)
+must be its size: else every rank raises, as where ``RANK`` is set on some ranks of the launch
+only (every rank agrees over MPI which rendezvous to make). Everywhere else torch's own
+rendezvous runs, unchanged.
 
 The wrapper replaces the entry of torch's handler table (``rendezvous._rendezvous_handlers``,
 which ``register_rendezvous_handler`` does not let a scheme be registered twice in); where a
@@ -67,10 +69,36 @@ def _query(url: str) -> dict[str, str]:
 
 
 def _from_mpi(url: str) -> bool:
-    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring)."""
-    if "RANK" in os.environ or "rank" in _query(url):
+    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring): the
+    same answer on every rank of an MPI launch (a collective over MPI's world there), which
+    ranks that differ (``RANK`` set on some only) get as the same error, where each taking its
+    own path would leave the others waiting forever.
+
+    Raises:
+        ValueError: a rank is given on some ranks of the launch and not on others.
+    """
+    own = "RANK" in os.environ or "rank" in _query(url)
+    if not mpi_launched():
         return False
-    return mpi_launched()
+    from ringcomm.backends.mpi_process import import_mpi
+
+    try:
+        world = import_mpi().COMM_WORLD
+    except RuntimeError:  # no mpi4py: no rendezvous over MPI either
+        return False
+    given = world.allgather(own)
+    if all(given):
+        return False
+    if not any(given):
+        return True
+    raise ValueError(
+        f"init_process_group: a rank is set (RANK, or rank=) on MPI ranks "
+        f"{_ranks(given, True)} but not on {_ranks(given, False)}: set it on every rank, or "
+        f"on none under an MPI launcher (ringcomm then takes rank and size from MPI)")
+
+
+def _ranks(given: list[bool], value: bool) -> str:
+    return ", ".join(str(r) for r, g in enumerate(given) if g == value)
 
 
 def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int, int]:
@@ -87,9 +115,14 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
             f"init_process_group: {launched.describe()}, but {mpi_world_text(size)}: mpi4py's "
             f"MPI is not the launcher's (launch with the mpiexec of the MPI mpi4py was built "
             f"with), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself")
-    asked = _query(url).get("world_size", "-1")
-    if asked not in ("-1", str(size)):
-        raise ValueError(f"init_process_group: world_size={asked}, but the job (MPI's world, "
+    query = _query(url)
+    asked = query.get("world_size", os.environ.get("WORLD_SIZE", "-1"))
+    where = "world_size" if "world_size" in query else "WORLD_SIZE"
+    problem = None if asked.strip() in ("-1", str(size)) else f"{where}={asked}"
+    problems = comm.allgather(problem)
+    if any(problems):
+        said = "; ".join(f"{p} on rank {r}" for r, p in enumerate(problems) if p)
+        raise ValueError(f"init_process_group: {said}, but the job (MPI's world, "
                          f"{launched.describe()}) has {size} processes")
     port = int(os.environ.get("MASTER_PORT") or 0)
     store = mpi_store(comm, None, _DEFAULT_TIMEOUT if timeout is None else timeout, port)
