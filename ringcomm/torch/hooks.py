@@ -182,6 +182,13 @@ class RingcommState:
         # state per model, as its buckets are known by their index.
         self._model: Any = None
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a RingcommState cannot be saved: it holds a communicator and the threads that run "
+            "its collectives. Save the model and the optimizer; a resumed job makes a new state "
+            "(what error feedback held back at the checkpoint, at most a step's compression "
+            "error per parameter, is not carried over)")
+
     def check_spans_job(self) -> None:
         """Refuse a one-process communicator in a job of several (a state made before
         torch.distributed was up, say at the top of a script that Lightning's launcher runs

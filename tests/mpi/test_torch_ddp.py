@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import pickle
 
 import numpy as np
 import pytest
@@ -378,6 +379,8 @@ def test_bad_state_arguments():
         RingcommState(compression="int8")
     with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
         RingcommState(grad_scaler=1024.0)
+    with pytest.raises(TypeError, match="a RingcommState cannot be saved"):
+        pickle.dumps(RingcommState())  # as torch.save(state) does
 
 
 @pytest.fixture(scope="module")
