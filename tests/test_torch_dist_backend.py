@@ -834,6 +834,30 @@ def twice():
     dist.all_reduce_coalesced([t, t])
     return t.tolist()
 attempt("coalesced twice", twice)
+def views(second):  # two views of one tensor, reduced once (the overlap was summed twice)
+    b = torch.full((8,), 1.0 + r)
+    dist.all_reduce_coalesced([b[:6], b[2:]] if second == "slices" else [b, b.view(2, 4)])
+    return b.tolist()
+attempt("coalesced slices", lambda: views("slices"))
+attempt("coalesced reshaped", lambda: views("reshaped"))
+def gathered_from_an_output():  # the second member's input is the first's output
+    out1, out2 = torch.zeros(4), torch.zeros(4)
+    out1[:2] = 10.0 * (r + 1)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(out1, torch.full((2,), r + 1.0))
+        dist.all_gather_into_tensor(out2, out1[:2])
+    cm.wait()
+    return out2.tolist()
+attempt("coalesced gather of an output", gathered_from_an_output)
+def scattered_from_an_output():
+    buf = torch.full((4,), 100.0 * (r + 1))
+    out2 = torch.zeros(2)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(buf[:2], torch.full((4,), r + 1.0))
+        dist.reduce_scatter_tensor(out2, buf)
+    cm.wait()
+    return out2.tolist()
+attempt("coalesced reduce_scatter of an output", scattered_from_an_output)
 with open(f"report_{r}.json", "w") as f:
     json.dump({"rank": r, "outcomes": outcomes}, f)
 dist.destroy_process_group()
@@ -884,6 +908,15 @@ def test_outputs_refused_on_every_rank(tmp_path, subprocess_env):
                 "ok", sums[2 * row["rank"]: 2 * row["rank"] + 2]], (name, row)
         assert row["outcomes"]["result"][:2] == ["ok", [[1.0, 1.0]]], row
         assert row["outcomes"]["coalesced twice"][:2] == ["ok", [3.0, 3.0]], row
+        # Members of one coalesced call that share memory read their inputs as they were
+        # (gloo's answers; before: [3, 3, 6, 6, 6, 6, 3, 3], 6s, [1, 1, 1, 1], and [6, 6] on
+        # rank 0 only).
+        assert row["outcomes"]["coalesced slices"][:2] == ["ok", [3.0] * 8], row
+        assert row["outcomes"]["coalesced reshaped"][:2] == ["ok", [3.0] * 8], row
+        assert row["outcomes"]["coalesced gather of an output"][:2] == [
+            "ok", [10.0, 10.0, 20.0, 20.0]], row
+        assert row["outcomes"]["coalesced reduce_scatter of an output"][:2] == [
+            "ok", [300.0, 300.0]], row
 
 
 PLAIN_INIT_JOB = r"""

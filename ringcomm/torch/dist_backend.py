@@ -142,12 +142,35 @@ def _refuse(comm: Any, problem: str | None) -> None:
         raise ValueError(problem)
 
 
-def _listed_twice(tensors: list[torch.Tensor]) -> bool:
-    """Whether a tensor is listed again in ``tensors`` (the same view of the same memory)."""
-    if len(tensors) < 2:
-        return False
-    keys = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors}
-    return len(keys) < len(tensors)
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch, [first, past the last): every element lies in between."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory (their spans overlap; strided views that
+    interleave without sharing count too: a copy too many, never one too few)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1 and a.device == b.device
+
+
+def _overlapping(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of ``tensors`` may share memory (one listed twice, or views of one)."""
+    return any(_meet(a, b) for i, a in enumerate(tensors) for b in tensors[i + 1:])
+
+
+def _apart(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``inputs`` of a coalesced call, each copied where it may share memory with another
+    member's output: every member reads its input as it was when the call was made (as gloo
+    does), not as an earlier member wrote it."""
+    if len(inputs) < 2:
+        return inputs
+    return [t.clone() if any(_meet(t, o) for j, o in enumerate(outputs) if j != i) else t
+            for i, t in enumerate(inputs)]
 
 
 def _fit_problem(collective: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -642,10 +665,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
 
         def run() -> list[torch.Tensor]:
-            # A tensor listed twice (all_reduce_coalesced) holds the sum once, as on gloo,
-            # which reduces the list's values as they were: copies reduced, then written
-            # back. As many collectives either way, on every rank.
-            work = [t.clone() for t in tensors] if _listed_twice(tensors) else tensors
+            # Tensors that share memory (all_reduce_coalesced of one tensor twice, or of views
+            # of one) hold the sum once, as on gloo, which reduces the list's values as they
+            # were: copies reduced, then written back. As many collectives either way, on
+            # every rank.
+            work = [t.clone() for t in tensors] if _overlapping(tensors) else tensors
             for t in work:
                 x = Operand(t)
                 with _refusing_ops("all_reduce"), in_torch_terms(comm, "all_reduce", t, x.array):
@@ -717,7 +741,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         def run() -> list[torch.Tensor]:
             _refuse(comm, _fit_problem("all_gather_into_tensor", outputs, inputs, size,
                                        gathering=True))
-            for output, input in zip(outputs, inputs, strict=True):
+            for output, input in zip(outputs, _apart(outputs, inputs), strict=True):
                 if _direct(output, input):  # into the output
                     comm.allgather(as_array(input).reshape(1, -1),
                                    out=as_array(output).reshape(size, -1))
@@ -790,7 +814,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         def run() -> list[torch.Tensor]:
             _refuse(comm, f"{what}: {wrong}" if wrong is not None else _fit_problem(
                 what, outputs, inputs, size, gathering=False))
-            for output, input in zip(outputs, inputs, strict=True):
+            for output, input in zip(outputs, _apart(outputs, inputs), strict=True):
                 direct = _direct(output, input)
                 with _refusing_ops("reduce_scatter"):
                     chunk = comm.reduce_scatter(
