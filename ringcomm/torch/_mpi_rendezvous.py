@@ -10,9 +10,11 @@ rank was passed, and an MPI launcher started the process (its rank and size vari
 rank 0's store listens on ``MASTER_PORT`` or a port the system picks, handed to the others
 over MPI (:func:`ringcomm.torch.process_group.mpi_store`). MPI's world must be the launcher's
 job (never a group of one in a larger job), and a ``world_size`` passed (or ``WORLD_SIZE``)
-must be its size: else every rank raises, as where ``RANK`` is set on some ranks of the launch
-only (every rank agrees over MPI which rendezvous to make). Everywhere else torch's own
-rendezvous runs, unchanged.
+must be its size: else every rank raises. Everywhere else torch's own rendezvous runs,
+unchanged. Not caught: ``RANK`` set on some ranks of a launch only. Those make torch's own
+rendezvous and the others MPI's, where MPICH's ``MPI_Init`` waits for every process of the
+launch; agreeing over MPI would start MPI in the ranks that set ``RANK``, which a job whose
+ranks set it and never use MPI would not expect.
 
 The wrapper replaces the entry of torch's handler table (``rendezvous._rendezvous_handlers``,
 which ``register_rendezvous_handler`` does not let a scheme be registered twice in); where a
@@ -24,11 +26,14 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from ringcomm.backends.gloo_held import pause_at_exit
+from ringcomm.backends.mpi_process import FORWARD_S, abort
+from ringcomm.comm.transport import write_fatal
 from ringcomm.core.launch import detect, mpi_launched
 from ringcomm.registry import mpi_world_text
 
@@ -69,36 +74,43 @@ def _query(url: str) -> dict[str, str]:
 
 
 def _from_mpi(url: str) -> bool:
-    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring): the
-    same answer on every rank of an MPI launch (a collective over MPI's world there), which
-    ranks that differ (``RANK`` set on some only) get as the same error, where each taking its
-    own path would leave the others waiting forever.
-
-    Raises:
-        ValueError: a rank is given on some ranks of the launch and not on others.
-    """
-    own = "RANK" in os.environ or "rank" in _query(url)
-    if not mpi_launched():
+    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring)."""
+    if "RANK" in os.environ or "rank" in _query(url):
         return False
-    from ringcomm.backends.mpi_process import import_mpi
-
-    try:
-        world = import_mpi().COMM_WORLD
-    except RuntimeError:  # no mpi4py: no rendezvous over MPI either
-        return False
-    given = world.allgather(own)
-    if all(given):
-        return False
-    if not any(given):
-        return True
-    raise ValueError(
-        f"init_process_group: a rank is set (RANK, or rank=) on MPI ranks "
-        f"{_ranks(given, True)} but not on {_ranks(given, False)}: set it on every rank, or "
-        f"on none under an MPI launcher (ringcomm then takes rank and size from MPI)")
+    return mpi_launched()
 
 
-def _ranks(given: list[bool], value: bool) -> str:
-    return ", ".join(str(r) for r, g in enumerate(given) if g == value)
+def _agreed_sizes(comm: Any, query: dict[str, str],
+                  timeout: datetime.timedelta) -> list[tuple[int, str]]:
+    """Every rank's world size as asked (``world_size=``, else ``WORLD_SIZE``; -1 for none)
+    and where it was said, gathered over MPI's world within ``timeout``: a rank of the launch
+    that took torch's own rendezvous (``RANK`` set there, or a rank passed) never comes, and
+    the others end the job (``MPI_Abort``, saying why) instead of waiting for it forever."""
+    import numpy as np
+
+    where = "world_size" if "world_size" in query else "WORLD_SIZE"
+    raw = query.get("world_size", os.environ.get("WORLD_SIZE", "-1")).strip()
+    value = int(raw) if raw.lstrip("-").isdigit() else -2  # -2: not a number
+    send = np.array([value, where == "world_size"], dtype=np.int64)
+    recv = np.empty((comm.Get_size(), 2), dtype=np.int64)
+    request = comm.Iallgather(send, recv)
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            # The job cannot go on (nor this process finalize MPI with a rank that never
+            # came): ended as ringcomm's timeouts end an MPI job.
+            error = RuntimeError(
+                f"init_process_group: MPI rank {comm.Get_rank()} of {comm.Get_size()} waited "
+                f"{seconds:g} s for the others in the rendezvous over MPI: not every rank of "
+                "the launch came. A rank where RANK is set (or a rank is passed) makes torch's "
+                "own rendezvous instead: set it on every rank, or on none")
+            write_fatal(error, "Ending the job (MPI_Abort).")
+            time.sleep(FORWARD_S)
+            abort(comm, 1)
+            raise error
+        time.sleep(0.001)
+    return [(int(v), "world_size" if w else "WORLD_SIZE") for v, w in recv]
 
 
 def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int, int]:
@@ -116,12 +128,10 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
             f"MPI is not the launcher's (launch with the mpiexec of the MPI mpi4py was built "
             f"with), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself")
     query = _query(url)
-    asked = query.get("world_size", os.environ.get("WORLD_SIZE", "-1"))
-    where = "world_size" if "world_size" in query else "WORLD_SIZE"
-    problem = None if asked.strip() in ("-1", str(size)) else f"{where}={asked}"
-    problems = comm.allgather(problem)
-    if any(problems):
-        said = "; ".join(f"{p} on rank {r}" for r, p in enumerate(problems) if p)
+    asked = _agreed_sizes(comm, query, _DEFAULT_TIMEOUT if timeout is None else timeout)
+    said = "; ".join(f"{where}={value} on rank {r}" for r, (value, where) in enumerate(asked)
+                     if value not in (-1, size))
+    if said:
         raise ValueError(f"init_process_group: {said}, but the job (MPI's world, "
                          f"{launched.describe()}) has {size} processes")
     port = int(os.environ.get("MASTER_PORT") or 0)

@@ -13,6 +13,7 @@ collected, so a new model's parameter never starts from a dead one's residual.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -32,7 +33,7 @@ class ResidualLayouts:
         feedback: the ErrorFeedback that stores the residuals under the buffers' names.
     """
 
-    __slots__ = ("__weakref__", "_dead", "_layouts", "_owner", "_stash", "_watched",
+    __slots__ = ("__weakref__", "_dead", "_layouts", "_lock", "_owner", "_stash", "_watched",
                  "feedback")
 
     def __init__(self, feedback: ErrorFeedback) -> None:
@@ -42,6 +43,8 @@ class ResidualLayouts:
         self._stash: dict[Hashable, Any] = {}
         self._watched: set[Hashable] = set()
         self._dead: list[Hashable] = []  # keys of collected tensors, not yet dropped
+        # align runs on the thread of the collectives, piece on the caller's: one at a time.
+        self._lock = threading.RLock()
 
     def watch(self, key: Hashable, tensor: Any) -> None:
         """Drop the residual kept under ``key`` (its piece, wherever it is) once ``tensor``,
@@ -80,6 +83,10 @@ class ResidualLayouts:
             like: the flat buffer as an array (the residual is created on its device, with its
                 length), or a function returning it, called only if a residual is created.
         """
+        with self._lock:
+            self._align(name, layout, like)
+
+    def _align(self, name: str, layout: Layout, like: Any | Callable[[], Any]) -> None:
         self._bury()
         if self._layouts.get(name) == layout:
             return
@@ -113,6 +120,10 @@ class ResidualLayouts:
 
     def piece(self, key: Hashable) -> Any | None:
         """The residual kept for one tensor (a flat float32 array), or None if it has none."""
+        with self._lock:
+            return self._piece(key)
+
+    def _piece(self, key: Hashable) -> Any | None:
         self._bury()
         if key in self._stash:
             return self._stash[key]
@@ -127,6 +138,10 @@ class ResidualLayouts:
 
     def scale(self, factor: float) -> None:
         """Multiply every residual, and every piece waiting for a buffer, by ``factor``."""
+        with self._lock:
+            self._scale(factor)
+
+    def _scale(self, factor: float) -> None:
         for name in self.feedback.names():
             residual = self.feedback.residual(name)
             if residual is not None:

@@ -177,6 +177,9 @@ def test_named_compressed_allreduce_keeps_error_feedback(h, compression):
         got += out.double().numpy()
     held = sum(MPI.COMM_WORLD.allgather(ef.residual("reference").astype(np.float64)))
     np.testing.assert_allclose(SIZE * got + held, sent, atol=1e-4 * np.abs(sent).max())
+    # The name for a tensor of another size (a last, partial batch): it starts afresh.
+    out = h.allreduce(torch.ones(1000), name=f"grad.{compression}", compression=comp)
+    assert out.shape == (1000,) and same_on_all_ranks(out)
 
 
 CASES = {

@@ -293,6 +293,12 @@ def test_join_with_a_compressed_optimizer_keeps_the_mass(h, compression):
     w = torch.nn.Parameter(torch.zeros(4096))
     opt = h.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
                                  compression=comp)
+    # A second model whose parameter has the same name (a GAN's, a teacher's): its buckets
+    # go by the same name, and a joined rank must tell them apart (its residual, 100x larger,
+    # went into the first one's average).
+    other = torch.nn.Parameter(torch.zeros(4096))
+    opt2 = h.DistributedOptimizer(torch.optim.SGD([other], lr=1.0),
+                                  named_parameters=[("w", other)], compression=comp)
     gen = torch.Generator().manual_seed(5 + RANK)
     sent = np.zeros(4096)
     for _ in range(4 if RANK != 1 else 2):
@@ -301,6 +307,9 @@ def test_join_with_a_compressed_optimizer_keeps_the_mass(h, compression):
         sent += c.double().numpy()
         (w * c).sum().backward()
         opt.step()
+        opt2.zero_grad()
+        (other * 100 * torch.randn(4096, generator=gen)).sum().backward()
+        opt2.step()
     h.join()
     piece = opt._residuals.piece("w")
     held = MPI.COMM_WORLD.allreduce(np.zeros(4096) if piece is None else piece.astype(float))
@@ -320,6 +329,17 @@ def test_named_compressed_allreduce_with_a_joined_rank(h):
     if RANK != 1:
         out = h.allreduce(x, name="compressed_join", compression=h.Compression.int8)
         assert torch.allclose(out, torch.full((4096,), 6.0 * (SIZE - 1) / SIZE), rtol=1e-2)
+    h.join()
+
+
+def test_a_name_used_compressed_then_plain_with_a_joined_rank(h):
+    """A name first used for an int8 allreduce, then for a plain one while a rank has joined:
+    the joined rank sends plain zeros (it sent int8 ones: the others raised)."""
+    needs_two()
+    h.allreduce(torch.ones(8), name="reused", compression=h.Compression.int8)
+    if RANK != 1:
+        out = h.allreduce(torch.full((8,), 3.0), name="reused", op=h.Sum)
+        assert torch.equal(out, torch.full((8,), 3.0 * (SIZE - 1)))
     h.join()
 
 

@@ -19,11 +19,13 @@ from ringcomm.comm.base import Communicator
 __all__ = ["JOINED_RUNS", "Op", "ReduceSpec", "describe"]
 
 #: What a rank that has joined runs for a compressed allreduce the others make, by the
-#: operation's name: ``run(comm, meta)`` contributes zeros through the same compression, name
-#: and error feedback as the others (which every rank's call must agree on). Set by the
-#: operations and optimizers that compress, on every rank alike (a joined rank made them in
-#: the steps before it ran out of data); an allreduce not found here gets plain zeros.
-JOINED_RUNS: dict[str, Callable[[Communicator, dict[str, Any]], None]] = {}
+#: ``owner`` its meta names (``"allreduce"`` for hvd.allreduce, one per compressing
+#: DistributedOptimizer) and the operation's name: ``run(comm, meta)`` contributes zeros
+#: through the same compression, name and error feedback as the others (which every rank's
+#: call must agree on). Set by the operations and optimizers that compress, on every rank
+#: alike (a joined rank made them in the steps before it ran out of data); an allreduce whose
+#: meta names no owner, or one not found here, gets plain zeros.
+JOINED_RUNS: dict[tuple[str, str], Callable[[Communicator, dict[str, Any]], None]] = {}
 
 
 @dataclasses.dataclass

@@ -75,9 +75,11 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
             raise HorovodInternalError(f"{entry.kind} {entry.user_name!r} reached a joined rank")
         if m is not None and m.op.run is not None:
             return [m.op.run(comm)]
-        joined = JOINED_RUNS.get(entry.user_name) if m is None else None
+        meta = next(iter(entry.metas.values()))
+        owner = meta.get("owner") if m is None else None
+        joined = JOINED_RUNS.get((owner, entry.user_name)) if owner is not None else None
         if joined is not None:
-            joined(comm, next(iter(entry.metas.values())))
+            joined(comm, meta)
             return [None]
     return reduce_fused(comm, [_spec(o) for o in group])
 

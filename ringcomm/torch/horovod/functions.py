@@ -77,8 +77,9 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
     spec = ReduceSpec(tensor, dst, op, pre, post, ring,
                       f"allreduce.{name}" if feedback and ring is not None and name else None)
     if ring is not None and name is not None:
-        JOINED_RUNS[name] = functools.partial(_joined_reduce, op, pre, post, ring,
-                                              spec.feedback_name)
+        meta["owner"] = "allreduce"  # what a joined rank runs for it (JOINED_RUNS)
+        JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, op, pre, post, ring,
+                                                           spec.feedback_name)
     return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 

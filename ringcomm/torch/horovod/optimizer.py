@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import threading
 import warnings
@@ -113,6 +114,9 @@ class _DistributedOptimizer(_OptimizerMixin):
         custom = None if isinstance(compression, NoneCompressor) else compression
         pre, post = (1.0 / predivide, predivide) if op is Average else (1.0, 1.0)
         self._residuals = ResidualLayouts(ErrorFeedback()) if feedback else None
+        # Compressing optimizers are numbered in the order they are made (the same on every
+        # rank): a joined rank finds by it which one's buckets the others reduce.
+        self._owner = f"optimizer{next(_COMPRESSING)}" if ring is not None else ""
         self._reduction = Reduction(self._comm, op, pre, post, custom, ring, self._residuals)
         self._hooked: set[int] = set()
         self._planned: tuple[int, ...] | None = None
@@ -168,7 +172,7 @@ class _DistributedOptimizer(_OptimizerMixin):
         me = weakref.ref(self)
         if self._reduction.ring is not None:  # a joined rank's part in each bucket
             for b in self._buckets:
-                JOINED_RUNS[b.name] = functools.partial(_joined_bucket, me, b)
+                JOINED_RUNS[self._owner, b.name] = functools.partial(_joined_bucket, me, b)
 
         def hook(t: torch.Tensor) -> None:
             opt = me()  # weak: the parameters must not keep the optimizer alive
@@ -231,6 +235,8 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
                 "parameters": zlib.crc32(repr(bucket.layout).encode())}
+        if self._reduction.ring is not None:
+            meta["owner"] = self._owner  # which optimizer a joined rank runs it with
         op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
                 nbytes=bucket.numel * grad.element_size(), process_set=self._process_set)
         self._handles.append((None, enqueue(op)))
@@ -321,6 +327,9 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._handles, self._fresh, self._synchronized = [], True, False
         self._should_synchronize = True
         return super().load_state_dict(state_dict)
+
+
+_COMPRESSING = itertools.count()
 
 
 def _joined_bucket(opt_ref: weakref.ref[_DistributedOptimizer], bucket: Bucket, comm: Any,
