@@ -265,6 +265,8 @@ def test_error_feedback_kept_for_parameters_a_step_leaves_unused(fresh_comm, com
     applied plus every rank's residual, also for a parameter no rank (or one rank) used at some
     steps. Before, the residual of a parameter that no rank used was sent and dropped by DDP
     with that parameter's share of the result (TopK lost 42% of it, PowerSGD 34%)."""
+    if SIZE < 2:
+        pytest.skip("one rank compresses nothing")
     net = SometimesUsed(rank0_always)
     model = DDP(net, find_unused_parameters=True)
     comp = {"topk": ringcomm.TopK(0.1), "int8": ringcomm.Int8(),

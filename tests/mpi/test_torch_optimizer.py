@@ -242,6 +242,8 @@ def test_residuals_follow_the_loss_scale_of_a_grad_scaler(h, follow):
     residuals; without it they do not (what the test shows it can tell apart)."""
     import numpy as np
 
+    if SIZE < 2:
+        pytest.skip("one rank compresses nothing")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
