@@ -83,9 +83,10 @@ def _from_mpi(url: str) -> bool:
 def _agreed_sizes(comm: Any, query: dict[str, str],
                   timeout: datetime.timedelta) -> list[tuple[int, str]]:
     """Every rank's world size as asked (``world_size=``, else ``WORLD_SIZE``; -1 for none)
-    and where it was said, gathered over MPI's world within ``timeout``: a rank of the launch
-    that took torch's own rendezvous (``RANK`` set there, or a rank passed) never comes, and
-    the others end the job (``MPI_Abort``, saying why) instead of waiting for it forever."""
+    and where it was said, gathered over MPI's world within ``timeout``: where a rank of the
+    launch never comes (it took torch's own rendezvous, under an MPI whose start does not wait
+    for every process as MPICH's does), the others end the job (``MPI_Abort``, saying why)
+    instead of waiting for it forever."""
     import numpy as np
 
     where = "world_size" if "world_size" in query else "WORLD_SIZE"
