@@ -64,6 +64,12 @@ class ErrorFeedback:
         """Whether a residual is kept under ``name`` (without handing it out)."""
         return name in self._residuals
 
+    def length(self, name: str) -> int | None:
+        """How many elements the residual kept under ``name`` has (without handing it out),
+        or None where none is kept."""
+        res = self._residuals.get(name)
+        return None if res is None else int(res.size)
+
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of ``name``, or all residuals."""
         if name is None:

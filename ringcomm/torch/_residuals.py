@@ -13,6 +13,7 @@ collected, so a new model's parameter never starts from a dead one's residual.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -20,7 +21,7 @@ from typing import Any
 
 from ringcomm.codecs.feedback import ErrorFeedback
 
-__all__ = ["Layout", "ResidualLayouts"]
+__all__ = ["Layout", "ResidualLayouts", "check_grad_scaler", "rescaling"]
 
 #: (tensor key, offset in the buffer, number of elements) per tensor of a buffer.
 Layout = tuple[tuple[Hashable, int, int], ...]
@@ -152,6 +153,22 @@ class ResidualLayouts:
     def pending(self) -> int:
         """Number of tensors whose residual waits for a buffer to hold them again."""
         return len(self._stash)
+
+
+def check_grad_scaler(grad_scaler: Any) -> None:
+    """Raise TypeError unless ``grad_scaler`` is None or has a GradScaler's ``get_scale()``."""
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()), got "
+                        f"{type(grad_scaler).__qualname__}")
+
+
+def rescaling(before: float | None, scale: float) -> float | None:
+    """The factor that takes residuals kept at loss scale ``before`` to ``scale``; None where
+    there is nothing to do (the first scale seen, the same one, or one not finite and
+    positive)."""
+    if before is None or scale == before or not (0 < scale < math.inf and before > 0):
+        return None
+    return scale / before
 
 
 class _Gone:

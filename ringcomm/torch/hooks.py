@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +49,7 @@ from ringcomm.core import trace
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._iteration_trials import IterationTrials
-from ringcomm.torch._residuals import Layout, ResidualLayouts
+from ringcomm.torch._residuals import Layout, ResidualLayouts, check_grad_scaler, rescaling
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
 from ringcomm.torch.compression import ring_of
@@ -173,9 +172,7 @@ class RingcommState:
         self._trials = (IterationTrials(auto, start_iter)
                         if auto is not None and auto.rounds > 0 and comm.size > 1 else None)
         self._ticked = -1  # the iteration whose first bucket the trials have seen
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()), "
-                            f"got {type(grad_scaler).__qualname__}")
+        check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
         self._scale: float | None = None  # the loss scale the residuals are in
         # The model register_ddp_hook gave this state to (a weak reference), or None: one
@@ -295,11 +292,9 @@ class RingcommState:
         since the last iteration (on the engine, before this iteration's calls)."""
         assert self.grad_scaler is not None
         scale = float(self.grad_scaler.get_scale())
-        before, self._scale = self._scale, scale
-        if before is None or scale == before or not (0 < scale < math.inf and before > 0):
-            return
-        factor = scale / before
-        self._engine.run(lambda: self._residuals.scale(factor))
+        factor, self._scale = rescaling(self._scale, scale), scale
+        if factor is not None:
+            self._engine.run(lambda: self._residuals.scale(factor))
 
     def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Compression:
         """The compressor for the bucket: ``compression`` told the shapes of its gradients, in
@@ -372,7 +367,7 @@ def _hold_idle(feedback: ErrorFeedback, array: Any, layout: Layout | None,
     result: a residual sent there would be lost. So what a rank holds for a tensor waits for a
     step whose gradient there is not all zero (a used tensor whose gradient is all zero waits
     too, and loses nothing)."""
-    if layout is None or name is None:
+    if layout is None or name is None or not feedback.holds(name):
         return []
     flat = array.reshape(-1)
     spans = [(off, n) for _, off, n in layout if n]
@@ -382,7 +377,7 @@ def _hold_idle(feedback: ErrorFeedback, array: Any, layout: Layout | None,
     firsts = _ops.get(flat).to_host(flat[[off for off, _ in spans]])
     idle = [(off, n) for (off, n), first in zip(spans, firsts, strict=True)
             if first == 0 and not bool(flat[off: off + n].any())]
-    if not idle or not feedback.holds(name):
+    if not idle:
         return []
     residual = feedback.take(name, flat)
     held = []

@@ -78,10 +78,10 @@ def _reduce_into(comm: Communicator, spec: ReduceSpec, src: torch.Tensor,
                  dst: torch.Tensor) -> None:
     """``src`` reduced into ``dst`` with ``spec``'s op, scaling and compression."""
     name = spec.feedback_name
-    feedback = None if name is None else feedback_of(comm)
-    if feedback is not None and feedback.holds(name):  # type: ignore[arg-type]
-        held = feedback.residual(name)  # type: ignore[arg-type]
-        if held is not None and held.size != src.numel():
+    feedback = None
+    if name is not None:
+        feedback = feedback_of(comm)
+        if feedback.length(name) not in (None, src.numel()):
             feedback.reset(name)  # the name now names a tensor of another size: afresh
     allreduce_tensor(comm, src, dst, op=spec.op, prescale=spec.prescale,
                      postscale=spec.postscale, compression=spec.ring, feedback=feedback,

@@ -24,7 +24,7 @@ from ringcomm.torch.horovod._fusion import reduce_fused
 from ringcomm.torch.horovod._ops import JOINED_RUNS, ReduceSpec
 from ringcomm.torch.horovod._table import Outcome, meta_dtype
 
-__all__ = ["run_group"]
+__all__ = ["run_group", "zeros_spec"]
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -87,11 +87,17 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
 def _spec(o: Outcome) -> ReduceSpec:
     if o.mine is not None and o.mine.op.reduce is not None:
         return o.mine.op.reduce
-    # This rank joined: it contributes zeros of the agreed dtype and shape.
-    meta = next(iter(o.entry.metas.values()))
+    return zeros_spec(next(iter(o.entry.metas.values())))  # this rank joined
+
+
+def zeros_spec(meta: dict[str, Any], ring: Any = None,
+               feedback_name: str | None = None) -> ReduceSpec:
+    """A joined rank's part in the allreduce the others describe by ``meta``: zeros of the
+    agreed dtype and shape, with its op and scaling (and, for a compressed one, the same
+    compression and error feedback)."""
     zeros = torch.zeros(meta["shape"], dtype=meta_dtype(meta["dtype"]))
     return ReduceSpec(zeros, zeros, ReduceOp[meta["op"]], meta.get("prescale", 1.0),
-                      meta.get("postscale", 1.0))
+                      meta.get("postscale", 1.0), ring, feedback_name)
 
 
 def _surroundings(comm: Communicator) -> Any:

@@ -38,7 +38,7 @@ from ringcomm.torch.horovod._basics import (
 from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
 from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe
 from ringcomm.torch.horovod._reduce import parse_op
-from ringcomm.torch.horovod._table import meta_dtype
+from ringcomm.torch.horovod._runs import zeros_spec
 
 __all__ = [
     "allgather",
@@ -78,18 +78,17 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
                       f"allreduce.{name}" if feedback and ring is not None and name else None)
     if ring is not None and name is not None:
         meta["owner"] = "allreduce"  # what a joined rank runs for it (JOINED_RUNS)
-        JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, op, pre, post, ring,
+        JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, ring,
                                                            spec.feedback_name)
     return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 
 
-def _joined_reduce(op: ReduceOp, pre: float, post: float, ring: Any,
-                   feedback_name: str | None, comm: Any, meta: dict[str, Any]) -> None:
-    """A joined rank's part in a compressed allreduce: zeros of the agreed dtype and shape,
-    through the same compression and error feedback (its residual goes out with them)."""
-    zeros = torch.zeros(meta["shape"], dtype=meta_dtype(meta["dtype"]))
-    reduce_fused(comm, [ReduceSpec(zeros, zeros, op, pre, post, ring, feedback_name)])
+def _joined_reduce(ring: Any, feedback_name: str | None, comm: Any,
+                   meta: dict[str, Any]) -> None:
+    """A joined rank's part in a compressed allreduce: zeros through the same compression and
+    error feedback (its residual goes out with them)."""
+    reduce_fused(comm, [zeros_spec(meta, ring, feedback_name)])
 
 
 def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:
@@ -265,8 +264,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     comp = as_compression(compression)
     if isinstance(comp, RingCompressor) or comp is Compression.none:
         feedback = isinstance(comp, RingCompressor) and comp.error_feedback
-        if isinstance(comp, RingCompressor) and feedback and name is None:
-            _unnamed_feedback(comp)
+        if feedback and name is None:
+            _unnamed_feedback(_ring(comp))
         return _Allreduce.apply(tensor, name, rop, prescale_factor, postscale_factor,
                                 _ring(comp), process_set, feedback)
     compressed, ctx = comp.compress(tensor)
@@ -275,13 +274,13 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return comp.decompress(out, ctx)
 
 
-def _unnamed_feedback(comp: RingCompressor) -> None:
+def _unnamed_feedback(ring: Any) -> None:
     """Say once per compressor that an unnamed call keeps no error feedback."""
-    if comp.ring not in _WARNED:
-        _WARNED.append(comp.ring)
+    if ring not in _WARNED:
+        _WARNED.append(ring)
         _LOG.warning("hvd.allreduce with compression=%r and no name keeps no error feedback: "
                      "what compression does not send is lost; give the call a name (the same "
-                     "at every step) to keep it", comp.ring)
+                     "at every step) to keep it", ring)
 
 
 def _check_tensor(tensor: Any) -> None:

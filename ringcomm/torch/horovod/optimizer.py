@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import math
 import threading
 import warnings
 import weakref
@@ -28,7 +27,7 @@ import torch
 
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.torch._errors import HorovodInternalError
-from ringcomm.torch._residuals import ResidualLayouts
+from ringcomm.torch._residuals import ResidualLayouts, check_grad_scaler, rescaling
 from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
 from ringcomm.torch.horovod._basics import (
     Average,
@@ -158,9 +157,9 @@ class _DistributedOptimizer(_OptimizerMixin):
         """Rescale the residuals by new loss scale / old where the grad scaler's changed (at a
         step's first gradient: the last step's reductions are over)."""
         scale = float(self._grad_scaler.get_scale())
-        before, self._scale = self._scale, scale
-        if before is not None and scale != before and 0 < scale < math.inf and before > 0:
-            residuals.scale(scale / before)
+        factor, self._scale = rescaling(self._scale, scale), scale
+        if factor is not None:
+            residuals.scale(factor)
 
     def _plan(self, active: list[Any], key: tuple[int, ...]) -> None:
         custom = self._reduction.compression is not None and self._reduction.ring is None
@@ -432,9 +431,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     names = _names(optimizer, named_parameters)
     comp = as_compression(compression)
     threshold = fusion_threshold(fusion_threshold_bytes)
-    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()), got "
-                        f"{type(grad_scaler).__qualname__}")
+    check_grad_scaler(grad_scaler)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     opt = cls(optimizer, names, comp, passes, rop, float(gradient_predivide_factor), threshold,
               sparse_as_dense, overlap, process_set)
