@@ -235,19 +235,18 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         why), the launcher, rank and size, and the options to stderr (logger ``ringcomm.init``).
 
     Raises:
-        ValueError: unknown backend, or ``mpi_comm`` with backend "gloo" (before anything
-            starts).
+        ValueError: unknown backend (on every rank: under an MPI launch once MPI started),
+            or ``mpi_comm`` with backend "gloo" (before anything starts).
         InvalidArgumentError, InvalidTypeError: a bad value or type for an option or its
             environment variable on some rank (the message names the ranks, the option or
             variable, its value and what is expected), raised on every rank.
-        ArgumentMismatchError: a setting differs between ranks (raised on every rank).
+        ArgumentMismatchError: a setting, or the backend asked for (under an MPI launch,
+            where every backend but gloo starts MPI), differs between ranks (raised on every
+            rank).
         RuntimeError: the chosen backend cannot start here (missing package, no GPU; the
             message says what to install), or the communicator would not span the job that
             the launcher started (the message names the launcher's variables).
     """
-    if backend != "auto" and backend not in _backends.REGISTRY:
-        raise ValueError(f"unknown backend {backend!r}; expected one of "
-                         f"{', '.join(('auto', *_backends.REGISTRY))}")
     if backend == "gloo" and mpi_comm is not None:
         raise ValueError("mpi_comm is for the mpi and nccl backends; backend 'gloo' runs over "
                          f"torch.distributed's default group, got mpi_comm={mpi_comm!r}")
@@ -260,6 +259,12 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         raise RuntimeError(_lightning_hint(info))
     _check_torch_group(info)
     _log.set_rank(info.rank, info.size)
+    # Under an MPI launch, the backend asked for is agreed first (over MPI), an unknown one
+    # included: raised alone, before MPI starts, it left the others in MPI's start-up.
+    _backends.agree_backend(backend, mpi_comm, info, options.timeout)
+    if backend != "auto" and backend not in _backends.REGISTRY:
+        raise ValueError(f"unknown backend {backend!r}; expected one of "
+                         f"{', '.join(('auto', *_backends.REGISTRY))}")
     if backend == "auto":
         backend, why = _backends.choose_auto(mpi_comm, info, options.timeout)
         why = f"auto: {why}"

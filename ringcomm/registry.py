@@ -121,6 +121,44 @@ register(Backend("nccl", "the NCCL communicator", _build_nccl))
 register(Backend("gloo", "torch.distributed's default group", _build_gloo))
 
 
+def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float) -> None:
+    """Agree on the ``backend`` asked for, over MPI, where every backend but gloo would start
+    MPI first (an MPI launch, or ``mpi_comm`` given; not over torch.distributed): a collective
+    before any backend's own, so that ranks asking for different ones (whose start-ups make
+    different collectives) or one naming none raise the same error instead of reading each
+    other's messages, or waiting in MPI's start-up for a rank that raised before it.
+
+    Raises:
+        ArgumentMismatchError: the ranks asked for different backends (on every rank).
+        ValueError: every rank named the same unknown backend.
+        CollectiveTimeoutError: a rank never came within ``timeout`` (the job ends first,
+            ``MPI_Abort``, as at every timeout of the MPI backend).
+
+    A rank that asks for gloo takes no part (its processes may form a torch.distributed group
+    of some of MPI's ranks, without MPI): one that asks for gloo where the others ask for
+    another backend leaves them in MPI's start-up (a documented limit).
+    """
+    from ringcomm.backends.mpi_process import gather_names, import_mpi, mpi_world_is_job
+
+    if backend == "gloo" or (mpi_comm is None and (info.over_torch or not mpi_world_is_job())):
+        return
+    try:
+        comm = mpi_comm if mpi_comm is not None else import_mpi().COMM_WORLD
+    except RuntimeError:  # no mpi4py: the backend says so as it starts
+        return
+    if comm.Get_size() == 1:
+        return
+    names = gather_names(comm, str(backend), timeout, "init")
+    if len(set(names)) > 1:
+        from ringcomm.comm._mismatch import rank_groups
+        from ringcomm.core.types import ArgumentMismatchError
+
+        raise ArgumentMismatchError(
+            f"init: backend differs between ranks: {rank_groups(names)}. Every rank must ask "
+            "for the same backend", kind="init", ranks=tuple(range(len(names))),
+            differences={"backend": tuple(names)})
+
+
 def _mpi_world_size() -> int | None:
     """How many processes MPI.COMM_WORLD has (1 where MPI did not launch this one and it did not
     join torchrun's processes: then MPI is not started, see ``launch.mpi_launched``), or None

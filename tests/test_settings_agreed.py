@@ -91,6 +91,29 @@ def test_setting_that_differs_fails_every_rank(mpiexec, subprocess_env, variable
     assert lines[0].startswith(f"ArgumentMismatchError: init: {expected}"), lines
 
 
+BACKEND_PROBE = PROBE.replace('ringcomm.init("mpi",',
+                              'ringcomm.init(os.environ.get("PROBE_BACKEND", "mpi"), timeout=60,')
+
+
+@pytest.mark.parametrize(("value", "other", "expected"), [
+    ("bogus", None, "ArgumentMismatchError: init: backend differs between ranks: bogus on "
+                    "rank 0; mpi on rank 1"),
+    ("auto", None, "ArgumentMismatchError: init: backend differs between ranks: auto on "
+                   "rank 0; mpi on rank 1"),
+    ("nccl", None, "ArgumentMismatchError: init: backend differs between ranks: nccl on "
+                   "rank 0; mpi on rank 1"),
+    ("bogus", "bogus", "ValueError: unknown backend 'bogus'; expected one of auto, mpi"),
+])
+def test_backend_that_differs_fails_every_rank(mpiexec, subprocess_env, value, other, expected):
+    """The backend asked for, agreed over MPI before any backend starts: an unknown one on
+    rank 0 only left rank 1 in MPI's start-up forever (rank 0 raised before MPI started), and
+    "auto" or "nccl" against "mpi" read each other's start-up messages (a TypeError on one
+    rank, a timeout on the other)."""
+    lines = _run_two(mpiexec, subprocess_env, "PROBE_BACKEND", value, other, BACKEND_PROBE)
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(expected), lines
+
+
 def test_the_same_settings_on_every_rank_start(mpiexec, subprocess_env):
     lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_SEGMENT_BYTES", "4096", "4K")
     assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines

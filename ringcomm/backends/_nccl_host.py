@@ -18,7 +18,7 @@ import numpy as np
 
 from ringcomm import ops as _ops
 from ringcomm.comm.transport import TransportBase
-from ringcomm.core.types import RING, Array, ReduceOp, Request
+from ringcomm.core.types import RING, Array, ReduceOp, Request, drops_nan_natively
 
 __all__ = ["StagedHost", "host_transport", "staged_sendrecv"]
 
@@ -114,8 +114,9 @@ class StagedHost(TransportBase):
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """ncclAllReduce of a device copy of ``x``, copied back into ``out``; True, except for
-        dtypes CuPy has no arrays of (bfloat16: the ring runs, on staged exchanges)."""
-        if x.dtype.kind == "V":
+        dtypes CuPy has no arrays of (bfloat16: the ring runs, on staged exchanges) and the
+        min and max of floats (NCCL's drop a NaN)."""
+        if x.dtype.kind == "V" or drops_nan_natively(op, x.dtype):
             return False
         t = self._t
         with t.device_scope():
@@ -126,9 +127,10 @@ class StagedHost(TransportBase):
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """ncclReduceScatter of a device copy of ``x`` where the length divides by the size
-        (and CuPy has arrays of the dtype); None otherwise (the ring runs)."""
+        (and CuPy has arrays of the dtype, and NCCL's op keeps a NaN); None otherwise (the
+        ring runs)."""
         t = self._t
-        if x.size % self.size or x.dtype.kind == "V":
+        if x.size % self.size or x.dtype.kind == "V" or drops_nan_natively(op, x.dtype):
             return None
         with t.device_scope():
             part = t.native_reduce_scatter(t.upload(x), op)

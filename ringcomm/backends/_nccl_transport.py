@@ -25,7 +25,15 @@ from ringcomm.comm.transport import (
     split_members,
 )
 from ringcomm.core.log import get_logger
-from ringcomm.core.types import RING, Array, CollectiveError, ReduceOp, Request, Transport
+from ringcomm.core.types import (
+    RING,
+    Array,
+    CollectiveError,
+    ReduceOp,
+    Request,
+    Transport,
+    drops_nan_natively,
+)
 
 __all__ = ["NCCLTransport"]
 
@@ -312,10 +320,13 @@ class NCCLTransport(TransportBase):
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """Enqueue ncclAllReduce of flat ``x`` into flat ``out`` (which may be ``x``) on the
-        current stream; True, since NCCL reduces every dtype and op ringcomm takes.
+        current stream; True, except for the min and max of floats, which the ring runs
+        (NCCL's ``fmaxf``/``fminf`` drop a NaN, ringcomm's propagate it, as NumPy's do).
 
         16-bit floats are summed in their own precision (the ring sums them in float32).
         """
+        if drops_nan_natively(op, x.dtype):
+            return False
         if x.size:
             self._reduce("ncclAllReduce", x, out, x.size, op)
         self.count_native(x.nbytes)  # as NCCL's ring moves it
@@ -323,8 +334,9 @@ class NCCLTransport(TransportBase):
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
         """ncclReduceScatter when the length divides by the size; None otherwise (the ring
-        runs, with the same chunks: rank r gets ``[r * L // size, (r + 1) * L // size)``)."""
-        if x.size % self.size:
+        runs, with the same chunks: rank r gets ``[r * L // size, (r + 1) * L // size)``), and
+        for the min and max of floats (NCCL's drop a NaN)."""
+        if x.size % self.size or drops_nan_natively(op, x.dtype):
             return None
         count = x.size // self.size
         with self.device_scope():

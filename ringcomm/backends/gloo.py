@@ -359,6 +359,19 @@ class TorchDistTransport(TransportBase):
         torch.cuda.current_stream(tensor.device).synchronize()
         self.count_native(x.nbytes)
 
+    def takes_native_start(self, x: Array, op: ReduceOp) -> bool:
+        """Whether ``start_native_allreduce`` starts ``x`` (dtype, op, size limit)."""
+        return self._reduces_natively(np.dtype(x.dtype), x.nbytes, op)
+
+    def finished_allreduce(self, x: Array) -> torch.futures.Future:
+        """A Future completed with ``x`` as a tensor (sharing its memory; CUDA-aware for a
+        CUDA array), as ``start_native_allreduce``'s completes."""
+        tensor = torch.from_numpy(x) if type(x) is np.ndarray else torch.from_dlpack(x)
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[tensor.device] if tensor.is_cuda else None)
+        result.set_result(tensor)
+        return result
+
     def start_native_allreduce(self, x: Array, op: ReduceOp) -> torch.futures.Future | None:
         """gloo's own allreduce of ``x`` in place (host, or device: gloo copies a CUDA tensor
         through pinned host memory on a stream of its own, after the work queued on the

@@ -56,6 +56,7 @@ from ringcomm.core.types import (
     Array,
     InvalidArgumentError,
     ReduceOp,
+    drops_nan_natively,
 )
 
 __all__ = ["MPICommunicator", "MPITransport"]
@@ -260,17 +261,18 @@ class MPITransport(TransportBase):
         (each partial sum is formed once, or by both partners as a + b = b + a);
         ``tests/mpi/test_allreduce_native.py`` holds the MPI here to that.
         """
-        if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes):
+        if type(x) is not np.ndarray or not self._reduces_natively(x.dtype, x.nbytes, op):
             return False
         if x is not out and np.may_share_memory(x, out):
             x = out  # out=x reaches here as another view (partial overlaps are refused)
         self._allreduce_of(x.dtype, x.nbytes, op)(x, out)
         return True
 
-    def _reduces_natively(self, dtype: np.dtype, nbytes: int) -> bool:
-        """Whether MPI's own allreduce takes a host array of ``dtype`` and ``nbytes``."""
+    def _reduces_natively(self, dtype: np.dtype, nbytes: int, op: ReduceOp) -> bool:
+        """Whether MPI's own allreduce takes a host array of ``dtype`` and ``nbytes`` for
+        ``op`` (not the min or max of floats: MPI's may drop a NaN)."""
         return (nbytes <= self.native_allreduce_bytes and dtype in _NATIVE_DTYPES
-                and dtype.isnative)
+                and dtype.isnative and not drops_nan_natively(op, dtype))
 
     def prepare_native_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
                                  ) -> Callable[[np.ndarray, np.ndarray], None] | None:
@@ -281,7 +283,7 @@ class MPITransport(TransportBase):
         allow it only, so this sets up nothing collective: the MPI allreduce is chosen (and
         a persistent one made) at the first call of the result, after the agreement, where
         ``native_allreduce`` would make it."""
-        if not self._reduces_natively(dtype, nbytes):
+        if not self._reduces_natively(dtype, nbytes, op):
             return None
         ready = self._allreduces.get((dtype, nbytes, op))
         if ready is not None:

@@ -109,6 +109,41 @@ def world_numbers_alike(rank: int, size: int) -> bool:
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
 FORWARD_S = 0.2
 
+_NAME_BYTES = 32  # a backend's name as the ranks compare it (longer ones are cut)
+
+
+def gather_names(comm: Any, name: str, timeout: float, what: str) -> list[str]:
+    """Every rank's ``name`` over ``comm`` (MPI), in rank order: a collective that waits at
+    most ``timeout`` seconds for the others, then ends the job (``MPI_Abort``, after saying
+    why, naming ``what``: the collective, as init agrees on it), as every timed-out wait of
+    the MPI backend does; the job cannot go on with a rank that never came."""
+    import numpy as np
+
+    from ringcomm.comm.transport import write_fatal
+    from ringcomm.core.types import CollectiveTimeoutError
+
+    send = np.zeros(_NAME_BYTES, np.uint8)
+    mine = name.encode("utf-8", "replace")[:_NAME_BYTES]
+    send[:len(mine)] = np.frombuffer(mine, np.uint8)
+    size = comm.Get_size()
+    recv = np.empty((size, _NAME_BYTES), np.uint8)
+    request = comm.Iallgather(send, recv)
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            error = CollectiveTimeoutError(
+                f"{what} timed out on rank {comm.Get_rank()} of {size} after {timeout:.1f} s "
+                "waiting for the other ranks (the backend agreement): a rank may have exited, "
+                "stopped, asked for gloo, or be elsewhere. The timeout is "
+                f"{timeout:g} s: change it with ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT",
+                kind=what, elapsed=timeout, timeout=timeout)
+            write_fatal(error, "Ending the job (MPI_Abort).")
+            time.sleep(FORWARD_S)  # for the launcher to forward it before the job ends
+            abort(comm, 1)
+            raise error
+        time.sleep(0.001)
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in recv]
+
 
 def install_abort_hook() -> None:
     """Make an uncaught exception on one rank end the whole job instead of hanging it.

@@ -142,24 +142,31 @@ class Allreduce:
     def start(self, plan: AllreducePlan, x: Array) -> Any | None:
         """Start a dense allreduce of ``x`` in place where the transport runs it on threads of
         its own (``start_native_allreduce``), after agreeing on the call, and return what the
-        transport returns; None where nothing was started (the caller then runs the call
-        through ``run``, agreeing on it there).
+        transport returns; None where nothing was started, nor exchanged (the caller then
+        runs the call through ``run``, agreeing on it there).
 
-        Every rank decides alike: the inline size first (a rank whose size differs is caught
-        by the exchange of whichever call it makes next), then, once agreed, from the call
-        (size, dtype, op, algorithm) and settings every rank holds alike. A call whose
-        arguments failed their checks raises here, on every rank.
+        Whether to start is decided before the agreement, from the call (size, dtype, op)
+        and settings every rank holds alike: a rank that decides otherwise passed another
+        call, which the exchange of whichever call it makes next refuses on every rank.
+        Returning None after it would leave a call agreed and not run, whose allreduce then
+        agrees again, paired on other ranks with their next collective: a call that turns
+        out two-level once agreed runs here, to its end (a completed result). A call whose
+        arguments failed their checks starts nothing: the allreduce run next raises, on every
+        rank.
         """
         spec = plan.spec
-        if spec.error is not None:
-            self._agreement.agree(spec)  # raises, on every rank
-        if (not plan.dense or plan.trial is not None
+        if (spec.error is not None or not plan.dense or plan.trial is not None
                 or x.nbytes <= self._agreement.inline_bytes):
+            return None
+        t = self.route(x)
+        if not t.takes_native_start(x, plan.op):
             return None
         self._agreement.agree(spec)
         if self._two_level.groups(spec.algorithm, x, None) is not None:
-            return None
-        return self.route(x).start_native_allreduce(x, plan.op)
+            # Two-level (known once the nodes are): run here, the call being agreed.
+            self._run_agreed(plan, x, x)
+            return t.finished_allreduce(x)
+        return t.start_native_allreduce(x, plan.op)
 
     def _run_agreed(self, plan: AllreducePlan, x: Array, out: Array | None) -> Array:
         """Run an allreduce the ranks have agreed on into ``out`` (a new array when None)."""

@@ -365,8 +365,13 @@ class Communicator:
         it chose a compressor, nothing is started. Every rank decides alike: the Auto's choice
         is the same on every rank at the same call. A compressor is never started.
 
+        Nothing is exchanged where nothing starts: the allreduce that follows agrees on the
+        call, and raises the errors ``allreduce`` raises for bad arguments (on every rank; a
+        rank that started its call raises them here).
+
         Raises:
-            TypeError, ValueError: as ``allreduce`` (on every rank).
+            TypeError, ValueError: as ``allreduce`` (on every rank), where the call starts on
+                some rank.
             RuntimeError: the communicator is closed.
         """
         self._ensure_open()

@@ -276,6 +276,14 @@ class TransportBase:
         """No native allreduce to prepare."""
         return None
 
+    def takes_native_start(self, x: Array, op: ReduceOp) -> bool:
+        """No allreduce that runs on threads of the backend's own: False."""
+        return False
+
+    def finished_allreduce(self, x: Array) -> Any:
+        """Never asked for: ``takes_native_start`` is False."""
+        raise NotImplementedError(f"{type(self).__name__} starts no allreduce of its own")
+
     def start_native_allreduce(self, x: Array, op: ReduceOp) -> Any | None:
         """No allreduce that runs on threads of the backend's own: None (the caller runs the
         call to the end itself)."""

@@ -106,6 +106,15 @@ OP_TABLE: dict[ReduceOp, OpSpec] = {
 }
 
 
+def drops_nan_natively(op: ReduceOp, dtype: Any) -> bool:
+    """Whether a library's own reduction may lose a NaN for ``op`` on ``dtype``: the min and max
+    of floats (and bfloat16's bytes), which MPI computes as ``a > b ? a : b`` (keeping or
+    dropping a NaN by which rank's operand comes first) and NCCL as ``fmaxf``/``fminf`` (which
+    drop it). ringcomm's own reductions propagate a NaN, as NumPy's ``maximum`` does, so such
+    calls take its ring."""
+    return op in (ReduceOp.MIN, ReduceOp.MAX) and np.dtype(dtype).kind in "fcV"
+
+
 # Order matters: the position is the dtype's code in the cross-rank consistency check.
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
@@ -382,6 +391,16 @@ class Transport(Protocol):
         where ``native_allreduce`` would return False for such arrays. Plans are prepared
         before their call is agreed, on some ranks only: this sets up nothing collective
         (what needs a collective set-up is made at the result's first call)."""
+
+    def takes_native_start(self, x: Array, op: ReduceOp) -> bool:
+        """Whether ``start_native_allreduce`` would start an (agreed, dense, flat) allreduce
+        of ``x`` with ``op``: decided from the call's dtype, size and op and settings every
+        rank holds alike, before the call is agreed (a rank that decides otherwise passed
+        another call, which the agreement then refuses on every rank)."""
+
+    def finished_allreduce(self, x: Array) -> Any:
+        """What ``start_native_allreduce`` returns, completed, for an allreduce of ``x`` that
+        the caller ran in place (where ``takes_native_start`` said it would start)."""
 
     def start_native_allreduce(self, x: Array, op: ReduceOp) -> Any | None:
         """Start the library's own allreduce of ``x`` in place (an agreed, dense, flat call) on

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from test_allreduce import check, make, same_in_every_form
 
 import ringcomm
@@ -73,7 +74,8 @@ def test_both_sides_of_the_limit(comm, world, rng, paths, dtype, op):
         paths.clear()
         y = comm.allreduce(x, op=op)
         check(world, x, y, op)
-        native = nbytes <= LIMIT and dtype != "float16"
+        native = (nbytes <= LIMIT and dtype != "float16"
+                  and not (op in ("min", "max") and dtype.startswith("float")))
         assert paths == ([] if comm.size == 1 else [native]), (nbytes, paths)  # 1: a copy
         # In place: the same values, through MPI_IN_PLACE on the native side.
         z = x.copy()
@@ -91,7 +93,7 @@ def test_native_results_are_identical_on_every_rank(comm, world, rng, paths):
     assert all(paths)
 
 
-@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
 @pytest.mark.parametrize("shape", [(5000,), (50, 100)])
 def test_repeats_take_the_prepared_native_path(comm, world, rng, paths, op, shape):
     """A medium call seen before runs MPI's allreduce straight from the prepared plan: the
@@ -114,6 +116,43 @@ def test_repeats_take_the_prepared_native_path(comm, world, rng, paths, op, shap
     np.testing.assert_array_equal(comm.allreduce(strided, op=op), first)
     wide = np.empty((*shape[:-1], shape[-1] * 2), np.float32)[..., ::2]
     np.testing.assert_array_equal(comm.allreduce(x, out=wide, op=op), first)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["min", "max"])
+@pytest.mark.parametrize("holder", ["first", "last"])
+def test_min_max_keep_a_nan_at_every_size(comm, world, paths, dtype, op, holder):
+    """A NaN on one rank makes that element of a min or max NaN on every rank, whatever the
+    size's path (inlined, persistent or MPI_Iallreduce below the limit, the ring above) and
+    whichever rank holds it: MPI's own MIN/MAX compute ``a > b ? a : b`` and kept a NaN of the
+    last rank's but dropped one of rank 0's (float min/max take the ring instead)."""
+    item = np.dtype(dtype).itemsize
+    nan_rank = 0 if holder == "first" else comm.size - 1
+    for n in (4, 2048 // item, 16 << 10 // item, LIMIT // item, 3 * LIMIT // item):
+        x = np.full(n, 1.0 + comm.rank, dtype)
+        x[n // 2] = -3.0
+        if comm.rank == nan_rank:
+            x[0] = x[-1] = np.nan
+        for repeat in range(2):  # the first call, then its prepared repeat
+            y = comm.allreduce(x, op=op)
+            assert np.isnan(y[0]) and np.isnan(y[-1]), (n, repeat, y[:3])
+            assert y[n // 2] == -3.0 and not np.isnan(y[1:-1]).any(), (n, repeat)
+            assert y[1] == (1.0 if op == "min" else float(comm.size)), (n, repeat)
+            check(world, x, y, op)  # NumPy's result, the same bits on every rank
+    assert not any(paths), paths  # none took MPI's own MIN/MAX
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs a rank that does not ask")
+@pytest.mark.parametrize("n", [16, 5000, 300_000])
+def test_start_allreduce_exchanges_nothing(comm, world, rng, n):
+    """MPI starts no allreduce on threads of its own: ``start_allreduce`` returns None having
+    exchanged nothing, so rank 0 asking first and then running the allreduce makes the same
+    collective as the other ranks' allreduce alone (it agreed on the call and returned,
+    and both waited until the timeout)."""
+    x = make(rng, n, "float32", "sum")
+    if comm.rank == 0:
+        assert comm.start_allreduce(x) is None
+    check(world, x, comm.allreduce(x), "sum")
 
 
 def test_prepared_native_repeat_still_checked(comm, rng, paths):
@@ -147,8 +186,6 @@ def _communicator(monkeypatch, value: str | None) -> MPICommunicator:
         monkeypatch.delenv(mpi_backend.NATIVE_BYTES_ENV, raising=False)
     else:
         monkeypatch.setenv(mpi_backend.NATIVE_BYTES_ENV, value)
-    from mpi4py import MPI
-
     return MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=60)
 
 

@@ -233,8 +233,12 @@ def test_benchmark_baseline_is_nccl_allreduce(self_pair, rng):
     x = rng.standard_normal(5000).astype(np.float32)
     dx, y = cupy.asarray(x), cupy.empty(5000, np.float32)
     try:
-        assert nccl_baseline.allreduce_fn(MPI.COMM_SELF, dx, "max", out=y)() is True
+        assert nccl_baseline.allreduce_fn(MPI.COMM_SELF, dx, "sum", out=y)() is True
         np.testing.assert_array_equal(y.get(), x)
+        # NCCL's float min and max (fmaxf/fminf) drop a NaN: ringcomm's ring runs them.
+        assert nccl_baseline.allreduce_fn(MPI.COMM_SELF, dx, "max", out=y)() is False
+        ints = cupy.arange(10, dtype=np.int32)
+        assert nccl_baseline.allreduce_fn(MPI.COMM_SELF, ints, "max")() is True
         assert nccl_baseline.transport(MPI.COMM_SELF) is nccl_baseline.transport(MPI.COMM_SELF)
     finally:
         nccl_baseline.close_all()  # no NCCL communicator outlives the test

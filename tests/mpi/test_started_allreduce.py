@@ -135,11 +135,42 @@ def test_arguments_that_differ_raise_on_every_rank(comm):
 
 
 def test_a_read_only_array_is_refused_on_every_rank(comm):
+    """The rank whose array is read-only starts nothing; the others' started call and its
+    allreduce, run next as the caller does on None, raise the same error."""
     x = np.ones(50_000, np.float32)
     if RANK == 0:
         x.flags.writeable = False
     with pytest.raises(ValueError, match="writ"):
-        comm.start_allreduce(x)
+        if comm.start_allreduce(x) is None:
+            comm.allreduce(x, out=x)
+    y = np.ones(50_000, np.float32)
+    comm.start_allreduce(y).wait()  # the communicator stays in step
+    np.testing.assert_array_equal(y, np.full(50_000, SIZE, np.float32))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that asks and one that does not")
+@pytest.mark.parametrize("case", ["inline", "max", "hierarchical", "int32"])
+def test_a_call_that_does_not_start_exchanges_nothing(comm, case):
+    """A start_allreduce that returns None has exchanged nothing: a rank that asks first and
+    then runs the allreduce makes the same collectives as one that runs the allreduce alone
+    (an agreement made and not run paired with the others' next collective, and both waited
+    until the timeout). A call gloo would start that turns out two-level once agreed runs in
+    start_allreduce, to a completed result."""
+    n = 16 if case == "inline" else 50_001
+    op = "max" if case == "max" else "sum"
+    algorithm = "hierarchical" if case == "hierarchical" else None
+    x = _ints(n, "int32" if case == "int32" else "float32")
+    everyone = np.stack(WORLD.allgather(x))
+    expected = everyone.max(axis=0) if op == "max" else everyone.sum(axis=0).astype(x.dtype)
+    pending = None
+    if RANK == 0:
+        pending = comm.start_allreduce(x, op=op, algorithm=algorithm)
+        assert (pending is None) == (case != "hierarchical"), pending
+    if pending is None:
+        comm.allreduce(x, out=x, op=op, algorithm=algorithm)
+    else:
+        assert pending.done() and pending.wait().data_ptr() == x.ctypes.data
+    np.testing.assert_array_equal(x, expected)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs a peer that does not come")
