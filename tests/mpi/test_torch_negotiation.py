@@ -188,6 +188,27 @@ def test_mismatch_fails_that_operation_on_every_rank(h, what):
     assert torch.equal(h.synchronize(good), torch.full((2,), float(SIZE)))
 
 
+@pytest.mark.parametrize("other", ["allgather", "broadcast"])
+def test_one_name_for_different_operations_fails_at_once_on_every_rank(h, other):
+    """An allreduce named "a" on rank 0 and another operation named "a" elsewhere (a
+    ``sparse_as_dense`` that differs between ranks does it): every rank raises at once, naming
+    both, as Horovod does; each used to wait for the other's ranks until the stall limit (the
+    communicator's timeout, 30 minutes by default)."""
+    needs_two()
+    t = torch.ones(3)
+    start = time.monotonic()
+    with pytest.raises(h.HorovodInternalError,
+                       match=rf"operation 'a' differs between ranks: (allreduce|{other}) on"):
+        if RANK == 0:
+            h.allreduce(t, name="a", op=h.Sum)
+        elif other == "allgather":
+            h.allgather(t, name="a")
+        else:
+            h.broadcast(t, root_rank=0, name="a")
+    assert time.monotonic() - start < 20
+    assert torch.equal(h.allreduce(t, name="a", op=h.Sum), torch.full((3,), float(SIZE)))
+
+
 def test_broadcast_object_with_differing_roots_raises_on_every_rank(h):
     needs_two()
     with pytest.raises(RuntimeError, match="root differs between ranks"):

@@ -101,11 +101,14 @@ class PendingTable:
                 if kind == "join":
                     self._joined_cycle[r] = cycle
         joined = set(table["join"].metas) if "join" in table else set()
+        crossed = self._crossed() if len(table) > 1 else {}
         outcomes = []
         pending = table.values() if len(table) == 1 else sorted(table.values(),
                                                                  key=_arrival)
         for entry in pending:
-            outcome = self._decide(entry, joined, now0)
+            error = crossed.get(entry.name)
+            outcome = (Outcome(entry, error) if error is not None
+                       else self._decide(entry, joined, now0))
             if outcome is not None:
                 outcomes.append(outcome)
                 if outcome.error is None and entry.uniform and len(entry.metas) == self.size:
@@ -143,6 +146,31 @@ class PendingTable:
                              entry.user_name, waited, ranks_text(missing),
                              ranks_text(sorted(have)))
         return None
+
+    def _crossed(self) -> dict[str, Exception]:
+        """The operations of one name and different kinds that split the ranks between them
+        (an allreduce named "a" on some ranks, an allgather named "a" on the others): each
+        would wait for the ranks that submitted the other until the stall limit, where
+        Horovod, which matches operations by name alone, fails them at once. Failed here on
+        every rank, by entry name, with the kinds and ranks."""
+        by_name: dict[str, list[Entry]] = {}
+        for entry in self._entries.values():
+            if entry.kind not in ("join", "barrier") and len(entry.metas) < self.size:
+                by_name.setdefault(entry.user_name, []).append(entry)
+        failed: dict[str, Exception] = {}
+        for user_name, entries in by_name.items():
+            if len(entries) < 2 or len({e.kind for e in entries}) < 2:
+                continue
+            ranks = [r for e in entries for r in e.metas]
+            if len(ranks) != self.size or len(set(ranks)) != self.size:
+                continue  # not every rank has submitted one of them, or some both
+            parts = "; ".join(f"{e.kind} on {ranks_text(sorted(e.metas))}"
+                              for e in sorted(entries, key=_arrival))
+            error = HorovodInternalError(
+                f"operation {user_name!r} differs between ranks: {parts}; operations are "
+                "matched by name: every rank must submit the same operation under a name")
+            failed.update((e.name, error) for e in entries)
+        return failed
 
     @staticmethod
     def _mismatch(entry: Entry) -> Exception | None:
