@@ -41,7 +41,11 @@ except ModuleNotFoundError as _err:
         "first, as pytorch.org says, then ringcomm)", name="torch") from _err
 
 from ringcomm.torch import _mpi_rendezvous, dist_backend, elastic
-from ringcomm.torch._errors import HorovodInternalError, StalledOperationError
+from ringcomm.torch._errors import (
+    HorovodArgumentError,
+    HorovodInternalError,
+    StalledOperationError,
+)
 from ringcomm.torch.accelerate import register_ddp_hook
 from ringcomm.torch.compression import Compression, Compressor
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
@@ -125,6 +129,7 @@ __all__ = [
     "Compression",
     "Compressor",
     "DistributedOptimizer",
+    "HorovodArgumentError",
     "HorovodInternalError",
     "Max",
     "Min",

@@ -10,7 +10,8 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ArgumentMismatchError
 from ringcomm.torch._objects import allgather_objects
 
-__all__ = ["HorovodInternalError", "StalledOperationError", "collective_error", "differs"]
+__all__ = ["HorovodArgumentError", "HorovodInternalError", "StalledOperationError",
+           "collective_error", "differs"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -18,6 +19,12 @@ class HorovodInternalError(RuntimeError):
 
     The communicator stays usable: the job can catch this and go on.
     """
+
+
+class HorovodArgumentError(HorovodInternalError, ValueError):
+    """An operation's arguments were invalid on some rank (an unknown op, ``average`` with
+    ``op``, a scale that is no number): raised on every rank, the operation run nowhere. A
+    ValueError, as Horovod's own check raises, on the rank that passed them."""
 
 
 class StalledOperationError(HorovodInternalError):

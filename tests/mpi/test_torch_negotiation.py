@@ -209,6 +209,34 @@ def test_one_name_for_different_operations_fails_at_once_on_every_rank(h, other)
     assert torch.equal(h.allreduce(t, name="a", op=h.Sum), torch.full((3,), float(SIZE)))
 
 
+@pytest.mark.parametrize("bad", ["op", "average", "prescale"])
+@pytest.mark.parametrize("form", ["sync", "async", "inplace"])
+@pytest.mark.parametrize("name", [None, "loss"])
+def test_arguments_one_rank_refuses_fail_that_operation_on_every_rank(h, bad, form, name):
+    """An op, ``average`` with ``op``, or a scale that rank 1 alone gets wrong (a typo,
+    ``op="sum"``): the operation fails on every rank (a ValueError, as Horovod's check
+    raises) and runs nowhere; the next ones pair as before. Raised on rank 1 alone, it left
+    rank 0's operation pending to pair with rank 1's next one of that name, unnamed ones
+    included: every later result one step off, silently."""
+    needs_two()
+    wrong = RANK == 1
+    kwargs = {"op": h.Sum, "name": name}
+    if wrong and bad == "op":
+        kwargs["op"] = "sum"
+    elif wrong and bad == "average":
+        kwargs["average"] = True
+    elif wrong:
+        kwargs["prescale_factor"] = "two"
+    call = {"sync": h.allreduce,
+            "async": lambda t, **kw: h.synchronize(h.allreduce_async(t, **kw)),
+            "inplace": lambda t, **kw: h.synchronize(h.allreduce_async_(t, **kw))}[form]
+    with pytest.raises(ValueError, match="invalid arguments on rank 1"):
+        call(torch.full((4,), float(RANK)), **kwargs)
+    for step in range(3):  # the next calls of that name (or the next unnamed) pair as before
+        got = call(torch.full((4,), float(10 * step + RANK)), op=h.Sum, name=name)
+        assert torch.equal(got, torch.full((4,), float(sum(10 * step + r for r in range(SIZE)))))
+
+
 def test_broadcast_object_with_differing_roots_raises_on_every_rank(h):
     needs_two()
     with pytest.raises(RuntimeError, match="root differs between ranks"):

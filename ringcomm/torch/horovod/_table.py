@@ -17,7 +17,12 @@ from typing import Any
 import torch
 
 from ringcomm.core.log import get_logger
-from ringcomm.torch._errors import HorovodInternalError, StalledOperationError, differs
+from ringcomm.torch._errors import (
+    HorovodArgumentError,
+    HorovodInternalError,
+    StalledOperationError,
+    differs,
+)
 from ringcomm.torch.horovod._control import Message, Request, ResponseCache
 
 __all__ = ["Entry", "Outcome", "PendingTable", "meta_dtype", "ranks_text"]
@@ -174,6 +179,12 @@ class PendingTable:
 
     @staticmethod
     def _mismatch(entry: Entry) -> Exception | None:
+        invalid = {r: m["error"] for r, m in entry.metas.items() if "error" in m}
+        if invalid:  # arguments a rank refused: the operation runs nowhere
+            ranks = sorted(invalid)
+            return HorovodArgumentError(
+                f"{entry.kind} {entry.user_name!r}: invalid arguments on "
+                f"{ranks_text(ranks)}: {invalid[ranks[0]]}")
         if entry.uniform:  # every rank sent the same request: nothing can differ
             return None
         metas = list(entry.metas.values())

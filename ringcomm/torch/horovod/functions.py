@@ -84,6 +84,29 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 
 
+def _checked(op: Any, average: bool | None, pre: Any, post: Any) -> ReduceOp:
+    """The ReduceOp of Horovod's ``op``/``average``, with the scales checked.
+
+    Raises:
+        ValueError, TypeError: an unknown op, both ``op`` and ``average``, or a scale that is
+            no number.
+    """
+    rop = parse_op(op, average)
+    float(pre), float(post)
+    return rop
+
+
+def _refused(tensor: torch.Tensor, name: str | None, process_set: Any,
+             err: Exception) -> Op:
+    """An allreduce whose arguments this rank refused (``err``), negotiated as any other so
+    that it fails on every rank (``HorovodArgumentError``, a ValueError) and runs nowhere:
+    raised here alone, it left the other ranks' operation pending, to pair with this rank's
+    next one of the same name (an unnamed one's included), every result one step off."""
+    refused = _reduce_op(tensor, None, name, ReduceOp.SUM, 1.0, 1.0, None, process_set)
+    refused.meta["error"] = f"{type(err).__name__}: {err}"
+    return refused
+
+
 def _joined_reduce(ring: Any, feedback_name: str | None, comm: Any,
                    meta: dict[str, Any]) -> None:
     """A joined rank's part in a compressed allreduce: zeros through the same compression and
@@ -185,7 +208,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         ...
         avg = hvd.synchronize(h)
     """
-    rop = parse_op(op, average)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        return enqueue(_refused(tensor, name, process_set, err))
     return enqueue(_reduce_op(tensor, None, name, rop, prescale_factor, postscale_factor, None,
                               process_set))
 
@@ -194,7 +220,10 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> Handle:
     """Start an in-place allreduce of ``tensor`` (see :func:`allreduce_async`)."""
-    rop = parse_op(op, average)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        return enqueue(_refused(tensor, name, process_set, err))
     return enqueue(_reduce_op(tensor, tensor, name, rop, prescale_factor, postscale_factor,
                               None, process_set))
 
@@ -259,8 +288,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         hvd.init()
         mean_loss = hvd.allreduce(loss.detach(), name="loss")
     """
-    rop = parse_op(op, average)
     _check_tensor(tensor)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        execute(_refused(tensor, name, process_set, err))  # raises, on every rank
+        raise AssertionError("an operation with refused arguments ran") from err
     comp = as_compression(compression)
     if isinstance(comp, RingCompressor) or comp is Compression.none:
         feedback = isinstance(comp, RingCompressor) and comp.error_feedback
