@@ -210,7 +210,8 @@ def test_one_name_for_different_operations_fails_at_once_on_every_rank(h, other)
 
 
 @pytest.mark.parametrize("bad", ["op", "average", "prescale"])
-@pytest.mark.parametrize("form", ["sync", "async", "inplace"])
+@pytest.mark.parametrize("form", ["sync", "async", "inplace", "grouped", "grouped_inplace",
+                                  "grouped_fp16"])
 @pytest.mark.parametrize("name", [None, "loss"])
 def test_arguments_one_rank_refuses_fail_that_operation_on_every_rank(h, bad, form, name):
     """An op, ``average`` with ``op``, or a scale that rank 1 alone gets wrong (a typo,
@@ -229,7 +230,12 @@ def test_arguments_one_rank_refuses_fail_that_operation_on_every_rank(h, bad, fo
         kwargs["prescale_factor"] = "two"
     call = {"sync": h.allreduce,
             "async": lambda t, **kw: h.synchronize(h.allreduce_async(t, **kw)),
-            "inplace": lambda t, **kw: h.synchronize(h.allreduce_async_(t, **kw))}[form]
+            "inplace": lambda t, **kw: h.synchronize(h.allreduce_async_(t, **kw)),
+            "grouped": lambda t, **kw: h.grouped_allreduce([t, t.clone()], **kw)[1],
+            "grouped_inplace": lambda t, **kw: h.synchronize(
+                h.grouped_allreduce_async_([t.clone(), t], **kw))[1],
+            "grouped_fp16": lambda t, **kw: h.grouped_allreduce(
+                [t, t.clone()], compression=h.Compression.fp16, **kw)[1]}[form]
     with pytest.raises(ValueError, match="invalid arguments on rank 1"):
         call(torch.full((4,), float(RANK)), **kwargs)
     for step in range(3):  # the next calls of that name (or the next unnamed) pair as before

@@ -342,13 +342,24 @@ def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | Non
               process_set=process_set)
 
 
+def _refused_group(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
+                   err: Exception) -> Op:
+    """A grouped allreduce whose arguments this rank refused (see :func:`_refused`)."""
+    refused = _grouped_op(tensors, False, name, ReduceOp.SUM, 1.0, 1.0, process_set)
+    refused.meta["error"] = f"{type(err).__name__}: {err}"
+    return refused
+
+
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = global_process_set) -> Handle:
     """Start allreducing a list of tensors as one operation (negotiated and fused together);
     ``synchronize`` returns the list of results."""
-    rop = parse_op(op, average)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        return enqueue(_refused_group(tensors, name, process_set, err))
     return enqueue(_grouped_op(tensors, False, name, rop, prescale_factor, postscale_factor,
                                process_set))
 
@@ -358,7 +369,10 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> Handle:
     """Start allreducing a list of tensors in place, as one operation."""
-    rop = parse_op(op, average)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        return enqueue(_refused_group(tensors, name, process_set, err))
     return enqueue(_grouped_op(tensors, True, name, rop, prescale_factor, postscale_factor,
                                process_set))
 
@@ -400,13 +414,17 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
         means = hvd.grouped_allreduce([loss, accuracy], name="metrics")
     """
-    rop = parse_op(op, average)
     comp = as_compression(compression)
-    if comp is not Compression.none:
-        return [allreduce(t, None, None if name is None else f"{name}.{i}", comp, rop,
+    if comp is not Compression.none:  # each allreduce negotiates a refused argument itself
+        return [allreduce(t, average, None if name is None else f"{name}.{i}", comp, op,
                           prescale_factor, postscale_factor, process_set)
                 for i, t in enumerate(tensors)]
     _check_tensors(tensors)
+    try:
+        rop = _checked(op, average, prescale_factor, postscale_factor)
+    except (ValueError, TypeError) as err:
+        execute(_refused_group(tensors, name, process_set, err))  # raises, on every rank
+        raise AssertionError("an operation with refused arguments ran") from err
     return list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
                                         process_set, *tensors))
 
