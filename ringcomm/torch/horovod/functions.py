@@ -102,9 +102,14 @@ def _refused(tensor: torch.Tensor, name: str | None, process_set: Any,
     that it fails on every rank (``HorovodArgumentError``, a ValueError) and runs nowhere:
     raised here alone, it left the other ranks' operation pending, to pair with this rank's
     next one of the same name (an unnamed one's included), every result one step off."""
-    refused = _reduce_op(tensor, None, name, ReduceOp.SUM, 1.0, 1.0, None, process_set)
-    refused.meta["error"] = f"{type(err).__name__}: {err}"
-    return refused
+    return _carrying(err, _reduce_op(tensor, None, name, ReduceOp.SUM, 1.0, 1.0, None,
+                                     process_set))
+
+
+def _carrying(err: Exception, op: Op) -> Op:
+    """``op`` with ``err`` in its request: the negotiation fails it on every rank."""
+    op.meta["error"] = f"{type(err).__name__}: {err}"
+    return op
 
 
 def _joined_reduce(ring: Any, feedback_name: str | None, comm: Any,
@@ -345,9 +350,8 @@ def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | Non
 def _refused_group(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
                    err: Exception) -> Op:
     """A grouped allreduce whose arguments this rank refused (see :func:`_refused`)."""
-    refused = _grouped_op(tensors, False, name, ReduceOp.SUM, 1.0, 1.0, process_set)
-    refused.meta["error"] = f"{type(err).__name__}: {err}"
-    return refused
+    return _carrying(err, _grouped_op(tensors, False, name, ReduceOp.SUM, 1.0, 1.0,
+                                      process_set))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
