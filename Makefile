@@ -31,6 +31,8 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	@echo "== installing ringcomm with its test and docs extras (CuPy, NVRTC, Lightning, Accelerate, MkDocs, ...)"
 	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test,docs]'
+	@echo "== unpacking horovodrun (Horovod's source release, Python only) for tests/test_horovodrun.py"
+	$(BIN)/python tests/upstream/horovodrun.py --fetch $(VENV)/horovod-src
 	touch $@ $(VENV)/.demo
 
 demo: $(VENV)/.demo

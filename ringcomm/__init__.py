@@ -259,6 +259,9 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
         raise RuntimeError(_lightning_hint(info))
     _check_torch_group(info)
     _log.set_rank(info.rank, info.size)
+    # horovodrun's processes (without MPI) become an MPI job first, over its rendezvous server.
+    if mpi_comm is None:
+        _backends.join_mpi_over_horovodrun(info, options.timeout)
     # Under an MPI launch, the backend asked for is agreed first (over MPI), an unknown one
     # included: raised alone, before MPI starts, it left the others in MPI's start-up.
     _backends.agree_backend(backend, mpi_comm, info, options.timeout)

@@ -21,8 +21,8 @@ from ringcomm.core.launch import LaunchInfo
 from ringcomm.core.restarts import attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
-__all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options", "join_mpi_over_torch",
-           "mpi_world_text", "register"]
+__all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options",
+           "join_mpi_over_horovodrun", "join_mpi_over_torch", "mpi_world_text", "register"]
 
 #: What builds a backend's Communicator: (mpi_comm, settings, launch, startup error).
 Builder = Callable[[Any, Settings, LaunchInfo, Exception | None], Communicator]
@@ -140,7 +140,8 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
     """
     from ringcomm.backends.mpi_process import gather_names, import_mpi, mpi_world_is_job
 
-    if backend == "gloo" or (mpi_comm is None and (info.over_torch or not mpi_world_is_job())):
+    gloo_apart = backend == "gloo" and info.launcher != "horovodrun"  # whose MPI is the job's
+    if gloo_apart or (mpi_comm is None and (info.over_torch or not mpi_world_is_job())):
         return
     try:
         comm = mpi_comm if mpi_comm is not None else import_mpi().COMM_WORLD
@@ -256,7 +257,7 @@ def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
             "backend 'gloo' runs over torch.distributed, which is not initialized, and this "
             "process has no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; "
             f"found {info.describe()}): launch with torchrun, or call "
-            "torch.distributed.init_process_group() first (under mpiexec: "
+            "torch.distributed.init_process_group() first (under mpiexec or horovodrun: "
             "ringcomm.torch.process_group.init_process_group_from_mpi())")
     try:
         _init_default_group(info, datetime.timedelta(seconds=timeout))
@@ -299,3 +300,42 @@ def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:
     from ringcomm.backends.mpi_join import join
 
     return join(default_store(), dist.get_rank(), dist.get_world_size(), timeout)
+
+
+def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
+    """Start MPI in every process that horovodrun's own launcher started (no MPI: its "Gloo"
+    mode) as one world, numbered as horovodrun numbers them, over horovodrun's rendezvous
+    server (``ringcomm.backends.mpi_join``); collective. Every backend then starts as under
+    mpiexec. Nothing is done in a process not started so, in one of a job of one, or where
+    MPI's world already is the job.
+
+    Raises:
+        RuntimeError: horovodrun's elastic mode (not supported), or MPI cannot start over
+            the job's processes (the same reason on every rank: no mpi4py over MPICH, ...).
+        CollectiveTimeoutError: a process did not come within ``timeout`` seconds.
+        ConnectionError: the rendezvous server does not answer.
+    """
+    from ringcomm.backends.mpi_process import world_joined
+    from ringcomm.core.launch import horovodrun_rendezvous
+
+    where = horovodrun_rendezvous()
+    if info.launcher != "horovodrun" or where is None or info.size == 1 or world_joined():
+        return
+    if os.environ.get("HOROVOD_ELASTIC", "") not in ("", "0"):
+        raise RuntimeError(
+            f"{info.describe()} in elastic mode (HOROVOD_ELASTIC=1: --min-np, --max-np or a "
+            "host discovery script), which ringcomm does not support: its jobs keep the ranks "
+            "they start with (hvd.elastic is refused). Run horovodrun with a fixed -np, or "
+            "launch with mpiexec or torchrun")
+    from ringcomm.backends.mpi_join import join
+    from ringcomm.backends.rendezvous_http import RendezvousStore
+
+    host, port = where
+    why = join(RendezvousStore(host, port), info.rank, info.size, timeout, always=True,
+               toward=host)
+    if why is not None:
+        raise RuntimeError(
+            f"{info.describe()}: ringcomm runs horovodrun's processes as one MPI world, "
+            f"started over horovodrun's rendezvous server at {host}:{port}, and MPI cannot "
+            f"start over them ({why}): install mpi4py over MPICH (pip install mpich mpi4py), "
+            f"or launch with mpiexec -n {info.size} or torchrun")

@@ -8,6 +8,12 @@ from exit_checks import run_bounded
 from ringcomm.core import launch
 from ringcomm.core.launch import LaunchInfo, detect
 
+# What horovodrun's own launcher sets in the second of four processes on two hosts.
+HOROVODRUN = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+              "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "2",
+              "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4711",
+              "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+
 
 @pytest.mark.parametrize(
     ("env", "expected"),
@@ -40,6 +46,11 @@ from ringcomm.core.launch import LaunchInfo, detect
          LaunchInfo(1, 2, 1, 2, "lightning")),
         ({"WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
          LaunchInfo(3, 4, 1, 2, "lightning")),
+        # horovodrun's own launcher (no MPI); run by srun or mpiexec, its processes inherit
+        # the outer launcher's variables, which describe horovodrun itself.
+        (HOROVODRUN, LaunchInfo(1, 4, 1, 2, "horovodrun")),
+        ({**HOROVODRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
+          "PMI_RANK": "0", "PMI_SIZE": "1"}, LaunchInfo(1, 4, 1, 2, "horovodrun")),
     ],
 )
 def test_detect(env, expected):
@@ -164,6 +175,23 @@ def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, True),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, False),  # the batch script, not an srun task
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, True),
+    # horovodrun's own launcher started it: no MPI job (ringcomm.init starts one over its
+    # rendezvous server), also where horovodrun itself ran under mpiexec (PMI_*) or srun.
+    (HOROVODRUN, False),
+    ({**HOROVODRUN, "PMI_RANK": "0", "PMI_SIZE": "1", "PMI_FD": "5"}, False),
+    ({**HOROVODRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, False),
 ])
 def test_mpi_launched(env, launched):
     assert launch.mpi_launched(env) is launched
+
+
+def test_horovodrun_rendezvous_is_where_its_server_listens():
+    assert launch.horovodrun_rendezvous(HOROVODRUN) == ("10.0.0.1", 4711)
+    assert launch.horovodrun_rendezvous({}) is None
+    # HOROVOD_RANK without the rendezvous: not horovodrun's own launcher (its --mpi mode
+    # starts processes through mpirun, which sets no HOROVOD_RANK).
+    no_server = {k: v for k, v in HOROVODRUN.items() if "RENDEZVOUS" not in k}
+    assert launch.horovodrun_rendezvous(no_server) is None
+    with pytest.raises(ValueError, match="HOROVOD_GLOO_RENDEZVOUS_PORT should be an integer"):
+        launch.horovodrun_rendezvous({**HOROVODRUN, "HOROVOD_GLOO_RENDEZVOUS_PORT": "x"})
+    assert detect(HOROVODRUN).describe() == "HOROVOD_SIZE=4 (horovodrun)"

@@ -1,11 +1,12 @@
-"""One MPI world for processes that no MPI launcher started (torchrun, ``accelerate launch``):
-MPICH started in each of them against ringcomm's own PMI server.
+"""One MPI world for processes that no MPI launcher started (torchrun, ``accelerate launch``,
+horovodrun without MPI): MPICH started in each of them against ringcomm's own PMI server.
 
 Under mpiexec every process gets its place in MPI's world from the launcher. torchrun starts
 the same processes without one, and MPI started alone is a world of one. :func:`join` gives
 MPI what mpiexec would have: rank 0 answers MPICH's start-up questions
 (:class:`~ringcomm.backends.pmi_server.PMIServer`), every process learns its address through
-torch.distributed's rendezvous store, and ``MPI_Init`` then makes one world of the job, with
+the launcher's rendezvous store (torch.distributed's, or horovodrun's HTTP one,
+:mod:`ringcomm.backends.rendezvous_http`), and ``MPI_Init`` then makes one world of the job, with
 shared memory between the processes of a node; each process's lifeline to the server ends it
 where the job fails (an abort, a process gone), as mpiexec ends a failed job. ringcomm's MPI
 backend, faster than gloo at every size, then runs under torchrun as under mpiexec.
@@ -71,14 +72,21 @@ _PROBE = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
           "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
 
 
-def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
+def join(store: Any, rank: int, size: int, timeout: float, *, always: bool = False,
+         toward: str | None = None) -> str | None:
     """Start MPI in this process as rank ``rank`` of a world of ``size`` (collective: call it
     on every rank of the job with the same store).
 
     Args:
-        store: torch.distributed's rendezvous store of the job (``set`` and ``get``).
+        store: the job's rendezvous store (``set``, ``get``, ``check`` and ``wait``, as
+            torch.distributed's stores have them): torch.distributed's, or horovodrun's
+            (``ringcomm.backends.rendezvous_http``).
         rank, size: this process's rank in the job, and the job's size.
         timeout: seconds MPI's start-up may wait for a process.
+        always: start MPI whatever ``RINGCOMM_TORCHRUN_MPI`` says and whether a GPU is
+            visible (for a launcher whose processes have no other way to talk: horovodrun's).
+        toward: a host every process reaches (the store's), to find the address rank 0's
+            PMI server listens on where the job spans several nodes; ``MASTER_ADDR`` when None.
 
     Returns:
         None once ``MPI.COMM_WORLD`` holds the job, numbered as ``rank``; otherwise why not
@@ -101,7 +109,7 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
             raise _OUTCOME[0]
         return _OUTCOME[0]
     try:
-        cannot = _join(store, rank, size, timeout)
+        cannot = _join(store, rank, size, timeout, always, toward)
     except Exception as err:
         _OUTCOME.append(err)
         raise
@@ -110,8 +118,9 @@ def join(store: Any, rank: int, size: int, timeout: float) -> str | None:
     return cannot
 
 
-def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
-    raw = env(FLAG) or "auto"
+def _join(store: Any, rank: int, size: int, timeout: float, always: bool,
+          toward: str | None) -> str | None:
+    raw = "1" if always else env(FLAG) or "auto"
     status = {"flag": raw, "obstacle": _obstacle(_switch(raw)), "node": _node()}
     store.set(f"{_PREFIX}status/{rank}", json.dumps(status))
     _wait(store, [f"status/{r}" for r in range(size)], rank, size, timeout)
@@ -122,7 +131,7 @@ def _join(store: Any, rank: int, size: int, timeout: float) -> str | None:
         return _listed(obstacles)
     nodes = [s["node"] for s in everyone]
     if rank == 0:
-        store.set(f"{_PREFIX}address", _serve(nodes, timeout))
+        store.set(f"{_PREFIX}address", _serve(nodes, timeout, toward))
     _wait(store, ["address"], rank, size, timeout)
     address = _get(store, "address")
     if not address:
@@ -267,18 +276,19 @@ def _node() -> str:
     return f"{socket.gethostname()}/{machine_id()}/{shm}/{net}"
 
 
-def _serve(nodes: list[str], timeout: float) -> str:
+def _serve(nodes: list[str], timeout: float, toward: str | None) -> str:
     """Start rank 0's PMI server, a process of its own listening where the other processes
     reach it, and return its address; empty where it did not start, or where it could listen
     only on this host's loopback while the job spans several nodes. It runs from its file
     (``-I``: the standard library alone, which is all it imports)."""
     try:
         spanned = len(set(nodes))
-        host = "127.0.0.1" if spanned == 1 else _routable_address()
+        host = "127.0.0.1" if spanned == 1 else _routable_address(toward)
         if host.startswith("127.") and spanned > 1:
             _LOG.warning("ringcomm's PMI server not started: the job spans %d nodes and this "
-                         "host's address is %s (set MASTER_ADDR to an address the other "
-                         "nodes reach)", spanned, host)
+                         "host's address is %s (set %s to an address the other nodes reach)",
+                         spanned, host, "MASTER_ADDR" if toward is None else "the launcher's "
+                         "rendezvous address")
             return ""
         command = [sys.executable, "-I", pmi_server.__file__, "--size", str(len(nodes)),
                    "--mapping", process_mapping(nodes), "--host", host,
@@ -296,10 +306,10 @@ def _serve(nodes: list[str], timeout: float) -> str:
         return ""
 
 
-def _routable_address() -> str:
-    """This host's address on the route to the rendezvous store (``MASTER_ADDR``), else its
-    host name's address."""
-    master = os.environ.get("MASTER_ADDR")
+def _routable_address(toward: str | None = None) -> str:
+    """This host's address on the route to the rendezvous store (``toward``, else
+    ``MASTER_ADDR``), else its host name's address."""
+    master = toward or os.environ.get("MASTER_ADDR")
     if master:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

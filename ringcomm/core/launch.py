@@ -2,8 +2,10 @@
 
 Launchers covered: MPICH's Hydra and Intel MPI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``),
 Open MPI's mpirun (``OMPI_COMM_WORLD_*``), MVAPICH (``MV2_COMM_WORLD_*``), PMIx-based launchers
-(``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``) and
-torchrun / ``python -m torch.distributed.run`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), and
+(``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``),
+torchrun / ``python -m torch.distributed.run`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...),
+Horovod's ``horovodrun`` without MPI (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ... and its rendezvous
+server, ``HOROVOD_GLOO_RENDEZVOUS_ADDR``: ``ringcomm.init`` starts MPI over it), and
 PyTorch Lightning's own launcher (``WORLD_SIZE``, ``LOCAL_RANK`` and ``NODE_RANK`` without ``RANK``:
 the global rank is known only once Lightning has initialized torch.distributed). The environment
 is read before any communicator exists, so that a process can pick its GPU before NCCL or CUDA
@@ -21,10 +23,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["MPI_LAUNCHER_VARIABLES", "TORCHRUN_WORKER", "LaunchInfo", "detect", "mpi_launched"]
+__all__ = ["HOROVODRUN_RENDEZVOUS", "MPI_LAUNCHER_VARIABLES", "TORCHRUN_WORKER", "LaunchInfo",
+           "detect", "horovodrun_rendezvous", "mpi_launched"]
 
 #: Set by torchrun's agent in each worker it starts (and by nothing else).
 TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
+#: Set by horovodrun's own launcher (its "Gloo" mode: no MPI) in each process it starts: the
+#: address and port of its rendezvous server, an HTTP key-value store.
+HOROVODRUN_RENDEZVOUS = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
 #: What MPI launchers set in a process for its MPI library (process-manager connections),
 #: which a process started by torchrun under one inherits from the agent.
 MPI_LAUNCHER_VARIABLES = ("PMI_FD", "PMI_RANK", "PMI_SIZE", "PMI_PORT", "PMI_ID",
@@ -41,7 +47,9 @@ class LaunchInfo:
         local_rank: rank among the processes on this host.
         local_size: number of processes on this host.
         launcher: which launcher's variables were found: "torchrun", "openmpi", "mpich",
-            "mvapich", "pmix", "slurm", "lightning" (Lightning's launcher: no ``RANK``, so
+            "mvapich", "pmix", "slurm", "horovodrun" (horovodrun without MPI: its
+            processes are no MPI job until ``ringcomm.init`` starts one over its rendezvous
+            server), "lightning" (Lightning's launcher: no ``RANK``, so
             ``rank`` is a guess, see ``rank_known``), "torch.distributed" (a default group
             already initialized, whatever started the processes), or "none" for a process
             started on its own.
@@ -81,10 +89,12 @@ class LaunchInfo:
 
 
 # (launcher, rank, size, local rank, local size); the first launcher whose rank and size
-# variables are both set wins. torchrun comes first: it may itself run inside an mpirun or srun
-# allocation, and then its own variables describe the processes that talk to each other.
+# variables are both set wins. torchrun and horovodrun come first: they may themselves run
+# inside an mpirun or srun allocation, and then their own variables describe the processes that
+# talk to each other.
 _SCHEMES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
     (
         "openmpi",
         "OMPI_COMM_WORLD_RANK",
@@ -165,9 +175,9 @@ def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
     """Whether an MPI launcher (MPICH's or Open MPI's mpiexec, MVAPICH, a PMIx launcher, srun)
     started this process: its rank and size variables are set, whatever torchrun's say,
     unless torchrun's agent started it (``TORCHELASTIC_RUN_ID``, which the agent gives its
-    workers alone): torchrun run by mpiexec or srun hands its workers the launcher's variables,
-    which describe the agent, and an MPI started on them fails (MPICH: "PMIU_write error ...
-    Bad file descriptor").
+    workers alone) or horovodrun's own launcher did (its rendezvous variables): torchrun run by
+    mpiexec or srun hands its workers the launcher's variables, which describe the agent, and an
+    MPI started on them fails (MPICH: "PMIU_write error ... Bad file descriptor").
 
     Without one, MPI's world is this process alone, and asking MPI costs more than the answer:
     an MPI whose lone start needs a launcher's daemon (Open MPI's) ends the process instead.
@@ -175,12 +185,30 @@ def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     if env.get(TORCHRUN_WORKER) and "RANK" in env and "WORLD_SIZE" in env:
         return False
-    for launcher, rank_var, size_var, *_ in _SCHEMES[1:]:
+    if horovodrun_rendezvous(env) is not None:
+        return False
+    for launcher, rank_var, size_var, *_ in _SCHEMES[2:]:
         if launcher == "slurm" and not any(env.get(name) for name in _SLURM_STEP):
             continue
         if rank_var in env and size_var in env:
             return True
     return False
+
+
+def horovodrun_rendezvous(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """Where the rendezvous server of the horovodrun that started this process listens
+    (address, port), or None where horovodrun's own launcher did not start it (no
+    ``HOROVOD_RANK``, ``HOROVOD_SIZE`` and rendezvous variables; ``horovodrun --mpi`` starts
+    processes through mpirun, an MPI launch).
+
+    Raises:
+        ValueError: the port is not an integer.
+    """
+    env = os.environ if env is None else env
+    if not all(env.get(name) for name in (*HOROVODRUN_RENDEZVOUS, "HOROVOD_RANK",
+                                           "HOROVOD_SIZE")):
+        return None
+    return env[HOROVODRUN_RENDEZVOUS[0]], _int(env, HOROVODRUN_RENDEZVOUS[1])
 
 
 def _torch_group(env: Mapping[str, str] | None) -> tuple[int, int] | None:

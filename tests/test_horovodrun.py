@@ -1,0 +1,222 @@
+"""ringcomm under Horovod's own launcher: ``horovodrun -np N python train.py`` where Horovod runs
+without MPI (its "Gloo" mode: processes it starts itself, with ``HOROVOD_RANK``, ``HOROVOD_SIZE``
+and the address of its rendezvous server). Each process once took itself for a job of one:
+``ringcomm.init()`` and ``hvd.init()`` gave size 1 on every rank, and training went on without
+a word, each rank alone. The processes now form one MPI world over horovodrun's rendezvous
+server.
+
+horovodrun is Horovod's own, from its source release on PyPI (tests/upstream/horovodrun.py:
+``make`` unpacks it into .venv/horovod-src); the jobs below run real horovodrun command lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from exit_checks import run_bounded
+
+from ringcomm import registry
+from ringcomm.backends.rendezvous_http import RendezvousStore
+from ringcomm.core import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+HOROVODRUN = ROOT / "tests" / "upstream" / "horovodrun.py"
+sys.path.insert(0, str(HOROVODRUN.parent))
+from horovodrun import source_dir  # noqa: E402
+
+SOURCE = source_dir()
+needs_horovodrun = pytest.mark.skipif(
+    SOURCE is None, reason="no Horovod sources: python tests/upstream/horovodrun.py --fetch "
+    "(make test does it)")
+
+pytestmark = pytest.mark.slow
+
+
+def horovodrun(np_: int, args: list[str], env: dict[str, str], timeout: float = 150
+               ) -> subprocess.CompletedProcess[str]:
+    """``horovodrun -np np_ <args>`` (Horovod's own launcher, no MPI), bounded by ``timeout``."""
+    return run_bounded([sys.executable, str(HOROVODRUN), "-np", str(np_), *args],
+                       timeout=timeout, env=env, cwd=ROOT)
+
+
+def outputs(text: str, marker: str) -> dict[int, str]:
+    """What each rank printed after ``marker`` (horovodrun prefixes lines with ``[rank]``)."""
+    found = re.findall(rf"^\[(\d+)\]<stdout>:{re.escape(marker)}(.*)$", text, re.MULTILINE)
+    return {int(rank): rest for rank, rest in found}
+
+
+@pytest.fixture
+def env(subprocess_env: dict[str, str]) -> dict[str, str]:
+    # A rank left waiting fails within a minute instead of the default half hour.
+    return {**subprocess_env, "RINGCOMM_TIMEOUT": "60"}
+
+
+JOB = textwrap.dedent(r"""
+    import hashlib, os
+    import numpy as np
+    import ringcomm
+
+    comm = ringcomm.init()
+    said = tuple(int(os.environ[f"HOROVOD_{k}"]) for k in ("RANK", "SIZE", "LOCAL_RANK",
+                                                          "LOCAL_SIZE"))
+    assert (comm.rank, comm.size, comm.local_rank, comm.local_size) == said, said
+    n = comm.size
+    big = np.arange(300_000, dtype=np.float32) * (comm.rank + 1)       # the ring
+    total = comm.allreduce(big)
+    assert np.array_equal(total, np.arange(300_000, dtype=np.float32) * (n * (n + 1) // 2))
+    ints = comm.allreduce(np.full(5, comm.rank, dtype=np.int64), op="max")  # inline path
+    assert ints.tolist() == [n - 1] * 5
+    gathered = comm.allgather(np.array([comm.rank], dtype=np.int32))
+    assert gathered.ravel().tolist() == list(range(n)), gathered
+    noisy = np.random.default_rng(comm.rank).standard_normal(100_000).astype(np.float32)
+    mean = comm.allreduce(noisy, op="avg", compression=ringcomm.Int8())
+    digest = hashlib.sha256(mean.tobytes()).hexdigest()[:16]
+    print(f"JOB {comm.backend} {comm.rank} {comm.size} {digest}", flush=True)
+    comm.close()
+""")
+
+
+@needs_horovodrun
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovodrun_processes_form_one_job(ranks, env, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    proc = horovodrun(ranks, [sys.executable, str(script)], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = outputs(proc.stdout, "JOB ")
+    assert sorted(said) == list(range(ranks)), proc.stdout[-3000:]
+    backends, digests = set(), set()
+    for rank, line in said.items():
+        backend, r, size, digest = line.split()
+        assert (int(r), int(size)) == (rank, ranks)
+        backends.add(backend)
+        digests.add(digest)
+    assert backends == {"mpi"}
+    assert len(digests) == 1, said  # the compressed average is bit-identical on every rank
+
+
+@needs_horovodrun
+def test_horovod_training_script_trains_as_under_mpiexec(env, mpiexec):
+    """examples/train_hvd.py (``import ringcomm.torch as hvd``; hvd.init(), a compressed
+    DistributedOptimizer, broadcasts) under horovodrun trains to the same losses and accuracy,
+    to the last printed digit, as under mpiexec."""
+    args = [sys.executable, "examples/train_hvd.py", "--compression", "int8", "--epochs", "2"]
+    under_horovodrun = horovodrun(2, args, env)
+    assert under_horovodrun.returncode == 0, (under_horovodrun.stdout[-3000:]
+                                              + under_horovodrun.stderr[-3000:])
+    under_mpiexec = run_bounded([mpiexec, "-n", "2", *args], timeout=150, env=env, cwd=ROOT)
+    assert under_mpiexec.returncode == 0, under_mpiexec.stderr[-3000:]
+
+    def epochs(text: str) -> list[str]:  # loss and accuracy; not the step time
+        return [re.sub(r"\s+step .*$", "", m) for m in
+                re.findall(r"^(?:\[0\]<stdout>:)?(epoch .*)$", text, re.MULTILINE)]
+
+    assert "over 2 ranks" in under_horovodrun.stdout
+    assert len(epochs(under_mpiexec.stdout)) == 2
+    assert epochs(under_horovodrun.stdout) == epochs(under_mpiexec.stdout)
+
+
+def _errors(text: str) -> dict[int, str]:
+    return {int(r): m for r, m in
+            re.findall(r"^\[(\d+)\]<stderr>:(\w*Error: .*)$", text, re.MULTILINE)}
+
+
+@needs_horovodrun
+def test_mpi_that_cannot_start_on_one_rank_fails_every_rank_alike(env, tmp_path):
+    """Rank 1 started MPI alone before ringcomm (a world of its own): every rank raises the
+    same error, naming rank 1 and why, at once (no rank waits for the others)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        if os.environ["HOROVOD_RANK"] == "1":
+            from mpi4py import MPI  # noqa: F401
+        import ringcomm
+        ringcomm.init()
+        print("JOB started", flush=True)
+    """))
+    proc = horovodrun(2, [sys.executable, str(script)], env, timeout=120)
+    assert proc.returncode != 0
+    assert "JOB started" not in proc.stdout
+    errors = _errors(proc.stdout + proc.stderr)
+    assert sorted(errors) == [0, 1], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("RuntimeError: HOROVOD_SIZE=2 (horovodrun): ringcomm runs "
+                                "horovodrun's processes as one MPI world"), errors[0]
+    assert "rank 1: mpi4py.MPI was imported before" in errors[0]
+
+
+@needs_horovodrun
+def test_gloo_backend_under_horovodrun_is_refused_on_every_rank(env, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import ringcomm\nringcomm.init('gloo')\nprint('JOB started')\n")
+    proc = horovodrun(2, [sys.executable, str(script)], env, timeout=120)
+    assert proc.returncode != 0 and "JOB started" not in proc.stdout
+    # MPI has started by then: the first rank to raise ends the job (MPI_Abort), so the
+    # other may not get to print its own (the same) error.
+    errors = set(_errors(proc.stdout + proc.stderr).values())
+    assert len(errors) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (error,) = errors
+    assert "found HOROVOD_SIZE=2 (horovodrun)" in error
+    assert "init_process_group_from_mpi" in error
+
+
+def test_elastic_horovodrun_is_refused(monkeypatch):
+    for name, value in {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
+                        "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                        "HOROVOD_GLOO_RENDEZVOUS_PORT": "9", "HOROVOD_ELASTIC": "1"}.items():
+        monkeypatch.setenv(name, value)
+    info = launch.detect(dict(os.environ))
+    assert info.launcher == "horovodrun"
+    with pytest.raises(RuntimeError, match=r"in elastic mode .* which ringcomm does not support"):
+        registry.join_mpi_over_horovodrun(info, 5.0)
+
+
+SERVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from horovod.runner.http.http_server import RendezvousServer
+    server = RendezvousServer()
+    print(server.start(), flush=True)
+    server.init([])
+    sys.stdin.read()  # until the test closes it
+    server.stop()
+""")
+
+
+@needs_horovodrun
+def test_store_speaks_horovodrun_rendezvous_protocol():
+    """RendezvousStore against Horovod's own rendezvous server: keys with "/" (mpi_join's),
+    values as bytes, a key not yet there, waits that end and that time out."""
+    import datetime
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(SOURCE)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        store = RendezvousStore("127.0.0.1", port)
+        other = RendezvousStore("127.0.0.1", port, scope="global")
+        with pytest.raises(KeyError):
+            store.get("ringcomm-mpi-join/status/0")
+        assert not store.check(["a/b"])
+        store.set("ringcomm-mpi-join/status/0", '{"flag": "1"}')
+        store.set("a/b", b"\x00\xff")
+        assert store.get("ringcomm-mpi-join/status/0") == b'{"flag": "1"}'
+        assert store.get("a/b") == b"\x00\xff"
+        with pytest.raises(KeyError):
+            other.get("a/b")  # scopes apart
+        store.wait(["a/b", "ringcomm-mpi-join/status/0"], datetime.timedelta(seconds=5))
+        with pytest.raises(TimeoutError, match=r"timeout after 0.2 s waiting for late"):
+            store.wait(["a/b", "late"], datetime.timedelta(seconds=0.2))
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        server.wait(timeout=30)
+    with pytest.raises(ConnectionError, match=f"rendezvous server at 127.0.0.1:{port}"):
+        store.get("a/b")  # the server is gone
