@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # the tests start hundreds of processes that each import ringcomm, 0.3-0.4 s faster from them.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-unit test-mpi test-horovod test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+.PHONY: demo test test-unit test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 
 $(BIN)/python:
@@ -70,12 +70,19 @@ test-mpi: $(VENV)/.test
 		tests/mpi/test_dist_all_to_all.py tests/mpi/test_result_out.py
 
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
-# then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched;
-# needs HOROVOD_SOURCE=<a checkout of github.com/horovod/horovod> (skipped, saying so, without).
+# then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched,
+# under mpiexec and under horovodrun; needs HOROVOD_SOURCE=<a checkout of
+# github.com/horovod/horovod> (skipped, saying so, without). test-horovod-gloo runs test_torch.py
+# under horovodrun without MPI, as Horovod's own CI runs it with its Gloo controller.
 test-horovod: $(VENV)/.test
 	mkdir -p logs
 	$(BIN)/python tests/upstream/run_horovod.py --json logs/horovod_test_torch.json
 	$(BIN)/python tests/upstream/run_horovod_examples.py --json logs/horovod_examples.json
+
+test-horovod-gloo: $(VENV)/.test
+	mkdir -p logs
+	$(BIN)/python tests/upstream/run_horovod.py --launcher horovodrun \
+		--json logs/horovod_test_torch_horovodrun.json
 
 # PyTorch's own distributed tests (DistributedTest, shipped in the torch wheel) on the
 # "ringcomm" backend, 3 processes per test: the collectives, point-to-point, all_to_all_single,

@@ -118,6 +118,10 @@ def _size_hint(info: LaunchInfo, backend: str) -> str:
                     "(init_process_group() without rank or world_size), or let ringcomm.init do it")
         return (f"launch with mpiexec -n {info.size}, or use backend='auto' or 'gloo' under "
                 "torchrun")
+    if info.launcher == "horovodrun":
+        return ("horovodrun's variables are set but not the address of its rendezvous server "
+                "(HOROVOD_GLOO_RENDEZVOUS_ADDR and _PORT), over which its processes form one "
+                f"job: launch with horovodrun itself, or with mpiexec -n {info.size}")
     if info.launcher == "slurm":
         return ("srun's PMI does not reach mpi4py's MPI library: pick the matching plugin "
                 "(srun --mpi=pmix or --mpi=pmi2; srun --mpi=list shows them), or start the ranks "

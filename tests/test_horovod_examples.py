@@ -1,4 +1,5 @@
-"""Horovod's PyTorch examples, changed only in their import line, train under mpiexec -n 2.
+"""Horovod's PyTorch examples, changed only in their import line, train under mpiexec -n 2 and
+under horovodrun -np 2 (Horovod's own launcher, without MPI).
 
 The examples are read from ``$HOROVOD_SOURCE`` (tests/upstream/run_horovod_examples.py);
 without it these tests are skipped.
@@ -35,11 +36,15 @@ def test_switch_import_changes_exactly_one_line():
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.skipif(SOURCE is None, reason="Horovod's examples need HOROVOD_SOURCE=<a checkout "
                     "of github.com/horovod/horovod> with examples/pytorch/")
+@pytest.mark.parametrize("launcher", ["mpiexec", "horovodrun"])
 @pytest.mark.parametrize("example", runner.EXAMPLES, ids=lambda e: e.name)
-def test_horovod_example_trains(mpiexec, example):
+def test_horovod_example_trains(example, launcher):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    result = runner.run_example(example, SOURCE, mpiexec=mpiexec, n=2, timeout=TIMEOUT,
+    launch = runner.launcher_command(launcher, 2)
+    if launch is None:
+        pytest.skip(f"{launcher} is not installed")
+    result = runner.run_example(example, SOURCE, launch=launch, n=2, timeout=TIMEOUT,
                                 tail=60)
     assert result["outcome"] == "passed", f"{result['reason']}\n{result['tail']}"
     # One line per progress pattern: a loss and the test accuracy, or img/sec per iteration

@@ -220,3 +220,15 @@ def test_store_speaks_horovodrun_rendezvous_protocol():
         server.wait(timeout=30)
     with pytest.raises(ConnectionError, match=f"rendezvous server at 127.0.0.1:{port}"):
         store.get("a/b")  # the server is gone
+
+
+def test_horovod_variables_without_its_server_raise_naming_them(subprocess_env):
+    """HOROVOD_RANK and HOROVOD_SIZE without horovodrun's rendezvous (set by hand, or left
+    from another job): an error naming what is missing, not a job of one."""
+    env = {**subprocess_env, "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
+    proc = run_bounded([sys.executable, "-c", "import ringcomm; ringcomm.init()"],
+                       timeout=60, env=env)
+    assert proc.returncode != 0
+    assert ("RuntimeError: HOROVOD_SIZE=2 (horovodrun) but MPI.COMM_WORLD has 1 process: "
+            "horovodrun's variables are set but not the address of its rendezvous server"
+            in proc.stderr), proc.stderr[-2000:]

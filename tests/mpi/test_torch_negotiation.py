@@ -243,6 +243,26 @@ def test_arguments_one_rank_refuses_fail_that_operation_on_every_rank(h, bad, fo
         assert torch.equal(got, torch.full((4,), float(sum(10 * step + r for r in range(SIZE)))))
 
 
+@pytest.mark.parametrize("name", [None, "emb"])
+def test_sparse_op_one_rank_refuses_fails_on_every_rank(h, name):
+    """``sparse_allreduce_async`` with an op only Average and Sum may be (hvd.Max) on rank 1
+    alone: the operation fails on every rank and runs nowhere; the next ones pair as before.
+    Raised on rank 1 alone, it left rank 0's pending to pair with rank 1's next one."""
+    needs_two()
+
+    def sparse(value: float) -> torch.Tensor:
+        return torch.sparse_coo_tensor([[RANK]], [value], (SIZE,))
+
+    op = h.Max if RANK == 1 else h.Sum
+    with pytest.raises(ValueError, match="invalid arguments on rank 1: ValueError: sparse "
+                                         "allreduce supports hvd.Average and hvd.Sum, got MAX"):
+        h.sparse_allreduce_async(sparse(1.0), name=name, op=op)()
+    for step in range(3):
+        got = h.sparse_allreduce_async(sparse(10.0 * step + RANK), name=name, op=h.Sum)()
+        want = torch.tensor([10.0 * step + r for r in range(SIZE)])
+        assert torch.equal(got.to_dense(), want), (step, got)
+
+
 def test_broadcast_object_with_differing_roots_raises_on_every_rank(h):
     needs_two()
     with pytest.raises(RuntimeError, match="root differs between ranks"):

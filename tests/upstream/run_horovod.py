@@ -48,15 +48,26 @@ def _mpiexec() -> str:
     return str(here) if here.exists() else "mpiexec"
 
 
-def run_one(path: Path, name: str, n: int, timeout: float) -> dict[str, object]:
-    """Run one test under ``mpiexec -n n``; its outcome as every rank saw it."""
+def _launch(launcher: str, n: int) -> list[str]:
+    """What starts ``n`` processes under ``launcher``: mpiexec, or horovodrun without MPI
+    (Horovod's own launcher, from its source release: tests/upstream/horovodrun.py), as
+    Horovod's own CI runs this suite with its Gloo controller."""
+    if launcher == "horovodrun":
+        return [sys.executable, str(HERE / "horovodrun.py"), "-np", str(n)]
+    return [_mpiexec(), "-n", str(n)]
+
+
+def run_one(path: Path, name: str, n: int, timeout: float, launcher: str = "mpiexec"
+            ) -> dict[str, object]:
+    """Run one test under ``launcher`` with ``n`` processes; its outcome as every rank saw
+    it."""
     with tempfile.TemporaryDirectory() as out:
         # A rank left waiting (its peer raised alone, or never calls) ends after a minute.
         env = dict(os.environ, RINGCOMM_UPSTREAM_OUT=out, PYTHONUNBUFFERED="1",
                    RINGCOMM_TIMEOUT=os.environ.get("RINGCOMM_TIMEOUT", "60"),
                    PYTHONPATH=os.pathsep.join([str(HERE / "horovod_shim"), str(HERE),
                                                str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "pytest", "-q",
+        cmd = [*_launch(launcher, n), sys.executable, "-m", "pytest", "-q",
                "-p", "no:cacheprovider", "-p", "upstream_plugin", f"{path}::{name}"]
         start = time.monotonic()
         try:
@@ -93,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("--json", help="write every test's outcome here")
     p.add_argument("--allow", default="", help="comma list of tests allowed to fail")
+    p.add_argument("--launcher", choices=("mpiexec", "horovodrun"), default="mpiexec",
+                   help="horovodrun: Horovod's own launcher without MPI (python "
+                        "tests/upstream/horovodrun.py --fetch first)")
     args = p.parse_args(argv)
     source = os.environ.get("HOROVOD_SOURCE")
     if not source or not (Path(source) / TEST_FILE).exists():
@@ -103,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [t for t in test_names(path) if args.k in t]
     results = []
     for i, name in enumerate(names, 1):
-        result = run_one(path, name, args.n, args.timeout)
+        result = run_one(path, name, args.n, args.timeout, args.launcher)
         results.append(result)
         print(f"[{i}/{len(names)}] {result['outcome']:<19} {name} ({result['seconds']} s)"
               + (f": {result['reason']}" if result["reason"] else ""), flush=True)
@@ -115,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               "(newer than Horovod's optimizer sweeps; see tests/upstream/upstream_plugin.py)")
     if args.json:
         Path(args.json).write_text(json.dumps({"source": str(path), "ranks": args.n,
+                                               "launcher": args.launcher,
                                                "counts": counts, "tests": results}, indent=1))
     allowed = set(filter(None, args.allow.split(",")))
     bad = [r for r in results if r["outcome"] in ("failed", "timeout")

@@ -1,7 +1,11 @@
-"""Run Horovod's PyTorch examples against ringcomm.torch, one mpiexec job per example.
+"""Run Horovod's PyTorch examples against ringcomm.torch, one job per example and launcher.
 
     HOROVOD_SOURCE=/path/to/horovod python tests/upstream/run_horovod_examples.py [-n 2]
-        [-k TEXT] [--timeout 120] [--tail 30] [--json FILE]
+        [-k TEXT] [--launchers mpiexec,horovodrun] [--timeout 120] [--tail 30] [--json FILE]
+
+Each example runs under mpiexec and under Horovod's own horovodrun (without MPI, as where
+Horovod was built without it: tests/upstream/horovodrun.py, from Horovod's source release,
+which ``make`` unpacks; skipped, saying so, where it is absent).
 
 ``HOROVOD_SOURCE`` is a checkout of github.com/horovod/horovod. Its examples/pytorch/
 pytorch_mnist.py and pytorch_synthetic_benchmark.py run as a user who switched to ringcomm runs
@@ -42,12 +46,15 @@ _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 
 
 class Example(NamedTuple):
-    """One example: its path in Horovod's source, its arguments, the lines that show progress."""
+    """One example: its path in Horovod's source, its arguments, the lines that show progress,
+    and a line that only rank 0 of a job of every process prints, once (``{n}``: the number
+    of processes): where each process took itself for a job of one, every one prints it."""
 
     name: str
     path: str
     args: tuple[str, ...]
     progress: tuple[str, ...]
+    once: str
 
 
 # Arguments small enough for a minute on two CPU cores.
@@ -55,12 +62,14 @@ EXAMPLES = (
     Example("pytorch_mnist", "examples/pytorch/pytorch_mnist.py",
             ("--epochs", "1", "--batch-size", "32", "--no-cuda"),
             (r"Train Epoch: 1 \[\d+/\d+ \(\d+%\)\]\tLoss: \d+\.\d+$",
-             r"Test set: Average loss: \d+\.\d+, Accuracy: \d+\.\d+%$")),
+             r"Test set: Average loss: \d+\.\d+, Accuracy: \d+\.\d+%$"),
+            r"Test set: Average loss"),
     Example("pytorch_synthetic_benchmark", "examples/pytorch/pytorch_synthetic_benchmark.py",
             ("--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "1",
              "--num-batches-per-iter", "1", "--num-iters", "2", "--no-cuda"),
             (r"Iter #1: \d+\.\d+ img/sec per CPU$",
-             r"Total img/sec on \d+ CPU\(s\): \d+\.\d+ \+-\d+\.\d+$")),
+             r"Total img/sec on \d+ CPU\(s\): \d+\.\d+ \+-\d+\.\d+$"),
+            r"Total img/sec on {n} CPU\(s\)"),
 )
 
 
@@ -114,9 +123,25 @@ def _launch(cmd: list[str], workdir: str, timeout: float) -> tuple[int | None, s
         return None, out
 
 
-def run_example(example: Example, source: Path, *, mpiexec: str, n: int = 2,
+def launcher_command(launcher: str, n: int) -> list[str] | None:
+    """What starts ``n`` processes under ``launcher`` ("mpiexec" or "horovodrun"), followed by
+    the program; None where that launcher is not installed."""
+    if launcher == "mpiexec":
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        return [str(mpiexec), "-n", str(n)] if mpiexec.exists() else None
+    if launcher == "horovodrun":
+        sys.path.insert(0, str(HERE))
+        from horovodrun import source_dir
+
+        return ([sys.executable, str(HERE / "horovodrun.py"), "-np", str(n)]
+                if source_dir() is not None else None)
+    raise ValueError(f"unknown launcher {launcher!r}; expected mpiexec or horovodrun")
+
+
+def run_example(example: Example, source: Path, *, launch: list[str], n: int,
                 timeout: float = 120.0, tail: int = 30) -> dict[str, object]:
-    """Run ``example`` from ``source`` under ``mpiexec -n n``, switched to ringcomm.torch.
+    """Run ``example`` from ``source`` under ``launch`` (``launcher_command``'s, for ``n``
+    processes), switched to ringcomm.torch.
 
     Returns:
         ``{"example", "outcome": "passed" | "failed" | "timeout", "reason", "seconds",
@@ -127,7 +152,7 @@ def run_example(example: Example, source: Path, *, mpiexec: str, n: int = 2,
     with tempfile.TemporaryDirectory(prefix=f"{example.name}-") as workdir:
         copy = Path(workdir, original.name)
         copy.write_text(text)
-        cmd = [mpiexec, "-n", str(n), sys.executable, str(copy), *example.args]
+        cmd = [*launch, sys.executable, str(copy), *example.args]
         start = time.monotonic()
         status, out = _launch(cmd, workdir, timeout)
         seconds = round(time.monotonic() - start, 1)
@@ -137,6 +162,7 @@ def run_example(example: Example, source: Path, *, mpiexec: str, n: int = 2,
     progress = [next((ln for ln in lines if re.search(p, ln)), "") for p in example.progress]
     missing = [p for p, ln in zip(example.progress, progress, strict=True) if not ln]
     errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
+    once = len([ln for ln in lines if re.search(example.once.replace("{n}", str(n)), ln)])
     if status is None:
         outcome, reason = "timeout", f"over {timeout:.0f} s"
     elif status != 0:
@@ -144,6 +170,9 @@ def run_example(example: Example, source: Path, *, mpiexec: str, n: int = 2,
         reason = f"exit {status}" + (f": {errors[-1][:300]}" if errors else "")
     elif missing:
         outcome, reason = "failed", f"exit 0 but no line matching {missing[0]!r}"
+    elif once != 1:
+        outcome, reason = "failed", (f"{once} lines matching {example.once!r} (n={n}), where "
+                                     "rank 0 of the whole job prints one")
     else:
         outcome, reason = "passed", ""
     return {"example": example.name, "outcome": outcome, "reason": reason, "seconds": seconds,
@@ -154,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=int, default=2, help="ranks per example")
     p.add_argument("-k", default="", help="run only examples whose name contains this")
+    p.add_argument("--launchers", default="mpiexec,horovodrun",
+                   help="comma-separated: mpiexec, horovodrun")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per example")
     p.add_argument("--tail", type=int, default=30, help="lines of output shown per example")
     p.add_argument("--json", help="write every example's outcome here")
@@ -164,17 +195,22 @@ def main(argv: list[str] | None = None) -> int:
               "github.com/horovod/horovod> (looked for "
               f"{', '.join(e.path for e in EXAMPLES)} in {os.environ.get('HOROVOD_SOURCE')!r})")
         return 0
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        print(f"skipped: no mpiexec next to {sys.executable} (install ringcomm[mpi])")
-        return 0
-    examples = [e for e in EXAMPLES if args.k in e.name]
+    launches = {}
+    for launcher in args.launchers.split(","):
+        command = launcher_command(launcher, args.n)
+        if command is None:
+            print(f"skipped under {launcher}: not installed (mpiexec: ringcomm[mpi]; "
+                  "horovodrun: python tests/upstream/horovodrun.py --fetch)")
+        else:
+            launches[launcher] = command
+    runs = [(e, launcher) for launcher in launches for e in EXAMPLES if args.k in e.name]
     results = []
-    for i, example in enumerate(examples, 1):
-        result = run_example(example, source, mpiexec=str(mpiexec), n=args.n,
+    for i, (example, launcher) in enumerate(runs, 1):
+        result = run_example(example, source, launch=launches[launcher], n=args.n,
                              timeout=args.timeout, tail=args.tail)
+        result["launcher"] = launcher
         results.append(result)
-        print(f"[{i}/{len(examples)}] {result['outcome']:<7} {example.name} "
+        print(f"[{i}/{len(runs)}] {result['outcome']:<7} {example.name} under {launcher} "
               f"({result['seconds']} s)" + (f": {result['reason']}" if result["reason"] else ""))
         print("    " + str(result["tail"]).replace("\n", "\n    "), flush=True)
     passed = sum(r["outcome"] == "passed" for r in results)

@@ -72,5 +72,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     out = os.environ.get("RINGCOMM_UPSTREAM_OUT")
     if out:
-        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+        rank = next((os.environ[name] for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                                                    "HOROVOD_RANK") if name in os.environ), "0")
         Path(out, f"rank{rank}.json").write_text(json.dumps(_RESULT))

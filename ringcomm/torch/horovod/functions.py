@@ -557,13 +557,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
         handle = hvd.sparse_allreduce_async(emb.weight.grad, name="emb", op=hvd.Average)
         grad = handle()
     """
-    rop = parse_op(op, None)
     if not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
         raise TypeError(f"expected a sparse COO tensor, got {type(tensor).__name__}"
                         + (f" with layout {tensor.layout}" if isinstance(tensor, torch.Tensor)
                            else ""))
-    if rop not in (Average, Sum):
-        raise ValueError(f"sparse allreduce supports hvd.Average and hvd.Sum, got {rop.name}")
+    try:
+        rop = parse_op(op, None)
+        if rop not in (Average, Sum):
+            raise ValueError(f"sparse allreduce supports hvd.Average and hvd.Sum, got "
+                             f"{rop.name}")
+    except ValueError as err:  # failed on every rank, as an allreduce's refused op is
+        refused = enqueue(_carrying(err, Op("sparse_allreduce", name, {}, lambda comm: None,
+                                            nbytes=0, process_set=process_set)))
+        return lambda: synchronize(refused)
     t = tensor
     indices = t._indices().transpose(0, 1).contiguous()
     values = t._values().contiguous()
