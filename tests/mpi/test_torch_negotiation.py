@@ -254,8 +254,8 @@ def test_sparse_op_one_rank_refuses_fails_on_every_rank(h, name):
         return torch.sparse_coo_tensor([[RANK]], [value], (SIZE,))
 
     op = h.Max if RANK == 1 else h.Sum
-    with pytest.raises(ValueError, match="invalid arguments on rank 1: ValueError: sparse "
-                                         "allreduce supports hvd.Average and hvd.Sum, got MAX"):
+    with pytest.raises(ValueError, match=r"invalid arguments on rank 1: ValueError: sparse "
+                                         r"allreduce supports hvd\.Average and hvd\.Sum, got MAX"):
         h.sparse_allreduce_async(sparse(1.0), name=name, op=op)()
     for step in range(3):
         got = h.sparse_allreduce_async(sparse(10.0 * step + RANK), name=name, op=h.Sum)()
