@@ -93,6 +93,33 @@ def test_matches_single_process_on_concatenated_batch(h, name, fusion):
     assert same_on_all_ranks(flat_params(model))
 
 
+@pytest.mark.parametrize("order", ["reversed", "groups_swapped", "rotated"])
+@pytest.mark.parametrize("fusion", [None, 256, 0])
+def test_optimizer_order_that_differs_between_ranks(h, order, fusion):
+    """The optimizer holds the same named parameters in another order on each rank (heads
+    built from a ``set``, whose order follows each process's hash seed): trains as the
+    single-process reference, as Horovod does (it reduces each parameter under its name).
+    Buckets cut in each rank's own order held different parameters, paired with nothing and
+    waited until the stall limit (30 minutes by default)."""
+    ref, model = Net(), Net()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    if RANK % 2 and order == "reversed":
+        params = params[::-1]
+    elif RANK % 2 and order == "rotated":
+        params = params[RANK:] + params[:RANK]
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    if RANK % 2 and order == "groups_swapped":
+        groups = groups[::-1]
+    opt = h.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+                                 named_parameters=named, fusion_threshold_bytes=fusion)
+    ref_opt = OPTIMIZERS["sgd-momentum"](ref)
+    for step in range(2):
+        step_both(step, model, opt, ref, ref_opt)
+    torch.testing.assert_close(flat_params(model), flat_params(ref))
+    assert same_on_all_ranks(flat_params(model))
+
+
 def test_two_backward_passes_per_step_match_accumulating_two_batches(h):
     make = OPTIMIZERS["sgd-momentum"]
     ref, ref_opt, model, opt = pair(h, make, backward_passes_per_step=2)

@@ -13,6 +13,7 @@ reduced in place in its gradient, larger ones through a persistent flat buffer.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -126,16 +127,33 @@ class Bucket:
         self.ready = 0
 
 
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``name`` as a sort key that orders numbered parts by number ("layer2" before
+    "layer10")."""
+    return tuple((1, int(part)) if i % 2 else (0, part)
+                 for i, part in enumerate(re.split(r"(\d+)", name)))
+
+
 def plan_buckets(params: list[torch.Tensor], names: dict[torch.Tensor, str],
                  threshold: int) -> list[Bucket]:
-    """Cut ``params`` (in reduction order) into buckets of at most ``threshold`` bytes.
+    """Cut ``params`` into buckets of at most ``threshold`` bytes, the same buckets on every
+    rank whose parameters have the same names.
 
-    A parameter larger than the threshold gets a bucket of its own.
+    The parameters are taken by their names, not in the order given: the optimizer's order
+    may differ between ranks where the names do not (heads of a model built from a ``set``,
+    whose order follows each process's hash seed), and buckets cut in it would hold different
+    parameters on each rank, pair with nothing, and wait until the stall limit (Horovod,
+    which reduces each parameter under its name, runs them). By device and dtype, then names
+    in descending natural order: for the usual names (``layer2.0.conv.weight``) close to the
+    reverse of the model's order, the order in which backward produces the gradients. A
+    parameter larger than the threshold gets a bucket of its own.
     """
+    ordered = sorted(params, reverse=True,
+                     key=lambda p: (str(p.device), str(p.dtype), _natural(names[p])))
     buckets: list[Bucket] = []
     run: list[torch.Tensor] = []
     nbytes = 0
-    for p in params:
+    for p in ordered:
         size = p.numel() * p.element_size()
         if run and (p.dtype != run[0].dtype or p.device != run[0].device
                     or nbytes + size > threshold):
