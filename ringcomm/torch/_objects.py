@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,29 @@ def _unpack(words: np.ndarray, nbytes: int) -> Any:
     return pickle.loads(words.view(np.uint8)[:nbytes].tobytes())
 
 
+def _unpacked_everywhere(comm: Communicator, what: str, unpack: Callable[[], Any]) -> Any:
+    """``unpack()``'s value, once every rank has unpickled what it received (collective).
+
+    Raises:
+        ValueError: some rank could not (a class or module missing there, a CUDA tensor on a
+            rank without a GPU), on every rank, naming the ranks and the first one's error:
+            raised on that rank alone, the others went on to their next collective and
+            waited there for it.
+    """
+    try:
+        value, error = unpack(), ""
+    except Exception as err:
+        value, error = None, f"{type(err).__name__}: {err}"
+    failed = comm.allgather(np.array([bool(error)], dtype=np.int64)).ravel().tolist()
+    if not any(failed):
+        return value
+    errors = allgather_objects(comm, error)  # plain strings: they unpickle everywhere
+    ranks = [r for r, bad in enumerate(failed) if bad]
+    raise ValueError(f"{what}: rank{'s' if len(ranks) > 1 else ''} "
+                     f"{', '.join(map(str, ranks))} could not unpickle what it received: "
+                     f"{errors[ranks[0]]}")
+
+
 def broadcast_object(comm: Communicator, obj: Any, root: int) -> Any:
     """Return root's ``obj`` on every rank (pickled; two broadcasts: length, then bytes).
 
@@ -50,14 +74,17 @@ def broadcast_object(comm: Communicator, obj: Any, root: int) -> Any:
     if words is None:
         words = np.empty(-(-nbytes // 8), dtype=np.int64)
     comm.broadcast(words, root)
-    return obj if comm.rank == root else _unpack(words, nbytes)
+    if comm.rank == root:
+        return _unpacked_everywhere(comm, "broadcast_object", lambda: obj)
+    return _unpacked_everywhere(comm, "broadcast_object", lambda: _unpack(words, nbytes))
 
 
 def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
     """Return every rank's ``obj``, in rank order.
 
     Raises:
-        ValueError: some rank could not pickle its object (on every rank).
+        ValueError: some rank could not pickle its object, or unpickle another's (on every
+            rank).
     """
     try:
         words, nbytes = _pack(obj)
@@ -68,9 +95,15 @@ def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
     if failed:
         raise ValueError(f"allgather_object: ranks {failed} could not pickle their objects")
     gathered = comm.allgatherv(words)
-    out, start = [], 0
-    for n in sizes.tolist():
-        count = -(-n // 8)
-        out.append(_unpack(gathered[start: start + count], n))
-        start += count
-    return out
+
+    def unpack() -> list[Any]:
+        out, start = [], 0
+        for n in sizes.tolist():
+            count = -(-n // 8)
+            out.append(_unpack(gathered[start: start + count], n))
+            start += count
+        return out
+
+    if isinstance(obj, str):  # a string unpickles on every rank: no agreement needed
+        return unpack()
+    return _unpacked_everywhere(comm, "allgather_object", unpack)

@@ -132,6 +132,37 @@ def test_broadcast_in_place_and_objects(h):
     h.barrier()
 
 
+def _loads_on_rank_0_only() -> str:
+    if RANK != 0:
+        raise ModuleNotFoundError("No module named 'only_on_rank_0'")
+    return "loaded"
+
+
+class LoadsOnRankZero:
+    """What unpickles on rank 0 alone (a class whose module one node lacks)."""
+
+    def __reduce__(self):
+        return (_loads_on_rank_0_only, ())
+
+
+@pytest.mark.parametrize("call", ["broadcast_object", "allgather_object"])
+def test_object_that_does_not_unpickle_on_some_ranks_fails_on_every_rank(h, call):
+    """Unpickled on rank 0 alone: a ValueError on every rank naming the others, and the next
+    collective runs. Raised on those ranks alone, rank 0 went on with the object and waited
+    at its next collective until the stall limit."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    others = ", ".join(map(str, range(1, SIZE)))
+    with pytest.raises(ValueError, match=rf"{call}: ranks? {others} could not unpickle what it "
+                                         r"received: ModuleNotFoundError: No module named"):
+        if call == "broadcast_object":
+            h.broadcast_object(LoadsOnRankZero() if RANK == 0 else None, root_rank=0)
+        else:
+            h.allgather_object(LoadsOnRankZero())
+    assert h.allgather_object(RANK) == list(range(SIZE))
+    assert h.broadcast_object({"r": RANK}, root_rank=SIZE - 1) == {"r": SIZE - 1}
+
+
 def test_grouped_allreduce(h):
     xs = [torch.full((3,), float(RANK)), torch.full((2, 2), RANK, dtype=torch.int32)]
     outs = h.grouped_allreduce(xs, op=h.Sum)
