@@ -62,6 +62,13 @@ elif case == "idle":        # rank 1 submits nothing at all
         attempt("idle", lambda: hvd.allreduce(torch.ones(3), name="lonely"))
     else:
         time.sleep(2 * float(sys.argv[2]))
+elif case == "buckets":     # fusion thresholds that differ: the ranks cut other buckets
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=64 if rank else 1 << 20)
+    model(torch.ones(2, 4)).sum().backward()
+    attempt("buckets", opt.synchronize)
 report("end")
 """
 
@@ -124,3 +131,16 @@ def test_a_rank_that_never_negotiates_is_reported_with_the_waiting_names(
     assert "while rank 0 waited to run 'lonely'" in d["message"]
     assert STALL_S <= d["elapsed"] < STALL_S + 10
     assert elapsed < 4 * STALL_S + 30
+
+
+def test_differing_optimizer_buckets_are_reported_as_such(mpiexec, subprocess_env, tmp_path):
+    """DistributedOptimizer buckets that differ between ranks (here fusion_threshold_bytes) stall
+    as in Horovod; the error says what makes the buckets differ."""
+    lines, _, err = run_case(mpiexec, subprocess_env, tmp_path, "buckets")
+    seen = by(lines, "buckets")
+    assert set(seen) == {0, 1}, err
+    for d in seen.values():
+        assert d["type"] == "StalledOperationError", d
+        assert "it is a DistributedOptimizer bucket, and the ranks cut different ones where " \
+            "their parameters' names, which of them require a gradient, " \
+            "fusion_threshold_bytes or the compression differ" in d["message"]

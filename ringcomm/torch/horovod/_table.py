@@ -142,14 +142,14 @@ class PendingTable:
             return Outcome(entry, StalledOperationError(
                 f"{entry.kind} {entry.user_name!r} was submitted by {ranks_text(sorted(have))} "
                 f"but not by {ranks_text(missing)} within {self.stall_limit:g} s; every rank "
-                "must submit every operation (with the same name)"))
+                f"must submit every operation (with the same name){_bucket_hint(entry)}"))
         if waited > self.stall_warning and not entry.warned:
             entry.warned = True
             if self.rank == 0:
                 _LOG.warning("%s %r has waited %.0f s for %s (submitted by %s); an operation "
-                             "submitted by some ranks only stalls the job", entry.kind,
+                             "submitted by some ranks only stalls the job%s", entry.kind,
                              entry.user_name, waited, ranks_text(missing),
-                             ranks_text(sorted(have)))
+                             ranks_text(sorted(have)), _bucket_hint(entry))
         return None
 
     def _crossed(self) -> dict[str, Exception]:
@@ -265,3 +265,13 @@ def meta_dtype(name: str) -> torch.dtype:
 def _nbytes(meta: dict[str, Any]) -> int:
     shape = meta.get("shape", ())
     return math.prod(shape) * meta_dtype(meta["dtype"]).itemsize if "dtype" in meta else 0
+
+
+def _bucket_hint(entry: Entry) -> str:
+    """Where a stalled allreduce is a DistributedOptimizer bucket, what makes the ranks'
+    buckets differ."""
+    if entry.kind != "allreduce" or not any(m.get("bucket") for m in entry.metas.values()):
+        return ""
+    return ("; it is a DistributedOptimizer bucket, and the ranks cut different ones where "
+            "their parameters' names, which of them require a gradient, "
+            "fusion_threshold_bytes or the compression differ")

@@ -233,7 +233,7 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "shape": (bucket.numel,), "op": self.op.name,
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
-                "parameters": zlib.crc32(repr(bucket.layout).encode())}
+                "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
         op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
