@@ -222,6 +222,37 @@ def test_warns_once_when_step_follows_synchronize(h):
     assert sum("without optimizer.skip_synchronize()" in m for m in messages) == 1
 
 
+def test_synchronize_on_one_rank_before_step_fails_instead_of_mixing_steps(h):
+    """Rank 0 alone calls synchronize() (to log the gradient norm), then every rank step():
+    rank 0's step() reduces again (as Horovod's does), and that round paired with the other
+    ranks' next step: rank 0 stepped with their next gradients, they with its reduced ones,
+    and training went on apart without a word. It now fails on every rank, saying why."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model = Net()
+    opt = h.DistributedOptimizer(OPTIMIZERS["sgd-momentum"](model), model.named_parameters())
+    failed = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if RANK == 0:
+                opt.synchronize()
+            try:
+                opt.step()
+            except h.HorovodInternalError as err:
+                failed = (step, str(err))
+                break
+    assert failed is not None
+    assert failed[0] == (0 if RANK == 0 else 1)
+    assert ("reduced again after synchronize() differs between ranks: True on rank 0; False on"
+            in failed[1]), failed
+    opt.zero_grad()
+    assert torch.equal(h.allreduce(torch.ones(2), op=h.Sum), torch.full((2,), float(SIZE)))
+
+
 def test_zero_grad_before_step_is_refused(h):
     if SIZE == 1:
         pytest.skip("one process reduces nothing (as Horovod, no hooks at size 1)")

@@ -127,6 +127,7 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._densified: list[Any] = []  # sparse gradients reduced dense this step
         self._fresh = True
         self._synchronized = False
+        self._again = False  # step() reducing again what synchronize() reduced
         self._should_synchronize = True
         self._warned = False
         self._grad_scaler: Any = None  # set by DistributedOptimizer
@@ -233,7 +234,8 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "shape": (bucket.numel,), "op": self.op.name,
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
-                "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True}
+                "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True,
+                "reduced again after synchronize()": self._again}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
         op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
@@ -306,7 +308,15 @@ class _DistributedOptimizer(_OptimizerMixin):
             if self._synchronized and not self._warned:
                 self._warned = True
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            self.synchronize()
+            # Reduced again, as Horovod does. Its buckets say so: where some ranks alone
+            # called synchronize() first (to log a gradient norm on rank 0), this round pairs
+            # with the others' next step, and fails there on every rank instead of mixing
+            # two steps' gradients without a word.
+            self._again = self._synchronized
+            try:
+                self.synchronize()
+            finally:
+                self._again = False
         self._synchronized = False
         return super().step(closure)
 
