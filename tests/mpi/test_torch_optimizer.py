@@ -253,6 +253,28 @@ def test_synchronize_on_one_rank_before_step_fails_instead_of_mixing_steps(h):
     assert torch.equal(h.allreduce(torch.ones(2), op=h.Sum), torch.full((2,), float(SIZE)))
 
 
+def test_backward_passes_per_step_that_differs_between_ranks_fails_on_every_rank(h):
+    """Rank 0 accumulates two backward passes a step, the others one: the first reduction
+    fails on every rank, naming the setting (it paired one rank's two-batch gradients with
+    the others' one-batch ones, or stalled)."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model = Net()
+    passes = 2 if RANK == 0 else 1
+    opt = h.DistributedOptimizer(OPTIMIZERS["sgd-momentum"](model), model.named_parameters(),
+                                 backward_passes_per_step=passes)
+    opt.zero_grad()
+    for micro in range(passes):
+        x, y = batch(micro)
+        F.cross_entropy(model(x), y).backward()
+    with pytest.raises(h.HorovodInternalError,
+                       match=r"backward_passes_per_step differs between ranks: 2 on rank 0; "
+                             r"1 on rank"):
+        opt.step()
+    opt.zero_grad()
+    assert torch.equal(h.allreduce(torch.ones(2), op=h.Sum), torch.full((2,), float(SIZE)))
+
+
 def test_zero_grad_before_step_is_refused(h):
     if SIZE == 1:
         pytest.skip("one process reduces nothing (as Horovod, no hooks at size 1)")

@@ -235,7 +235,8 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
                 "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True,
-                "reduced again after synchronize()": self._again}
+                "reduced again after synchronize()": self._again,
+                "backward_passes_per_step": self.backward_passes_per_step}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
         op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
