@@ -49,6 +49,43 @@ def test_broadcast_parameters_makes_ranks_equal(h, form):
         assert same_on_all_ranks(state_bytes(model))
 
 
+@pytest.mark.parametrize("form", ["state_dict", "named_parameters", "parameters"])
+def test_broadcast_parameters_that_differ_between_ranks_fail_on_every_rank(h, form):
+    """One more tensor on the last rank (a key of its state dict, a named or an unnamed
+    parameter): HorovodInternalError on every rank at once, naming it (it was a broadcast the
+    other ranks never submitted, waited for until the stall limit, 30 minutes by default)."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model = Model(seed=RANK)
+    extra = torch.full((3,), float(RANK))
+    last = RANK == SIZE - 1
+    if form == "state_dict":
+        params = {**model.state_dict(), **({"extra": extra} if last else {})}
+        expected = rf"'extra' on rank {SIZE - 1} only"
+    elif form == "named_parameters":
+        params = [*model.named_parameters(), *([("extra", extra)] if last else [])]
+        expected = rf"'extra' on rank {SIZE - 1} only"
+    else:
+        params = [*model.parameters(), *([extra] if last else [])]
+        n = len(list(model.parameters()))
+        expected = rf"unnamed tensors: {n} on rank 0.* {n + 1} on rank {SIZE - 1}"
+    with pytest.raises(h.HorovodInternalError, match="broadcast_parameters: the tensors "
+                                                     "differ between ranks: " + expected):
+        h.broadcast_parameters(params, root_rank=0)
+    h.broadcast_parameters(model.state_dict(), root_rank=0)  # the next one runs
+    assert same_on_all_ranks(state_bytes(model))
+
+
+def test_named_parameters_in_another_order_on_each_rank(h):
+    """Named tensors pair by name: another order on each rank is the same broadcast."""
+    model = Model(seed=RANK)
+    named = list(model.named_parameters())
+    if RANK % 2:
+        named = named[::-1]
+    h.broadcast_parameters(named, root_rank=ROOT)
+    assert same_on_all_ranks(flat_params(model))
+
+
 def test_broadcast_parameters_rejects_other_types(h):
     with pytest.raises(ValueError, match="invalid params of type"):
         h.broadcast_parameters(3, root_rank=0)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ringcomm.torch import _objects
+from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch.horovod._basics import (
     Min,
     check_process_set,
@@ -17,11 +18,14 @@ from ringcomm.torch.horovod._basics import (
 )
 from ringcomm.torch.horovod._negotiate import execute
 from ringcomm.torch.horovod._ops import Op
+from ringcomm.torch.horovod._table import ranks_text
 from ringcomm.torch.horovod.functions import allreduce, broadcast_async_, synchronize
 from ringcomm.torch.horovod.optimizer import base_step
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters"]
+
+_LISTED = 5  # names a message lists at most
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -36,7 +40,8 @@ def broadcast_parameters(params: Any, root_rank: int,
 
     Raises:
         ValueError: ``params`` is neither a dict nor an iterable.
-        HorovodInternalError: shapes or dtypes differ between ranks (on every rank).
+        HorovodInternalError: the names (or, unnamed, the number) of the tensors, their shapes
+            or dtypes differ between ranks (on every rank).
 
     Example::
 
@@ -49,10 +54,36 @@ def broadcast_parameters(params: Any, root_rank: int,
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
+    _check_same_names([name for name, _ in items], process_set)
     handles = [broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
                                 name, process_set) for name, p in items]
     for handle in handles:
         synchronize(handle)
+
+
+def _check_same_names(names: list[Any], process_set: Any) -> None:
+    """Raise on every rank where the ranks' tensors differ in names or number (one allgather
+    of the names): a name some ranks alone have was a broadcast the others never submitted,
+    waited for until the stall limit."""
+    # Named tensors pair by name, in any order; unnamed ones by position.
+    mine = sorted(str(n) for n in names if n is not None)
+    unnamed = sum(n is None for n in names)
+    everyone = allgather_object((unnamed, mine), process_set=process_set)
+    if all(other == everyone[0] for other in everyone[1:]):
+        return
+    seen: dict[str, list[int]] = {}
+    for r, (_, listed) in enumerate(everyone):
+        for n in listed:
+            seen.setdefault(n, []).append(r)
+    apart = [(n, rs) for n, rs in seen.items() if len(rs) < len(everyone)]
+    shown = [f"{n!r} on {ranks_text(rs)} only" for n, rs in apart[:_LISTED]]
+    if len(apart) > _LISTED:
+        shown.append(f"and {len(apart) - _LISTED} more")
+    if len({u for u, _ in everyone}) > 1:
+        shown.append("unnamed tensors: " + ", ".join(f"{u} on rank {r}"
+                                                    for r, (u, _) in enumerate(everyone)))
+    raise HorovodInternalError("broadcast_parameters: the tensors differ between ranks: "
+                               + "; ".join(shown) + "; every rank must pass the same tensors")
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
