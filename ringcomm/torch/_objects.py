@@ -46,7 +46,7 @@ def _unpacked_everywhere(comm: Communicator, what: str, unpack: Callable[[], Any
     failed = comm.allgather(np.array([bool(error)], dtype=np.int64)).ravel().tolist()
     if not any(failed):
         return value
-    errors = allgather_objects(comm, error)  # plain strings: they unpickle everywhere
+    errors = _gathered(comm, error)  # plain strings: they unpickle everywhere
     ranks = [r for r, bad in enumerate(failed) if bad]
     raise ValueError(f"{what}: rank{'s' if len(ranks) > 1 else ''} "
                      f"{', '.join(map(str, ranks))} could not unpickle what it received: "
@@ -86,6 +86,15 @@ def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
         ValueError: some rank could not pickle its object, or unpickle another's (on every
             rank).
     """
+    return _unpacked_everywhere(comm, "allgather_object", _gathering(comm, obj))
+
+
+def _gathering(comm: Communicator, obj: Any) -> Callable[[], list[Any]]:
+    """Gather every rank's pickled ``obj`` (collective); what unpickles them, in rank order.
+
+    Raises:
+        ValueError: some rank could not pickle its object (on every rank).
+    """
     try:
         words, nbytes = _pack(obj)
     except Exception:  # told to every rank below, so that none waits for bytes
@@ -104,6 +113,9 @@ def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
             start += count
         return out
 
-    if isinstance(obj, str):  # a string unpickles on every rank: no agreement needed
-        return unpack()
-    return _unpacked_everywhere(comm, "allgather_object", unpack)
+    return unpack
+
+
+def _gathered(comm: Communicator, text: str) -> list[str]:
+    """Every rank's ``text`` (collective; strings unpickle on every rank, unchecked)."""
+    return _gathering(comm, text)()

@@ -163,6 +163,16 @@ def test_object_that_does_not_unpickle_on_some_ranks_fails_on_every_rank(h, call
     assert h.broadcast_object({"r": RANK}, root_rank=SIZE - 1) == {"r": SIZE - 1}
 
 
+def test_allgather_object_of_a_string_on_some_ranks_only(h):
+    """A string on rank 0, None elsewhere (an optional error message): every rank gets the
+    list. (Agreeing on the unpickling was skipped for a string, on those ranks alone: the
+    others waited in a collective the string's rank never ran.)"""
+    got = h.allgather_object("disk full" if RANK == 0 else None)
+    assert got == ["disk full"] + [None] * (SIZE - 1)
+    assert h.allgather_object(None if RANK == 0 else f"r{RANK}") == \
+        [None] + [f"r{r}" for r in range(1, SIZE)]
+
+
 def test_grouped_allreduce(h):
     xs = [torch.full((3,), float(RANK)), torch.full((2, 2), RANK, dtype=torch.int32)]
     outs = h.grouped_allreduce(xs, op=h.Sum)

@@ -146,10 +146,12 @@ def plan_buckets(params: list[torch.Tensor], names: dict[torch.Tensor, str],
     which reduces each parameter under its name, runs them). By device and dtype, then names
     in descending natural order: for the usual names (``layer2.0.conv.weight``) close to the
     reverse of the model's order, the order in which backward produces the gradients. A
-    parameter larger than the threshold gets a bucket of its own.
+    parameter larger than the threshold gets a bucket of its own. Names are unique (checked
+    where the optimizer is made), so the order is total.
     """
-    ordered = sorted(params, reverse=True,
-                     key=lambda p: (str(p.device), str(p.dtype), _natural(names[p])))
+    ordered = sorted(params, reverse=True, key=lambda p: (
+        p.device.type, -1 if p.device.index is None else p.device.index, str(p.dtype),
+        _natural(names[p]), names[p]))  # the name itself last: "a01" and "a1" sort alike
     buckets: list[Bucket] = []
     run: list[torch.Tensor] = []
     nbytes = 0

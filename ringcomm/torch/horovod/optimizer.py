@@ -47,7 +47,8 @@ _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step 
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
                     "locally.")
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "optimizer.synchronize(). The gradients synchronize() reduced are not "
+                    "reduced again (Horovod's step() reduces them again). You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -127,7 +128,6 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._densified: list[Any] = []  # sparse gradients reduced dense this step
         self._fresh = True
         self._synchronized = False
-        self._again = False  # step() reducing again what synchronize() reduced
         self._should_synchronize = True
         self._warned = False
         self._grad_scaler: Any = None  # set by DistributedOptimizer
@@ -235,7 +235,6 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
                 "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True,
-                "reduced again after synchronize()": self._again,
                 "backward_passes_per_step": self.backward_passes_per_step}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
@@ -309,17 +308,27 @@ class _DistributedOptimizer(_OptimizerMixin):
             if self._synchronized and not self._warned:
                 self._warned = True
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            # Reduced again, as Horovod does. Its buckets say so: where some ranks alone
-            # called synchronize() first (to log a gradient norm on rank 0), this round pairs
-            # with the others' next step, and fails there on every rank instead of mixing
-            # two steps' gradients without a word.
-            self._again = self._synchronized
-            try:
+            # Gradients that synchronize() reduced, with no backward since, are not reduced
+            # again (Horovod's step() reduces them again): where some ranks alone called
+            # synchronize() first (rank 0 logging the gradient norm), that second round
+            # paired with the other ranks' next step, mixing two steps' gradients without
+            # a word, or waited for them until the stall limit.
+            if not (self._synchronized and self._fresh):
                 self.synchronize()
-            finally:
-                self._again = False
         self._synchronized = False
         return super().step(closure)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (as ``torch.optim.Optimizer.add_param_group``); its
+        parameters that ``named_parameters`` did not name are named as Horovod names unnamed
+        ones (``allreduce.noname.<group>.<index>``) and reduced from the next backward on."""
+        super().add_param_group(param_group)
+        names = getattr(self, "_parameter_names", None)
+        if names is None:  # the optimizer's own constructor, before this one's state
+            return
+        group = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[-1]["params"]):
+            names.setdefault(p, f"allreduce.noname.{group}.{j}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (not allowed between backward and step/synchronize)."""
