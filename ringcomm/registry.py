@@ -302,6 +302,11 @@ def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:
     return join(default_store(), dist.get_rank(), dist.get_world_size(), timeout)
 
 
+#: Set in a process of a horovodrun job once it joined (its process id): a process it starts
+#: inherits horovodrun's variables, and this tells it that it is not one of the job's.
+HOROVODRUN_JOINED = "RINGCOMM_HOROVODRUN_JOINED"
+
+
 def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     """Start MPI in every process that horovodrun's own launcher started (no MPI: its "Gloo"
     mode) as one world, numbered as horovodrun numbers them, over horovodrun's rendezvous
@@ -321,6 +326,16 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     where = horovodrun_rendezvous()
     if info.launcher != "horovodrun" or where is None or info.size == 1 or world_joined():
         return
+    joined = os.environ.get(HOROVODRUN_JOINED)
+    if joined and joined != str(os.getpid()):
+        # Started by a process of the job (a subprocess.run of an evaluation script), whose
+        # variables it inherited: joining as that rank a second time ended the job (the PMI
+        # server saw one rank twice) or hung in MPI's start-up.
+        raise RuntimeError(
+            f"{info.describe()}, inherited from process {joined}, which already joined the "
+            f"job as rank {info.rank}: this process, started by it, is not one of the job's. "
+            "Remove HOROVOD_RANK, HOROVOD_SIZE and HOROVOD_GLOO_RENDEZVOUS_ADDR from its "
+            "environment to run it on its own")
     if os.environ.get("HOROVOD_ELASTIC", "") not in ("", "0"):
         raise RuntimeError(
             f"{info.describe()} in elastic mode (HOROVOD_ELASTIC=1: --min-np, --max-np or a "
@@ -333,9 +348,11 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     host, port = where
     why = join(RendezvousStore(host, port), info.rank, info.size, timeout, always=True,
                toward=host)
-    if why is not None:
-        raise RuntimeError(
-            f"{info.describe()}: ringcomm runs horovodrun's processes as one MPI world, "
-            f"started over horovodrun's rendezvous server at {host}:{port}, and MPI cannot "
-            f"start over them ({why}): install mpi4py over MPICH (pip install mpich mpi4py), "
-            f"or launch with mpiexec -n {info.size} or torchrun")
+    if why is None:
+        os.environ[HOROVODRUN_JOINED] = str(os.getpid())
+        return
+    raise RuntimeError(
+        f"{info.describe()}: ringcomm runs horovodrun's processes as one MPI world, "
+        f"started over horovodrun's rendezvous server at {host}:{port}, and MPI cannot "
+        f"start over them ({why}): install mpi4py over MPICH (pip install mpich mpi4py), "
+        f"or launch with mpiexec -n {info.size} or torchrun")

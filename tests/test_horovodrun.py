@@ -232,3 +232,58 @@ def test_horovod_variables_without_its_server_raise_naming_them(subprocess_env):
     assert ("RuntimeError: HOROVOD_SIZE=2 (horovodrun) but MPI.COMM_WORLD has 1 process: "
             "horovodrun's variables are set but not the address of its rendezvous server"
             in proc.stderr), proc.stderr[-2000:]
+
+
+CHILD = textwrap.dedent(r"""
+    import subprocess, sys
+    import numpy as np
+    import ringcomm
+
+    comm = ringcomm.init()
+    child = subprocess.run([sys.executable, "-c", "import ringcomm; ringcomm.init()"],
+                           capture_output=True, text=True, timeout=60)
+    last = (child.stderr.strip().splitlines() or ["-"])[-1]
+    print(f"CHILD {child.returncode} {last}", flush=True)
+    total = comm.allreduce(np.full(3, comm.rank + 1.0, dtype=np.float32))
+    print(f"AFTER {total.tolist()}", flush=True)
+""")
+
+
+@needs_horovodrun
+def test_a_process_started_by_a_rank_is_not_one_of_the_job(env, tmp_path):
+    """A rank runs a script of its own (``subprocess.run``), which inherits horovodrun's
+    variables and calls ringcomm.init(): it fails at once, saying so, and the job goes on.
+    (It joined as that rank a second time: the child of rank 1 ended the whole job, the child
+    of rank 0 hung in MPI's start-up and kept horovodrun from ending.)"""
+    script = tmp_path / "job.py"
+    script.write_text(CHILD)
+    proc = horovodrun(2, [sys.executable, str(script)], env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    children, after = outputs(proc.stdout, "CHILD "), outputs(proc.stdout, "AFTER ")
+    assert sorted(children) == [0, 1] and sorted(after) == [0, 1], proc.stdout[-3000:]
+    for rank, line in children.items():
+        assert line.startswith(f"1 RuntimeError: HOROVOD_SIZE=2 (horovodrun), inherited from "
+                               "process "), line
+        assert f"which already joined the job as rank {rank}" in line
+    assert set(after.values()) == {"[3.0, 3.0, 3.0]"}
+
+
+@needs_horovodrun
+def test_init_process_group_under_horovodrun(env, tmp_path):
+    """``dist.init_process_group("ringcomm")`` (torch's env:// rendezvous, which reads RANK)
+    under horovodrun: the processes form one MPI world first, as ringcomm.init() makes them."""
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import ringcomm.torch  # noqa: F401
+        dist.init_process_group("ringcomm")
+        t = torch.full((3,), float(dist.get_rank() + 1))
+        dist.all_reduce(t)
+        print(f"DIST {dist.get_rank()} {dist.get_world_size()} {t.tolist()}", flush=True)
+        dist.destroy_process_group()
+    """))
+    proc = horovodrun(2, [sys.executable, str(script)], env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = outputs(proc.stdout, "DIST ")
+    assert said == {0: "0 2 [3.0, 3.0, 3.0]", 1: "1 2 [3.0, 3.0, 3.0]"}, proc.stdout[-3000:]

@@ -1,9 +1,11 @@
-"""``init_process_group`` under mpiexec, mpirun and srun: torch's ``env://`` rendezvous from MPI.
+"""``init_process_group`` under mpiexec, mpirun, srun and horovodrun: torch's ``env://``
+rendezvous from MPI.
 
 torch.distributed's default rendezvous (``env://``) reads ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``, which torchrun sets and MPI launchers do not: under
 ``mpiexec`` a plain ``dist.init_process_group("ringcomm")`` raised "environment variable RANK
-expected, but not set" before any backend ran. Importing ``ringcomm.torch`` (PyTorch does it at
+expected, but not set" before any backend ran (under horovodrun, whose processes first become
+one MPI world over its rendezvous server, too). Importing ``ringcomm.torch`` (PyTorch does it at
 its start, through ringcomm's entry point) wraps that rendezvous: where ``RANK`` is not set, no
 rank was passed, and an MPI launcher started the process (its rank and size variables, as
 :func:`ringcomm.core.launch.mpi_launched` reads them), rank and size come from MPI's world and
@@ -34,8 +36,8 @@ from urllib.parse import parse_qs, urlparse
 from ringcomm.backends.gloo_held import pause_at_exit
 from ringcomm.backends.mpi_process import FORWARD_S, abort
 from ringcomm.comm.transport import write_fatal
-from ringcomm.core.launch import detect, mpi_launched
-from ringcomm.registry import mpi_world_text
+from ringcomm.core.launch import detect, horovodrun_rendezvous, mpi_launched
+from ringcomm.registry import join_mpi_over_horovodrun, mpi_world_text
 
 __all__ = ["install"]
 
@@ -74,10 +76,11 @@ def _query(url: str) -> dict[str, str]:
 
 
 def _from_mpi(url: str) -> bool:
-    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring)."""
+    """Whether this ``env://`` rendezvous is MPI's to make (see the module's docstring): an
+    MPI launch, or horovodrun's processes (MPI started over its rendezvous server first)."""
     if "RANK" in os.environ or "rank" in _query(url):
         return False
-    return mpi_launched()
+    return mpi_launched() or horovodrun_rendezvous() is not None
 
 
 def _agreed_sizes(comm: Any, query: dict[str, str],
@@ -119,10 +122,13 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
     from ringcomm.backends.mpi_process import import_mpi
     from ringcomm.torch.process_group import _DEFAULT_TIMEOUT, mpi_store
 
+    launched = detect(os.environ)
+    if launched.launcher == "horovodrun":  # its processes become one MPI world first
+        wait = _DEFAULT_TIMEOUT if timeout is None else timeout
+        join_mpi_over_horovodrun(launched, wait.total_seconds())
     MPI = import_mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    launched = detect(os.environ)
     if size != launched.size:
         raise RuntimeError(
             f"init_process_group: {launched.describe()}, but {mpi_world_text(size)}: mpi4py's "
