@@ -262,7 +262,7 @@ def test_a_process_started_by_a_rank_is_not_one_of_the_job(env, tmp_path):
     children, after = outputs(proc.stdout, "CHILD "), outputs(proc.stdout, "AFTER ")
     assert sorted(children) == [0, 1] and sorted(after) == [0, 1], proc.stdout[-3000:]
     for rank, line in children.items():
-        assert line.startswith(f"1 RuntimeError: HOROVOD_SIZE=2 (horovodrun), inherited from "
+        assert line.startswith("1 RuntimeError: HOROVOD_SIZE=2 (horovodrun), inherited from "
                                "process "), line
         assert f"which already joined the job as rank {rank}" in line
     assert set(after.values()) == {"[3.0, 3.0, 3.0]"}
