@@ -274,4 +274,6 @@ def _bucket_hint(entry: Entry) -> str:
         return ""
     return ("; it is a DistributedOptimizer bucket, and the ranks cut different ones where "
             "their parameters' names, which of them require a gradient, "
-            "fusion_threshold_bytes or the compression differ")
+            "fusion_threshold_bytes or the compression differ, or where a gradient is sparse "
+            "on some ranks and missing on others (an embedding used by some ranks only: "
+            "sparse_as_dense=True reduces it as the others' zeros)")
