@@ -122,10 +122,9 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
     from ringcomm.backends.mpi_process import import_mpi
     from ringcomm.torch.process_group import _DEFAULT_TIMEOUT, mpi_store
 
+    wait = _DEFAULT_TIMEOUT if timeout is None else timeout
     launched = detect(os.environ)
-    if launched.launcher == "horovodrun":  # its processes become one MPI world first
-        wait = _DEFAULT_TIMEOUT if timeout is None else timeout
-        join_mpi_over_horovodrun(launched, wait.total_seconds())
+    join_mpi_over_horovodrun(launched, wait.total_seconds())  # horovodrun's processes only
     MPI = import_mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -135,13 +134,13 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
             f"MPI is not the launcher's (launch with the mpiexec of the MPI mpi4py was built "
             f"with), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself")
     query = _query(url)
-    asked = _agreed_sizes(comm, query, _DEFAULT_TIMEOUT if timeout is None else timeout)
+    asked = _agreed_sizes(comm, query, wait)
     said = "; ".join(f"{where}={value} on rank {r}" for r, (value, where) in enumerate(asked)
                      if value not in (-1, size))
     if said:
         raise ValueError(f"init_process_group: {said}, but the job (MPI's world, "
                          f"{launched.describe()}) has {size} processes")
     port = int(os.environ.get("MASTER_PORT") or 0)
-    store = mpi_store(comm, None, _DEFAULT_TIMEOUT if timeout is None else timeout, port)
+    store = mpi_store(comm, None, wait, port)
     pause_at_exit()  # a gloo group's threads let go of PyTorch's tensors before the exit
     return store, rank, size

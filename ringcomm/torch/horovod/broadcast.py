@@ -55,6 +55,12 @@ def broadcast_parameters(params: Any, root_rank: int,
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
     _check_same_names([name for name, _ in items], process_set)
+    _broadcast_items(items, root_rank, process_set)
+
+
+def _broadcast_items(items: list[tuple[Any, torch.Tensor]], root_rank: int,
+                     process_set: Any) -> None:
+    """Broadcast each (name, tensor) in place, the names already the same on every rank."""
     handles = [broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
                                 name, process_set) for name, p in items]
     for handle in handles:
@@ -249,7 +255,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         own: list[torch.Tensor] = []
         _flatten(dict(optimizer.state.get(params[i], {})), own)
         new_state[params[i]] = _fill(skeleton, params[i], own, received)
-    broadcast_parameters(received, root_rank, process_set)
+    # As many tensors on every rank: root's state, which every rank was checked to fit.
+    _broadcast_items([(None, t) for t in received], root_rank, process_set)
     if me != root_rank:
         optimizer.state.clear()
         optimizer.state.update(new_state)
