@@ -41,8 +41,7 @@ from ringcomm.core.types import (
     ReduceOp,
     Transport,
 )
-
-__version__ = "0.1.0"
+from ringcomm.core.version import __version__
 
 __all__ = [
     "BF16",

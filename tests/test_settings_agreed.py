@@ -8,11 +8,16 @@ promptly: never a hang in MPI's start-up, never a wrong value.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Each rank writes one bracketed line: what init raised, or what an allreduce returned.
 PROBE = r"""
@@ -30,14 +35,15 @@ os.write(1, f"<{rank}|{out}>\n".encode())
 
 
 def _run_two(mpiexec: str, env: dict[str, str], variable: str, value: str,
-             other: str | None = None, probe: str = PROBE) -> dict[int, str]:
+             other: str | None = None, probe: str = PROBE,
+             cwd: Path | None = None) -> dict[int, str]:
     """Run PROBE at 2 ranks, rank 0 with ``variable=value`` (rank 1 with ``other``, or
     without it); return each rank's line."""
     base = {k: v for k, v in env.items() if not k.startswith(("RINGCOMM_", "HOROVOD_"))}
     rank1 = [] if other is None else ["-env", variable, other]
     cmd = [mpiexec, "-n", "1", "-env", variable, value, sys.executable, "-c", probe, ":",
            "-n", "1", *rank1, sys.executable, "-c", probe]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=base)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=base, cwd=cwd)
     lines = dict(re.findall(r"^<(\d)\|(.*)>$", proc.stdout, re.MULTILINE))
     assert set(lines) == {"0", "1"}, (proc.returncode, proc.stdout, proc.stderr)
     return {int(r): line for r, line in lines.items()}
@@ -112,6 +118,26 @@ def test_backend_that_differs_fails_every_rank(mpiexec, subprocess_env, value, o
     lines = _run_two(mpiexec, subprocess_env, "PROBE_BACKEND", value, other, BACKEND_PROBE)
     assert lines[0] == lines[1], lines
     assert lines[0].startswith(expected), lines
+
+
+def test_a_rank_running_another_release_fails_every_rank(mpiexec, subprocess_env, tmp_path):
+    """A node with another install of ringcomm (here rank 1 imports a copy of the package
+    whose version says 0.0.1-other, first on its PYTHONPATH): every rank raises the same
+    ArgumentMismatchError at init, naming each rank's release, where the two used to run
+    the job together, each framing and reducing calls as its own release does."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "ringcomm", other / "ringcomm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    version = other / "ringcomm" / "core" / "version.py"
+    mine = re.search(r'^__version__ = "(.*)"$', version.read_text(), re.MULTILINE)[1]
+    version.write_text(version.read_text().replace(f'"{mine}"', '"0.0.1-other"'))
+    path = f"{other}{os.pathsep}{subprocess_env.get('PYTHONPATH', '')}"
+    lines = _run_two(mpiexec, subprocess_env, "PYTHONPATH", subprocess_env["PYTHONPATH"],
+                     path, cwd=tmp_path)  # not the tree's root: python -c puts it first
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(
+        f"ArgumentMismatchError: init: ringcomm version differs between ranks: {mine} on "
+        "rank 0; 0.0.1-other on rank 1. Every rank must run the same ringcomm release"), lines
 
 
 def test_the_same_settings_on_every_rank_start(mpiexec, subprocess_env):

@@ -37,6 +37,7 @@ from ringcomm.core.types import (
     Transport,
     check_op,
 )
+from ringcomm.core.version import __version__
 
 if TYPE_CHECKING:
     from ringcomm.algorithms.auto import Auto
@@ -543,9 +544,10 @@ class Communicator:
 
     # ----------------------------------------------------------------------------- helpers
     def _settings(self) -> dict[str, Any]:
-        """What every rank must share, by name (agreed when the communicator starts)."""
-        return {"backend": self.backend, "consistency_check": self.consistency_check,
-                "segment_bytes": self.segment_bytes,
+        """What every rank must share, by name (agreed when the communicator starts): ranks
+        running different releases of ringcomm could frame or reduce a call differently."""
+        return {settings.VERSION_SETTING: __version__, "backend": self.backend,
+                "consistency_check": self.consistency_check, "segment_bytes": self.segment_bytes,
                 "inline_bytes": ("default" if self._inline_setting is None
                                  else self._inline_setting),
                 "algorithm": self.algorithm, "topology": self.topology,

@@ -37,6 +37,8 @@ __all__ = ["MAX_INLINE_BYTES", "MAX_SEGMENT_BYTES", "Settings", "agree_at_start"
 #: The largest inline slot: each rank keeps that much room for each other rank's message (and
 #: where the exchange is a fixed-size allgather, the slot travels with every collective).
 MAX_INLINE_BYTES = 1 << 20
+# The name under which communicators agree on ringcomm's release (Communicator._settings).
+VERSION_SETTING = "ringcomm version"
 #: The largest ring segment (a segment is one message; larger ones only cost memory).
 MAX_SEGMENT_BYTES = 1 << 30
 
@@ -191,10 +193,13 @@ def agree_at_start(t: Transport, settings: dict[str, Any],
     if differences:
         parts = "; ".join(f"{name} differs between ranks: {rank_groups(list(values))}"
                           for name, values in differences.items())
-        raise ArgumentMismatchError(
-            f"init: {parts}. Every rank must be given the same settings (init's options and "
-            "their environment variables)", kind="init",
-            ranks=tuple(range(len(everyone))), differences=differences)
+        advice = ("Every rank must be given the same settings (init's options and their "
+                  "environment variables)")
+        if VERSION_SETTING in differences:
+            advice = ("Every rank must run the same ringcomm release (pip show ringcomm on "
+                      "each node)")
+        raise ArgumentMismatchError(f"init: {parts}. {advice}", kind="init",
+                                    ranks=tuple(range(len(everyone))), differences=differences)
 
 
 def agree_byte_limit(t: Transport, name: str, default: int) -> int:
