@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # the tests start hundreds of processes that each import ringcomm, 0.3-0.4 s faster from them.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-unit test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+.PHONY: demo test test-unit slurm test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 
 $(BIN)/python:
@@ -53,9 +53,24 @@ layers: $(VENV)/.test
 # another run, with three tests that wait on time failing under the load. TEST_WORKERS=0
 # runs them in this process.
 TEST_WORKERS ?= 2
+
+# tests/test_slurm.py runs srun and sbatch on a private one-node cluster of Slurm's own
+# daemons; where they are missing and this is root on Debian, Debian's Slurm is installed
+# (about 20 s); elsewhere those tests are skipped, saying so. SLURM_INSTALL=0 installs nothing.
+SLURM_INSTALL ?= 1
+slurm:
+	@command -v slurmctld >/dev/null || [ "$(SLURM_INSTALL)" != 1 ] || [ "$$(id -u)" != 0 ] \
+		|| ! command -v apt-get >/dev/null || { \
+		echo "== installing Slurm (Debian's slurmctld, slurmd, slurm-client) for tests/test_slurm.py"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends \
+			slurmctld slurmd slurm-client >/dev/null 2>&1; } \
+		|| echo "== Slurm could not be installed: tests/test_slurm.py will be skipped"; }
+
 # tests/mpi runs under mpiexec below (at one rank it mostly skips: 40 s for the few calls of
 # a one-process communicator, which tests/test_api.py covers).
-test-unit: $(VENV)/.test
+test-unit: $(VENV)/.test slurm
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --ignore=tests/mpi
 
 # The property-based, thread, native-allreduce, exchange, process-group-transport and

@@ -121,13 +121,7 @@ def _size_hint(info: LaunchInfo, backend: str) -> str:
         return ("horovodrun's variables are set but not the address of its rendezvous server "
                 "(HOROVOD_GLOO_RENDEZVOUS_ADDR and _PORT), over which its processes form one "
                 f"job: launch with horovodrun itself, or with mpiexec -n {info.size}")
-    if info.launcher == "slurm":
-        return ("srun's PMI does not reach mpi4py's MPI library: pick the matching plugin "
-                "(srun --mpi=pmix or --mpi=pmi2; srun --mpi=list shows them), or start the ranks "
-                "with that MPI's mpiexec inside the allocation")
-    return ("each process is an MPI world of its own, so mpi4py's MPI library is not the one "
-            "whose launcher started the job: launch with the mpiexec of mpi4py's MPI "
-            "(.venv/bin/mpiexec for the mpich wheel), or install mpi4py against the launcher's MPI")
+    return info.mpi_hint()
 
 
 def _check_spans_job(comm: Communicator, info: LaunchInfo, mpi_comm: Any) -> None:

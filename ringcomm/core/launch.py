@@ -87,6 +87,19 @@ class LaunchInfo:
                     "launcher)")
         return f"{self.size_variable}={self.size} ({self.launcher})"
 
+    def mpi_hint(self) -> str:
+        """How to make MPI's world the job this MPI launcher started, where each process came
+        up as an MPI world of its own (mpi4py's MPI is not the launcher's, or srun's PMI
+        plugin does not reach it)."""
+        if self.launcher == "slurm":
+            return ("srun's PMI does not reach mpi4py's MPI library: pick the matching plugin "
+                    "(srun --mpi=pmi2 for the mpich wheel, or --mpi=pmix; srun --mpi=list shows "
+                    "them), or start the ranks with that MPI's mpiexec inside the allocation")
+        return ("each process is an MPI world of its own, so mpi4py's MPI library is not the "
+                "one whose launcher started the job: launch with the mpiexec of mpi4py's MPI "
+                "(.venv/bin/mpiexec for the mpich wheel), or install mpi4py against the "
+                "launcher's MPI")
+
 
 # (launcher, rank, size, local rank, local size); the first launcher whose rank and size
 # variables are both set wins. torchrun and horovodrun come first: they may themselves run

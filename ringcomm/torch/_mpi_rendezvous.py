@@ -130,9 +130,9 @@ def _rendezvous(url: str, timeout: datetime.timedelta | None) -> tuple[Any, int,
     rank, size = comm.Get_rank(), comm.Get_size()
     if size != launched.size:
         raise RuntimeError(
-            f"init_process_group: {launched.describe()}, but {mpi_world_text(size)}: mpi4py's "
-            f"MPI is not the launcher's (launch with the mpiexec of the MPI mpi4py was built "
-            f"with), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself")
+            f"init_process_group: {launched.describe()}, but {mpi_world_text(size)}: "
+            f"{launched.mpi_hint()}; or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+            "yourself")
     query = _query(url)
     asked = _agreed_sizes(comm, query, wait)
     said = "; ".join(f"{where}={value} on rank {r}" for r, (value, where) in enumerate(asked)
