@@ -76,7 +76,7 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
                     f"launch with mpiexec -n {info.size}, or use backend='auto' or 'gloo' "
                     "under torchrun")
         else:
-            mpi_comm = renumbered = _numbered_as_torch(info)
+            mpi_comm = renumbered = _numbered_as_torch(info, settings.timeout)
     from ringcomm.backends.mpi import MPICommunicator
 
     try:
@@ -87,14 +87,14 @@ def _build_mpi(mpi_comm: Any, settings: Settings, info: LaunchInfo,
             renumbered.Free()  # the communicator runs on duplicates of it
 
 
-def _numbered_as_torch(info: LaunchInfo) -> Any:
+def _numbered_as_torch(info: LaunchInfo, timeout: float) -> Any:
     """MPI's world numbered as torch.distributed's default group numbers its processes, where
     they differ (a group initialized with ranks of its own choosing under mpiexec), else None
     (collective over MPI's world): ringcomm's rank r is torch's rank r, so that a broadcast from
     root 0 sends what torch calls rank 0's data."""
     from ringcomm.backends.mpi_process import import_mpi, world_numbers_alike
 
-    if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size):
+    if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size, timeout):
         return None
     return import_mpi().COMM_WORLD.Split(0, info.rank)
 
@@ -210,7 +210,7 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
         from ringcomm.backends.mpi_process import world_numbers_alike
 
         world = _mpi_world_size()
-        if world != info.size or not world_numbers_alike(info.rank, info.size):
+        if world != info.size or not world_numbers_alike(info.rank, info.size, timeout):
             _require_torch(info, world)
             # Every question below goes over torch.distributed's store: one store, the default
             # group's. Where rank 0 hosts it (no torchrun agent: torch.multiprocessing.spawn

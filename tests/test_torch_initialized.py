@@ -129,6 +129,32 @@ def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env, bac
                                    1: f"{used} 0 2 [0, 1] 0.0"}, proc.stdout
 
 
+# Rank 0 alone calls ringcomm.init() (as register_ddp_hook(model) without comm= does on the
+# members of a sub-group only); rank 1 goes on elsewhere. (torch's env:// rendezvous takes
+# rank and size from MPI: ringcomm's entry point wraps it.)
+ONE_RANK_INIT = r"""
+import os, time, torch.distributed as dist, ringcomm
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    ringcomm.init(os.environ["BACKEND"])
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("backend", ["auto", "mpi"])
+def test_init_on_one_rank_only_ends_at_the_timeout(mpiexec, subprocess_env, backend):
+    """init() on some ranks only, torch.distributed up under mpiexec: the question whether
+    MPI numbers the processes as torch.distributed does waits the timeout, then ends the job
+    saying so; it waited in a blocking MPI allreduce for good, whatever the timeout."""
+    env = {**subprocess_env, "BACKEND": backend, "RINGCOMM_TIMEOUT": "5"}
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", ONE_RANK_INIT],
+                       timeout=50, env=env)
+    assert proc.returncode != 0, (proc.stdout, proc.stderr)
+    assert ("CollectiveTimeoutError: init timed out on rank 0 of 2 after 5.0 s waiting for "
+            "the other ranks (whether MPI numbers the processes as torch.distributed does)"
+            in proc.stderr), proc.stderr[-3000:]
+
+
 LIGHTNING_CHILD = ("import ringcomm\n"
                    "try:\n    c = ringcomm.init()\n    print('size', c.size)\n"
                    "except RuntimeError as err:\n    print(err)\n")

@@ -236,8 +236,9 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     info = launch.detect()
     # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec
     # job does (collective over MPI's world).
-    if info.launcher == "torchrun" or (info.launcher == "torch.distributed"
-                                       and not world_numbers_alike(info.rank, info.size)):
+    if info.launcher == "torchrun" or (info.launcher == "torch.distributed" and not
+                                       world_numbers_alike(info.rank, info.size,
+                                                           check_timeout(timeout))):
         return _StoreRendezvous.launched(info, check_timeout(timeout))
     try:
         from mpi4py import MPI

@@ -88,22 +88,30 @@ def abort(comm: Any, code: int) -> None:
         os._exit(code)
 
 
-def world_numbers_alike(rank: int, size: int) -> bool:
+def world_numbers_alike(rank: int, size: int, timeout: float) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
-    rank), False without mpi4py, and False for a job of several processes that no MPI launcher
-    started (MPI is not even started then) and that did not join over ringcomm's PMI server.
-    For a job whose torch.distributed group is up: its ranks may be numbered otherwise than
-    MPI's, and then MPI cannot stand in for it."""
+    rank; one that waits ``timeout`` seconds at most for the others, then ends the job, as
+    :func:`gather_names`), False without mpi4py, and False for a job of several processes that
+    no MPI launcher started (MPI is not even started then) and that did not join over
+    ringcomm's PMI server. For a job whose torch.distributed group is up: its ranks may be
+    numbered otherwise than MPI's, and then MPI cannot stand in for it."""
+    import numpy as np
+
     if size > 1 and not mpi_world_is_job():
         return False
     try:
-        world = import_mpi().COMM_WORLD
+        MPI = import_mpi()
     except RuntimeError:
         return False
+    world = MPI.COMM_WORLD
     if world.Get_size() != size:
         return False
-    return bool(world.allreduce(world.Get_rank() == rank, op=import_mpi().LAND))
+    alike = np.array([world.Get_rank() == rank], np.int32)
+    everywhere = np.empty(1, np.int32)
+    _wait_or_abort(world, world.Iallreduce(alike, everywhere, op=MPI.MIN), timeout,
+                   "init", "whether MPI numbers the processes as torch.distributed does")
+    return bool(everywhere[0])
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
@@ -119,22 +127,29 @@ def gather_names(comm: Any, name: str, timeout: float, what: str) -> list[str]:
     the MPI backend does; the job cannot go on with a rank that never came."""
     import numpy as np
 
-    from ringcomm.comm.transport import write_fatal
-    from ringcomm.core.types import CollectiveTimeoutError
-
     send = np.zeros(_NAME_BYTES, np.uint8)
     mine = name.encode("utf-8", "replace")[:_NAME_BYTES]
     send[:len(mine)] = np.frombuffer(mine, np.uint8)
     size = comm.Get_size()
     recv = np.empty((size, _NAME_BYTES), np.uint8)
-    request = comm.Iallgather(send, recv)
+    _wait_or_abort(comm, comm.Iallgather(send, recv), timeout, what, "the backend agreement")
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in recv]
+
+
+def _wait_or_abort(comm: Any, request: Any, timeout: float, what: str, waiting: str) -> None:
+    """Wait for ``request`` (a collective over ``comm``) at most ``timeout`` seconds; past
+    that, say why (naming ``what``, the call, and ``waiting``, the exchange) and end the job
+    (``MPI_Abort``): the job cannot go on with a rank that never came."""
+    from ringcomm.comm.transport import write_fatal
+    from ringcomm.core.types import CollectiveTimeoutError
+
     deadline = time.monotonic() + timeout
     while not request.Test():
         if time.monotonic() > deadline:
             error = CollectiveTimeoutError(
-                f"{what} timed out on rank {comm.Get_rank()} of {size} after {timeout:.1f} s "
-                "waiting for the other ranks (the backend agreement): a rank may have exited, "
-                "stopped, asked for gloo, or be elsewhere. The timeout is "
+                f"{what} timed out on rank {comm.Get_rank()} of {comm.Get_size()} after "
+                f"{timeout:.1f} s waiting for the other ranks ({waiting}): a rank may have "
+                "exited, stopped, asked for gloo, or be elsewhere. The timeout is "
                 f"{timeout:g} s: change it with ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT",
                 kind=what, elapsed=timeout, timeout=timeout)
             write_fatal(error, "Ending the job (MPI_Abort).")
@@ -142,7 +157,6 @@ def gather_names(comm: Any, name: str, timeout: float, what: str) -> list[str]:
             abort(comm, 1)
             raise error
         time.sleep(0.001)
-    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in recv]
 
 
 def install_abort_hook() -> None:

@@ -1,7 +1,8 @@
 """Torch tensors as the arrays ringcomm's collectives take: zero-copy views, written in place.
 
-A CPU tensor reaches the communicator as ``tensor.numpy()`` (same memory), a CUDA tensor as a
-CuPy array through DLPack (same memory, stream-ordered by the DLPack exchange). Results are
+A CPU tensor reaches the communicator as a NumPy array through DLPack (same memory; see
+``host_view``), a CUDA tensor as a CuPy array through DLPack (same memory, stream-ordered by
+the DLPack exchange). Results are
 written into those views, so nothing is copied on the way in or out.
 
 Dtypes the communicator cannot carry (bool, uint8, int8, int16, and bfloat16, which neither
@@ -23,10 +24,11 @@ import contextlib
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "resolved",
-           "sync_device", "travels_widened"]
+__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "host_view",
+           "resolved", "sync_device", "travels_widened"]
 
 # dtype -> (dtype it travels as, number of trailing unit dimensions that tag it)
 _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -52,6 +54,17 @@ def _cupy() -> Any:
     return cupy
 
 
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A writable NumPy array over a (detached) CPU tensor's memory, which leaves the tensor
+    as it was: ``Tensor.numpy()`` marks the tensor's storage not resizable for good, so that a
+    later ``resize_`` of a tensor that went through a collective failed ("Trying to resize
+    storage that is not resizable"; PyTorch's batched PowerSGD hook resizes its bucket), where
+    gloo's leave it resizable. Through DLPack (about 2 us more than ``numpy()``), except where
+    NumPy's DLPack arrays are read-only (before NumPy 2.1)."""
+    view = np.from_dlpack(t)
+    return view if view.flags.writeable else t.numpy()
+
+
 def as_array(t: torch.Tensor) -> Any:
     """Return a NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
 
@@ -69,7 +82,7 @@ def as_array(t: torch.Tensor) -> Any:
     """
     t = t.detach()
     if t.device.type == "cpu":
-        return t.numpy()
+        return host_view(t)
     if t.device.type == "cuda":
         cupy = _cupy()
         with device_scope(t.device.index):

@@ -33,13 +33,13 @@ GIL, which deadlocks with gloo's worker thread (it takes the GIL to release a fi
 collective's tensors while holding its queue's lock).
 
 The collectives run one at a time per group, in the order they were called (the same on every
-rank): small ones (64 KiB at most) and those the caller waits for at once (``async_op=False``,
-as FSDP2's on CPU) on the calling thread where no other is pending (no thread handoff:
-bench/results/dist_backend_inline.md), the others on a thread of the group's own
-behind the pending ones, the call returning at once with a work object, so that DDP overlaps
-its bucket allreduces with backward as on torch's own backends; ``work.wait()`` (what a call
-without ``async_op=True`` does) raises the collective's error, if any, on the caller's
-thread.
+rank): those the caller waits for at once (``async_op=False``, as FSDP2's on CPU) on the
+calling thread where no other is pending (no thread handoff:
+bench/results/dist_backend_inline.md), the others (``async_op=True``, however small) on a
+thread of the group's own behind the pending ones, the call returning at once with a work
+object, so that DDP overlaps its bucket allreduces with backward as on torch's own backends;
+``work.wait()`` (what a call without ``async_op=True`` does) raises the collective's error,
+if any, on the caller's thread.
 
 Limits: CPU tensors (strided ones copied where they must be), of NumPy's dtypes for the
 gathers and reduce-scatters. CUDA tensors run on torch's NCCL where torch has it and the
@@ -99,12 +99,6 @@ _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 # MPI_Comm_create_group's tags for sub-groups' communicators: every MPI has at least these.
 _CREATE_TAGS = 32768
 
-# Collectives of at most this many bytes (a gather's result counted) may run on the calling
-# thread (see _Worker): they are latency-bound, where larger ones (DDP's buckets) may overlap
-# the caller's work from the group's thread.
-_HERE_BYTES = 64 << 10
-
-
 def _direct(output: torch.Tensor, input: torch.Tensor) -> bool:
     """Whether the communicator may write a collective's ``output`` itself: C-contiguous, of
     ``input``'s dtype and no negative view (else the result is copied into it, and cast)."""
@@ -112,18 +106,16 @@ def _direct(output: torch.Tensor, input: torch.Tensor) -> bool:
             and output.dtype == input.dtype and not output.is_neg())
 
 
-def _small(tensors: list[torch.Tensor], factor: int = 1) -> bool:
-    """Whether a collective of ``tensors`` (``factor`` times their bytes) is small enough to
-    run on the calling thread."""
-    return sum(t.numel() * t.element_size() for t in tensors) * factor <= _HERE_BYTES
-
-
-def _here(opts: Any, tensors: list[torch.Tensor], factor: int = 1) -> bool:
-    """Whether a collective may run on the calling thread (where nothing is pending): a
-    small one, or one the caller waits for at once (``async_op=False``, as FSDP2's gathers
-    and reduce-scatters of CPU tensors): then the group's thread would run it while the
-    caller waits, and the handoff is all it would add."""
-    return not getattr(opts, "asyncOp", True) or _small(tensors, factor)
+def _here(opts: Any) -> bool:
+    """Whether a collective may run on the calling thread (where nothing is pending): one the
+    caller waits for at once (``async_op=False``, as plain ``dist.all_reduce(t)`` and FSDP2's
+    gathers and reduce-scatters of CPU tensors), which the group's thread would run while the
+    caller waits, the handoff all it would add. Never one the caller does not wait for
+    (``async_op=True``, DDP's buckets), however small: a rank may start such calls on two
+    groups in one order while another starts them in the other, then wait for both, which
+    torch's own backends complete; run here, the first would wait for the other rank's
+    first, on another group, for good."""
+    return not getattr(opts, "asyncOp", True)
 
 
 def _torch_name(value: Any) -> str:
@@ -679,7 +671,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 for t, w in zip(tensors, work, strict=True):
                     t.copy_(w)
             return tensors
-        return self._submit(run, here=_here(opts, tensors))
+        return self._submit(run, here=_here(opts))
 
     def broadcast(self, tensors: Any, opts: Any = None) -> Any:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -697,7 +689,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     comm.broadcast(x.array, root=root)
                 x.write_back()
             return tensors
-        return self._submit(run, here=_here(opts, tensors))
+        return self._submit(run, here=_here(opts))
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         inputs = _read(inputs)
@@ -718,7 +710,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 for r, out in enumerate(outs):
                     out.copy_(torch.from_numpy(gathered[r]).view(out.shape))
             return output_lists
-        return self._submit(run, here=_here(opts, inputs, size))
+        return self._submit(run, here=_here(opts))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -749,7 +741,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     gathered = comm.allgather(as_array(input).reshape(1, -1))
                     output.copy_(torch.from_numpy(gathered.reshape(-1)).view(output.shape))
             return outputs
-        return self._submit(run, here=_here(opts, inputs, size))
+        return self._submit(run, here=_here(opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # its name before torch 2.12
 
@@ -823,7 +815,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 if not direct:
                     output.copy_(torch.from_numpy(chunk).view(output.shape))
             return outputs
-        return self._submit(run, here=_here(opts, inputs))
+        return self._submit(run, here=_here(opts))
 
     def _on_nccl(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a call of ``tensors`` that leaves ringcomm's communicator goes to torch's
@@ -898,7 +890,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             def run() -> torch.Tensor:
                 _all_to_all.all_to_all_single(comm, output, input, *sizes)
                 return output
-            return self._submit(run, here=_here(opts, [input, output]))
+            return self._submit(run, here=_here(opts))
         # Over gloo, gloo's own all-to-all moves the bytes (faster than gloo's point-to-point
         # pairs underneath the communicator), once the counts are agreed in call order.
         self._submit(lambda: _all_to_all.agree_counts(comm, output, input, *sizes),

@@ -18,7 +18,7 @@ import torch
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._errors import collective_error
-from ringcomm.torch._tensors import Operand
+from ringcomm.torch._tensors import Operand, host_view
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod.unsupported import refusal
 
@@ -96,16 +96,16 @@ def _ring_op(op: ReduceOp, floating: bool, postscale: float, size: int) -> tuple
     return _RING_OPS[op], postscale
 
 
-# Host tensors of these dtypes reach the communicator as ``tensor.numpy()`` (what Operand
+# Host tensors of these dtypes reach the communicator as ``host_view(tensor)`` (what Operand
 # does for them, without its staging and device checks: a few microseconds of an allreduce of
 # a few kilobytes).
 _HOST_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64))
 
 
 def _reduce_host(comm: Communicator, src: torch.Tensor, dst: torch.Tensor, op: str) -> None:
-    x = src.detach().numpy()
+    x = host_view(src.detach())
     try:
-        comm.allreduce(x, out=x if dst is src else dst.detach().numpy(), op=op)
+        comm.allreduce(x, out=x if dst is src else host_view(dst.detach()), op=op)
     except (ValueError, TypeError) as err:
         raise collective_error(comm, err, "allreduce", src) from err
 

@@ -1,0 +1,115 @@
+"""What torch.distributed's own backends let a program rely on, kept by the "ringcomm" backend
+and the Horovod surface: tensors that went through a collective stay resizable, and
+``async_op=True`` calls never wait at the call, however small (two groups' calls started in
+one order on one rank and in the other order on another complete, as on gloo)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch_helpers import ringcomm_group  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+pytestmark = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+
+group = pytest.fixture(scope="module", name="group")(ringcomm_group)
+
+
+def _calls(group):
+    """(name, tensors the call is given, the call) for each collective on ringcomm's path."""
+    n = 4
+
+    def gather_list():
+        out = [torch.zeros(n) for _ in range(SIZE)]
+        inp = torch.ones(n)
+        return [inp, *out], lambda: dist.all_gather(out, inp, group=group)
+
+    def gather_into():
+        out, inp = torch.zeros(SIZE * n), torch.ones(n)
+        return [inp, out], lambda: dist.all_gather_into_tensor(out, inp, group=group)
+
+    def scatter_reduce():
+        out, inp = torch.zeros(n), torch.ones(SIZE * n)
+        return [inp, out], lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+
+    def all_to_all():
+        out, inp = torch.zeros(SIZE * n), torch.ones(SIZE * n)
+        return [inp, out], lambda: dist.all_to_all_single(out, inp, group=group)
+
+    def reduce():
+        t = torch.ones(n)
+        return [t], lambda: dist.all_reduce(t, group=group)
+
+    def broadcast():
+        t = torch.ones(n)
+        return [t], lambda: dist.broadcast(t, 0, group=group)
+
+    big = torch.ones(1 << 16)  # 256 KiB: once the group's thread's, where small ones were not
+    return [("all_reduce", reduce), ("broadcast", broadcast), ("all_gather", gather_list),
+            ("all_gather_into_tensor", gather_into),
+            ("reduce_scatter_tensor", scatter_reduce), ("all_to_all_single", all_to_all),
+            ("all_reduce 256 KiB", lambda: ([big], lambda: dist.all_reduce(big, group=group)))]
+
+
+def test_tensors_stay_resizable(group):
+    """A collective's inputs and outputs can be resized afterwards, as on gloo: Tensor.numpy()
+    marked their storage not resizable for good (PyTorch's batched PowerSGD hook, which
+    resizes its bucket, failed on the ringcomm backend)."""
+    stuck = []
+    for name, make in _calls(group):
+        tensors, call = make()
+        call()
+        for i, t in enumerate(tensors):
+            if not t.untyped_storage().resizable():
+                stuck.append(f"{name} tensor {i}")
+            else:
+                t.resize_(t.numel() + 3)
+    assert not stuck, stuck
+
+
+def test_horovod_allreduce_in_place_leaves_the_tensor_resizable():
+    import ringcomm.torch as hvd
+
+    hvd.init()
+    try:
+        t = torch.full((5,), float(RANK + 1))
+        hvd.allreduce_(t, op=hvd.Sum)
+        assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 5
+        assert t.untyped_storage().resizable()
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.parametrize("numel", [2, 1 << 15])
+def test_async_calls_started_in_other_orders_on_two_groups_complete(numel):
+    """Rank r starts a small async all_reduce on group A then B where the next rank starts
+    B then A, then each waits for both: complete, exact, as on gloo. Small calls ran on the
+    calling thread: each rank's first waited there for the other rank's first, on the other
+    group (a hang until the groups' timeout)."""
+    timeout = datetime.timedelta(seconds=30)
+    first = dist.new_group(backend="ringcomm", timeout=timeout)
+    second = dist.new_group(backend="ringcomm", timeout=timeout)
+    try:
+        for g in (first, second):  # each group's communicator made, in one order everywhere
+            dist.all_reduce(torch.ones(1), group=g)
+        order = (first, second) if RANK % 2 == 0 else (second, first)
+        tensors = [torch.full((numel,), float(RANK + 1) * (10 if g is second else 1))
+                   for g in order]
+        works = [dist.all_reduce(t, group=g, async_op=True)
+                 for t, g in zip(tensors, order, strict=True)]
+        for work in works:
+            work.wait()
+        total = SIZE * (SIZE + 1) / 2
+        for t, g in zip(tensors, order, strict=True):
+            assert t.eq(total * (10 if g is second else 1)).all(), (t[:3], g is second)
+    finally:
+        dist.destroy_process_group(first)
+        dist.destroy_process_group(second)
