@@ -191,12 +191,20 @@ class RingcommState:
         torch.distributed was up, say at the top of a script that Lightning's launcher runs
         in its main process first): each rank would train its own model, without an error.
 
+        The group compared is the DDP model's own where register_ddp_hook registered the
+        hook (a model over a one-process sub-group takes a one-process communicator), else
+        torch.distributed's default group.
+
         Raises:
-            RuntimeError: ``comm`` has one process and torch.distributed's group several.
+            RuntimeError: ``comm`` has one process and the group several.
         """
         if self._spans:
             return
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            world = model.process_group.size()
+        else:
+            world = dist.get_world_size() if dist.is_initialized() else 1
         if self.comm.size == 1 and world > 1:
             raise RuntimeError(
                 f"RingcommState's communicator has 1 process but torch.distributed's group has "

@@ -385,6 +385,36 @@ def test_bad_state_arguments():
         pickle.dumps(RingcommState())  # as torch.save(state) does
 
 
+def test_a_model_over_a_one_process_group_takes_a_one_process_communicator():
+    """DDP over a sub-group of one rank (each rank its own) in a job of several, with
+    register_ddp_hook and a communicator of that one process: the hook runs (it refused, as
+    if the communicator had been made before torch.distributed was up) and leaves the
+    gradient as it was; the same communicator for a model over the whole job is refused."""
+    import torch.distributed as dist
+
+    from ringcomm.torch import register_ddp_hook
+
+    alone, groups = dist.new_subgroups(group_size=1)
+    comm = ringcomm.init("mpi", mpi_comm=MPI.COMM_SELF, abort_on_exception=False)
+    try:
+        torch.manual_seed(RANK)
+        model = DDP(torch.nn.Linear(4, 2), process_group=alone)
+        state = register_ddp_hook(model, comm=comm)
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        reference = torch.nn.Linear(4, 2)
+        reference.load_state_dict(model.module.state_dict())
+        reference(x).sum().backward()
+        assert torch.equal(model.module.weight.grad, reference.weight.grad)
+        assert state.comm.stats.calls == 1
+        with pytest.raises(ValueError, match="the DDP model's process group has"):
+            register_ddp_hook(DDP(torch.nn.Linear(4, 2)), comm=comm)
+    finally:
+        comm.close()
+        for g in groups:
+            dist.destroy_process_group(g)
+
+
 @pytest.fixture(scope="module")
 def digits_accuracy():
     """Final test accuracy of the digits MLP through the hook, per compression."""
