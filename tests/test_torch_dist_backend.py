@@ -698,12 +698,11 @@ def queued_behind():  # a collective called while another runs waits for it, in 
     if r == 0:
         first = {}
         runs = threading.Thread(target=lambda: first.update(
-            work=dist.all_reduce(a, async_op=True)))  # runs there, waiting for rank 1
+            work=dist.all_reduce(a)))  # waited for: runs there, waiting for rank 1
         runs.start()
         time.sleep(0.3)
         second = dist.all_reduce(b, async_op=True)  # queued behind it
         runs.join()
-        first["work"].wait()
         second.wait()
     else:
         time.sleep(0.6)
@@ -761,9 +760,11 @@ def test_ranks_whose_tensors_take_different_paths(tmp_path, subprocess_env):
         outcomes = row["outcomes"]
         assert outcomes["fallback on every rank"][:2] == ["ok", [0.0, 0.0, 1.0, 1.0]]
         assert outcomes["strided"][:2] == ["ok", [0.0, 2.0, 10.0, 12.0]], outcomes
-        # Collectives run on their caller's thread where none is pending, else on the group's.
+        # Collectives waited for at once run on their caller's thread where none is pending,
+        # else on the group's (started on both ranks by the async calls of "fallback on
+        # every rank"), in call order.
         assert outcomes["queued behind"][:2] == ["ok", [[3.0] * 3, [21.0] * 3, [
-            "ringcomm-process-group 0"] if row["rank"] == 0 else []]], outcomes
+            "ringcomm-process-group 0"]]], outcomes
         assert outcomes["all_to_all"][:2] == (["ok", [0.0, 10.0, 11.0]] if row["rank"] == 0
                                               else ["ok", [1.0, 2.0, 12.0, 13.0]]), outcomes
     for name, error, words in (
