@@ -2,8 +2,8 @@
 
 A CPU tensor reaches the communicator as a NumPy array through DLPack (same memory; see
 ``host_view``), a CUDA tensor as a CuPy array through DLPack (same memory, stream-ordered by
-the DLPack exchange). Results are
-written into those views, so nothing is copied on the way in or out.
+the DLPack exchange). Results are written into those views, so nothing is copied on the way
+in or out.
 
 Dtypes the communicator cannot carry (bool, uint8, int8, int16, and bfloat16, which neither
 NumPy nor CuPy has) travel as a widened copy (int32, float32) that is written back afterwards.

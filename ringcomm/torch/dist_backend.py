@@ -99,6 +99,7 @@ _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 # MPI_Comm_create_group's tags for sub-groups' communicators: every MPI has at least these.
 _CREATE_TAGS = 32768
 
+
 def _direct(output: torch.Tensor, input: torch.Tensor) -> bool:
     """Whether the communicator may write a collective's ``output`` itself: C-contiguous, of
     ``input``'s dtype and no negative view (else the result is copied into it, and cast)."""
