@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ringcomm.core import launch
@@ -109,8 +110,9 @@ def world_numbers_alike(rank: int, size: int, timeout: float) -> bool:
         return False
     alike = np.array([world.Get_rank() == rank], np.int32)
     everywhere = np.empty(1, np.int32)
-    _wait_or_abort(world, world.Iallreduce(alike, everywhere, op=MPI.MIN), timeout,
-                   "init", "whether MPI numbers the processes as torch.distributed does")
+    wait_or_abort(world, world.Iallreduce(alike, everywhere, op=MPI.MIN), timeout,
+                  lambda: _start_timeout(world, timeout, "init", "whether MPI numbers the "
+                                         "processes as torch.distributed does"))
     return bool(everywhere[0])
 
 
@@ -132,31 +134,40 @@ def gather_names(comm: Any, name: str, timeout: float, what: str) -> list[str]:
     send[:len(mine)] = np.frombuffer(mine, np.uint8)
     size = comm.Get_size()
     recv = np.empty((size, _NAME_BYTES), np.uint8)
-    _wait_or_abort(comm, comm.Iallgather(send, recv), timeout, what, "the backend agreement")
+    wait_or_abort(comm, comm.Iallgather(send, recv), timeout,
+                  lambda: _start_timeout(comm, timeout, what, "the backend agreement"))
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in recv]
 
 
-def _wait_or_abort(comm: Any, request: Any, timeout: float, what: str, waiting: str) -> None:
+def wait_or_abort(comm: Any, request: Any, timeout: float,
+                  error: Callable[[], Exception]) -> None:
     """Wait for ``request`` (a collective over ``comm``) at most ``timeout`` seconds; past
-    that, say why (naming ``what``, the call, and ``waiting``, the exchange) and end the job
-    (``MPI_Abort``): the job cannot go on with a rank that never came."""
+    that, write ``error()`` and end the job (``MPI_Abort``, after a pause for the launcher to
+    forward it), then raise it: the job cannot go on with a rank that never came."""
     from ringcomm.comm.transport import write_fatal
-    from ringcomm.core.types import CollectiveTimeoutError
 
     deadline = time.monotonic() + timeout
     while not request.Test():
         if time.monotonic() > deadline:
-            error = CollectiveTimeoutError(
-                f"{what} timed out on rank {comm.Get_rank()} of {comm.Get_size()} after "
-                f"{timeout:.1f} s waiting for the other ranks ({waiting}): a rank may have "
-                "exited, stopped, asked for gloo, or be elsewhere. The timeout is "
-                f"{timeout:g} s: change it with ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT",
-                kind=what, elapsed=timeout, timeout=timeout)
-            write_fatal(error, "Ending the job (MPI_Abort).")
+            failure = error()
+            write_fatal(failure, "Ending the job (MPI_Abort).")
             time.sleep(FORWARD_S)  # for the launcher to forward it before the job ends
             abort(comm, 1)
-            raise error
+            raise failure
         time.sleep(0.001)
+
+
+def _start_timeout(comm: Any, timeout: float, what: str, waiting: str) -> Exception:
+    """The CollectiveTimeoutError of a start-up exchange (``waiting``) of ``what`` over
+    ``comm`` that waited ``timeout`` seconds."""
+    from ringcomm.core.types import CollectiveTimeoutError
+
+    return CollectiveTimeoutError(
+        f"{what} timed out on rank {comm.Get_rank()} of {comm.Get_size()} after "
+        f"{timeout:.1f} s waiting for the other ranks ({waiting}): a rank may have "
+        "exited, stopped, asked for gloo, or be elsewhere. The timeout is "
+        f"{timeout:g} s: change it with ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT",
+        kind=what, elapsed=timeout, timeout=timeout)
 
 
 def install_abort_hook() -> None:

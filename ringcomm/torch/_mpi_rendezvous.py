@@ -28,14 +28,12 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from ringcomm.backends.gloo_held import pause_at_exit
-from ringcomm.backends.mpi_process import FORWARD_S, abort
-from ringcomm.comm.transport import write_fatal
+from ringcomm.backends.mpi_process import wait_or_abort
 from ringcomm.core.launch import detect, horovodrun_rendezvous, mpi_launched
 from ringcomm.registry import join_mpi_over_horovodrun, mpi_world_text
 
@@ -97,23 +95,14 @@ def _agreed_sizes(comm: Any, query: dict[str, str],
     value = int(raw) if raw.lstrip("-").isdigit() else -2  # -2: not a number
     send = np.array([value, where == "world_size"], dtype=np.int64)
     recv = np.empty((comm.Get_size(), 2), dtype=np.int64)
-    request = comm.Iallgather(send, recv)
     seconds = timeout.total_seconds()
-    deadline = time.monotonic() + seconds
-    while not request.Test():
-        if time.monotonic() > deadline:
-            # The job cannot go on (nor this process finalize MPI with a rank that never
-            # came): ended as ringcomm's timeouts end an MPI job.
-            error = RuntimeError(
-                f"init_process_group: MPI rank {comm.Get_rank()} of {comm.Get_size()} waited "
-                f"{seconds:g} s for the others in the rendezvous over MPI: not every rank of "
-                "the launch came. A rank where RANK is set (or a rank is passed) makes torch's "
-                "own rendezvous instead: set it on every rank, or on none")
-            write_fatal(error, "Ending the job (MPI_Abort).")
-            time.sleep(FORWARD_S)
-            abort(comm, 1)
-            raise error
-        time.sleep(0.001)
+    # The job cannot go on (nor this process finalize MPI with a rank that never came): ended
+    # as ringcomm's timeouts end an MPI job.
+    wait_or_abort(comm, comm.Iallgather(send, recv), seconds, lambda: RuntimeError(
+        f"init_process_group: MPI rank {comm.Get_rank()} of {comm.Get_size()} waited "
+        f"{seconds:g} s for the others in the rendezvous over MPI: not every rank of the "
+        "launch came. A rank where RANK is set (or a rank is passed) makes torch's own "
+        "rendezvous instead: set it on every rank, or on none"))
     return [(int(v), "world_size" if w else "WORLD_SIZE") for v, w in recv]
 
 
