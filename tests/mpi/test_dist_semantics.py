@@ -24,7 +24,8 @@ group = pytest.fixture(scope="module", name="group")(ringcomm_group)
 
 
 def _calls(group):
-    """(name, tensors the call is given, the call) for each collective on ringcomm's path."""
+    """(name, make) for each collective on ringcomm's path; ``make()`` returns the tensors
+    the call is given and the call."""
     n = 4
 
     def gather_list():
