@@ -26,7 +26,6 @@ struct QuantArgs {
   int team;
   u32 seed;
   u32 base;
-  int stochastic;
   int vec;
 };
 
@@ -40,6 +39,13 @@ struct EncodeSrc {
   const float* x;
   bool vec;
   RC_FN void begin(i64) {}
+  RC_FN bool vectorized() const { return vec; }
+  // A full run of 4 at an aligned element (vectorized() only): one unconditional load.
+  RC_FN void load4_full(i64 i, float v[4]) const {
+    const Pack<float, 4> p = load<4>(x + i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = p.v[j];
+  }
   RC_FN void load4(i64 i, int cnt, float v[4]) const {
     if (vec && cnt == 4) {
       const Pack<float, 4> p = load<4>(x + i);
@@ -62,6 +68,13 @@ struct HopSrc {
   bool vec_q;
   float scale;
   RC_FN void begin(i64 b) { scale = scales[b]; }
+  RC_FN bool vectorized() const { return vec_f && vec_q; }
+  RC_FN void load4_full(i64 i, float v[4]) const {
+    const Pack<signed char, 4> c = load<4>(q + i);
+    const Pack<float, 4> o = load<4>(own + i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = fadd(fmul((float)c.v[j], scale), o.v[j]);
+  }
   RC_FN void load4(i64 i, int cnt, float v[4]) const {
     Pack<signed char, 4> c;
     Pack<float, 4> o;
@@ -90,22 +103,24 @@ RC_FN void absmax_update(const float v[4], float& amax, int& nan) {
   }
 }
 
-// Quantize the run of 4 at element i; write its codes and, when asked, its error.
+// Quantize the run of 4 at element i; write its codes and, when ERR, its error. STOCH and ERR
+// are the kernel's template arguments: each combination is compiled without the others' work.
+template <bool STOCH, bool ERR>
 RC_FN void emit(const float x[4], i64 i, int cnt, float inv, float scale, const QuantArgs& a,
                 signed char* q) {
   Pack<signed char, 4> c;
   Pack<float, 4> e;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    c.v[j] = (signed char)(int)int8_code(x[j], inv, a.stochastic, a.seed, a.base + (u32)(i + j));
-    e.v[j] = finite_or_zero(fsub(x[j], fmul((float)c.v[j], scale)));
+    c.v[j] = (signed char)(int)int8_code(x[j], inv, STOCH, a.seed, a.base + (u32)(i + j));
+    if (ERR) e.v[j] = finite_or_zero(fsub(x[j], fmul((float)c.v[j], scale)));
   }
   if (cnt == 4 && (a.vec & VEC_Q)) {
     store<4>(q + i, c);
   } else {
     for (int j = 0; j < cnt; ++j) q[i + j] = c.v[j];
   }
-  if (a.err != nullptr) {
+  if (ERR) {
     if (cnt == 4 && (a.vec & VEC_E)) {
       store<4>(a.err + i, e);
     } else {
@@ -114,7 +129,7 @@ RC_FN void emit(const float x[4], i64 i, int cnt, float inv, float scale, const 
   }
 }
 
-template <class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
+template <bool STOCH, bool ERR, class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
   const i64 nb = (a.n + a.block - 1) / a.block;
   float* scales = reinterpret_cast<float*>(a.payload);
   signed char* q = reinterpret_cast<signed char*>(a.payload + 4 * nb);
@@ -132,16 +147,27 @@ template <class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
     float v[QREGS][4];
     float amax = 0.0f;
     int nan = 0;
+    // A block the team holds whole in registers, every run full and aligned: its loads carry
+    // no condition, so all are in flight before the first is used (the general path below
+    // waits for each before deciding on the next). The same values either way.
+    const bool whole = len == 4 * QREGS * a.team && src.vectorized();
+    if (whole) {
 #pragma unroll
-    for (int j = 0; j < QREGS; ++j) {
-      const int r = j * a.team + sub;
-      src.load4(start + 4 * r, r < runs ? run_len(len, r) : 0, v[j]);
-      absmax_update(v[j], amax, nan);
-    }
-    for (int r = QREGS * a.team + sub; r < runs; r += a.team) {
-      float t[4];
-      src.load4(start + 4 * r, run_len(len, r), t);
-      absmax_update(t, amax, nan);
+      for (int j = 0; j < QREGS; ++j) src.load4_full(start + 4 * (j * a.team + sub), v[j]);
+#pragma unroll
+      for (int j = 0; j < QREGS; ++j) absmax_update(v[j], amax, nan);
+    } else {
+#pragma unroll
+      for (int j = 0; j < QREGS; ++j) {
+        const int r = j * a.team + sub;
+        src.load4(start + 4 * r, r < runs ? run_len(len, r) : 0, v[j]);
+        absmax_update(v[j], amax, nan);
+      }
+      for (int r = QREGS * a.team + sub; r < runs; r += a.team) {
+        float t[4];
+        src.load4(start + 4 * r, run_len(len, r), t);
+        absmax_update(t, amax, nan);
+      }
     }
     for (int o = a.team >> 1; o > 0; o >>= 1) {
       amax = fmax_f(amax, __shfl_xor_sync(FULL_MASK, amax, o, a.team));
@@ -150,38 +176,46 @@ template <class Src> RC_FN void quantize_blocks(Src src, const QuantArgs& a) {
     float scale, inv;
     int8_params(nan ? ffrom(QUIET_NAN) : amax, scale, inv);
     if (len > 0 && sub == 0) scales[b] = scale;
+    if (whole) {
+#pragma unroll
+      for (int j = 0; j < QREGS; ++j)
+        emit<STOCH, ERR>(v[j], start + 4 * (j * a.team + sub), 4, inv, scale, a, q);
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < QREGS; ++j) {
       const int r = j * a.team + sub;
-      if (r < runs) emit(v[j], start + 4 * r, run_len(len, r), inv, scale, a, q);
+      if (r < runs) emit<STOCH, ERR>(v[j], start + 4 * r, run_len(len, r), inv, scale, a, q);
     }
     for (int r = QREGS * a.team + sub; r < runs; r += a.team) {
       float t[4];
       src.load4(start + 4 * r, run_len(len, r), t);
-      emit(t, start + 4 * r, run_len(len, r), inv, scale, a, q);
+      emit<STOCH, ERR>(t, start + 4 * r, run_len(len, r), inv, scale, a, q);
     }
   }
 }
 
-// Quantize float32 x[0:n] into payload; err (nullable) receives x - decode(payload).
+// Quantize float32 x[0:n] into payload; with ERR, err receives x - decode(payload) (it is
+// ignored without). STOCH: stochastic rounding with the uniforms of (seed, base + i).
+template <bool STOCH, bool ERR>
 __global__ void int8_encode_kernel(const float* x, unsigned char* payload, float* err, i64 n,
-                                   int block, int team, u32 seed, u32 base, int stochastic,
-                                   int vec) {
-  const QuantArgs a{payload, err, n, block, team, seed, base, stochastic, vec};
-  quantize_blocks(EncodeSrc{x, (vec & VEC_F) != 0}, a);
+                                   int block, int team, u32 seed, u32 base, int vec) {
+  const QuantArgs a{payload, err, n, block, team, seed, base, vec};
+  quantize_blocks<STOCH, ERR>(EncodeSrc{x, (vec & VEC_F) != 0}, a);
 }
 
-// One reduce-scatter hop: payload = quantize(decode(in) + own); err (nullable) receives the
+// One reduce-scatter hop: payload = quantize(decode(in) + own); with ERR, err receives the
 // requantization error. `in` and `payload` must not overlap (the host copies `in` first).
+template <bool STOCH, bool ERR>
 __global__ void int8_hop_kernel(const unsigned char* in, const float* own, unsigned char* payload,
                                 float* err, i64 n, int block, int team, u32 seed, u32 base,
-                                int stochastic, int vec) {
+                                int vec) {
   const i64 nb = (n + block - 1) / block;
-  const QuantArgs a{payload, err, n, block, team, seed, base, stochastic, vec};
+  const QuantArgs a{payload, err, n, block, team, seed, base, vec};
   const HopSrc src{reinterpret_cast<const float*>(in),
                    reinterpret_cast<const signed char*>(in + 4 * nb), own,
                    (vec & VEC_F) != 0, (vec & VEC_Q) != 0, 0.0f};
-  quantize_blocks(src, a);
+  quantize_blocks<STOCH, ERR>(src, a);
 }
 
 // out[i] = q[i] * scale[block of i].

@@ -60,7 +60,7 @@ def _write_back(target: Any, payload: Array, used: int) -> None:
         payload[:used] = target[:used]
 
 
-def _quantize(name: str, head: tuple[Any, ...], floats: Any, out: Array, block: int,
+def _quantize(kind: str, head: tuple[Any, ...], floats: Any, out: Array, block: int,
               stochastic: bool, seed: int, base: int, error: Any | None) -> None:
     n = floats.size
     if n == 0:
@@ -69,8 +69,9 @@ def _quantize(name: str, head: tuple[Any, ...], floats: Any, out: Array, block: 
     team = _team(block)
     target = _staged(out, 4)
     args = (*head, target, _rt.NULL if error is None else error, np.int64(n), np.int32(block),
-            np.int32(team), _rt.u32(seed), _rt.u32(base), np.int32(bool(stochastic)),
+            np.int32(team), _rt.u32(seed), _rt.u32(base),
             np.int32(_int8_vec(block, floats, error)))
+    name = _src.int8_name(kind, bool(stochastic), error is not None)
     _rt.launch(name, _rt.grid(nb * team), args)
     _write_back(target, out, 4 * nb + n)
 
@@ -90,7 +91,7 @@ def int8_encode(src: Array, out: Array, block: int, *, stochastic: bool = False,
         error: float32 array of src's size that receives src - decode(out), or None.
     """
     src = _f32(src)
-    _quantize("rc::int8_encode_kernel", (src,), src, out, block, stochastic, seed, base, error)
+    _quantize("encode", (src,), src, out, block, stochastic, seed, base, error)
 
 
 def int8_decode(payload: Array, out: Array, block: int) -> None:
@@ -130,7 +131,7 @@ def int8_hop(payload: Array, own: Array, out: Array, block: int, *, stochastic: 
     received = _staged(payload, 4)
     if received is payload and _rt.overlap(payload, out):
         received = payload.copy()  # long blocks are read twice: the first read must survive
-    _quantize("rc::int8_hop_kernel", (received, own), own, out, block, stochastic, seed, base,
+    _quantize("hop", (received, own), own, out, block, stochastic, seed, base,
               error)
 
 

@@ -100,6 +100,12 @@ def cast_name(kind: str, fmt: str) -> str:
     return f"rc::cast_{kind}_kernel<{_FORMATS[fmt]}>"
 
 
+def int8_name(kind: str, stochastic: bool, error: bool) -> str:
+    """The instantiation of int8 kernel ``kind`` ("encode" or "hop") for a rounding mode and
+    whether it writes the quantization error (each compiled without the others' work)."""
+    return f"rc::int8_{kind}_kernel<{str(stochastic).lower()}, {str(error).lower()}>"
+
+
 def _elementwise_names() -> list[str]:
     names = [copy_name(d, s) for d, s in COPY_PAIRS]
     for op in {o.spec.kernel: o for o in ReduceOp}.values():  # one per kernel functor
@@ -115,8 +121,9 @@ def _elementwise_names() -> list[str]:
 
 _NAMES = {
     "elementwise.cu": _elementwise_names,
-    "quantize.cu": lambda: ["rc::int8_encode_kernel", "rc::int8_hop_kernel",
-                            "rc::int8_decode_kernel"],
+    "quantize.cu": lambda: [int8_name(k, s, e) for k in ("encode", "hop")
+                            for s in (False, True) for e in (False, True)]
+    + ["rc::int8_decode_kernel"],
     "cast.cu": lambda: [cast_name(k, f) for k in ("encode", "decode", "hop") for f in _FORMATS],
     "lowrank.cu": lambda: ["rc::outer_sum_kernel", "rc::subtract_outer_kernel"],
     "topk.cu": lambda: ["rc::select_hist", "rc::select_pick", "rc::sample_limits",

@@ -212,8 +212,18 @@ def test_world_size_one_compressed_and_native(self_pair, rng):
         ref = mpi.allreduce(x, compression=comp, feedback=ringcomm.ErrorFeedback(), name="g")
         np.testing.assert_array_equal(y.get(), ref)
     y = cupy.empty_like(dx)
-    assert nccl.transport.native_allreduce(dx, y, ReduceOp.MAX) is True
+    assert nccl.transport.native_allreduce(dx, y, ReduceOp.SUM) is True
     np.testing.assert_array_equal(y.get(), x)
+    # NCCL's fmaxf drops a NaN: float max is the ring's (which keeps it), integer max NCCL's.
+    assert nccl.transport.native_allreduce(dx, y, ReduceOp.MAX) is False
+    held = x.copy()
+    held[7] = np.nan
+    np.testing.assert_array_equal(nccl.allreduce(cupy.asarray(held), op=ReduceOp.MAX).get(),
+                                  held)
+    di = cupy.asarray(np.arange(50, dtype=np.int32))
+    yi = cupy.empty_like(di)
+    assert nccl.transport.native_allreduce(di, yi, ReduceOp.MAX) is True
+    np.testing.assert_array_equal(yi.get(), np.arange(50, dtype=np.int32))
     part = nccl.transport.native_reduce_scatter(dx[:4999], ReduceOp.SUM)  # any length divides by 1
     np.testing.assert_array_equal(part.get(), x[:4999])
     # The ring's channel: the current stream waits for the transfer, no host wait needed.
