@@ -249,6 +249,31 @@ def check_int8(dev: Device, rng: np.random.Generator, n: int, block: int,
     assert_payload(dev, inplace, hop, nb, 4 * nb + n)
 
 
+def check_int8_paths(dev: Device, rng: np.random.Generator, n: int, block: int,
+                     offset: int, stochastic: bool) -> None:
+    """Encode and hop without an error array, their float32 inputs ``offset`` elements into
+    their memory: at 0 a block the team holds whole takes the kernels' unconditional loads, at
+    1 (no 16-byte loads) every block the general path; the twins' bytes either way, and the
+    instantiations that write no error."""
+    def placed(a: np.ndarray) -> Any:
+        return dev.put(np.concatenate([np.zeros(offset, a.dtype), a]))[offset:]
+
+    x = data(rng, n, np.float32, 10.0)
+    own = data(rng, n, np.float32, 3.0, nonfinite=False)
+    nb, size = -(-n // block), ref.int8_nbytes(n, block)
+    kw = {"stochastic": stochastic, "seed": 7, "base": 3}
+    want = np.zeros(size, np.uint8)
+    ref.int8_encode(x, want, block, **kw)
+    got = dev.poisoned(size, np.uint8)
+    gpu.int8_encode(placed(x), got, block, **kw)
+    assert_payload(dev, got, want, nb, 4 * nb + n)
+    hop = np.zeros(size, np.uint8)
+    ref.int8_hop(want, own, hop, block, **kw)
+    got_hop = dev.poisoned(size, np.uint8)
+    gpu.int8_hop(dev.put(want), placed(own), got_hop, block, **kw)
+    assert_payload(dev, got_hop, hop, nb, 4 * nb + n)
+
+
 def check_int8_unaligned(dev: Device, rng: np.random.Generator, n: int) -> None:
     """Payloads at odd addresses (a slice one byte in) give the same bytes."""
     x = data(rng, n, np.float32)

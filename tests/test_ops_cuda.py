@@ -144,6 +144,12 @@ def test_int8_is_the_same_whatever_runs_each_lane_holds(monkeypatch, dev, rng, n
     twins.check_int8(dev, rng, n, block, stochastic=lanes == 2)
 
 
+@pytest.mark.parametrize("block", [16, 64, 256, 512])
+@pytest.mark.parametrize("offset, stochastic", [(0, False), (1, False), (0, True)])
+def test_int8_without_error_on_both_load_paths(dev, rng, n, block, offset, stochastic):
+    twins.check_int8_paths(dev, rng, n, block, offset, stochastic)
+
+
 def test_int8_unaligned_payload(dev, rng, n):
     twins.check_int8_unaligned(dev, rng, n)
 
