@@ -1,7 +1,8 @@
 """What torch.distributed's own backends let a program rely on, kept by the "ringcomm" backend
 and the Horovod surface: tensors that went through a collective stay resizable, and
 ``async_op=True`` calls never wait at the call, however small (two groups' calls started in
-one order on one rank and in the other order on another complete, as on gloo)."""
+one order on one rank and in the other order on another complete, as on gloo); and one it
+cannot rely on there: views are read and written where they point."""
 
 from __future__ import annotations
 
@@ -114,3 +115,44 @@ def test_async_calls_started_in_other_orders_on_two_groups_complete(numel):
     finally:
         dist.destroy_process_group(first)
         dist.destroy_process_group(second)
+
+
+@pytest.mark.parametrize("numel", [4, 1 << 16])
+def test_views_are_read_and_written_where_they_point(group, numel):
+    """Tensors that are views (every other element of another, a transpose, a column) and
+    outputs that hold their own input (FSDP's all_gather_into_tensor from its shard of the
+    output, a reduce_scatter_tensor into a chunk of its input): each element read and written
+    where the view points, as a contiguous copy of it would be. gloo's own all_reduce and
+    broadcast of ``base[::2]`` treat it as ``base[:n]``, silently (torch 2.13)."""
+    total, mine = SIZE * (SIZE + 1) / 2, RANK + 1
+    base = torch.arange(2.0 * numel) * mine
+    dist.all_reduce(base[::2], group=group)
+    want = torch.arange(2.0 * numel)
+    want[::2] *= total
+    want[1::2] *= mine
+    assert torch.equal(base, want)
+
+    m = torch.arange(6.0 * numel).reshape(2, 3 * numel) * mine
+    dist.all_reduce(m.t(), group=group)
+    assert torch.equal(m, torch.arange(6.0 * numel).reshape(2, 3 * numel) * total)
+
+    base = torch.arange(2.0 * numel) + 10 * RANK
+    dist.broadcast(base[::2], 0, group=group)
+    assert torch.equal(base[::2], torch.arange(0.0, 2.0 * numel, 2))
+    assert torch.equal(base[1::2], torch.arange(1.0, 2.0 * numel, 2) + 10 * RANK)
+
+    out = torch.zeros(SIZE * numel, 2)
+    dist.all_gather_into_tensor(out[:, 0], torch.full((numel,), float(RANK)), group=group)
+    assert torch.equal(out[:, 0], torch.arange(float(SIZE)).repeat_interleave(numel))
+    assert not out[:, 1].any()
+
+    mine_part = slice(RANK * numel, (RANK + 1) * numel)
+    full = torch.zeros(SIZE * numel)
+    full[mine_part] = mine
+    dist.all_gather_into_tensor(full, full[mine_part], group=group)
+    assert torch.equal(full, torch.arange(1.0, SIZE + 1).repeat_interleave(numel))
+
+    inp = torch.arange(float(SIZE * numel)) + RANK
+    dist.reduce_scatter_tensor(inp[mine_part], inp, group=group)
+    assert torch.equal(inp[mine_part], SIZE * torch.arange(float(SIZE * numel))[mine_part]
+                       + SIZE * (SIZE - 1) / 2)
