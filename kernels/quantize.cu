@@ -112,8 +112,10 @@ RC_FN void emit(const float x[4], i64 i, int cnt, float inv, float scale, const 
   Pack<float, 4> e;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    c.v[j] = (signed char)(int)int8_code(x[j], inv, STOCH, a.seed, a.base + (u32)(i + j));
-    if (ERR) e.v[j] = finite_or_zero(fsub(x[j], fmul((float)c.v[j], scale)));
+    const float t = int8_code(x[j], inv, STOCH, a.seed, a.base + (u32)(i + j));
+    c.v[j] = (signed char)(int)t;
+    // From t, not the code: a zero keeps x's sign (x = -0.0 leaves +0.0), as in the twins.
+    if (ERR) e.v[j] = finite_or_zero(fsub(x[j], fmul(t, scale)));
   }
   if (cnt == 4 && (a.vec & VEC_Q)) {
     store<4>(q + i, c);

@@ -55,8 +55,8 @@ class Device:
 
 def data(rng: np.random.Generator, n: int, dtype: Any = np.float32, scale: float = 1.0,
          nonfinite: bool = True) -> np.ndarray:
-    """Random values of ``dtype``; when floating, a few subnormals of the dtype (n > 8), and with
-    ``nonfinite`` a few NaN and +-Inf."""
+    """Random values of ``dtype``; when floating, a few subnormals of the dtype and both zeros
+    (n > 8), and with ``nonfinite`` a few NaN and +-Inf."""
     dt = np.dtype(dtype)
     if dt.kind in "iu":
         return rng.integers(-1000, 1000, n).astype(dt)
@@ -68,7 +68,7 @@ def data(rng: np.random.Generator, n: int, dtype: Any = np.float32, scale: float
         x = x.astype(dt)
     if n > 8 and dt.kind == "f":  # a GPU built with flush-to-zero would make these zeros
         tiny = np.finfo(dt).smallest_normal
-        x[rng.choice(n, 2, replace=False)] = [tiny / dt.type(3), -tiny / dt.type(5)]
+        x[rng.choice(n, 4, replace=False)] = [tiny / dt.type(3), -tiny / dt.type(5), 0.0, -0.0]
     return x
 
 
@@ -232,7 +232,7 @@ def check_int8(dev: Device, rng: np.random.Generator, n: int, block: int,
     got, got_err = dev.poisoned(size, np.uint8), dev.poisoned(n, np.float32)
     gpu.int8_encode(dev.put(x), got, block, error=got_err, **kw)
     assert_payload(dev, got, want, nb, 4 * nb + n)
-    assert_same(dev, got_err, want_err)
+    assert_bits(dev, got_err, want_err)  # the sign of a zero error too (x = -0.0)
     decoded = dev.poisoned(n, np.float32)
     gpu.int8_decode(dev.put(want), decoded, block)
     want_decoded = np.empty(n, np.float32)
@@ -243,7 +243,7 @@ def check_int8(dev: Device, rng: np.random.Generator, n: int, block: int,
     got_hop = dev.poisoned(size, np.uint8)
     gpu.int8_hop(dev.put(want), dev.put(own), got_hop, block, error=got_err, **kw)
     assert_payload(dev, got_hop, hop, nb, 4 * nb + n)
-    assert_same(dev, got_err, hop_err)
+    assert_bits(dev, got_err, hop_err)
     inplace = dev.put(want)  # the hop's output over its input, as a codec may reuse it
     gpu.int8_hop(inplace, dev.put(own), inplace, block, **kw)
     assert_payload(dev, inplace, hop, nb, 4 * nb + n)
