@@ -117,11 +117,6 @@ def _regs(cupy: Any, fn: Any) -> int:
         return -1
 
 
-def _team(block: int, runs_per_lane: int) -> int:
-    lanes = -(-block // (4 * runs_per_lane))
-    return min(32, 1 << (lanes - 1).bit_length())
-
-
 #: (label, QREGS, runs per lane for the team, minimum blocks an SM or None, grid blocks an SM
 #: or None for --blocks-per-sm). "shipped" is this tree's kernel, the others' reference.
 VARIANTS = [
@@ -219,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for number, (label, text, names, runs, per_sm) in enumerate(plan):
         module, low = _module(cupy, f"quantize_probe{number}.cu", text,
                               tuple(sorted(set(names.values()))))
-        team = _team(block, runs)
+        team = _cuda_codecs._team(block, runs)
         blocks = max(1, min(-(-nb * team // 256), sms * (per_sm or args.blocks_per_sm)))
         common = (np.int64(n), np.int32(block), np.int32(team), np.uint32(7), np.uint32(0))
         tail = (np.int32(0), np.int32(7)) if names is _OLD_NAMES else (np.int32(7),)

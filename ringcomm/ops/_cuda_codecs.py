@@ -31,10 +31,10 @@ _VEC_F, _VEC_Q, _VEC_E = 1, 2, 4
 RUNS_PER_LANE = 4
 
 
-def _team(block: int) -> int:
+def _team(block: int, runs: int | None = None) -> int:
     """Lanes per quantization block: a power of two up to a warp, each lane holding about
-    RUNS_PER_LANE of the block's runs of 4."""
-    lanes = -(-block // (4 * RUNS_PER_LANE))
+    ``runs`` (default RUNS_PER_LANE) of the block's runs of 4."""
+    lanes = -(-block // (4 * (runs or RUNS_PER_LANE)))
     return min(32, 1 << (lanes - 1).bit_length())
 
 
