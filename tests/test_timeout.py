@@ -65,6 +65,7 @@ from ringcomm.backends.mpi import MPICommunicator
 from ringcomm.core.types import CollectiveError, CollectiveTimeoutError
 
 timeout, piddir = float(sys.argv[1]), sys.argv[2]
+MPI.COMM_WORLD.Barrier()                # every rank has imported: no start-up skew in a wait
 for bad in (0, -1.0, math.nan):
     try:
         MPICommunicator(timeout=bad)
@@ -283,8 +284,11 @@ from mpi4py import MPI
 from ringcomm.backends.mpi import MPICommunicator
 from ringcomm.core.types import CollectiveTimeoutError
 
+# Every rank has imported before any wait starts: on a loaded machine one rank's imports
+# took longer than the timeout, and the first call timed out.
+MPI.COMM_WORLD.Barrier()
 # Without the consistency check the call starts in the two-level phases, no agreement first.
-comm = MPICommunicator(timeout=1.0, abort_on_timeout=False, consistency_check=False)
+comm = MPICommunicator(timeout=2.0, abort_on_timeout=False, consistency_check=False)
 comm.topology = 2                                  # nodes of 2 ranks: 2 x 2
 x = np.ones(300_000, np.float32)
 comm.allreduce(x, algorithm="hierarchical")        # the node-local and cross-node groups exist
@@ -309,11 +313,14 @@ def test_two_level_timeout_names_the_job_s_ranks(mpiexec, subprocess_env, tmp_pa
     script.write_text(TWO_LEVEL)
     proc = run_bounded([mpiexec, "-n", "4", sys.executable, str(script)],
                        timeout=120, env=subprocess_env)
-    # One JSON line per waiting rank; mpiexec's forwarding has also passed a blank line on a
-    # loaded machine, which is not a rank's row.
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    # One JSON line per waiting rank. Anything else on stdout (a blank line mpiexec's
+    # forwarding passed on a loaded machine, its banner when a rank failed) is not a row:
+    # the assertions below show it.
+    report = f"status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     rows = {r["rank"]: r for r in map(json.loads, lines) if "rank" in r}
-    assert sorted(rows) == [0, 1, 2], (proc.stdout, proc.stderr)
+    assert sorted(rows) == [0, 1, 2], report
+    assert proc.returncode == 0, report
     for rank, row in rows.items():
         assert row.get("kind") == "allreduce", row
         assert row["message"].startswith(f"allreduce timed out on rank {rank} of 4 in its "
