@@ -18,21 +18,30 @@ GPUs, one of which exits, checks that path where two GPUs are visible.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 import weakref
 
 import numpy as np
 import pytest
-from test_device_standins import FakeCupy, FakeGPU, standin_transport
+from test_device_standins import (
+    FakeCupy,
+    FakeGPU,
+    FakeNCCLComm,
+    _FakeLib,
+    standin_transport,
+)
 
 import ringcomm
 from ringcomm.backends import _nccl_lib, _nccl_setup, _nccl_wait, nccl
 from ringcomm.backends._nccl_wait import NCCLAsyncError, Stall, poll
+from ringcomm.backends.nccl import NCCLTransport
 from ringcomm.comm.base import Communicator
 from ringcomm.ops import _cuda_runtime
 
@@ -449,6 +458,148 @@ def test_real_nccl_peer_that_exits_ends_the_wait(subprocess_env, tmp_path):
             proc.wait()
     assert "RAISED" in out, out
     assert float(out.split("RAISED", 1)[1].split()[0]) < 25.0
+
+
+# ---------------------------------------------------- creation: a peer that never joins
+class _Creating:
+    """A creation (ncclCommInitRank, ncclCommSplit) that blocks until ``release`` is set, as
+    NCCL's bootstrap blocks until every rank has joined; then it returns ``made``."""
+
+    def __init__(self, made: FakeNCCLComm) -> None:
+        self.made, self.release, self.devices = made, threading.Event(), []
+
+    def __call__(self) -> FakeNCCLComm:
+        self.devices.append(self.made.gpu.current())
+        self.release.wait(30)
+        return self.made
+
+
+def _named(timeout: float):
+    return types.SimpleNamespace(rank=1, size=3, operation=None, world_ranks=range(3),
+                                 world_size=3, timeout=timeout)
+
+
+def test_a_creation_returns_on_its_own_thread_with_the_gpu_current(gpu):
+    made = FakeNCCLComm(gpu, 2)
+    creating = _Creating(made)
+    creating.release.set()
+    got = _nccl_wait.bounded_start(creating, lambda: FakeCupy(gpu).cuda.Device(2),
+                                   _named(5.0), "init", "ncclCommInitRank", False, "local")
+    assert got is made and creating.devices == [2] and not made.aborted
+
+
+def test_a_creation_that_nccl_refuses_raises_its_error(gpu):
+    def refuse():
+        raise _nccl_lib.NCCLError("ncclCommInitRank failed: invalid usage", 5)
+
+    with pytest.raises(_nccl_lib.NCCLError, match="invalid usage"):
+        _nccl_wait.bounded_start(refuse, lambda: FakeCupy(gpu).cuda.Device(0), _named(5.0),
+                                 "init", "ncclCommInitRank", True, "local")
+
+
+def test_a_creation_a_peer_never_joins_times_out_and_a_late_one_is_aborted(gpu):
+    made = FakeNCCLComm(gpu, 1)
+    creating = _Creating(made)
+    start = time.monotonic()
+    with pytest.raises(ringcomm.CollectiveTimeoutError) as info:
+        _nccl_wait.bounded_start(creating, lambda: FakeCupy(gpu).cuda.Device(1),
+                                 _named(TIMEOUT), "init", "ncclCommInitRank", False, "local")
+    assert TIMEOUT <= time.monotonic() - start < TIMEOUT + 2.0
+    err = info.value
+    assert (err.kind, err.peer, err.timeout) == ("init", None, TIMEOUT)
+    assert str(err).startswith("init timed out on rank 1 of 3 after 0.3 s waiting for the "
+                               "other ranks (ncclCommInitRank)"), err
+    assert "ncclCommInitRank still waits in NCCL" in str(err)
+    creating.release.set()  # NCCL completes after all: nobody will use it
+    deadline = time.monotonic() + 10
+    while not made.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made.aborted and made.calls[-1] == ("abort", 1)
+
+
+class _SplittingLib(_FakeLib):
+    can_split = True
+
+
+class _SplitBlocks(FakeNCCLComm):
+    """A communicator whose ncclCommSplit waits for a peer that never comes."""
+
+    def __init__(self, gpu: FakeGPU, device: int) -> None:
+        super().__init__(gpu, device)
+        self.creating = _Creating(FakeNCCLComm(gpu, device))
+
+    def split(self, color: int, key: int) -> FakeNCCLComm:
+        return self.creating()
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["raises", "ends-the-job"])
+def test_a_split_a_peer_never_joins_is_bounded(gpu, monkeypatch, capsys, abort):
+    """NCCLTransport.split over ncclCommSplit: the timeout error names the split (raised, or
+    written before the job ends); the transport it was split from stays usable."""
+    t = NCCLTransport.__new__(NCCLTransport)
+    parent = _SplitBlocks(gpu, 2)
+    t._attach(_nccl_setup._LocalRendezvous(), FakeCupy(gpu), _SplittingLib(), 2, parent,
+              TIMEOUT, abort)
+    ended = []
+
+    def end_job(launcher: str) -> None:
+        ended.append(launcher)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(_nccl_wait, "end_job", end_job)
+    try:
+        with pytest.raises(SystemExit if abort else ringcomm.CollectiveTimeoutError):
+            t.split(0, 0)
+        assert parent.creating.devices == [2]
+        if abort:
+            assert ended == ["local"]
+            assert ("ringcomm: CollectiveTimeoutError: split timed out on rank 0 of 1 after "
+                    "0.3 s waiting for the other ranks (ncclCommSplit)") in capsys.readouterr().err
+        assert t.failure is None  # nothing of the parent's failed
+    finally:
+        parent.creating.release.set()
+        t.close()
+
+
+_NEVER_JOINED = textwrap.dedent("""
+    import json, time, types
+    import cupy
+    import ringcomm
+    from ringcomm.backends import _nccl_lib, _nccl_wait
+
+    lib = _nccl_lib.load()
+    uid = lib.unique_id()
+    named = types.SimpleNamespace(rank=0, size=2, operation=None, world_ranks=range(2),
+                                  world_size=2, timeout=2.0)
+    start = time.monotonic()
+    try:
+        _nccl_wait.bounded_start(lambda: _nccl_lib.NCCLComm.create(lib, 2, uid, 0),
+                                 lambda: cupy.cuda.Device(0), named, "init",
+                                 "ncclCommInitRank", False, "local")
+        print(json.dumps({"error": "made"}), flush=True)
+    except ringcomm.CollectiveTimeoutError as err:
+        print(json.dumps({"kind": err.kind, "waited": time.monotonic() - start,
+                          "message": str(err)}), flush=True)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_real_nccl_init_that_a_peer_never_joins_ends_at_the_timeout(subprocess_env, tmp_path):
+    """The real ncclCommInitRank, rank 0 of 2, whose rank 1 never comes (it died after the
+    unique id was shared): the creation ends at the timeout (2 s) with the error, instead of
+    waiting in NCCL's bootstrap for ever. In a process of its own: the creation's thread stays
+    blocked in NCCL there."""
+    _real_gpu()
+    script = tmp_path / "never_joined.py"
+    script.write_text(_NEVER_JOINED)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, env=subprocess_env)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, proc.stdout + proc.stderr
+    row = rows[0]
+    assert row.get("kind") == "init" and 2.0 <= row["waited"] < 6.0, row
+    assert "ncclCommInitRank" in row["message"], row
 
 
 def test_the_stand_in_cupy_is_not_left_installed():

@@ -10,6 +10,7 @@ host transport each have a module of their own (``_nccl_*``).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -101,8 +102,13 @@ class NCCLTransport(TransportBase):
             # Arrays the application creates next belong on this GPU, as with
             # torch.cuda.set_device.
             setup.cupy.cuda.Device(setup.device).use()
-            with setup.cupy.cuda.Device(setup.device):
-                nccl = _nccl_lib.NCCLComm.create(setup.lib, rdv.size, uid, rdv.rank)
+            named = types.SimpleNamespace(rank=rdv.rank, size=rdv.size, operation=None,
+                                          world_ranks=range(rdv.size), world_size=rdv.size,
+                                          timeout=seconds)
+            nccl = _nccl_wait.bounded_start(
+                lambda: _nccl_lib.NCCLComm.create(setup.lib, rdv.size, uid, rdv.rank),
+                lambda: setup.cupy.cuda.Device(setup.device), named, "init",
+                "ncclCommInitRank", bool(abort_on_timeout), rdv.kind)
             try:
                 self._attach(rdv, setup.cupy, setup.lib, setup.device, nccl, seconds,
                              bool(abort_on_timeout))
@@ -368,9 +374,13 @@ class NCCLTransport(TransportBase):
         color, key = everyone[self.rank]
         rdv = self._rdv.split(color, key)
         try:
+            if self._lib.can_split:
+                nccl = _nccl_wait.bounded_start(
+                    lambda: self._nccl.split(color, key), self.device_scope, self, "split",
+                    "ncclCommSplit", self.abort_on_timeout, self._rdv.kind)
+            else:
+                nccl = self._fresh_comm(rdv)
             with self.device_scope():
-                nccl = (self._nccl.split(color, key) if self._lib.can_split
-                        else self._fresh_comm(rdv))
                 if (nccl.rank, nccl.size) != (rdv.rank, rdv.size):
                     nccl.destroy()
                     raise RuntimeError(
@@ -480,7 +490,10 @@ class NCCLTransport(TransportBase):
         uid = rdv.allgather_object(mine)[0]
         if isinstance(uid, str):
             raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
-        return _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank)
+        return _nccl_wait.bounded_start(
+            lambda: _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank),
+            self.device_scope, self, "split", "ncclCommInitRank", self.abort_on_timeout,
+            self._rdv.kind)
 
 
 def _span(x: Array) -> tuple[int, int] | None:

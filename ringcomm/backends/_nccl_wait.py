@@ -9,6 +9,10 @@ waiter aborts the communicator (``ncclCommAbort``: its kernels return, its peers
 for) and raises :class:`NCCLAsyncError` or
 :class:`~ringcomm.core.types.CollectiveTimeoutError` naming the collective, the peer where one
 is known, and NCCL's own words.
+
+Making a communicator (``ncclCommInitRank``, ``ncclCommSplit``) blocks until every rank has
+joined, and there is nothing to abort yet: :func:`bounded_start` runs it on a thread of its own
+and waits for it at most the timeout.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from ringcomm.comm.transport import timeout_error, write_fatal
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import CollectiveError, CollectiveTimeoutError
 
-__all__ = ["NCCLAsyncError", "Stall", "Watchdog", "end_job", "failure", "poll",
-           "wait_for_stream"]
+__all__ = ["NCCLAsyncError", "Stall", "Watchdog", "bounded_start", "end_job", "failure",
+           "poll", "wait_for_stream"]
 
 _LOG = get_logger("nccl")
 
@@ -251,6 +255,75 @@ def wait_for_stream(stream: Any, device: int, what: str = "a wait for the GPU") 
     for w in live[1:]:
         w.abort(failure(w._t, stall, what, None, timeout, w.comm.describe))
     live[0].fail(stall, what, None)
+
+
+def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kind: str,
+                  what: str, abort_on_timeout: bool, launcher: str) -> Any:
+    """Make an NCCL communicator (``make``: ``ncclCommInitRank`` or ``ncclCommSplit``, which
+    block until every rank of the new communicator has joined) within ``t.timeout``.
+
+    A rank that died after the unique id was shared would hold the others in NCCL's bootstrap
+    for ever, and no communicator exists yet to abort. So ``make`` runs on a thread of its own
+    (under ``scope()``, which makes the transport's GPU current there: CUDA's current device
+    is per thread) and is waited for at most the timeout. Then this rank ends the job
+    (``abort_on_timeout``) or raises; a communicator that NCCL completes after that is
+    aborted on that thread, and one that never completes leaves the thread blocked in NCCL.
+
+    Args:
+        make: the blocking creation; returns the new NCCLComm.
+        scope: a context making the GPU current.
+        t: what names the call in the error (``rank``, ``size``, ``world_ranks``,
+            ``world_size``, ``operation``; ``timeout`` in seconds).
+        kind, what: the call ("init", "split") and the NCCL step ("ncclCommInitRank").
+        abort_on_timeout: end the job at the timeout (True) or raise.
+        launcher: the rendezvous kind, for ending the job.
+
+    Raises:
+        CollectiveTimeoutError: the timeout passed first (``abort_on_timeout=False``).
+        NCCLError: NCCL refused (raised as ``make`` raised it).
+    """
+    lock, done = threading.Lock(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with scope():
+                comm = make()
+        except BaseException as err:
+            box["error"] = err
+            done.set()
+            return
+        with lock:
+            late = box.get("given_up", False)
+            box["comm"] = comm
+        done.set()
+        if late:
+            _LOG.warning("%s completed after the timeout; its communicator is aborted", what)
+            try:
+                with scope():
+                    comm.abort()
+            except NCCLError as err:
+                _LOG.error("ncclCommAbort of a communicator made late: %s", err)
+
+    start = time.monotonic()
+    threading.Thread(target=run, daemon=True, name=f"ringcomm-nccl-{kind}").start()
+    done.wait(min(t.timeout, threading.TIMEOUT_MAX))
+    with lock:
+        if "comm" in box or "error" in box:
+            if "error" in box:
+                raise box["error"]
+            return box["comm"]
+        box["given_up"] = True
+    base = timeout_error(t, what, None, time.monotonic() - start, t.timeout, kind=kind)
+    error = CollectiveTimeoutError(
+        f"{base}. NCCL's communicator was not made: {what} still waits in NCCL",
+        kind=kind, peer=None, elapsed=base.elapsed,
+        timeout=t.timeout)
+    _LOG.error("%s", error)
+    if abort_on_timeout:
+        write_fatal(error, "Ending the job.")
+        end_job(launcher)
+    raise error
 
 
 def end_job(launcher: str) -> NoReturn:
