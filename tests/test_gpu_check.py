@@ -264,6 +264,9 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert list(results) == list(__import__("gpu_train").VARIANTS)
     assert all(r["identical_on_ranks"] and r["finite"] for r in results.values()), results
+    for r in results.values():  # each rank's time in forward, where DDP waits for the others
+        assert len(r["forward_ms_by_rank"]) == 2 and min(r["forward_ms_by_rank"]) > 0, r
+    assert "| forward, by rank |" in (tmp_path / "train.md").read_text()
     assert results["ringcomm"]["same_as_ddp"] is True
     assert results["ringcomm (piece by piece)"]["same_as_ddp"] is True
     assert results["ringcomm Int8"]["same_as_ddp"] is False  # compressed: the digest tells

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,7 @@ import threading
 import time
 import types
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -465,11 +467,14 @@ class _Creating:
     """A creation (ncclCommInitRank, ncclCommSplit) that blocks until ``release`` is set, as
     NCCL's bootstrap blocks until every rank has joined; then it returns ``made``."""
 
-    def __init__(self, made: FakeNCCLComm) -> None:
+    def __init__(self, made: Any, gpu: FakeGPU | None = None) -> None:
         self.made, self.release, self.devices = made, threading.Event(), []
+        self.gpu = gpu if gpu is not None else made.gpu
+        self.threads: list[int] = []
 
-    def __call__(self) -> FakeNCCLComm:
-        self.devices.append(self.made.gpu.current())
+    def __call__(self) -> Any:
+        self.devices.append(self.gpu.current())
+        self.threads.append(threading.get_ident())
         self.release.wait(30)
         return self.made
 
@@ -486,6 +491,7 @@ def test_a_creation_returns_on_its_own_thread_with_the_gpu_current(gpu):
     got = _nccl_wait.bounded_start(creating, lambda: FakeCupy(gpu).cuda.Device(2),
                                    _named(5.0), "init", "ncclCommInitRank", False, "local")
     assert got is made and creating.devices == [2] and not made.aborted
+    assert creating.threads and creating.threads != [threading.get_ident()]
 
 
 def test_a_creation_that_nccl_refuses_raises_its_error(gpu):
@@ -507,8 +513,8 @@ def test_a_creation_a_peer_never_joins_times_out_and_a_late_one_is_aborted(gpu):
     assert TIMEOUT <= time.monotonic() - start < TIMEOUT + 2.0
     err = info.value
     assert (err.kind, err.peer, err.timeout) == ("init", None, TIMEOUT)
-    assert str(err).startswith("init timed out on rank 1 of 3 after 0.3 s waiting for the "
-                               "other ranks (ncclCommInitRank)"), err
+    assert re.match(r"init timed out on rank 1 of 3 after \d+\.\d s waiting for the other "
+                    r"ranks \(ncclCommInitRank\)", str(err)), err
     assert "ncclCommInitRank still waits in NCCL" in str(err)
     creating.release.set()  # NCCL completes after all: nobody will use it
     deadline = time.monotonic() + 10
@@ -535,7 +541,8 @@ class _SplitBlocks(FakeNCCLComm):
 @pytest.mark.parametrize("abort", [False, True], ids=["raises", "ends-the-job"])
 def test_a_split_a_peer_never_joins_is_bounded(gpu, monkeypatch, capsys, abort):
     """NCCLTransport.split over ncclCommSplit: the timeout error names the split (raised, or
-    written before the job ends); the transport it was split from stays usable."""
+    written before the job ends). ncclCommSplit still runs on the parent communicator, on its
+    thread: the parent then refuses every call, and close() frees nothing under it."""
     t = NCCLTransport.__new__(NCCLTransport)
     parent = _SplitBlocks(gpu, 2)
     t._attach(_nccl_setup._LocalRendezvous(), FakeCupy(gpu), _SplittingLib(), 2, parent,
@@ -553,12 +560,76 @@ def test_a_split_a_peer_never_joins_is_bounded(gpu, monkeypatch, capsys, abort):
         assert parent.creating.devices == [2]
         if abort:
             assert ended == ["local"]
-            assert ("ringcomm: CollectiveTimeoutError: split timed out on rank 0 of 1 after "
-                    "0.3 s waiting for the other ranks (ncclCommSplit)") in capsys.readouterr().err
-        assert t.failure is None  # nothing of the parent's failed
+            assert re.search(r"ringcomm: CollectiveTimeoutError: split timed out on rank 0 of 1 "
+                             r"after \d+\.\d s waiting for the other ranks \(ncclCommSplit\)",
+                             capsys.readouterr().err)
+        else:
+            with pytest.raises(RuntimeError, match="held by an NCCL call that never returned"):
+                t.barrier()
+            t.close()
+            assert not parent.destroyed and not parent.aborted
     finally:
         parent.creating.release.set()
         t.close()
+
+
+class _InitLib(_FakeLib):
+    """A library without ncclCommSplit whose ncclCommInitRank waits for ``creating``."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.aborted: list[Any] = []
+        self.fn = {"ncclCommAbort": lambda handle: self.aborted.append(handle) or 0}
+        self.creating = _Creating("handle", gpu)
+
+    def unique_id(self) -> bytes:
+        return bytes(_nccl_lib.UNIQUE_ID_BYTES)
+
+    def init_rank(self, nranks: int, uid: bytes, rank: int) -> Any:
+        return self.creating()
+
+
+def test_a_split_by_a_fresh_communicator_a_peer_never_joins_is_bounded(gpu):
+    """Before NCCL 2.18 a split makes a new communicator (ncclCommInitRank over the group):
+    bounded alike, on the GPU of the transport; the parent, which no call holds, stays usable;
+    the communicator NCCL makes after the timeout is aborted."""
+    lib = _InitLib(gpu)
+    t = NCCLTransport.__new__(NCCLTransport)
+    t._attach(_nccl_setup._LocalRendezvous(), FakeCupy(gpu), lib, 3, FakeNCCLComm(gpu, 3),
+              TIMEOUT, False)
+    try:
+        with pytest.raises(ringcomm.CollectiveTimeoutError, match=r"split timed out on rank "
+                           r"0 of 1 after \d+\.\d s .*\(ncclCommInitRank\)") as info:
+            t.split(0, 0)
+        assert (info.value.kind, lib.creating.devices) == ("split", [3])
+        t.barrier()  # the parent goes on
+        lib.creating.release.set()
+        deadline = time.monotonic() + 10
+        while not lib.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lib.aborted == ["handle"]
+    finally:
+        lib.creating.release.set()
+        t.close()
+
+
+def test_init_a_peer_never_joins_is_bounded(gpu, monkeypatch):
+    """NCCLTransport(): ncclCommInitRank on the chosen GPU, bounded by the timeout; the
+    rendezvous is closed on the way out."""
+    rdv = _nccl_setup._LocalRendezvous()
+    closed = []
+    monkeypatch.setattr(rdv, "close", lambda: closed.append(True))
+    lib = _InitLib(gpu)
+    setup = types.SimpleNamespace(cupy=FakeCupy(gpu), lib=lib, device=1)
+    monkeypatch.setattr(_nccl_setup, "connect", lambda mpi_comm, timeout: rdv)
+    monkeypatch.setattr(sys.modules[NCCLTransport.__module__], "_checked_setup",
+                        lambda rdv, device: (setup, bytes(_nccl_lib.UNIQUE_ID_BYTES)))
+    try:
+        with pytest.raises(ringcomm.CollectiveTimeoutError, match=r"init timed out on rank 0 "
+                           r"of 1 after \d+\.\d s .*\(ncclCommInitRank\)"):
+            NCCLTransport(timeout=TIMEOUT, abort_on_timeout=False)
+        assert lib.creating.devices == [1] and closed == [True]
+    finally:
+        lib.creating.release.set()
 
 
 _NEVER_JOINED = textwrap.dedent("""

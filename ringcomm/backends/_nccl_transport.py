@@ -30,6 +30,7 @@ from ringcomm.core.types import (
     RING,
     Array,
     CollectiveError,
+    CollectiveTimeoutError,
     ReduceOp,
     Request,
     Transport,
@@ -375,11 +376,17 @@ class NCCLTransport(TransportBase):
         rdv = self._rdv.split(color, key)
         try:
             if self._lib.can_split:
-                nccl = _nccl_wait.bounded_start(
-                    lambda: self._nccl.split(color, key), self.device_scope, self, "split",
-                    "ncclCommSplit", self.abort_on_timeout, self._rdv.kind)
+                try:
+                    nccl = _nccl_wait.bounded_start(
+                        lambda: self._nccl.split(color, key), self.device_scope, self,
+                        "split", "ncclCommSplit", self.abort_on_timeout, self._rdv.kind)
+                except CollectiveTimeoutError as err:
+                    # ncclCommSplit still runs on this communicator, on its thread: leave it
+                    # there, refusing every call (a peer of this communicator is gone).
+                    self._watch.give_up(err)
+                    raise
             else:
-                nccl = self._fresh_comm(rdv)
+                nccl = self._fresh_comm(rdv, split_members(everyone, color))
             with self.device_scope():
                 if (nccl.rank, nccl.size) != (rdv.rank, rdv.size):
                     nccl.destroy()
@@ -478,9 +485,11 @@ class NCCLTransport(TransportBase):
             self._nccl.reduce(name, x.data.ptr, out.data.ptr, count, code, op.spec.nccl,
                               self._stream())
 
-    def _fresh_comm(self, rdv: _nccl_setup.Rendezvous) -> _nccl_lib.NCCLComm:
-        """A new NCCL communicator over ``rdv``'s ranks, from a unique id of its rank 0
-        (shared with an allgather, so that a failure to make one reaches every rank)."""
+    def _fresh_comm(self, rdv: _nccl_setup.Rendezvous,
+                    members: list[int]) -> _nccl_lib.NCCLComm:
+        """A new NCCL communicator over ``rdv``'s ranks (``members``: this transport's ranks,
+        in the new group's order), from a unique id of its rank 0 (shared with an allgather,
+        so that a failure to make one reaches every rank)."""
         mine: bytes | str | None = None
         if rdv.rank == 0:
             try:
@@ -490,9 +499,12 @@ class NCCLTransport(TransportBase):
         uid = rdv.allgather_object(mine)[0]
         if isinstance(uid, str):
             raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
+        group = types.SimpleNamespace(  # the new group names the ranks waited for
+            rank=rdv.rank, size=rdv.size, operation=None, timeout=self.timeout,
+            world_ranks=[self.world_ranks[r] for r in members], world_size=self.world_size)
         return _nccl_wait.bounded_start(
             lambda: _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank),
-            self.device_scope, self, "split", "ncclCommInitRank", self.abort_on_timeout,
+            self.device_scope, group, "split", "ncclCommInitRank", self.abort_on_timeout,
             self._rdv.kind)
 
 

@@ -136,12 +136,15 @@ class Watchdog:
         launcher: the rendezvous kind ("mpi", "store", "local"), for ending the job.
     """
 
-    __slots__ = ("__weakref__", "_lock", "_t", "comm", "device", "failure", "launcher")
+    __slots__ = ("__weakref__", "_lock", "_t", "comm", "device", "failure", "held", "launcher")
 
     def __init__(self, t: Any, comm: Any, device: int, launcher: str) -> None:
         self._t, self.comm, self.device, self.launcher = t, comm, device, launcher
         #: The error that aborted the communicator, or None while it is usable.
         self.failure: CollectiveError | None = None
+        #: Whether the communicator was left to an NCCL call that never returned (give_up)
+        #: rather than aborted.
+        self.held = False
         self._lock = threading.Lock()
         _LIVE.add(self)
 
@@ -156,6 +159,10 @@ class Watchdog:
     def check(self) -> None:
         """Raise RuntimeError if the communicator was aborted."""
         failure = self.failure
+        if failure is not None and self.held:
+            raise RuntimeError(
+                "the NCCL communicator is held by an NCCL call that never returned, and refuses "
+                f"every call: close it and end the job ({type(failure).__name__}: {failure})")
         if failure is not None:
             raise RuntimeError(
                 "the NCCL communicator was aborted after an earlier failure, and refuses "
@@ -192,6 +199,15 @@ class Watchdog:
             _LOG.error("ncclCommAbort has not returned %.3g s after %s: other work queued on "
                        "CUDA device %d holds it (it frees device memory); going on without "
                        "it", self._t.timeout, type(error).__name__, self.device)
+
+    def give_up(self, error: CollectiveError) -> None:
+        """Refuse every later call because of ``error``, without aborting: a thread is still
+        inside an NCCL call on this communicator (a split that a peer never joined), and an
+        abort or a destroy under that call would free what it uses. The communicator is left
+        to it (``close`` frees nothing of NCCL's after a failure)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure, self.held = error, True
 
     def _abort_comm(self, error: CollectiveError) -> None:
         try:
@@ -275,6 +291,8 @@ def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kin
         t: what names the call in the error (``rank``, ``size``, ``world_ranks``,
             ``world_size``, ``operation``; ``timeout`` in seconds).
         kind, what: the call ("init", "split") and the NCCL step ("ncclCommInitRank").
+            The bound covers the whole creation (NCCL's own setup too, well under a second on
+            one node), as the timeout bounds the rendezvous' exchanges before it.
         abort_on_timeout: end the job at the timeout (True) or raise.
         launcher: the rendezvous kind, for ending the job.
 
@@ -290,8 +308,12 @@ def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kin
             with scope():
                 comm = make()
         except BaseException as err:
-            box["error"] = err
+            with lock:
+                late = box.get("given_up", False)
+                box["error"] = err
             done.set()
+            if late:
+                _LOG.warning("%s failed after the timeout: %s", what, err)
             return
         with lock:
             late = box.get("given_up", False)
@@ -307,13 +329,17 @@ def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kin
 
     start = time.monotonic()
     threading.Thread(target=run, daemon=True, name=f"ringcomm-nccl-{kind}").start()
-    done.wait(min(t.timeout, threading.TIMEOUT_MAX))
-    with lock:
-        if "comm" in box or "error" in box:
-            if "error" in box:
-                raise box["error"]
-            return box["comm"]
-        box["given_up"] = True
+    try:
+        done.wait(min(t.timeout, threading.TIMEOUT_MAX))
+    finally:  # also where the wait is interrupted: a communicator made later is then aborted
+        with lock:
+            finished = "comm" in box or "error" in box
+            if not finished:
+                box["given_up"] = True
+    if finished:
+        if "error" in box:
+            raise box["error"]
+        return box["comm"]
     base = timeout_error(t, what, None, time.monotonic() - start, t.timeout, kind=kind)
     error = CollectiveTimeoutError(
         f"{base}. NCCL's communicator was not made: {what} still waits in NCCL",
