@@ -34,6 +34,29 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def lightning_plain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                    subprocess_env: dict[str, str]) -> Path:
+    """Lightning's DDP on PyTorch's own gloo, trained once a session under Lightning's own
+    launcher (tests/test_frameworks.py's script, mode "plain"): the baseline that the
+    "ringcomm" backend's runs under every launcher must equal bit for bit. The directory
+    holding ``plain_0.pt`` and ``plain_1.pt``, made by the first test that asks, under a lock
+    that xdist's workers share (their temporary directories have this session's in common)."""
+    pytest.importorskip("lightning")
+    from filelock import FileLock
+    from test_frameworks import train_plain
+
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # an xdist worker: its session's directory
+        root = root.parent
+    out = root / "lightning_plain"
+    with FileLock(str(root / "lightning_plain.lock")):
+        if not all((out / f"plain_{rank}.pt").exists() for rank in (0, 1)):
+            out.mkdir(exist_ok=True)
+            train_plain(out, subprocess_env)
+    return out
+
+
 class ThreadDevice:
     """How a test puts arrays on the emulated device and reads them back (as NumPy)."""
 

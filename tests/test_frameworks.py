@@ -230,6 +230,22 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, *,
     return proc
 
 
+def train_plain(out: Path, subprocess_env: dict[str, str]) -> None:
+    """Lightning's DDP on gloo alone under Lightning's own launcher: ``plain_<rank>.pt`` in
+    ``out`` (the ``lightning_plain`` fixture's, shared by the tests)."""
+    script = out / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    env = {**_env(subprocess_env, out), "MASTER_PORT": str(_free_port())}
+    _run([sys.executable, str(script), str(out), str(STEPS), "plain"], env, out,
+         gloo_baseline=True)
+
+
+def _with_plain(out: Path, plain: Path) -> None:
+    """Put the shared baseline's files (``lightning_plain``) beside a test's own runs."""
+    for rank in (0, 1):
+        (out / f"plain_{rank}.pt").write_bytes((plain / f"plain_{rank}.pt").read_bytes())
+
+
 def _ranks(out: Path, tag: str) -> list[dict]:
     return [torch.load(out / f"{tag}_{rank}.pt") for rank in (0, 1)]
 
@@ -287,9 +303,11 @@ def test_lightning_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
-def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, request):
+def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, request,
+                                           lightning_plain):
     """DDPStrategy(process_group_backend="ringcomm") under torchrun (the backend's processes
-    join one MPI world) and mpiexec (Lightning's MPIEnvironment: they are one already)."""
+    join one MPI world) and mpiexec (Lightning's MPIEnvironment: they are one already), to the
+    parameters of the same training on gloo (the session's, under Lightning's launcher)."""
     pytest.importorskip("lightning")
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
@@ -298,10 +316,9 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, r
                  "--nproc-per-node", "2"]
     else:
         start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
-    for mode in ("backend", "plain"):
-        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
-        _run([*start, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path,
-             gloo_baseline=mode != "backend")
+    env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+    _run([*start, str(script), str(tmp_path), str(STEPS), "backend"], env, tmp_path)
+    _with_plain(tmp_path, lightning_plain)
     _check_backend_runs(tmp_path, launcher)
 
 

@@ -208,25 +208,27 @@ def test_launchers_inside_a_batch_script(slurm, job_env, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_lightning_under_srun_on_the_ringcomm_backend(slurm, job_env, tmp_path):
+def test_lightning_under_srun_on_the_ringcomm_backend(slurm, job_env, tmp_path,
+                                                      lightning_plain):
     """Lightning's SLURMEnvironment (``srun --ntasks-per-node=2``) with
     ``DDPStrategy(process_group_backend="ringcomm")``: over MPI where srun's PMI reaches it,
     over a gloo group of the backend's own where it does not (``--mpi=none``: never MPI's
-    one-process worlds), both ending with the parameters of the same run on gloo, bit for bit."""
+    one-process worlds), both ending with the parameters of the same training on gloo (the
+    session's, under Lightning's own launcher), bit for bit."""
     pytest.importorskip("lightning")
     from test_frameworks import LIGHTNING_SCRIPT, STEPS
 
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
     runs = {}
-    for name, mpi, mode in (("pmi2", "pmi2", "backend"), ("none", "none", "backend"),
-                            ("plain", "none", "plain")):
+    for name, mpi, mode in (("pmi2", "pmi2", "backend"), ("none", "none", "backend")):
         out = tmp_path / name
         out.mkdir()
         proc = _srun(slurm, ["-N", "1", "--ntasks-per-node=2", f"--mpi={mpi}", sys.executable,
                              str(script), str(out), str(STEPS), mode], job_env, tmp_path)
         assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
         runs[name] = [torch.load(out / f"{mode}_{rank}.pt") for rank in (0, 1)]
+    runs["plain"] = [torch.load(lightning_plain / f"plain_{rank}.pt") for rank in (0, 1)]
     for name, transport in (("pmi2", "mpi"), ("none", "gloo")):
         for run in runs[name]:
             assert (run["backend"], run["size"], run["transport"]) == (

@@ -150,9 +150,10 @@ def test_init_on_one_rank_only_ends_at_the_timeout(mpiexec, subprocess_env, back
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", ONE_RANK_INIT],
                        timeout=50, env=env)
     assert proc.returncode != 0, (proc.stdout, proc.stderr)
-    assert ("CollectiveTimeoutError: init timed out on rank 0 of 2 after 5.0 s waiting for "
-            "the other ranks (whether MPI numbers the processes as torch.distributed does)"
-            in proc.stderr), proc.stderr[-3000:]
+    # (the time waited, 5.0 s, may read 5.1 s where a loaded machine woke the wait late)
+    assert re.search(r"CollectiveTimeoutError: init timed out on rank 0 of 2 after 5\.\d s "
+                     r"waiting for the other ranks \(whether MPI numbers the processes as "
+                     r"torch\.distributed does\)", proc.stderr), proc.stderr[-3000:]
 
 
 LIGHTNING_CHILD = ("import ringcomm\n"

@@ -484,7 +484,7 @@ assert (comm.backend, comm.size) == ("mpi", 2), comm.backend
 assert comm.allreduce(np.full(300_000, comm.rank + 1.0))[0] == 3.0
 comm.close()
 if comm.rank == 1:
-    time.sleep(12)                          # still at work long after rank 0 is done
+    time.sleep(14)                          # still at work long after rank 0 is done
 print(f"rank {comm.rank} ok", flush=True)
 """
 
@@ -492,8 +492,9 @@ print(f"rank {comm.rank} ok", flush=True)
 @pytest.mark.slow
 def test_ranks_that_end_apart_end_well(tmp_path, subprocess_env):
     """MPI_Finalize waits for the slowest rank however long its work takes, as under mpiexec:
-    rank 1 ends 12 s after rank 0, past the timeout (5 s, which bounds MPI's start only)."""
-    env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "5"}
+    rank 1 ends 14 s after rank 0, past the timeout (10 s, which bounds MPI's start only: on
+    a loaded machine one worker's imports may finish seconds after the other's)."""
+    env = {**_on("mpi", subprocess_env), "RINGCOMM_TIMEOUT": "10"}
     proc = _torchrun(tmp_path, env, APART_SCRIPT)
     assert "PMI" not in proc.stderr, proc.stderr[-3000:]
 
