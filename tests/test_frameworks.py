@@ -240,12 +240,6 @@ def train_plain(out: Path, subprocess_env: dict[str, str]) -> None:
          gloo_baseline=True)
 
 
-def _with_plain(out: Path, plain: Path) -> None:
-    """Put the shared baseline's files (``lightning_plain``) beside a test's own runs."""
-    for rank in (0, 1):
-        (out / f"plain_{rank}.pt").write_bytes((plain / f"plain_{rank}.pt").read_bytes())
-
-
 def _ranks(out: Path, tag: str) -> list[dict]:
     return [torch.load(out / f"{tag}_{rank}.pt") for rank in (0, 1)]
 
@@ -264,10 +258,11 @@ def _check_runs(out: Path) -> None:
     assert torch.isfinite(int8[0]["params"]).all()
 
 
-def _check_backend_runs(out: Path, launcher: str) -> None:
+def _check_backend_runs(out: Path, launcher: str, plain_in: Path | None = None) -> None:
     """Lightning's DDP on the "ringcomm" backend went through ringcomm (over MPI, or gloo under
-    Lightning's own launcher) and trained to its gloo run's parameters, bit for bit."""
-    backend, plain = _ranks(out, "backend"), _ranks(out, "plain")
+    Lightning's own launcher) and trained to its gloo run's parameters (in ``plain_in``, by
+    default beside it), bit for bit."""
+    backend, plain = _ranks(out, "backend"), _ranks(plain_in or out, "plain")
     for run in backend:
         assert run["backend"] == "ringcomm" and run["size"] == 2, run
         assert run["transport"] == ("gloo" if launcher == "lightning" else "mpi"), run
@@ -318,8 +313,7 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, r
         start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
     env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
     _run([*start, str(script), str(tmp_path), str(STEPS), "backend"], env, tmp_path)
-    _with_plain(tmp_path, lightning_plain)
-    _check_backend_runs(tmp_path, launcher)
+    _check_backend_runs(tmp_path, launcher, lightning_plain)
 
 
 LIGHTNING_FORK_SCRIPT = r"""

@@ -103,12 +103,9 @@ class NCCLTransport(TransportBase):
             # Arrays the application creates next belong on this GPU, as with
             # torch.cuda.set_device.
             setup.cupy.cuda.Device(setup.device).use()
-            named = types.SimpleNamespace(rank=rdv.rank, size=rdv.size, operation=None,
-                                          world_ranks=range(rdv.size), world_size=rdv.size,
-                                          timeout=seconds)
             nccl = _nccl_wait.bounded_start(
                 lambda: _nccl_lib.NCCLComm.create(setup.lib, rdv.size, uid, rdv.rank),
-                lambda: setup.cupy.cuda.Device(setup.device), named, "init",
+                lambda: setup.cupy.cuda.Device(setup.device), _making(rdv, seconds), "init",
                 "ncclCommInitRank", bool(abort_on_timeout), rdv.kind)
             try:
                 self._attach(rdv, setup.cupy, setup.lib, setup.device, nccl, seconds,
@@ -499,13 +496,23 @@ class NCCLTransport(TransportBase):
         uid = rdv.allgather_object(mine)[0]
         if isinstance(uid, str):
             raise RuntimeError(f"split: rank 0 of the new group has no NCCL unique id: {uid}")
-        group = types.SimpleNamespace(  # the new group names the ranks waited for
-            rank=rdv.rank, size=rdv.size, operation=None, timeout=self.timeout,
-            world_ranks=[self.world_ranks[r] for r in members], world_size=self.world_size)
+        group = _making(rdv, self.timeout, [self.world_ranks[r] for r in members],
+                        self.world_size)  # the new group's ranks are the ones waited for
         return _nccl_wait.bounded_start(
             lambda: _nccl_lib.NCCLComm.create(self._lib, rdv.size, uid, rdv.rank),
             self.device_scope, group, "split", "ncclCommInitRank", self.abort_on_timeout,
             self._rdv.kind)
+
+
+def _making(rdv: _nccl_setup.Rendezvous, timeout: float, world_ranks: Any = None,
+            world_size: int | None = None) -> types.SimpleNamespace:
+    """What names a communicator being made over ``rdv`` in its timeout's error (see
+    ``timeout_error``): ``rdv``'s rank and size, and its ranks as the job numbers them
+    (``rdv``'s own where it spans the job)."""
+    return types.SimpleNamespace(
+        rank=rdv.rank, size=rdv.size, operation=None, timeout=timeout,
+        world_ranks=range(rdv.size) if world_ranks is None else world_ranks,
+        world_size=rdv.size if world_size is None else world_size)
 
 
 def _span(x: Array) -> tuple[int, int] | None:

@@ -301,29 +301,26 @@ def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kin
         NCCLError: NCCL refused (raised as ``make`` raised it).
     """
     lock, done = threading.Lock(), threading.Event()
-    box: dict[str, Any] = {}
+    box: dict[str, Any] = {}  # "outcome": (made, NCCLComm or error); "given_up": the wait ended
 
     def run() -> None:
         try:
             with scope():
-                comm = make()
+                outcome: tuple[bool, Any] = (True, make())
         except BaseException as err:
-            with lock:
-                late = box.get("given_up", False)
-                box["error"] = err
-            done.set()
-            if late:
-                _LOG.warning("%s failed after the timeout: %s", what, err)
-            return
+            outcome = (False, err)
         with lock:
+            box["outcome"] = outcome
             late = box.get("given_up", False)
-            box["comm"] = comm
         done.set()
-        if late:
+        made, result = outcome
+        if late and not made:
+            _LOG.warning("%s failed after the timeout: %s", what, result)
+        elif late:
             _LOG.warning("%s completed after the timeout; its communicator is aborted", what)
             try:
                 with scope():
-                    comm.abort()
+                    result.abort()
             except NCCLError as err:
                 _LOG.error("ncclCommAbort of a communicator made late: %s", err)
 
@@ -333,18 +330,17 @@ def bounded_start(make: Callable[[], Any], scope: Callable[[], Any], t: Any, kin
         done.wait(min(t.timeout, threading.TIMEOUT_MAX))
     finally:  # also where the wait is interrupted: a communicator made later is then aborted
         with lock:
-            finished = "comm" in box or "error" in box
-            if not finished:
-                box["given_up"] = True
-    if finished:
-        if "error" in box:
-            raise box["error"]
-        return box["comm"]
+            outcome = box.get("outcome")
+            box["given_up"] = outcome is None
+    if outcome is not None:
+        made, result = outcome
+        if not made:
+            raise result
+        return result
     base = timeout_error(t, what, None, time.monotonic() - start, t.timeout, kind=kind)
     error = CollectiveTimeoutError(
         f"{base}. NCCL's communicator was not made: {what} still waits in NCCL",
-        kind=kind, peer=None, elapsed=base.elapsed,
-        timeout=t.timeout)
+        kind=kind, peer=None, elapsed=base.elapsed, timeout=t.timeout)
     _LOG.error("%s", error)
     if abort_on_timeout:
         write_fatal(error, "Ending the job.")
