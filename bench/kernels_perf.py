@@ -389,6 +389,10 @@ def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
          lambda i: ops.topk(pick(i)["x"], k, approximate=True, seed=i), True),
         (f"topk exact, counted in one wave k={k}", 4 * n + 8 * k,
          knob(_cuda_topk, "COUNT_WAVE", True, lambda i: ops.topk(pick(i)["x"], k)), True),
+        (f"topk exact, candidates in one pass k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "SINGLE_PASS", True, lambda i: ops.topk(pick(i)["x"], k)), True),
+        (f"topk exact gradients, candidates in one pass k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "SINGLE_PASS", True, lambda i: ops.topk(grads, k)), True),
     ]
     return rows + [(*row, True) for row in ring_rows(cupy, n, args.ranks, args.ratio)]
 

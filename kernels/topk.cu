@@ -17,6 +17,10 @@
 // computes that decision on the device into a SelectPlan, and the kernels after it read it
 // there: they take the whole array (x, m) and a plan that may point them at the candidates
 // instead, and loop over as many tiles as the plan's entries fill.
+//
+// select_compact does the exact path's first compaction (the candidates reaching the sampled
+// threshold) in one pass: each tile publishes its count and reads the counts of the tiles
+// before it (a decoupled look-back) instead of a counting pass and a scan before the writes.
 #include "common.cuh"
 
 namespace rc {
@@ -255,7 +259,8 @@ __global__ void select_pick(u32* hist, SelectState* st, int shift, int bits, lon
 
 // The sampled path's limits: the sampled threshold and its eight halvings (as float32, the
 // way NumPy compares a float32 array with a Python float; NaN lets everything pass), then Inf
-// (the non-finite class) and 0 (every key). Also zeroes the totals select_count adds to.
+// (the non-finite class) and 0 (every key). Also zeroes the totals select_count adds to, when
+// given.
 __global__ void sample_limits(const SelectState* st, u32* lims, u32* totals) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     double thr = (double)ffrom(st->prefix);
@@ -266,7 +271,9 @@ __global__ void sample_limits(const SelectState* st, u32* lims, u32* totals) {
     }
     lims[ROW_NONFINITE] = 0x7f800000u;
     lims[ROW_EVERY] = 0u;
-    for (int j = 0; j < MAX_LIMITS; ++j) totals[j] = 0u;
+    if (totals != nullptr) {
+      for (int j = 0; j < MAX_LIMITS; ++j) totals[j] = 0u;
+    }
   }
 }
 
@@ -361,8 +368,9 @@ __global__ void select_scan(u32* counts, i64 ntiles, i64 m, const SelectPlan* sr
   }
 }
 
-// Exclusive scan, in index order, of the per-(item, warp) counts of a tile (run by warp 0).
-RC_FN void scan_tile_counts(u32* counts) {
+// Exclusive scan, in index order, of the per-(item, warp) counts of a tile (run by warp 0);
+// returns the tile's total to every lane.
+RC_FN u32 scan_tile_counts(u32* counts) {
   const int lane = threadIdx.x & 31;
   constexpr int PER_LANE = SEL_ITEMS * SEL_WARPS / 32;
   u32 v[PER_LANE];
@@ -384,6 +392,10 @@ RC_FN void scan_tile_counts(u32* counts) {
     counts[lane * PER_LANE + q] = run;
     run += v[q];
   }
+  u32 total = sum;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
+  return total;
 }
 
 // Write the selected entries of each tile in index order: the first ka keys >= lims[ja]
@@ -465,6 +477,109 @@ __global__ void __launch_bounds__(SEL_THREADS, 4)
       }
     }
     __syncthreads();  // sa and sb are written again for the next tile
+  }
+}
+
+// ------------------------------------------------- the candidates' compaction in one pass
+// A tile's state in select_compact's look-back (one u64 per tile, zero before the launch):
+// the high word says what the low word holds, so one store publishes both.
+constexpr u64 TILE_NONE = 0;    // nothing yet
+constexpr u64 TILE_COUNT = 1;   // the tile's own count
+constexpr u64 TILE_PREFIX = 2;  // the count of this tile and of every tile before it
+
+RC_FN u64 load_state(const u64* p) { return *(const volatile u64*)p; }
+RC_FN void store_state(u64* p, u64 what, u32 value) { *(volatile u64*)p = what << 32 | value; }
+
+// The entries selected by the tiles before `tile` (all 32 lanes of a warp call it; every lane
+// gets the sum). The lanes read the states of 32 tiles at a time, nearest first, wait until
+// each has published something, and add the counts up to the nearest tile that published its
+// prefix; without one, they go on with the 32 tiles before. Tile 0 always publishes its
+// prefix, so the walk ends there at the latest.
+RC_FN u32 look_back(const u64* states, i64 tile) {
+  const int lane = threadIdx.x & 31;
+  u32 before = 0;
+  for (i64 end = tile - 1;; end -= 32) {
+    const i64 t = end - lane;
+    u64 w = t >= 0 ? load_state(states + t) : TILE_PREFIX << 32;  // before tile 0: none
+    while (__ballot_sync(FULL_MASK, (w >> 32) == TILE_NONE) != 0) {
+      if ((w >> 32) == TILE_NONE) w = load_state(states + t);
+    }
+    const u32 prefixes = __ballot_sync(FULL_MASK, (w >> 32) == TILE_PREFIX);
+    const int stop = prefixes != 0 ? __ffs(prefixes) - 1 : 31;
+    u32 v = lane <= stop ? (u32)w : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    before += v;
+    if (prefixes != 0) return before;
+  }
+}
+
+// The exact path's candidates in one pass over x[0:m] (select_count, select_scan and
+// select_write of the keys >= lims[0] in one launch): the first `room` of them, in index order,
+// into (out_idx, out_val), and the plan (PLAN_PREFILTER, as make_plan decides it from their
+// count) into `plan`. One block per tile; blocks take tiles in the order they start
+// (next_tile), count their tile, publish the count, and find how many the tiles before them
+// selected by looking back over the states those published (a decoupled look-back), so no
+// pass over x counts first. states: a word per tile and next_tile, all zero. With `prefixes`
+// 0 (tests) no tile but the first publishes its prefix: every look-back walks to tile 0.
+__global__ void __launch_bounds__(SEL_THREADS, 4)
+    select_compact(const float* x, i64 m, const u32* lims, long long room, long long k,
+                   u64* states, u32* next_tile, int prefixes, SelectPlan* plan, int* out_idx,
+                   float* out_val) {
+  __shared__ u32 sa[SEL_ITEMS * SEL_WARPS];
+  __shared__ u32 tile_at;
+  __shared__ u32 before;
+  if (threadIdx.x == 0) tile_at = atomicAdd(next_tile, 1u);
+  __syncthreads();
+  const i64 tile = tile_at;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const u32 lower = (1u << lane) - 1u;
+  const u32 lim = lims[0];
+  const i64 base = tile * SEL_TILE;
+  float v[SEL_ITEMS];
+#pragma unroll
+  for (int it = 0; it < SEL_ITEMS; ++it) {
+    const i64 i = base + it * SEL_THREADS + threadIdx.x;
+    v[it] = i < m ? x[i] : 0.0f;
+  }
+  // How many keys reach the limit in each 32-element row of the tile.
+#pragma unroll
+  for (int it = 0; it < SEL_ITEMS; ++it) {
+    const bool in = base + it * SEL_THREADS + threadIdx.x < m;
+    const u32 hit = __ballot_sync(FULL_MASK, in && mag_key(v[it]) >= lim);
+    if (lane == 0) sa[it * SEL_WARPS + warp] = __popc(hit);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const u32 total = scan_tile_counts(sa);
+    u32 earlier = 0;
+    if (tile == 0) {
+      if (lane == 0) store_state(states, TILE_PREFIX, total);
+    } else {
+      if (lane == 0) store_state(states + tile, TILE_COUNT, total);
+      earlier = look_back(states, tile);
+      if (lane == 0 && prefixes != 0) store_state(states + tile, TILE_PREFIX, earlier + total);
+    }
+    if (lane == 0) {
+      before = earlier;
+      if (tile == (i64)gridDim.x - 1) {
+        const u32 reached = earlier + total;
+        *plan = make_plan(PLAN_PREFILTER, &reached, k, room, m);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int it = 0; it < SEL_ITEMS; ++it) {
+    const i64 i = base + it * SEL_THREADS + threadIdx.x;
+    const bool is_a = i < m && mag_key(v[it]) >= lim;
+    const u32 hit = __ballot_sync(FULL_MASK, is_a);
+    const long long pos = (long long)before + sa[it * SEL_WARPS + warp] + __popc(hit & lower);
+    if (is_a && pos < room) {
+      out_idx[pos] = (int)i;
+      out_val[pos] = v[it];
+    }
   }
 }
 

@@ -75,12 +75,14 @@ def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
 
 
 _SCAN_MODE, _SCAN_PLAN = 6, 10  # select_scan's arguments: mode, and the plan it writes
+_COMPACT_PLAN = 8  # select_compact's argument: the plan it writes
 
 
 @contextlib.contextmanager
 def decided_plans(emulator: gpu_emulator.Emulator) -> Iterator[list[np.ndarray]]:
-    """Collect the plans select_scan decides on the (emulated) device, as int64[4]: candidates
-    the exact selection goes on with (-1: the whole array), ka, kb, and the rows ja | jb << 32."""
+    """Collect the plans select_scan or select_compact decide on the (emulated) device, as
+    int64[4]: candidates the exact selection goes on with (-1: the whole array), ka, kb, and
+    the rows ja | jb << 32."""
     plans: list[np.ndarray] = []
     launch = emulator.launch
 
@@ -88,12 +90,33 @@ def decided_plans(emulator: gpu_emulator.Emulator) -> Iterator[list[np.ndarray]]
         launch(name, grid, block, args)
         if name == "rc::select_scan" and int(args[_SCAN_MODE]):
             plans.append(np.array(args[_SCAN_PLAN], np.int64))
+        if name == "rc::select_compact":
+            plans.append(np.array(args[_COMPACT_PLAN], np.int64))
 
     emulator.launch = recording  # type: ignore[method-assign]
     try:
         yield plans
     finally:
         del emulator.launch
+
+
+@contextlib.contextmanager
+def first_written(emulator: gpu_emulator.Emulator) -> Iterator[list[tuple[Any, Any]]]:
+    """Collect what a call's first compaction (select_compact, or select_write) wrote: its
+    (indices, values) arrays, read after the call."""
+    written: list[tuple[Any, Any]] = []
+    launch = emulator.launch
+
+    def recording(name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
+        launch(name, grid, block, args)
+        if name in ("rc::select_compact", "rc::select_write") and not written:
+            written.append((args[-2], args[-1]))
+
+    emulator.launch = recording  # type: ignore[method-assign]
+    try:
+        yield written
+    finally:
+        emulator.launch = launch  # type: ignore[method-assign]
 
 
 def _gradients(seed: int, n: int) -> np.ndarray:
@@ -125,7 +148,15 @@ def _full_selects(emulated, n: int, ratios: tuple[float, ...], seeds: range) -> 
     return fallbacks, calls
 
 
-def test_gpu_prefilter_holds_the_top_k_on_gradients(emulated):
+@pytest.fixture(params=["two passes", "one pass"])
+def compaction(request, monkeypatch) -> str:
+    """How the exact path compacts its candidates: a counting pass and a writing pass, or one
+    pass (select_compact, ops/_cuda_topk.py SINGLE_PASS)."""
+    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", request.param == "one pass")
+    return request.param
+
+
+def test_gpu_prefilter_holds_the_top_k_on_gradients(emulated, compaction):
     fallbacks, calls = _full_selects(emulated, 40_000, (0.01, 0.05, 0.1), range(8))
     assert fallbacks == 0, f"{fallbacks} of {calls} calls selected from the whole array"
 
@@ -174,7 +205,7 @@ BRANCHES = {
 
 
 @pytest.mark.parametrize("case", list(BRANCHES))
-def test_each_branch_matches_numpy(emulated, monkeypatch, case):
+def test_each_branch_matches_numpy(emulated, monkeypatch, compaction, case):
     """The exact path takes the branch the data calls for, decided on the device, and gives
     NumPy's selection on every one; the host enqueues the same launches on all of them."""
     emulator, fake = emulated
@@ -193,13 +224,42 @@ def test_each_branch_matches_numpy(emulated, monkeypatch, case):
     if case == "exactly k reach":
         assert reached == k
     names = [launch.name for launch in emulator.launches]
-    assert names == _EXACT_SAMPLED_LAUNCHES
+    assert names == _EXACT_SAMPLED_LAUNCHES[compaction]
 
 
 _SELECT = ["rc::select_hist", "rc::select_pick"] * 3
-_EXACT_SAMPLED_LAUNCHES = [
-    *_SELECT, "rc::sample_limits", "rc::select_count", "rc::select_scan", "rc::select_write",
-    *_SELECT, "rc::select_count", "rc::select_scan", "rc::select_write"]
+_CANDIDATES = {"two passes": ["rc::select_count", "rc::select_scan", "rc::select_write"],
+               "one pass": ["rc::select_compact"]}
+_EXACT_SAMPLED_LAUNCHES = {
+    how: [*_SELECT, "rc::sample_limits", *compact,
+          *_SELECT, "rc::select_count", "rc::select_scan", "rc::select_write"]
+    for how, compact in _CANDIDATES.items()}
+
+
+@pytest.mark.parametrize("prefixes", [1, 0])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
+def test_one_pass_writes_the_two_passes_candidates(emulated, monkeypatch, prefixes, ratio):
+    """select_compact over 74 tiles (the look-back reads 32 at a time) writes the candidates and
+    the plan the counting and writing passes write, in index order, also when no tile but the
+    first publishes its prefix (every look-back then adds counts back to tile 0)."""
+    emulator, fake = emulated
+    n = 74 * _cuda_topk._TILE - 5
+    x = _gradients(3, n)
+    k = int(np.ceil(ratio * n))
+    monkeypatch.setattr(_cuda_topk, "_LOOK_BACK_PREFIXES", prefixes)
+    seen = {}
+    for one_pass in (False, True):
+        monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
+        with decided_plans(emulator) as plans, first_written(emulator) as written:
+            idx, val = gpu.topk(fake.asarray(x), k)
+        np.testing.assert_array_equal(idx.get(), ref.topk(x, k)[0])
+        (idx, val), = written
+        m = int(plans[0][0])
+        assert m >= k, f"plan {plans[0]}: the candidates were not used"
+        assert np.all(np.diff(idx[:m]) > 0)
+        seen[one_pass] = (plans[0][0], idx[:m].copy(), val[:m].view(np.uint32).copy())
+    for a, b in zip(seen[False], seen[True], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("data", ["gradients", "all equal", "44 reach 100"])
@@ -232,7 +292,7 @@ def no_host_reads(emulated, monkeypatch):
 
 @pytest.mark.parametrize("case", ["small", "candidates", "all reach", "fewer than k reach",
                                   "dgc"])
-def test_topk_never_waits_for_the_device(no_host_reads, monkeypatch, case):
+def test_topk_never_waits_for_the_device(no_host_reads, monkeypatch, compaction, case):
     fake = no_host_reads[1]
     n = 3000 if case == "small" else N_BRANCH
     x = _branch_data("all equal" if case == "all reach" else "gradients")[:n]
@@ -246,10 +306,10 @@ def test_topk_never_waits_for_the_device(no_host_reads, monkeypatch, case):
         gpu.sample_threshold(fake.asarray(np.abs(x)), K_BRANCH, 1)
 
 
-def test_one_memset_per_call(emulated, monkeypatch):
-    """The histogram is the only buffer a call zeroes: the radix state needs none (the first
-    pass ignores it), sample_limits zeroes the totals, and the candidates' selection reuses the
-    histogram the sample's selection left zeroed."""
+def test_one_memset_per_call(emulated, monkeypatch, compaction):
+    """A call zeroes one buffer: the histogram (and select_compact's tile states with it). The
+    radix state needs none (the first pass ignores it), sample_limits zeroes the totals, and
+    the candidates' selection reuses the histogram the sample's selection left zeroed."""
     fake = emulated[1]
     zeroed = []
     zeros = fake.zeros
@@ -339,7 +399,7 @@ def cupy_gpu() -> Any:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(BRANCHES))
-def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, case):
+def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, compaction, case):
     data, _, patch = BRANCHES[case]
     if patch is not None:
         module = _cuda_topk if patch[0] == "candidate_room" else _topk_plan
@@ -352,6 +412,26 @@ def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, case):
         np.testing.assert_array_equal(cupy_gpu.asnumpy(idx), want_idx)
         np.testing.assert_array_equal(cupy_gpu.asnumpy(val).view(np.uint32),
                                       want_val.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefixes", [1, 0])
+def test_one_pass_on_the_gpu_writes_what_two_passes_write(cupy_gpu, monkeypatch, prefixes):
+    """On a GPU the tiles of select_compact run at once and look back at tiles still running:
+    at 16 Mi entries (4096 tiles), repeated, the same selection as the two passes and NumPy,
+    also when every look-back walks to tile 0."""
+    monkeypatch.setattr(_cuda_topk, "_LOOK_BACK_PREFIXES", prefixes)
+    x = _gradients(4, 1 << 24)
+    dx = cupy_gpu.asarray(x)
+    for ratio in (0.001, 0.01, 0.1):
+        k = int(np.ceil(ratio * x.size))
+        want_idx, want_val = ref.topk(x, k)
+        for one_pass in (False, True, True, True):
+            monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
+            idx, val = gpu.topk(dx, k)
+            np.testing.assert_array_equal(cupy_gpu.asnumpy(idx), want_idx)
+            np.testing.assert_array_equal(cupy_gpu.asnumpy(val).view(np.uint32),
+                                          want_val.view(np.uint32))
 
 
 @pytest.mark.gpu

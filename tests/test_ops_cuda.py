@@ -189,6 +189,18 @@ def test_topk_counted_in_one_wave_is_the_same(monkeypatch, dev, rng, ratio):
     twins.check_topk(dev, rng, n, math.ceil(ratio * n), False, nonfinite=True)
 
 
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
+def test_topk_compacted_in_one_pass_is_the_same(monkeypatch, dev, rng, ratio):
+    """The exact path's candidates written in one pass (ops/_cuda_topk.py SINGLE_PASS: each
+    tile looks back at the counts of the tiles before it) select what two passes select."""
+    from ringcomm.ops import _cuda_topk
+
+    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", True)
+    n = dev.sampled
+    twins.check_topk(dev, rng, n, math.ceil(ratio * n), False, nonfinite=True)
+    twins.check_topk_gradients(dev, rng, n, math.ceil(ratio * n))
+
+
 @pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
 def test_topk_ties_go_to_the_lowest_indices(dev, rng, n, ratio):
     twins.check_topk_ties(dev, rng, n, max(1, math.ceil(ratio * n)))

@@ -9,7 +9,9 @@ aims that threshold at 1.5k, as NumPy does (ops/_topk_plan.py), compacts the ent
 into a candidate buffer of bounded size and selects among them; when fewer than k reach it, or
 more than the buffer holds, or all do, it selects from the whole array. The approximate path
 (DGC) writes the non-finite entries and then the earliest entries that reach the threshold or
-the first halving that k entries reach. Both return exactly what NumPy returns.
+the first halving that k entries reach. Both return exactly what NumPy returns. With
+``SINGLE_PASS`` the exact path counts and writes its candidates in one pass over the array
+(select_compact, a decoupled look-back) instead of a counting pass and a writing pass.
 
 No step waits for the GPU: which of those branches is taken depends on counts that only the
 GPU knows, so the kernels decide it there (``select_scan`` writes a plan that the kernels after
@@ -46,6 +48,13 @@ AGGREGATE = False
 #: tiles (as it does where a plan decides the entries) instead of one block per tile. The
 #: kernel benchmark compares both.
 COUNT_WAVE = False
+#: Whether the exact path compacts its candidates in one pass over the array (select_compact:
+#: each tile finds where its entries go by looking back over the counts the tiles before it
+#: published) instead of a pass that counts them and one that writes them. Off until the
+#: kernel benchmark on a GPU shows it faster; the two write the same candidates.
+SINGLE_PASS = False
+#: select_compact's ``prefixes``: 0 (tests only) makes every look-back walk to the first tile.
+_LOOK_BACK_PREFIXES = 1
 _NULL = _rt.NULL
 
 
@@ -60,13 +69,18 @@ def candidate_room(n: int, k: int) -> int:
 
 class _Scratch:
     """What the selections of one top-k call share: a histogram, zeroed once (each selection
-    leaves it zero for the next). Their radix-select states need no zeroing: the first pass
-    ignores them."""
+    leaves it zero for the next), and, for a one-pass compaction of ``tiles`` tiles, its tiles'
+    states and the next tile's number, zeroed with it (one memset). The radix-select states
+    need no zeroing: the first pass ignores them."""
 
-    __slots__ = ("hist",)
+    __slots__ = ("hist", "next_tile", "states")
 
-    def __init__(self) -> None:
-        self.hist = _rt.cp().zeros(_BINS, np.uint32)
+    def __init__(self, tiles: int = 0) -> None:
+        words = _BINS // 2 + (tiles + 1 if tiles else 0)
+        zeroed = _rt.cp().zeros(words, np.uint64)
+        self.hist = zeroed[: _BINS // 2].view(np.uint32)
+        self.states = zeroed[_BINS // 2: _BINS // 2 + tiles] if tiles else None
+        self.next_tile = zeroed[_BINS // 2 + tiles:].view(np.uint32) if tiles else None
 
 
 def _i64(v: int) -> np.int64:
@@ -155,14 +169,24 @@ def _exact(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array,
     _write(x, lims, counts, idx, val, ja=0, jb=1, state=state, cand=cand, src=plan)
 
 
-def _sampled(scratch: _Scratch, x: Array, k: int, seed: int, nthr: int) -> tuple[Any, Any, Any]:
-    """The limits of the sampled threshold (and its halvings), the per-tile counts of the keys
-    reaching the first ``nthr`` of them, and their totals (all on the device)."""
+def _limits(scratch: _Scratch, x: Array, k: int, seed: int,
+            counted: bool = True) -> tuple[Any, Any]:
+    """The limits of the sampled threshold (and its halvings), and the totals a count adds to
+    (zeroed; None when not ``counted``), on the device."""
     off, stride, size, want = _plan.sample_plan(x.size, k, seed)
     sampled = _select(scratch, x, off, stride, size, want)
     cupy = _rt.cp()
-    lims, totals = cupy.empty(_LIMITS, np.uint32), cupy.empty(_LIMITS, np.uint32)
-    _rt.launch("rc::sample_limits", 1, (sampled, lims, totals), threads=32)
+    lims = cupy.empty(_LIMITS, np.uint32)
+    totals = cupy.empty(_LIMITS, np.uint32) if counted else None
+    _rt.launch("rc::sample_limits", 1, (sampled, lims, _NULL if totals is None else totals),
+               threads=32)
+    return lims, totals
+
+
+def _sampled(scratch: _Scratch, x: Array, k: int, seed: int, nthr: int) -> tuple[Any, Any, Any]:
+    """The limits of the sampled threshold (and its halvings), the per-tile counts of the keys
+    reaching the first ``nthr`` of them, and their totals (all on the device)."""
+    lims, totals = _limits(scratch, x, k, seed)
     return lims, _count(x, lims, nthr, totals), totals
 
 
@@ -171,13 +195,19 @@ def _prefiltered(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array, se
     and at most the candidates' room do (NumPy's exact path on large arrays: the same entries,
     ties aside), else from the whole array; decided on the device."""
     n = x.size
-    lims, counts, totals = _sampled(scratch, x, _plan.prefilter_rank(n, k), seed, 1)
     cupy = _rt.cp()
     room = candidate_room(n, k)
     plan = cupy.empty(4, np.int64)
-    _scan(x, counts, (0,), plan=plan, mode=_PLAN_PREFILTER, totals=totals, k=k, room=room)
     cand = (cupy.empty(room, _F32), cupy.empty(room, np.int32))
-    _write(x, lims, counts, cand[1], cand[0], rows=plan)
+    if scratch.states is not None:
+        lims, _ = _limits(scratch, x, _plan.prefilter_rank(n, k), seed, counted=False)
+        _rt.launch("rc::select_compact", scratch.states.size,
+                   (x, _i64(n), lims, _i64(room), _i64(k), scratch.states, scratch.next_tile,
+                    np.int32(_LOOK_BACK_PREFIXES), plan, cand[1], cand[0]))
+    else:
+        lims, counts, totals = _sampled(scratch, x, _plan.prefilter_rank(n, k), seed, 1)
+        _scan(x, counts, (0,), plan=plan, mode=_PLAN_PREFILTER, totals=totals, k=k, room=room)
+        _write(x, lims, counts, cand[1], cand[0], rows=plan)
     _exact(scratch, x, k, idx, val, cand, plan)
 
 
@@ -227,13 +257,12 @@ def topk(x: Array, k: int, *, approximate: bool = False, seed: int = 0) -> tuple
         return cupy.arange(n, dtype=np.int32), x.copy()
     idx = cupy.empty(k, np.int32)
     val = cupy.empty(k, _F32)
-    scratch = _Scratch()
     if not _plan.sampled(n, k):
-        _exact(scratch, x, k, idx, val)
+        _exact(_Scratch(), x, k, idx, val)
     elif approximate:
-        _first_above(scratch, x, k, idx, val, seed)
+        _first_above(_Scratch(), x, k, idx, val, seed)
     else:
-        _prefiltered(scratch, x, k, idx, val, seed)
+        _prefiltered(_Scratch(-(-n // _TILE) if SINGLE_PASS else 0), x, k, idx, val, seed)
     return idx, val
 
 
