@@ -306,7 +306,8 @@ def _hist_pass(cupy: Any, x: Any, aggregate: bool) -> Callable[[int], None]:
     blocks = _cuda_runtime.grid(-(-x.size // 4))
     null = _cuda_runtime.NULL
     args = (x, np.int64(0), np.int64(1), np.int64(x.size), null, null, state, np.int32(20),
-            np.int32(11), np.int32(1), hist, np.int32(1), np.int32(aggregate))
+            np.int32(11), np.int32(1), hist, np.int32(1), np.int32(aggregate), np.int64(1),
+            null)
     return lambda i: _cuda_runtime.launch("rc::select_hist", blocks, args)
 
 
@@ -393,6 +394,15 @@ def _kernels(cupy: Any, args: argparse.Namespace, sets: list[dict[str, Any]],
          knob(_cuda_topk, "SINGLE_PASS", True, lambda i: ops.topk(pick(i)["x"], k)), True),
         (f"topk exact gradients, candidates in one pass k={k}", 4 * n + 8 * k,
          knob(_cuda_topk, "SINGLE_PASS", True, lambda i: ops.topk(grads, k)), True),
+        (f"topk exact, digits picked in select_hist k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "FUSED_PICK", True, lambda i: ops.topk(pick(i)["x"], k)), True),
+        (f"topk exact, one pass and digits picked in select_hist k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "FUSED_PICK", True,
+              knob(_cuda_topk, "SINGLE_PASS", True, lambda i: ops.topk(pick(i)["x"], k))),
+         True),
+        (f"topk approximate, digits picked in select_hist k={k}", 4 * n + 8 * k,
+         knob(_cuda_topk, "FUSED_PICK", True,
+              lambda i: ops.topk(pick(i)["x"], k, approximate=True, seed=i)), True),
     ]
     return rows + [(*row, True) for row in ring_rows(cupy, n, args.ranks, args.ratio)]
 

@@ -164,14 +164,67 @@ struct HistCounter {
   }
 };
 
+// Run by one block of SEL_THREADS threads: find the digit of the k-th largest key from the
+// histogram, fold it into the state, and clear the histogram for the next pass. The histogram
+// is read past the SM's L1 (volatile): in select_hist's last block, the other blocks' atomics
+// are in L2.
+RC_FN void pick_digit(u32* hist, SelectState* st, int shift, int bits, long long k, int first) {
+  constexpr int PER_THREAD = SEL_BINS / SEL_THREADS;
+  __shared__ u32 warp_sums[32];
+  const int nbins = 1 << bits;
+  const long long need = first ? k : st->need;
+  // Thread t owns PER_THREAD consecutive bins counted from the top: the scan runs from the
+  // largest digit down.
+  const int top = nbins - 1 - PER_THREAD * (int)threadIdx.x;
+  u32 h[PER_THREAD];
+  u32 sum = 0;
+  const volatile u32* counted = hist;
+#pragma unroll
+  for (int q = 0; q < PER_THREAD; ++q) {
+    h[q] = top - q >= 0 ? counted[top - q] : 0u;
+    sum += h[q];
+  }
+  u32 total;
+  long long above = block_exclusive_sum(sum, warp_sums, total);
+  int bin = -1;
+#pragma unroll
+  for (int q = 0; q < PER_THREAD; ++q) {
+    if (bin < 0 && top - q >= 0 && above < need && need <= above + h[q]) bin = top - q;
+    if (bin < 0) above += h[q];
+  }
+  if (bin >= 0) {  // exactly one thread: every thread read `need` before the scan's barriers
+    const u32 prefix = (first ? 0u : st->prefix) | ((u32)bin << shift);
+    st->prefix = prefix;
+    st->mask = (first ? 0u : st->mask) | ((u32)(nbins - 1) << shift);
+    st->need = need - above;
+    if (shift == 0) {
+      st->lims[0] = prefix + 1;
+      st->lims[1] = prefix;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < PER_THREAD; ++q) {
+    if (top - q >= 0) hist[top - q] = 0;
+  }
+}
+
+// One block of SEL_THREADS threads: pick_digit after a select_hist pass.
+__global__ void select_pick(u32* hist, SelectState* st, int shift, int bits, long long k,
+                            int first) {
+  pick_digit(hist, st, shift, bits, k, first);
+}
+
 // hist[d] += number of keys among the entries (x[off + i * stride], i < m; or the candidates
 // the plan `src` chose, contiguous) that match the decided bits (none are decided when
 // `first`; then st is not read) and whose digit (bits [shift, shift + bits)) is d. hist must
 // be zero (select_pick leaves it so). vec bit 1: x may be read 4 at a time (stride 1, off 0,
-// 16-byte aligned); bit 2: the candidates may.
+// 16-byte aligned); bit 2: the candidates may. With `finished` (a zero counter; blockDim.x
+// must be SEL_THREADS) the last block to finish runs select_pick's work itself, for the k-th
+// largest key, and zeroes `finished` again: no select_pick launch.
 __global__ void select_hist(const float* x, i64 off, i64 stride, i64 m, const float* cx,
-                            const SelectPlan* src, const SelectState* st, int shift, int bits,
-                            int first, u32* hist, int vec, int aggregate) {
+                            const SelectPlan* src, SelectState* st, int shift, int bits,
+                            int first, u32* hist, int vec, int aggregate, long long k,
+                            u32* finished) {
   __shared__ u32 sh[SEL_BINS];
   const int nbins = 1 << bits;
   for (int b = threadIdx.x; b < nbins; b += blockDim.x) sh[b] = 0;
@@ -213,48 +266,19 @@ __global__ void select_hist(const float* x, i64 off, i64 stride, i64 m, const fl
   for (int b = threadIdx.x; b < nbins; b += blockDim.x) {
     if (sh[b]) atomicAdd(&hist[b], sh[b]);
   }
-}
-
-// One block of SEL_THREADS threads: find the digit of the k-th largest key from the
-// histogram, fold it into the state, and clear the histogram for the next pass.
-__global__ void select_pick(u32* hist, SelectState* st, int shift, int bits, long long k,
-                            int first) {
-  constexpr int PER_THREAD = SEL_BINS / SEL_THREADS;
-  __shared__ u32 warp_sums[32];
-  const int nbins = 1 << bits;
-  const long long need = first ? k : st->need;
-  // Thread t owns PER_THREAD consecutive bins counted from the top: the scan runs from the
-  // largest digit down.
-  const int top = nbins - 1 - PER_THREAD * (int)threadIdx.x;
-  u32 h[PER_THREAD];
-  u32 sum = 0;
-#pragma unroll
-  for (int q = 0; q < PER_THREAD; ++q) {
-    h[q] = top - q >= 0 ? hist[top - q] : 0u;
-    sum += h[q];
-  }
-  u32 total;
-  long long above = block_exclusive_sum(sum, warp_sums, total);
-  int bin = -1;
-#pragma unroll
-  for (int q = 0; q < PER_THREAD; ++q) {
-    if (bin < 0 && top - q >= 0 && above < need && need <= above + h[q]) bin = top - q;
-    if (bin < 0) above += h[q];
-  }
-  if (bin >= 0) {  // exactly one thread: every thread read `need` before the scan's barriers
-    const u32 prefix = (first ? 0u : st->prefix) | ((u32)bin << shift);
-    st->prefix = prefix;
-    st->mask = (first ? 0u : st->mask) | ((u32)(nbins - 1) << shift);
-    st->need = need - above;
-    if (shift == 0) {
-      st->lims[0] = prefix + 1;
-      st->lims[1] = prefix;
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < PER_THREAD; ++q) {
-    if (top - q >= 0) hist[top - q] = 0;
-  }
+  if (finished == nullptr) return;
+  // The last block: every block's additions are in the histogram before its count of
+  // `finished` (each thread's fence, then the barrier, then thread 0's atomic), so the block
+  // that counts last sees them all.
+  __shared__ u32 last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(finished, 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  if (last == 0) return;
+  __threadfence();
+  pick_digit(hist, st, shift, bits, k, first);
+  if (threadIdx.x == 0) *finished = 0;
 }
 
 // The sampled path's limits: the sampled threshold and its eight halvings (as float32, the

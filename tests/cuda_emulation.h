@@ -286,6 +286,7 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
 }  // namespace rc_emu
 
 inline void __syncthreads() { rc_emu::wait(rc_emu::block_barrier, 0, blockDim.x); }
+inline void __threadfence() {}  // blocks run one after another: nothing to order
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
   const unsigned lane = threadIdx.x & 31;

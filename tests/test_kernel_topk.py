@@ -236,6 +236,28 @@ _EXACT_SAMPLED_LAUNCHES = {
     for how, compact in _CANDIDATES.items()}
 
 
+@pytest.mark.parametrize("case", ["small", "candidates", "more than the room", "all reach",
+                                  "one pass", "dgc"])
+def test_digits_picked_in_select_hist_match_numpy(emulated, monkeypatch, case):
+    """With FUSED_PICK the last block of each select_hist pass picks the digit (select_pick's
+    work): NumPy's selection on every path (which each pass's pick decides, so the counter of
+    finished blocks was left zero for the next pass), and no select_pick launch."""
+    emulator, fake = emulated
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", True)
+    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", case == "one pass")
+    if case == "more than the room":
+        monkeypatch.setattr(_cuda_topk, "candidate_room", lambda n, k: k)
+    x = _branch_data("all equal" if case == "all reach" else "gradients")
+    x = x[:3000] if case == "small" else x
+    emulator.launches.clear()
+    for seed in (1, 2):
+        _same_as_numpy(fake, x, K_BRANCH, approximate=case == "dgc", seed=seed)
+    names = [launch.name for launch in emulator.launches]
+    assert "rc::select_pick" not in names
+    passes = 3 if case in ("small", "dgc") else 6
+    assert names.count("rc::select_hist") == 2 * passes
+
+
 @pytest.mark.parametrize("prefixes", [1, 0])
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
 def test_one_pass_writes_the_two_passes_candidates(emulated, monkeypatch, prefixes, ratio):
@@ -341,7 +363,8 @@ def _hist(xp: Any, x: np.ndarray, *, off: int = 0, stride: int = 1, aggregate: b
     rt.launch("rc::select_hist", 5,
               (dx, np.int64(off), np.int64(stride), np.int64(m), rt.NULL if dc is None else dc,
                rt.NULL if plan is None else plan, state, np.int32(shift), np.int32(bits),
-               np.int32(mask == 0), hist, np.int32(vec), np.int32(aggregate)))
+               np.int32(mask == 0), hist, np.int32(vec), np.int32(aggregate), np.int64(1),
+               rt.NULL))
     return fake.asnumpy(hist) if hasattr(fake, "asnumpy") else hist.get()
 
 
@@ -398,8 +421,11 @@ def cupy_gpu() -> Any:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_pick", [False, True])
 @pytest.mark.parametrize("case", list(BRANCHES))
-def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, compaction, case):
+def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, compaction, case,
+                                              fused_pick):
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", fused_pick)
     data, _, patch = BRANCHES[case]
     if patch is not None:
         module = _cuda_topk if patch[0] == "candidate_room" else _topk_plan

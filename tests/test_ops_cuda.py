@@ -201,6 +201,20 @@ def test_topk_compacted_in_one_pass_is_the_same(monkeypatch, dev, rng, ratio):
     twins.check_topk_gradients(dev, rng, n, math.ceil(ratio * n))
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
+def test_topk_with_digits_picked_in_select_hist_is_the_same(monkeypatch, dev, rng, ratio,
+                                                            approximate):
+    """Each radix pass's digit picked by select_hist's last block (ops/_cuda_topk.py
+    FUSED_PICK) instead of a select_pick launch: the same selections."""
+    from ringcomm.ops import _cuda_topk
+
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", True)
+    for n in (dev.large, dev.sampled):
+        twins.check_topk(dev, rng, n, math.ceil(ratio * n), approximate, nonfinite=True)
+    assert gpu.sample_threshold(dev.put(np.ones(dev.large, np.float32)), 3, 0) == 1.0
+
+
 @pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
 def test_topk_ties_go_to_the_lowest_indices(dev, rng, n, ratio):
     twins.check_topk_ties(dev, rng, n, max(1, math.ceil(ratio * n)))

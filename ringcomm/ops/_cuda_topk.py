@@ -53,6 +53,10 @@ COUNT_WAVE = False
 #: published) instead of a pass that counts them and one that writes them. Off until the
 #: kernel benchmark on a GPU shows it faster; the two write the same candidates.
 SINGLE_PASS = False
+#: Whether select_hist's last block picks the digit itself (one launch a radix pass instead of
+#: select_hist and select_pick: six fewer launches a call). Off until the kernel benchmark on a
+#: GPU measures it; the same state either way.
+FUSED_PICK = False
 #: select_compact's ``prefixes``: 0 (tests only) makes every look-back walk to the first tile.
 _LOOK_BACK_PREFIXES = 1
 _NULL = _rt.NULL
@@ -68,19 +72,20 @@ def candidate_room(n: int, k: int) -> int:
 
 
 class _Scratch:
-    """What the selections of one top-k call share: a histogram, zeroed once (each selection
-    leaves it zero for the next), and, for a one-pass compaction of ``tiles`` tiles, its tiles'
-    states and the next tile's number, zeroed with it (one memset). The radix-select states
-    need no zeroing: the first pass ignores them."""
+    """What the selections of one top-k call share, zeroed together (one memset): a histogram
+    and the counter of select_hist's blocks that are done (each pass leaves both zero for the
+    next), and, for a one-pass compaction of ``tiles`` tiles, its tiles' states and the next
+    tile's number. The radix-select states need no zeroing: the first pass ignores them."""
 
-    __slots__ = ("hist", "next_tile", "states")
+    __slots__ = ("done", "hist", "next_tile", "states")
 
     def __init__(self, tiles: int = 0) -> None:
-        words = _BINS // 2 + (tiles + 1 if tiles else 0)
-        zeroed = _rt.cp().zeros(words, np.uint64)
-        self.hist = zeroed[: _BINS // 2].view(np.uint32)
-        self.states = zeroed[_BINS // 2: _BINS // 2 + tiles] if tiles else None
-        self.next_tile = zeroed[_BINS // 2 + tiles:].view(np.uint32) if tiles else None
+        at = _BINS // 2  # uint64 words: the histogram's uint32 bins, then the counter
+        zeroed = _rt.cp().zeros(at + 1 + (tiles + 1 if tiles else 0), np.uint64)
+        self.hist = zeroed[:at].view(np.uint32)
+        self.done = zeroed[at: at + 1].view(np.uint32)
+        self.states = zeroed[at + 1: at + 1 + tiles] if tiles else None
+        self.next_tile = zeroed[at + 1 + tiles:].view(np.uint32) if tiles else None
 
 
 def _i64(v: int) -> np.int64:
@@ -101,10 +106,12 @@ def _select(scratch: _Scratch, x: Array, off: int, stride: int, m: int, k: int,
         _rt.launch("rc::select_hist", blocks,
                    (x, _i64(off), _i64(stride), _i64(m), _NULL if cand is None else cand,
                     _NULL if plan is None else plan, state, np.int32(shift), np.int32(bits),
-                    np.int32(i == 0), scratch.hist, np.int32(vec), np.int32(AGGREGATE)))
-        _rt.launch("rc::select_pick", 1,
-                   (scratch.hist, state, np.int32(shift), np.int32(bits), _i64(k),
-                    np.int32(i == 0)))
+                    np.int32(i == 0), scratch.hist, np.int32(vec), np.int32(AGGREGATE),
+                    _i64(k), scratch.done if FUSED_PICK else _NULL))
+        if not FUSED_PICK:
+            _rt.launch("rc::select_pick", 1,
+                       (scratch.hist, state, np.int32(shift), np.int32(bits), _i64(k),
+                        np.int32(i == 0)))
     return state
 
 
