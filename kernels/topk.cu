@@ -416,10 +416,7 @@ RC_FN u32 scan_tile_counts(u32* counts) {
     counts[lane * PER_LANE + q] = run;
     run += v[q];
   }
-  u32 total = sum;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
-  return total;
+  return __shfl_sync(FULL_MASK, x, 31);
 }
 
 // Write the selected entries of each tile in index order: the first ka keys >= lims[ja]
@@ -541,11 +538,12 @@ RC_FN u32 look_back(const u64* states, i64 tile) {
 // The exact path's candidates in one pass over x[0:m] (select_count, select_scan and
 // select_write of the keys >= lims[0] in one launch): the first `room` of them, in index order,
 // into (out_idx, out_val), and the plan (PLAN_PREFILTER, as make_plan decides it from their
-// count) into `plan`. One block per tile; blocks take tiles in the order they start
-// (next_tile), count their tile, publish the count, and find how many the tiles before them
-// selected by looking back over the states those published (a decoupled look-back), so no
-// pass over x counts first. states: a word per tile and next_tile, all zero. With `prefixes`
-// 0 (tests) no tile but the first publishes its prefix: every look-back walks to tile 0.
+// count) into `plan`. One block of SEL_THREADS threads per tile; blocks take tiles in the
+// order they start (next_tile), count their tile, publish the count, and find how many the
+// tiles before them selected by looking back over the states those published (a decoupled
+// look-back), so no pass over x counts first. states: a word per tile and next_tile, all zero
+// (tests may start next_tile past tiles whose states they wrote). With `prefixes` 0 (tests)
+// no tile but the first publishes its prefix: every look-back walks to tile 0.
 __global__ void __launch_bounds__(SEL_THREADS, 4)
     select_compact(const float* x, i64 m, const u32* lims, long long room, long long k,
                    u64* states, u32* next_tile, int prefixes, SelectPlan* plan, int* out_idx,
@@ -587,7 +585,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 4)
     }
     if (lane == 0) {
       before = earlier;
-      if (tile == (i64)gridDim.x - 1) {
+      if (tile == tiles_of(m) - 1) {
         const u32 reached = earlier + total;
         *plan = make_plan(PLAN_PREFILTER, &reached, k, room, m);
       }

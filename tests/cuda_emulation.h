@@ -295,6 +295,11 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
   return rc_emu::exchange(v, source);
 }
 
+template <class T> T __shfl_sync(unsigned, T v, int source, int width = 32) {
+  const unsigned lane = threadIdx.x & 31;
+  return rc_emu::exchange(v, lane / width * width + (unsigned)source % width);
+}
+
 template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
   const unsigned lane = threadIdx.x & 31;
   return rc_emu::exchange(v, (lane % width) >= delta ? lane - delta : lane);

@@ -100,25 +100,6 @@ def decided_plans(emulator: gpu_emulator.Emulator) -> Iterator[list[np.ndarray]]
         del emulator.launch
 
 
-@contextlib.contextmanager
-def first_written(emulator: gpu_emulator.Emulator) -> Iterator[list[tuple[Any, Any]]]:
-    """Collect what a call's first compaction (select_compact, or select_write) wrote: its
-    (indices, values) arrays, read after the call."""
-    written: list[tuple[Any, Any]] = []
-    launch = emulator.launch
-
-    def recording(name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
-        launch(name, grid, block, args)
-        if name in ("rc::select_compact", "rc::select_write") and not written:
-            written.append((args[-2], args[-1]))
-
-    emulator.launch = recording  # type: ignore[method-assign]
-    try:
-        yield written
-    finally:
-        emulator.launch = launch  # type: ignore[method-assign]
-
-
 def _gradients(seed: int, n: int) -> np.ndarray:
     """Gradient-like float32 values: normal with a log-normal spread of scales."""
     rng = np.random.default_rng(seed)
@@ -258,41 +239,138 @@ def test_digits_picked_in_select_hist_match_numpy(emulated, monkeypatch, case):
     assert names.count("rc::select_hist") == 2 * passes
 
 
+@contextlib.contextmanager
+def recorded_compaction() -> Iterator[dict[str, Any]]:
+    """What the exact path's first compaction (select_compact, or select_write after a count)
+    wrote, through ringcomm's own launches, on the emulator or a GPU: its candidate buffers,
+    filled with a sentinel just before it runs, the plan decided for them, and select_compact's
+    limits, tile states and tile counter. Read them after the call."""
+    seen: dict[str, Any] = {}
+    launch = rt.launch
+
+    def recording(name: str, blocks: int, args: tuple[Any, ...], threads: int = rt.BLOCK) -> None:
+        if name in ("rc::select_compact", "rc::select_write") and "idx" not in seen:
+            seen["idx"], seen["val"] = args[-2], args[-1]
+            seen["idx"].fill(-7)
+            seen["val"].fill(np.nan)
+        if name == "rc::select_compact":
+            seen.update(lims=args[2], states=args[5], next_tile=args[6], plan=args[8])
+        if name == "rc::select_scan" and int(args[_SCAN_MODE]):
+            seen["plan"] = args[_SCAN_PLAN]
+        launch(name, blocks, args, threads)
+
+    rt.launch = recording
+    try:
+        yield seen
+    finally:
+        rt.launch = launch
+
+
+def _host(a: Any) -> np.ndarray:
+    return np.asarray(a.get())
+
+
+def _compacted(monkeypatch, dx: Any, x: np.ndarray, k: int, one_pass: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(plan, candidate indices, candidate value bits) of one exact top-k of ``dx`` (a device
+    copy of ``x``), the call's result checked against NumPy's; with one pass, its tile states
+    checked against the counts of x's tiles."""
+    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
+    with recorded_compaction() as seen:
+        idx, val = gpu.topk(dx, k)
+    want_idx, want_val = ref.topk(x, k)
+    np.testing.assert_array_equal(_host(idx), want_idx)
+    np.testing.assert_array_equal(_host(val).view(np.uint32), want_val.view(np.uint32))
+    plan = _host(seen["plan"])
+    m = int(plan[0])
+    assert m >= k, f"plan {plan}: the candidates were not used"
+    cand_idx, cand_val = _host(seen["idx"])[:m], _host(seen["val"])[:m].view(np.uint32)
+    assert np.all(np.diff(cand_idx) > 0), "candidates out of index order (or a gap)"
+    if one_pass:
+        _check_tile_states(x, int(_host(seen["lims"])[0]), _host(seen["states"]),
+                           int(_host(seen["next_tile"])[0]))
+    return plan, cand_idx, cand_val
+
+
+def _tile_counts(x: np.ndarray, lim: int) -> np.ndarray:
+    """Keys at or above ``lim`` in each tile of x."""
+    hit = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)) >= lim
+    tiles = -(-x.size // _cuda_topk._TILE)
+    padded = np.zeros(tiles * _cuda_topk._TILE, bool)
+    padded[: x.size] = hit
+    return padded.reshape(tiles, -1).sum(axis=1).astype(np.uint64)
+
+
+def _check_tile_states(x: np.ndarray, lim: int, states: np.ndarray, next_tile: int) -> None:
+    """Every tile published its prefix (or, with prefixes 0, every tile after the first its
+    own count), and every tile was taken once."""
+    counts = _tile_counts(x, lim)
+    assert next_tile == counts.size
+    prefix = np.uint64(2 << 32) | np.cumsum(counts)
+    if _cuda_topk._LOOK_BACK_PREFIXES:
+        np.testing.assert_array_equal(states, prefix)
+    else:
+        np.testing.assert_array_equal(states[0], prefix[0])
+        np.testing.assert_array_equal(states[1:], np.uint64(1 << 32) | counts[1:])
+
+
 @pytest.mark.parametrize("prefixes", [1, 0])
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
 def test_one_pass_writes_the_two_passes_candidates(emulated, monkeypatch, prefixes, ratio):
     """select_compact over 74 tiles (the look-back reads 32 at a time) writes the candidates and
-    the plan the counting and writing passes write, in index order, also when no tile but the
-    first publishes its prefix (every look-back then adds counts back to tile 0)."""
-    emulator, fake = emulated
-    n = 74 * _cuda_topk._TILE - 5
-    x = _gradients(3, n)
-    k = int(np.ceil(ratio * n))
+    the plan that the counting and writing passes write, in index order, with no gap, and leaves
+    each tile's prefix published; with ``prefixes`` 0 (no tile but the first publishes its
+    prefix) every look-back adds counts across 32-tile windows back to tile 0."""
+    fake = emulated[1]
     monkeypatch.setattr(_cuda_topk, "_LOOK_BACK_PREFIXES", prefixes)
-    seen = {}
-    for one_pass in (False, True):
-        monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
-        with decided_plans(emulator) as plans, first_written(emulator) as written:
-            idx, val = gpu.topk(fake.asarray(x), k)
-        np.testing.assert_array_equal(idx.get(), ref.topk(x, k)[0])
-        (idx, val), = written
-        m = int(plans[0][0])
-        assert m >= k, f"plan {plans[0]}: the candidates were not used"
-        assert np.all(np.diff(idx[:m]) > 0)
-        seen[one_pass] = (plans[0][0], idx[:m].copy(), val[:m].view(np.uint32).copy())
-    for a, b in zip(seen[False], seen[True], strict=True):
+    x = _gradients(3, 74 * _cuda_topk._TILE - 5)
+    k = int(np.ceil(ratio * x.size))
+    dx = fake.asarray(x)
+    two, one = (_compacted(monkeypatch, dx, x, k, one_pass) for one_pass in (False, True))
+    for a, b in zip(two, one, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("data", ["gradients", "all equal", "44 reach 100"])
-@pytest.mark.parametrize("k", [1, 60, 3000, 7000])
-def test_dgc_plans_match_numpy(emulated, data, k):
-    """DGC's halving and its count of non-finite entries, decided on the device."""
-    emulator, fake = emulated
-    x = _branch_data(data)
-    with decided_plans(emulator) as plans:
-        _same_as_numpy(fake, x, k, approximate=True, seed=k)
-    assert len(plans) == 1
+@pytest.mark.parametrize("trial", range(4))
+def test_look_back_reads_any_mix_of_published_states(emulated, trial):
+    """The tiles before the first block runs hold a random mix of published counts and
+    prefixes (as on a GPU, where a tile may look back while those before it are still
+    running): every later tile writes its entries where the two passes would, the entries of
+    the earlier tiles are left alone, the room cuts the writes, and the last tile's plan
+    counts every tile."""
+    fake = emulated[1]
+    rng = np.random.default_rng(trial)
+    tiles, first = 70, int(rng.integers(1, 60))
+    n = tiles * _cuda_topk._TILE - 100
+    x = _gradients(7 + trial, n)
+    keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    lim = int(np.sort(keys)[-n // 50])
+    counts = _tile_counts(x, lim)
+    inclusive = np.cumsum(counts)
+    total = int(inclusive[-1])
+    states = np.where(rng.random(tiles) < 0.5, np.uint64(2 << 32) | inclusive,
+                      np.uint64(1 << 32) | counts).astype(np.uint64)
+    states[first:] = 0
+    room = total + 3 if trial % 2 else int(inclusive[first + 5])
+    k = total // 2
+    cand_idx = fake.asarray(np.full(room, -7, np.int32))
+    cand_val = fake.asarray(np.full(room, np.nan, np.float32))
+    plan = fake.asarray(np.zeros(4, np.int64))
+    next_tile = fake.asarray(np.array([first, 0], np.uint32))
+    rt.launch("rc::select_compact", tiles - first,
+              (fake.asarray(x), np.int64(n), fake.asarray(np.full(11, lim, np.uint32)),
+               np.int64(room), np.int64(k), fake.asarray(states), next_tile, np.int32(1),
+               plan, cand_idx, cand_val), threads=_cuda_topk._THREADS)
+    selected = np.flatnonzero(keys >= lim)
+    start, end = int(inclusive[first - 1]), min(room, total)
+    got = _host(cand_idx)
+    assert np.all(got[:start] == -7), "an earlier tile's entries were written"
+    np.testing.assert_array_equal(got[start:end], selected[start:end])
+    np.testing.assert_array_equal(_host(cand_val)[start:end].view(np.uint32),
+                                  x[selected[start:end]].view(np.uint32))
+    used = k <= total <= room and total < n
+    np.testing.assert_array_equal(_host(plan)[:3], [total if used else -1,
+                                                    total if used else 0, 0])
 
 
 class _NoHostRead(gpu_emulator.DeviceArray):
@@ -444,20 +522,25 @@ def test_each_branch_matches_numpy_on_the_gpu(cupy_gpu, monkeypatch, compaction,
 @pytest.mark.parametrize("prefixes", [1, 0])
 def test_one_pass_on_the_gpu_writes_what_two_passes_write(cupy_gpu, monkeypatch, prefixes):
     """On a GPU the tiles of select_compact run at once and look back at tiles still running:
-    at 16 Mi entries (4096 tiles), repeated, the same selection as the two passes and NumPy,
+    at 16 Mi entries (4096 tiles), under 32 tiles, and with the selected entries only in the
+    last tiles, each call repeated, the same candidates (no gap: the buffers hold a sentinel
+    before each call) and plan as the two passes, and every tile's state as its counts say,
     also when every look-back walks to tile 0."""
     monkeypatch.setattr(_cuda_topk, "_LOOK_BACK_PREFIXES", prefixes)
-    x = _gradients(4, 1 << 24)
-    dx = cupy_gpu.asarray(x)
-    for ratio in (0.001, 0.01, 0.1):
-        k = int(np.ceil(ratio * x.size))
-        want_idx, want_val = ref.topk(x, k)
-        for one_pass in (False, True, True, True):
-            monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
-            idx, val = gpu.topk(dx, k)
-            np.testing.assert_array_equal(cupy_gpu.asnumpy(idx), want_idx)
-            np.testing.assert_array_equal(cupy_gpu.asnumpy(val).view(np.uint32),
-                                          want_val.view(np.uint32))
+    late = _gradients(5, 1 << 22) * np.float32(1e-3)
+    late[-3 * _cuda_topk._TILE:] *= np.float32(1e6)  # the top 1% all in the last 3 tiles
+    cases = [(_gradients(4, 1 << 24), (0.001, 0.01, 0.1)),
+             (_gradients(6, 20 * _cuda_topk._TILE + 77), (0.01, 0.1)),
+             (late, (0.001, 0.002))]
+    for x, ratios in cases:
+        dx = cupy_gpu.asarray(x)
+        for ratio in ratios:
+            k = int(np.ceil(ratio * x.size))
+            two = _compacted(monkeypatch, dx, x, k, False)
+            for _ in range(4):
+                one = _compacted(monkeypatch, dx, x, k, True)
+                for a, b in zip(two, one, strict=True):
+                    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.gpu

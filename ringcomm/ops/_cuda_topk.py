@@ -31,7 +31,8 @@ from ringcomm.ops import _topk_plan as _plan
 
 __all__ = ["candidate_room", "sample_threshold", "topk"]
 
-_TILE = 256 * 16  # SEL_TILE of kernels/topk.cu: elements per block of the count/write passes
+_THREADS = 256  # SEL_THREADS of kernels/topk.cu: a block of select_pick's or select_compact's
+_TILE = _THREADS * 16  # SEL_TILE: elements per block of the count/write passes
 _PASSES = ((20, 11), (10, 10), (0, 10))  # (shift, bits) of the digits, most significant first
 _BINS = 2048
 _F32 = np.float32
@@ -107,11 +108,11 @@ def _select(scratch: _Scratch, x: Array, off: int, stride: int, m: int, k: int,
                    (x, _i64(off), _i64(stride), _i64(m), _NULL if cand is None else cand,
                     _NULL if plan is None else plan, state, np.int32(shift), np.int32(bits),
                     np.int32(i == 0), scratch.hist, np.int32(vec), np.int32(AGGREGATE),
-                    _i64(k), scratch.done if FUSED_PICK else _NULL))
+                    _i64(k), scratch.done if FUSED_PICK else _NULL), threads=_THREADS)
         if not FUSED_PICK:
             _rt.launch("rc::select_pick", 1,
                        (scratch.hist, state, np.int32(shift), np.int32(bits), _i64(k),
-                        np.int32(i == 0)))
+                        np.int32(i == 0)), threads=_THREADS)
     return state
 
 
@@ -210,7 +211,7 @@ def _prefiltered(scratch: _Scratch, x: Array, k: int, idx: Array, val: Array, se
         lims, _ = _limits(scratch, x, _plan.prefilter_rank(n, k), seed, counted=False)
         _rt.launch("rc::select_compact", scratch.states.size,
                    (x, _i64(n), lims, _i64(room), _i64(k), scratch.states, scratch.next_tile,
-                    np.int32(_LOOK_BACK_PREFIXES), plan, cand[1], cand[0]))
+                    np.int32(_LOOK_BACK_PREFIXES), plan, cand[1], cand[0]), threads=_THREADS)
     else:
         lims, counts, totals = _sampled(scratch, x, _plan.prefilter_rank(n, k), seed, 1)
         _scan(x, counts, (0,), plan=plan, mode=_PLAN_PREFILTER, totals=totals, k=k, room=room)
