@@ -165,9 +165,9 @@ struct HistCounter {
 };
 
 // Run by one block of SEL_THREADS threads: find the digit of the k-th largest key from the
-// histogram, fold it into the state, and clear the histogram for the next pass. The histogram
-// is read past the SM's L1 (volatile): in select_hist's last block, the other blocks' atomics
-// are in L2.
+// histogram, fold it into the state, and clear the histogram for the next pass. In
+// select_hist's last block the fences make the other blocks' atomics visible; the histogram is
+// also read past the SM's L1 (volatile), where they are.
 RC_FN void pick_digit(u32* hist, SelectState* st, int shift, int bits, long long k, int first) {
   constexpr int PER_THREAD = SEL_BINS / SEL_THREADS;
   __shared__ u32 warp_sums[32];
@@ -221,10 +221,12 @@ __global__ void select_pick(u32* hist, SelectState* st, int shift, int bits, lon
 // 16-byte aligned); bit 2: the candidates may. With `finished` (a zero counter; blockDim.x
 // must be SEL_THREADS) the last block to finish runs select_pick's work itself, for the k-th
 // largest key, and zeroes `finished` again: no select_pick launch.
-__global__ void select_hist(const float* x, i64 off, i64 stride, i64 m, const float* cx,
-                            const SelectPlan* src, SelectState* st, int shift, int bits,
-                            int first, u32* hist, int vec, int aggregate, long long k,
-                            u32* finished) {
+// At most 32 registers (8 blocks an SM, the wave _rt.grid sizes): without a bound the last
+// block's pick took sm_80 from 27 to 37 registers, and 6 blocks an SM.
+__global__ void __launch_bounds__(SEL_THREADS, 8)
+    select_hist(const float* x, i64 off, i64 stride, i64 m, const float* cx,
+                const SelectPlan* src, SelectState* st, int shift, int bits, int first,
+                u32* hist, int vec, int aggregate, long long k, u32* finished) {
   __shared__ u32 sh[SEL_BINS];
   const int nbins = 1 << bits;
   for (int b = threadIdx.x; b < nbins; b += blockDim.x) sh[b] = 0;
@@ -393,7 +395,7 @@ __global__ void select_scan(u32* counts, i64 ntiles, i64 m, const SelectPlan* sr
 }
 
 // Exclusive scan, in index order, of the per-(item, warp) counts of a tile (run by warp 0);
-// returns the tile's total to every lane.
+// returns the lane's inclusive sum (lane 31's is the tile's total).
 RC_FN u32 scan_tile_counts(u32* counts) {
   const int lane = threadIdx.x & 31;
   constexpr int PER_LANE = SEL_ITEMS * SEL_WARPS / 32;
@@ -416,7 +418,7 @@ RC_FN u32 scan_tile_counts(u32* counts) {
     counts[lane * PER_LANE + q] = run;
     run += v[q];
   }
-  return __shfl_sync(FULL_MASK, x, 31);
+  return x;
 }
 
 // Write the selected entries of each tile in index order: the first ka keys >= lims[ja]
@@ -574,7 +576,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 4)
   }
   __syncthreads();
   if (warp == 0) {
-    const u32 total = scan_tile_counts(sa);
+    const u32 total = __shfl_sync(FULL_MASK, scan_tile_counts(sa), 31);
     u32 earlier = 0;
     if (tile == 0) {
       if (lane == 0) store_state(states, TILE_PREFIX, total);

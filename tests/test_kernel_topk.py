@@ -314,6 +314,39 @@ def _check_tile_states(x: np.ndarray, lim: int, states: np.ndarray, next_tile: i
         np.testing.assert_array_equal(states[1:], np.uint64(1 << 32) | counts[1:])
 
 
+def _tight_keys(n: int) -> tuple[np.ndarray, int]:
+    """Keys in two first-pass bins, the upper one holding exactly k keys spread over every
+    block (one in 97) across several later digits: a count lost or doubled anywhere changes
+    the digit picked or what is still needed."""
+    x = np.ones(n, np.float32)
+    upper = np.arange(0, n, 97)
+    x[upper] = 2.0 + (np.arange(upper.size) % 5).astype(np.float32)
+    return x, int(upper.size)
+
+
+def _select_states(xp: Any, monkeypatch, x: np.ndarray, k: int, fused: bool,
+                   repeats: int) -> list[np.ndarray]:
+    """The radix-select states (uint32[8]) of k-1, k, k+1 and 1 over x, each pass's digit
+    picked by select_pick or by select_hist's last block; the histogram and the counter of
+    finished blocks are zero after each selection."""
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", fused)
+    dx = xp.asarray(x)
+    states = []
+    for _ in range(repeats):
+        scratch = _cuda_topk._Scratch()
+        for rank in (k - 1, k, k + 1, 1):
+            states.append(_host(_cuda_topk._select(scratch, dx, 0, 1, x.size, rank)))
+            assert not _host(scratch.hist).any() and int(_host(scratch.done)[0]) == 0
+    return states
+
+
+def test_select_hist_picks_the_digits_select_pick_picks(emulated, monkeypatch):
+    x, k = _tight_keys(40_000)
+    apart, fused = (_select_states(emulated[1], monkeypatch, x, k, f, 1) for f in (False, True))
+    for a, b in zip(apart, fused, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("prefixes", [1, 0])
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
 def test_one_pass_writes_the_two_passes_candidates(emulated, monkeypatch, prefixes, ratio):
@@ -541,6 +574,17 @@ def test_one_pass_on_the_gpu_writes_what_two_passes_write(cupy_gpu, monkeypatch,
                 one = _compacted(monkeypatch, dx, x, k, True)
                 for a, b in zip(two, one, strict=True):
                     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_select_hist_picks_the_digits_select_pick_picks_on_the_gpu(cupy_gpu, monkeypatch):
+    """A full wave of blocks adds to the histogram at once before the last picks: 64 Mi keys
+    whose upper bin holds exactly k, 50 times, the same states as select_pick's."""
+    x, k = _tight_keys(1 << 26)
+    want = _select_states(cupy_gpu, monkeypatch, x, k, False, 1)
+    fused = _select_states(cupy_gpu, monkeypatch, x, k, True, 50)
+    for i, state in enumerate(fused):
+        np.testing.assert_array_equal(state, want[i % len(want)])
 
 
 @pytest.mark.gpu
