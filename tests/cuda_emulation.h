@@ -14,6 +14,16 @@
 // barrier (seeded by configure(), so a failing order can be replayed), so code that counts on an
 // order shows it.
 //
+// Built with RC_EMU_CONCURRENT, a launch can run its blocks at once instead: configure()'s
+// `workers` OS threads each take the next block of the shuffled order and run it to its end,
+// with the block's own shared memory and fibers (thread_local), atomics that are atomic and
+// fences that fence. Kernels whose blocks wait for one another (a look-back over earlier
+// tiles, a last block that reads what the others added) then meet blocks still running, as on
+// a GPU. What it cannot show: the orders are no longer replayable, x86's memory order is
+// stronger than a GPU's (a missing fence goes unseen), and a block's threads still run one at
+// a time between barriers, so a window inside a block (a thread that signals the others
+// before its block's other threads are done) is seldom hit.
+//
 // float32 arithmetic is the GPU's, not the host's (kernels/common.cuh routes its float32 helpers
 // here): a NaN result is the canonical NaN 0x7fffffff whatever the operands' payloads, and with
 // flush-to-zero (kernels compiled with -ftz=true) subnormal inputs and results of additions,
@@ -23,6 +33,14 @@
 #pragma once
 
 #include <ucontext.h>
+
+#ifdef RC_EMU_CONCURRENT
+#include <atomic>
+#include <thread>
+#define RC_EMU_TLS thread_local
+#else
+#define RC_EMU_TLS
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -37,13 +55,14 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
+#define __shared__ static RC_EMU_TLS
 #define __launch_bounds__(...)
 
 struct rc_dim3 {
   unsigned x = 0, y = 1, z = 1;
 };
-inline rc_dim3 gridDim, blockDim, blockIdx, threadIdx;
+inline rc_dim3 gridDim, blockDim;
+inline RC_EMU_TLS rc_dim3 blockIdx, threadIdx;
 
 namespace rc_emu {
 
@@ -84,8 +103,9 @@ inline float f32_from_f64(double x) { return result((float)x); }
 inline double f64_from_f32(float x) { return (double)flush(x); }
 
 // ------------------------------------------------------------------------------ ordering
-inline std::uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+inline RC_EMU_TLS std::uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 inline bool shuffled = true;
+inline unsigned workers = 1;  // OS threads running a launch's blocks (RC_EMU_CONCURRENT)
 
 inline std::uint64_t next_random() {  // splitmix64
   std::uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
@@ -97,11 +117,18 @@ inline void shuffle(std::vector<unsigned>& v) {
   if (!shuffled) return;
   for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next_random() % i]);
 }
-// Arithmetic mode and the seed of the orders of the launches that follow.
-inline void configure(bool flush_subnormals, std::uint64_t seed, bool shuffle_order) {
+// Arithmetic mode, the seed of the orders of the launches that follow, and how many blocks
+// run at once (1 without RC_EMU_CONCURRENT).
+inline void configure(bool flush_subnormals, std::uint64_t seed, bool shuffle_order,
+                      unsigned concurrent_blocks) {
   ftz = flush_subnormals;
   rng_state = seed;
   shuffled = shuffle_order;
+#ifdef RC_EMU_CONCURRENT
+  workers = concurrent_blocks < 1 ? 1 : concurrent_blocks;
+#else
+  (void)concurrent_blocks;
+#endif
 }
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -179,19 +206,19 @@ struct Barrier {
   unsigned long generation = 0;
 };
 
-inline Context scheduler;
-inline std::vector<Fiber> fibers;
-inline unsigned current = 0;
-inline bool progress = false;
-inline Barrier block_barrier;
-inline std::vector<Barrier> warp_barriers;
-inline std::vector<std::uint64_t> slots;
-inline std::function<void()> body;
+inline RC_EMU_TLS Context scheduler;
+inline RC_EMU_TLS std::vector<Fiber> fibers;
+inline RC_EMU_TLS unsigned current = 0;
+inline RC_EMU_TLS bool progress = false;
+inline RC_EMU_TLS Barrier block_barrier;
+inline RC_EMU_TLS std::vector<Barrier> warp_barriers;
+inline RC_EMU_TLS std::vector<std::uint64_t> slots;
+inline std::function<void()> body;  // the launch's kernel and arguments: every block runs it
 
 inline void yield() { switch_to(fibers[current].ctx, scheduler); }
 
-inline unsigned block_alive = 0;
-inline std::vector<unsigned> warp_alive;
+inline RC_EMU_TLS unsigned block_alive = 0;
+inline RC_EMU_TLS std::vector<unsigned> warp_alive;
 
 // Threads of [first, first + count) still running: the whole block, or one warp.
 inline unsigned live(unsigned first, unsigned count) {
@@ -234,6 +261,45 @@ template <class T> T exchange(T v, unsigned source_lane) {
   return r;
 }
 
+// This OS thread's fibers and barriers for blocks of `block` threads.
+inline void prepare(unsigned block) {
+  fibers.resize(block);
+  for (auto& f : fibers) {
+    if (!f.stack) f.stack.reset(new char[STACK]);
+  }
+  warp_barriers.assign(block / 32, Barrier{});
+  slots.assign(block, 0);
+}
+
+// Run block b to its end on this OS thread (prepare() first); `order` holds 0..block-1.
+inline void run_block(unsigned b, unsigned block, std::vector<unsigned>& order) {
+  blockIdx.x = b;
+  block_barrier = Barrier{};
+  block_alive = block;
+  warp_alive.assign(block / 32, 32);
+  for (auto& f : fibers) {
+    start(f.ctx, f.stack.get(), STACK, entry);
+    f.done = false;
+  }
+  unsigned remaining = block;
+  while (remaining) {  // one sweep: every live thread runs up to its next barrier
+    progress = false;
+    shuffle(order);
+    for (const unsigned t : order) {
+      if (fibers[t].done) continue;
+      current = t;
+      threadIdx.x = t;
+      switch_to(scheduler, fibers[t].ctx);
+      remaining -= fibers[t].done ? 1 : 0;
+    }
+    if (remaining && !progress) {
+      std::fprintf(stderr, "emulated kernel deadlocked in block %u: threads wait at a "
+                   "barrier that not all of them reach\n", b);
+      std::abort();
+    }
+  }
+}
+
 template <class... P, class... A>
 void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
   if (block == 0 || block % 32 != 0 || block > 1024) {
@@ -244,49 +310,39 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) {
   gridDim.x = grid;
   blockDim.x = block;
   body = [&] { kernel(args...); };
-  fibers.resize(block);
-  for (auto& f : fibers) {
-    if (!f.stack) f.stack.reset(new char[STACK]);
-  }
-  warp_barriers.assign(block / 32, Barrier{});
-  slots.assign(block, 0);
   std::vector<unsigned> blocks(grid), order(block);
   std::iota(blocks.begin(), blocks.end(), 0u);
   std::iota(order.begin(), order.end(), 0u);
   shuffle(blocks);
-  for (const unsigned b : blocks) {
-    blockIdx.x = b;
-    block_barrier = Barrier{};
-    block_alive = block;
-    warp_alive.assign(block / 32, 32);
-    for (auto& f : fibers) {
-      start(f.ctx, f.stack.get(), STACK, entry);
-      f.done = false;
+#ifdef RC_EMU_CONCURRENT
+  if (workers > 1) {
+    std::atomic<unsigned> next{0};
+    const std::uint64_t seed = next_random();
+    std::vector<std::thread> pool;
+    for (unsigned w = 0; w < workers; ++w) {
+      pool.emplace_back([&, w] {
+        rng_state = seed + 0x9e3779b97f4a7c15ull * (w + 1);
+        prepare(block);
+        std::vector<unsigned> mine(order);
+        for (unsigned i; (i = next.fetch_add(1)) < grid;) run_block(blocks[i], block, mine);
+      });
     }
-    unsigned remaining = block;
-    while (remaining) {  // one sweep: every live thread runs up to its next barrier
-      progress = false;
-      shuffle(order);
-      for (const unsigned t : order) {
-        if (fibers[t].done) continue;
-        current = t;
-        threadIdx.x = t;
-        switch_to(scheduler, fibers[t].ctx);
-        remaining -= fibers[t].done ? 1 : 0;
-      }
-      if (remaining && !progress) {
-        std::fprintf(stderr, "emulated kernel deadlocked in block %u: threads wait at a "
-                     "barrier that not all of them reach\n", b);
-        std::abort();
-      }
-    }
+    for (auto& t : pool) t.join();
+    return;
   }
+#endif
+  prepare(block);
+  for (const unsigned b : blocks) run_block(b, block, order);
 }
 
 }  // namespace rc_emu
 
 inline void __syncthreads() { rc_emu::wait(rc_emu::block_barrier, 0, blockDim.x); }
+#ifdef RC_EMU_CONCURRENT
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+#else
 inline void __threadfence() {}  // blocks run one after another: nothing to order
+#endif
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
   const unsigned lane = threadIdx.x & 31;
@@ -340,8 +396,12 @@ inline void rc_emu_check_aligned(const void* p, std::size_t align) {
   }
 }
 
-inline unsigned atomicAdd(unsigned* p, unsigned v) {  // one OS thread: no race to guard
-  const unsigned old = *p;
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+#ifdef RC_EMU_CONCURRENT
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+#else
+  const unsigned old = *p;  // one OS thread: no race to guard
   *p = old + v;
   return old;
+#endif
 }

@@ -72,6 +72,7 @@ const Kernel KERNELS[] = {{
 }};
 }}  // namespace
 
+#pragma GCC visibility push(default)
 extern "C" {{
 int emu_count() {{ return (int)(sizeof(KERNELS) / sizeof(KERNELS[0])); }}
 const char* emu_name(int i) {{ return KERNELS[i].name; }}
@@ -79,10 +80,11 @@ int emu_signature(int i, unsigned* out) {{ return KERNELS[i].signature(out); }}
 void emu_run(int i, unsigned grid, unsigned block, void** args) {{
   KERNELS[i].run(grid, block, args);
 }}
-void emu_configure(int ftz, unsigned long long seed, int shuffle) {{
-  rc_emu::configure(ftz != 0, seed, shuffle != 0);
+void emu_configure(int ftz, unsigned long long seed, int shuffle, unsigned workers) {{
+  rc_emu::configure(ftz != 0, seed, shuffle != 0, workers);
 }}
 }}
+#pragma GCC visibility pop
 """
 _ENTRY = ('  {{"{name}", [](unsigned g, unsigned b, void** a) {{ run(&{name}, g, b, a); }},\n'
           '   [](unsigned* s) {{ return signature(&{name}, s); }}}},')
@@ -126,16 +128,19 @@ class Emulator:
         seed: seeds the shuffled block and thread orders (launch i uses a seed mixed from it
             and i, so a run is replayed by the same seed).
         shuffle: False runs blocks and threads in index order.
+        workers: blocks that run at once, each on an OS thread of its own (a library built
+            with ``concurrent=True`` only); 1 runs them one after another.
     """
 
     def __init__(self, path: Path, *, options: Sequence[str] | None = None, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, workers: int = 1) -> None:
         self._lib = ctypes.CDLL(str(path))
         self._lib.emu_name.restype = ctypes.c_char_p
         self._lib.emu_signature.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
         self._lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
                                       ctypes.POINTER(ctypes.c_void_p)]
-        self._lib.emu_configure.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int]
+        self._lib.emu_configure.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int,
+                                            ctypes.c_uint]
         self.kernels: dict[str, tuple[int, list[int]]] = {}
         sizes = (ctypes.c_uint * 32)()
         for i in range(self._lib.emu_count()):
@@ -145,6 +150,7 @@ class Emulator:
         self.ftz = flushes_subnormals(self.options)
         self.seed = seed
         self.shuffle = shuffle
+        self.workers = workers
         self.launches: list[Launch] = []
 
     def reseed(self, seed: int) -> None:
@@ -182,7 +188,7 @@ class Emulator:
         pointers = (ctypes.c_void_p * max(1, len(keep)))(*[k.ctypes.data for k in keep])
         shown = tuple(("array", a.size) if isinstance(a, np.ndarray) else a.item() for a in args)
         self._lib.emu_configure(int(self.ftz), _mix(self.seed, len(self.launches)),
-                                int(self.shuffle))
+                                int(self.shuffle), self.workers)
         self.launches.append(Launch(name, grid, block, shown))
         self._lib.emu_run(index, grid, block, pointers)
 
@@ -206,9 +212,11 @@ def build(directory: Path, *, options: Sequence[str] | None = None, seed: int = 
 
 def build_kernels(directory: Path, sources: Sequence[str | Path], names: Sequence[str], *,
                   options: Sequence[str] | None = None, seed: int = 0,
-                  shuffle: bool = True) -> Emulator:
+                  shuffle: bool = True, workers: int = 0) -> Emulator:
     """Compile the kernels ``names`` of ``sources`` (files in kernels/, or paths) for the
-    emulator into ``directory``, reused while the sources are unchanged.
+    emulator into ``directory``, reused while the sources are unchanged. With ``workers``
+    (more than 1), a library whose launches run that many blocks at once
+    (cuda_emulation.h's RC_EMU_CONCURRENT).
 
     Raises:
         FileNotFoundError: no C++ compiler.
@@ -217,7 +225,14 @@ def build_kernels(directory: Path, sources: Sequence[str | Path], names: Sequenc
     if cxx is None:
         raise FileNotFoundError("no C++ compiler")
     code = _source([str(s) for s in sources], names)
-    digest = hashlib.sha256(code.encode())
+    # -O0: builds in half the time, and the emulated kernels spend theirs switching fibers.
+    # Hidden symbols: two libraries loaded in one process (this one and a concurrent build,
+    # say) would otherwise share the emulator's inline variables, which the dynamic linker
+    # binds process-wide (STB_GNU_UNIQUE) even for RTLD_LOCAL libraries.
+    flags = ["-std=c++20", "-O0", "-ffp-contract=off", "-fno-strict-aliasing",
+             "-fvisibility=hidden", "-DRC_EMULATE", "-shared", "-fPIC",
+             *(["-DRC_EMU_CONCURRENT", "-pthread"] if workers > 1 else [])]
+    digest = hashlib.sha256(code.encode() + " ".join(flags).encode())
     extra = [Path(s) for s in sources if Path(s).is_absolute()]
     for header in [*sorted((ROOT / "kernels").glob("*.cu*")), ROOT / "tests/cuda_emulation.h",
                    *extra]:
@@ -229,9 +244,7 @@ def build_kernels(directory: Path, sources: Sequence[str | Path], names: Sequenc
         src = directory / f"emulated_kernels.{os.getpid()}.cpp"
         src.write_text(code)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        # -O0: builds in half the time, and the emulated kernels spend theirs switching fibers.
-        cmd = [cxx, "-std=c++20", "-O0", "-ffp-contract=off", "-fno-strict-aliasing",
-               "-DRC_EMULATE", "-shared", "-fPIC", f"-I{ROOT / 'kernels'}",
+        cmd = [cxx, *flags, f"-I{ROOT / 'kernels'}",
                f"-I{ROOT / 'tests'}", str(src), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -240,7 +253,7 @@ def build_kernels(directory: Path, sources: Sequence[str | Path], names: Sequenc
         if done.returncode:
             raise RuntimeError(f"building the emulated kernels failed:\n{done.stderr[-4000:]}")
         tmp.replace(lib)  # atomic: a loader sees no file or a whole one
-    return Emulator(lib, options=options, seed=seed, shuffle=shuffle)
+    return Emulator(lib, options=options, seed=seed, shuffle=shuffle, workers=max(1, workers))
 
 
 # --------------------------------------------------------------------- the CuPy stand-in

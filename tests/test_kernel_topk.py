@@ -22,7 +22,7 @@ import ops_twins as twins
 import pytest
 
 from ringcomm.ops import _cuda_runtime as rt
-from ringcomm.ops import _cuda_topk, _topk_plan
+from ringcomm.ops import _cuda_source, _cuda_topk, _topk_plan
 from ringcomm.ops import cuda as gpu
 from ringcomm.ops import numpy as ref
 
@@ -68,6 +68,21 @@ def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
     """The emulator, installed for one test (so that the GPU tests below find CuPy's own)."""
     try:
         emulator = gpu_emulator.build(gpu_emulator.cache_dir(), seed=17)
+    except FileNotFoundError:
+        pytest.skip("no C++ compiler for the emulated kernels")
+    with gpu_emulator.installed(emulator) as fake:
+        yield emulator, fake
+
+
+@pytest.fixture(scope="module")
+def at_once() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
+    """The top-k kernels on an emulator whose launches run 4 blocks at once, each on an OS
+    thread of its own (cuda_emulation.h's RC_EMU_CONCURRENT): a tile looking back, or the last
+    block of a histogram pass, meets blocks that are still running, as on a GPU."""
+    try:
+        emulator = gpu_emulator.build_kernels(
+            gpu_emulator.cache_dir(), ["topk.cu"],
+            list(_cuda_source.name_expressions("topk.cu")), seed=23, workers=4)
     except FileNotFoundError:
         pytest.skip("no C++ compiler for the emulated kernels")
     with gpu_emulator.installed(emulator) as fake:
@@ -270,12 +285,30 @@ def _host(a: Any) -> np.ndarray:
     return np.asarray(a.get())
 
 
+def poison_empty(monkeypatch, xp: Any) -> None:
+    """Make ``xp.empty`` (the emulator's CuPy, or CuPy) fill what it returns with 0xA5 bytes: a
+    buffer a kernel failed to write then holds no earlier call's right answer."""
+    empty = xp.empty
+    if getattr(empty, "poisons", False):
+        return
+
+    def poisoned(*args: Any, **kw: Any) -> Any:
+        out = empty(*args, **kw)
+        if out.size:
+            out.reshape(-1).view(np.uint8).fill(0xA5)
+        return out
+
+    poisoned.poisons = True  # type: ignore[attr-defined]
+    monkeypatch.setattr(xp, "empty", poisoned)
+
+
 def _compacted(monkeypatch, dx: Any, x: np.ndarray, k: int, one_pass: bool
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(plan, candidate indices, candidate value bits) of one exact top-k of ``dx`` (a device
     copy of ``x``), the call's result checked against NumPy's; with one pass, its tile states
     checked against the counts of x's tiles."""
     monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", one_pass)
+    poison_empty(monkeypatch, rt.cp())
     with recorded_compaction() as seen:
         idx, val = gpu.topk(dx, k)
     want_idx, want_val = ref.topk(x, k)
@@ -330,6 +363,7 @@ def _select_states(xp: Any, monkeypatch, x: np.ndarray, k: int, fused: bool,
     picked by select_pick or by select_hist's last block; the histogram and the counter of
     finished blocks are zero after each selection."""
     monkeypatch.setattr(_cuda_topk, "FUSED_PICK", fused)
+    poison_empty(monkeypatch, xp)
     dx = xp.asarray(x)
     states = []
     for _ in range(repeats):
@@ -362,6 +396,34 @@ def test_one_pass_writes_the_two_passes_candidates(emulated, monkeypatch, prefix
     two, one = (_compacted(monkeypatch, dx, x, k, one_pass) for one_pass in (False, True))
     for a, b in zip(two, one, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("prefixes", [1, 0])
+def test_one_pass_with_blocks_at_once_writes_the_two_passes_candidates(at_once, monkeypatch,
+                                                                       prefixes):
+    """With 4 blocks running at once, tiles look back at tiles that have published nothing
+    yet, or only their count: the same candidates, plan and tile states as the two passes, call
+    after call (a look-back that did not wait for them gave a wrong result every call)."""
+    fake = at_once[1]
+    monkeypatch.setattr(_cuda_topk, "_LOOK_BACK_PREFIXES", prefixes)
+    x = _gradients(8, 74 * _cuda_topk._TILE - 5)
+    dx = fake.asarray(x)
+    for k in (300, 30_000):
+        two = _compacted(monkeypatch, dx, x, k, False)
+        for _ in range(2):
+            one = _compacted(monkeypatch, dx, x, k, True)
+            for a, b in zip(two, one, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_fused_pick_with_blocks_at_once_picks_select_pick_s_digits(at_once, monkeypatch):
+    """With 4 blocks running at once, select_hist's last block picks each digit while the
+    others may still be adding: the states select_pick leaves, selection after selection."""
+    x, k = _tight_keys(100_000)
+    apart = _select_states(at_once[1], monkeypatch, x, k, False, 1)
+    fused = _select_states(at_once[1], monkeypatch, x, k, True, 3)
+    for i, state in enumerate(fused):
+        np.testing.assert_array_equal(state, apart[i % len(apart)])
 
 
 @pytest.mark.parametrize("trial", range(4))
