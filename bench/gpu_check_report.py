@@ -23,6 +23,7 @@ __all__ = [
     "parse_pytest",
     "step_status",
     "summary",
+    "variant_rows",
     "write_report",
 ]
 
@@ -209,6 +210,54 @@ def _bench_table(bench: dict[str, Any]) -> list[str]:
     return lines
 
 
+# A variant row of the kernel benchmark: "<default>, <variant> <k=...> [work]", beside its
+# default's "<default> <k=...> [work]".
+_VARIANT = re.compile(r"^(?P<base>[^,\[]+?), (?P<variant>[^\[]+?) (?P<arg>k=\d+)")
+_ARG = re.compile(r"^(?P<base>[^,\[]+?) (?P<arg>k=\d+)")
+
+
+def variant_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each variant row of the kernel benchmark against its default row: the default's time
+    over the variant's (above 1: the variant is faster), and, for top-k rows, torch.topk's time
+    over the variant's, where the benchmark timed torch.topk."""
+    times: dict[str, float] = {}
+    for r in results:
+        match = _ARG.match(r["kernel"])
+        if match and not r["kernel"].startswith(" "):
+            times.setdefault(f"{match['base']} {match['arg']}", r["us"])
+    rows = []
+    for r in results:
+        match = _VARIANT.match(r["kernel"])
+        default = times.get(f"{match['base']} {match['arg']}") if match else None
+        if match is None or default is None or not r["us"]:
+            continue
+        torch = times.get(f"torch.topk {match['arg']}")
+        rows.append({"default": f"{match['base']} {match['arg']}", "variant": match["variant"],
+                     "default_us": default, "us": r["us"], "speedup": default / r["us"],
+                     "vs_torch_topk": torch / r["us"]
+                     if torch and match["base"].startswith("topk") else None})
+    return rows
+
+
+def _variant_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = variant_rows(results)
+    if not rows:
+        return []
+    lines = ["", "### Variants against their default", "",
+             "Each variant (a switch in ringcomm.ops) timed beside its default in the same run; "
+             "above 1: the variant is faster.", "",
+             "| default | variant | default (us) | variant (us) | default / variant | "
+             "torch.topk / default | torch.topk / variant |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        torch = r["vs_torch_topk"]
+        before = "-" if torch is None else f"{torch * r['us'] / r['default_us']:.2f}x"
+        after = "-" if torch is None else f"{torch:.2f}x"
+        lines.append(f"| {r['default']} | {r['variant']} | {r['default_us']:.1f} | "
+                     f"{r['us']:.1f} | {r['speedup']:.2f} | {before} | {after} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report for people: what ran where, and how it went."""
     summ = report.get("summary", {})
@@ -240,5 +289,6 @@ def markdown(report: dict[str, Any]) -> str:
         out += [f"| {name} | {k['count']} | {k['reason'][:300].replace('|', '/')} |"
                 for name, k in skipped]
     if report.get("benchmark"):
-        out += ["", "## Kernel benchmark", "", *_bench_table(report["benchmark"])]
+        out += ["", "## Kernel benchmark", "", *_bench_table(report["benchmark"]),
+                *_variant_table(report["benchmark"].get("results", []))]
     return "\n".join(out) + "\n"
