@@ -326,6 +326,17 @@ def _compacted(monkeypatch, dx: Any, x: np.ndarray, k: int, one_pass: bool,
     return plan, cand_idx, cand_val
 
 
+def _one_pass_repeats_two(monkeypatch, dx: Any, x: np.ndarray, k: int, repeats: int) -> None:
+    """The two passes once, then the one pass ``repeats`` times: the same plan and candidates
+    each time."""
+    want = ref.topk(x, k)
+    two = _compacted(monkeypatch, dx, x, k, False, want)
+    for _ in range(repeats):
+        one = _compacted(monkeypatch, dx, x, k, True, want)
+        for a, b in zip(two, one, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def _tile_counts(x: np.ndarray, lim: int) -> np.ndarray:
     """Keys at or above ``lim`` in each tile of x."""
     hit = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)) >= lim
@@ -410,12 +421,7 @@ def test_one_pass_with_blocks_at_once_writes_the_two_passes_candidates(at_once, 
     x = _gradients(8, 74 * _cuda_topk._TILE - 5)
     dx = fake.asarray(x)
     for k in (300, 30_000):
-        want = ref.topk(x, k)
-        two = _compacted(monkeypatch, dx, x, k, False, want)
-        for _ in range(2):
-            one = _compacted(monkeypatch, dx, x, k, True, want)
-            for a, b in zip(two, one, strict=True):
-                np.testing.assert_array_equal(a, b)
+        _one_pass_repeats_two(monkeypatch, dx, x, k, 2)
 
 
 def test_fused_pick_with_blocks_at_once_picks_select_pick_s_digits(at_once, monkeypatch):
@@ -632,13 +638,7 @@ def test_one_pass_on_the_gpu_writes_what_two_passes_write(cupy_gpu, monkeypatch,
     for x, ratios in cases:
         dx = cupy_gpu.asarray(x)
         for ratio in ratios:
-            k = int(np.ceil(ratio * x.size))
-            want = ref.topk(x, k)
-            two = _compacted(monkeypatch, dx, x, k, False, want)
-            for _ in range(4):
-                one = _compacted(monkeypatch, dx, x, k, True, want)
-                for a, b in zip(two, one, strict=True):
-                    np.testing.assert_array_equal(a, b)
+            _one_pass_repeats_two(monkeypatch, dx, x, int(np.ceil(ratio * x.size)), 4)
 
 
 @pytest.mark.gpu
