@@ -128,8 +128,9 @@ class Emulator:
         seed: seeds the shuffled block and thread orders (launch i uses a seed mixed from it
             and i, so a run is replayed by the same seed).
         shuffle: False runs blocks and threads in index order.
-        workers: blocks that run at once, each on an OS thread of its own (a library built
-            with ``concurrent=True`` only); 1 runs them one after another.
+        workers: blocks that run at once, each on an OS thread of its own (a library that
+            ``build_kernels`` built with ``workers`` above 1 only); 1 runs them one after
+            another.
     """
 
     def __init__(self, path: Path, *, options: Sequence[str] | None = None, seed: int = 0,

@@ -476,6 +476,17 @@ def test_look_back_reads_any_mix_of_published_states(emulated, trial):
                                                     total if used else 0, 0])
 
 
+@pytest.mark.parametrize("data", ["gradients", "all equal", "44 reach 100"])
+@pytest.mark.parametrize("k", [1, 60, 3000, 7000])
+def test_dgc_plans_match_numpy(emulated, data, k):
+    """DGC's halving and its count of non-finite entries, decided on the device."""
+    emulator, fake = emulated
+    x = _branch_data(data)
+    with decided_plans(emulator) as plans:
+        _same_as_numpy(fake, x, k, approximate=True, seed=k)
+    assert len(plans) == 1
+
+
 class _NoHostRead(gpu_emulator.DeviceArray):
     """A device array whose values the host may not read: what a real GPU would have to wait
     for (a copy to the host, a conversion to a Python number, a truth value)."""
