@@ -79,6 +79,16 @@ RC_FN Entries entries(const float* x, const int* ids, i64 m, const float* cx, co
 
 RC_FN i64 tiles_of(i64 m) { return (m + SEL_TILE - 1) / SEL_TILE; }
 
+// Thread threadIdx.x's entries of the tile at `base` of x[0:m] (0 past the end), every load
+// issued before any is used: the tile's loads are in flight together.
+RC_FN void load_tile(const float* x, i64 m, i64 base, float (&v)[SEL_ITEMS]) {
+#pragma unroll
+  for (int it = 0; it < SEL_ITEMS; ++it) {
+    const i64 i = base + it * SEL_THREADS + threadIdx.x;
+    v[it] = i < m ? x[i] : 0.0f;
+  }
+}
+
 // The plan of a sampled selection, from the totals of select_count (every block computes the
 // same one). PLAN_PREFILTER: the exact selection goes on with the keys >= the sampled threshold
 // when at least k and at most cap (the candidates' room) of the m pass and not all do, else
@@ -321,11 +331,7 @@ __global__ void select_count(const float* x, i64 m, const float* cx, const Selec
     const i64 base = tile * SEL_TILE;
     // Every load first, then the comparisons: the tile's loads are in flight together.
     float v[SEL_ITEMS];
-#pragma unroll
-    for (int it = 0; it < SEL_ITEMS; ++it) {
-      const i64 i = base + it * SEL_THREADS + threadIdx.x;
-      v[it] = i < e.m ? e.x[i] : 0.0f;
-    }
+    load_tile(e.x, e.m, base, v);
     u32 c[MAX_LIMITS];
 #pragma unroll
     for (int j = 0; j < MAX_LIMITS; ++j) c[j] = 0;
@@ -455,11 +461,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 4)
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const i64 base = tile * SEL_TILE;
     float v[SEL_ITEMS];
-#pragma unroll
-    for (int it = 0; it < SEL_ITEMS; ++it) {
-      const i64 i = base + it * SEL_THREADS + threadIdx.x;
-      v[it] = i < e.m ? e.x[i] : 0.0f;
-    }
+    load_tile(e.x, e.m, base, v);
     // Pass 1: how many of each class in each 32-element row of the tile.
 #pragma unroll
     for (int it = 0; it < SEL_ITEMS; ++it) {
@@ -562,11 +564,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 4)
   const u32 lim = lims[0];
   const i64 base = tile * SEL_TILE;
   float v[SEL_ITEMS];
-#pragma unroll
-  for (int it = 0; it < SEL_ITEMS; ++it) {
-    const i64 i = base + it * SEL_THREADS + threadIdx.x;
-    v[it] = i < m ? x[i] : 0.0f;
-  }
+  load_tile(x, m, base, v);
   // How many keys reach the limit in each 32-element row of the tile.
 #pragma unroll
   for (int it = 0; it < SEL_ITEMS; ++it) {
