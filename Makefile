@@ -75,16 +75,18 @@ slurm:
 test-unit: $(VENV)/.test slurm
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal) --ignore=tests/mpi
 
-# The property-based, thread, native-allreduce, exchange, process-group-transport and
-# started-allreduce tests also run at 3 ranks (an odd ring); the property-based tests run at
-# 2 and 3 ranks, not 4 (four ranks on two cores took 35 s of them).
+# Every file also runs at 3 ranks (an odd ring, nodes of different sizes, reduce-scatter parts
+# of different lengths). At 4 ranks (four ranks on two cores: 2x slower) only what a fourth
+# rank changes: the rings, compressed and dense (a ring longer than 3), the two-level allreduce
+# over 2 nodes of 2, the collectives and groups split in two pairs; the property-based tests
+# run at 2 and 3 ranks, not 4 (four ranks on two cores took 35 s of them).
+MPI_AT_4 := allreduce allreduce_native compression cuda_ring collectives hierarchical_mpi \
+	powersgd_mpi auto_choice started_allreduce dist_all_to_all process_group_transport \
+	torch_process_sets
 test-mpi: $(VENV)/.test
 	$(BIN)/python tests/run_mpi.py -n 2 -- -q
-	$(BIN)/python tests/run_mpi.py -n 4 -- -q --ignore=tests/mpi/test_properties.py
-	$(BIN)/python tests/run_mpi.py -n 3 -- -q tests/mpi/test_properties.py tests/mpi/test_threads.py \
-		tests/mpi/test_allreduce_native.py tests/mpi/test_exchange.py \
-		tests/mpi/test_process_group_transport.py tests/mpi/test_started_allreduce.py \
-		tests/mpi/test_dist_all_to_all.py tests/mpi/test_result_out.py
+	$(BIN)/python tests/run_mpi.py -n 3 -- -q
+	$(BIN)/python tests/run_mpi.py -n 4 -- -q $(MPI_AT_4:%=tests/mpi/test_%.py)
 
 # Horovod's own tests/parallel/test_torch.py against ringcomm.torch, one mpiexec job per test,
 # then its examples/pytorch (pytorch_mnist, pytorch_synthetic_benchmark) with the import switched,

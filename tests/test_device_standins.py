@@ -210,6 +210,10 @@ class _Runtime:
     def getDevice(self) -> int:
         return self._gpu.current()
 
+    def getDeviceProperties(self, device: int) -> dict[str, Any]:
+        assert 0 <= device < self._gpu.count, device
+        return {"multiProcessorCount": 1}
+
     def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 

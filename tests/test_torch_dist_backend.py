@@ -952,12 +952,13 @@ def test_plain_init_process_group_under_mpiexec(tmp_path, subprocess_env, mpiexe
             at = proc.stdout.find("{", end)
         return found
 
-    for backend in ("ringcomm", "gloo"):
-        for n in (2, 3):
-            got = rows([mpiexec, "-n", str(n), sys.executable, str(job), backend, "0"])
-            assert sorted(row["rank"] for row in got) == list(range(n)), got
-            assert all(row["size"] == n and row["backend"] == backend
-                       and row["sum"] == [n * (n + 1) / 2] * 3 for row in got), got
+    # Each backend once (the same reading of MPI's rank and size serves both), at an odd
+    # size and at two.
+    for backend, n in (("ringcomm", 3), ("gloo", 2)):
+        got = rows([mpiexec, "-n", str(n), sys.executable, str(job), backend, "0"])
+        assert sorted(row["rank"] for row in got) == list(range(n)), got
+        assert all(row["size"] == n and row["backend"] == backend
+                   and row["sum"] == [n * (n + 1) / 2] * 3 for row in got), got
     got = rows([mpiexec, "-n", "2", sys.executable, str(job), "ringcomm", "3"])
     assert len(got) == 2 and all("world_size=3 on rank 0; world_size=3 on rank 1, but the job"
                                  in row["error"] for row in got), got

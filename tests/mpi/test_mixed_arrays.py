@@ -133,9 +133,11 @@ def test_host_and_device_peers_of_a_sendrecv(standin, rng):
 def test_device_arrays_take_the_nccl_path_on_the_ranks_device(standin, world, rng):
     """CuPy arrays: NCCL's own collectives, every call with the rank's device current, also
     from a worker thread whose current device is 0 (a max of ints: NCCL's float max drops a
-    NaN, so ringcomm's ring runs those)."""
+    NaN, so ringcomm's ring runs those). The length divides by the size: NCCL's
+    reduce-scatter takes equal parts (uneven ones run ringcomm's ring, with CUDA kernels
+    this stand-in does not run)."""
     n = standin.size
-    x = _ints(rng, 1 << 16, "float32")
+    x = _ints(rng, n << 14, "float32")
     everyone = np.stack(world.allgather(x))
     before = len(_data_calls(standin))
 
