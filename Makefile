@@ -79,8 +79,8 @@ test-unit: $(VENV)/.test slurm
 # of different lengths). At 4 ranks (four ranks on two cores: 2x slower) only what a fourth
 # rank changes: the rings, compressed and dense (a ring longer than 3), the two-level allreduce
 # over 2 nodes of 2, the collectives, groups split in two pairs, and all_reduce against gloo's
-# (where two of the ranks' bools are True); the property-based tests
-# run at 2 and 3 ranks, not 4 (four ranks on two cores took 35 s of them).
+# (where two of the ranks' bools are True). The property-based tests are not among them (four
+# ranks on two cores took 35 s of them).
 MPI_AT_4 := allreduce allreduce_native compression cuda_ring collectives hierarchical_mpi \
 	powersgd_mpi auto_choice started_allreduce dist_all_to_all process_group_transport \
 	torch_process_sets dist_ops_like_gloo
