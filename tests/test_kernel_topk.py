@@ -74,11 +74,13 @@ def emulated() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
         yield emulator, fake
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def at_once() -> Iterator[tuple[gpu_emulator.Emulator, gpu_emulator.FakeCupy]]:
     """The top-k kernels on an emulator whose launches run 4 blocks at once, each on an OS
     thread of its own (cuda_emulation.h's RC_EMU_CONCURRENT): a tile looking back, or the last
-    block of a histogram pass, meets blocks that are still running, as on a GPU."""
+    block of a histogram pass, meets blocks that are still running, as on a GPU. Installed for
+    one test, as ``emulated`` (the library is built once and kept on disk): the GPU tests below
+    must find CuPy's own."""
     try:
         emulator = gpu_emulator.build_kernels(
             gpu_emulator.cache_dir(), ["topk.cu"],
