@@ -11,6 +11,7 @@ host transport each have a module of their own (``_nccl_*``).
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -170,9 +171,19 @@ class NCCLTransport(TransportBase):
         return self._host
 
     @property
-    def failure(self) -> CollectiveError | None:
-        """The error that aborted the NCCL communicator, or None while it is usable."""
-        return self._watch.failure
+    def failure(self) -> Exception | None:
+        """The error that aborted the NCCL communicator, or that of the host transport (a
+        timeout), or None while both are usable."""
+        failure = self._watch.failure
+        if failure is None and self._host is not None and self._host is not self:
+            return self._host.failure
+        return failure
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """As TransportBase's, for the host transport's failures too."""
+        super().on_failure(callback)
+        if self._host is not None and self._host is not self:
+            self._host.on_failure(callback)
 
     @property
     def operation(self) -> str:

@@ -298,6 +298,7 @@ class TorchDistTransport(TransportBase):
         if self.abort_on_timeout:
             write_fatal(error, "Ending this process (exit status 1).")
             os._exit(1)
+        self.fail(error)  # what gloo still has on the way would meet a later call
         return error
 
     # ------------------------------------------------------------------ native allreduce

@@ -37,7 +37,7 @@ from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_exchange import SizedExchange
 from ringcomm.backends.mpi_process import FORWARD_S, abort, cores, import_mpi, machine_id
 from ringcomm.comm.base import Communicator
-from ringcomm.comm.settings import agree_byte_limit
+from ringcomm.comm.settings import agree_env
 from ringcomm.comm.transport import (
     TransportBase,
     adopt_ranks,
@@ -106,6 +106,10 @@ _LOG = get_logger("mpi")
 # RINGCOMM_MPI_ALLREDUCE_BYTES sets the limit (0: always the ring); every rank must pass the same.
 _NATIVE_BYTES_PER_PEER = 512 << 10
 NATIVE_BYTES_ENV = "RINGCOMM_MPI_ALLREDUCE_BYTES"
+# A small allreduce repeated past _inline.FUSE_AFTER runs its exchange and reduction as one
+# compiled call (ringcomm/backends/mpi_fused.py); RINGCOMM_MPI_FUSED_CALLS=0 keeps the Python
+# path (the same messages and bits either way; agreed at start like the limit above).
+FUSED_ENV = "RINGCOMM_MPI_FUSED_CALLS"
 # Where every rank shares one node, dense allreduces up to (_SHARED_INLINE_BUDGET / (n - 1))
 # bytes, at most _SHARED_INLINE_MAX, ride in the agreement's exchange (each rank sends its
 # array to each other rank through shared memory and reduces every rank's in rank order), where
@@ -245,11 +249,14 @@ class MPITransport(TransportBase):
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
-            self.native_allreduce_bytes = agree_byte_limit(
-                self, NATIVE_BYTES_ENV, (self.size - 1) * _NATIVE_BYTES_PER_PEER)
+            agreed = agree_env(self, {NATIVE_BYTES_ENV: (self.size - 1) * _NATIVE_BYTES_PER_PEER},
+                               {FUSED_ENV: True})
         except ValueError:  # refused on every rank: nothing of this transport stays behind
             self.close()
             raise
+        self.native_allreduce_bytes = agreed[NATIVE_BYTES_ENV]
+        #: Whether repeated small allreduces may run as one compiled call (see FUSED_ENV).
+        self.fused_calls = agreed[FUSED_ENV]
         self._mpi_ops = {op: getattr(MPI, name) for op, name in _MPI_OPS.items()}
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
@@ -399,7 +406,8 @@ class MPITransport(TransportBase):
     def prepare_exchange(self, row_bytes: int) -> SizedExchange:
         """The agreement's exchange as point-to-point messages of each rank's own length
         (see :mod:`ringcomm.backends.mpi_exchange`), on a communicator of its own."""
-        exchange = SizedExchange(self._agree, row_bytes, self.wait_all, self._polls)
+        exchange = SizedExchange(self._agree, row_bytes, self.wait_all, self._polls,
+                                 self.fused_calls)
         self._exchanges.append(exchange)
         return exchange
 
@@ -546,6 +554,7 @@ class MPITransport(TransportBase):
             write_fatal(error, "Ending the job (MPI_Abort).")
             time.sleep(FORWARD_S)  # for the launcher to forward it before the job ends
             abort(self._ctl, 1)
+        self.fail(error)  # the stranded requests would match a later call's messages
         raise error
 
     # --------------------------------------------------------------------------- staging

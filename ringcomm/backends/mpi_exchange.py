@@ -78,7 +78,7 @@ class _Prepared:
     peer's first chunk, shared by every length, then this rank's sends of it), and the other
     chunks' receives and sends (empty for a message of one chunk)."""
 
-    __slots__ = ("first", "owned", "recvs", "rest", "sends")
+    __slots__ = ("first", "fused", "owned", "recvs", "rest", "sends")
 
     def __init__(self, shared: list[Any], first_sends: list[Any], recvs: list[Any],
                  sends: list[Any]) -> None:
@@ -86,6 +86,14 @@ class _Prepared:
         self.recvs, self.sends = recvs, sends
         self.rest = recvs + sends
         self.owned = first_sends + self.rest  # what this length alone holds, to free
+        self.fused: list[Any] = []  # compiled calls holding these requests' handles
+
+    def free(self) -> None:
+        """Free what this length alone holds; its compiled calls refuse to run from now on."""
+        for fused in self.fused:
+            fused.forget()
+        for req in self.owned:
+            req.Free()
 
 
 class SizedExchange:
@@ -101,13 +109,16 @@ class SizedExchange:
         wait_all: completes a list of requests within the timeout
             (``MPITransport.wait_all``), raising or aborting the job when it passes.
         polls: how many times to test the requests before ``wait_all``.
+        fused: whether repeated small allreduces may run as one compiled call
+            (``fused_allreduce``; ``RINGCOMM_MPI_FUSED_CALLS``).
     """
 
     sized = True
     whole_bytes = EAGER_BYTES
 
     def __init__(self, comm: Any, row_bytes: int,
-                 wait_all: Callable[[list[Any], int | None, str], None], polls: int) -> None:
+                 wait_all: Callable[[list[Any], int | None, str], None], polls: int,
+                 fused: bool = True) -> None:
         MPI = import_mpi()
         rank, size = comm.Get_rank(), comm.Get_size()
         self.recv = np.zeros((size, row_bytes), np.uint8)
@@ -120,6 +131,7 @@ class SizedExchange:
         self._requests: dict[int, _Prepared] = {}
         self._volume = size - 1
         self._polls = range(polls)
+        self._polls_count, self._fused = polls, fused
 
     def __call__(self, nbytes: int) -> None:
         self.finish(self.start(nbytes))
@@ -168,6 +180,26 @@ class SizedExchange:
         if reqs:
             self._wait_all(reqs, None, "agreement exchange")
 
+    def fused_allreduce(self, nbytes: int, header: bytes, dtype: np.dtype,
+                        op: str) -> Any:
+        """The exchange of ``nbytes`` (the header, then an array of ``dtype``) with the
+        reduction of the arrays by ``op``, as one compiled call
+        (:class:`~ringcomm.backends.mpi_fused.FusedAllreduce`), or None where that call
+        would not give the same bits or the message travels in chunks."""
+        if not (self._fused and self._peers):
+            return None
+        from ringcomm.backends import mpi_fused  # Numba, only for a repeated small call
+        if (nbytes > EAGER_BYTES or nbytes <= len(header) or self.recv.shape[1] % 8
+                or not mpi_fused.supports(dtype, op)):
+            return None
+        prepared = self._requests.get(nbytes) or self._prepare(nbytes)
+        if prepared.recvs or prepared.sends:
+            return None
+        fused = mpi_fused.FusedAllreduce(prepared.first, self.recv, self._rank, header, dtype,
+                                         op, self._polls_count, self._wait_all)
+        prepared.fused.append(fused)
+        return fused
+
     def moved(self, nbytes: int) -> int:
         """``nbytes`` to each other rank."""
         return nbytes * self._volume
@@ -176,8 +208,7 @@ class SizedExchange:
         if not 0 < nbytes <= self.send.nbytes:
             raise ValueError(f"an exchange sends 1 to {self.send.nbytes} bytes, got {nbytes}")
         if len(self._requests) >= _SIZES_KEPT:
-            for req in self._requests.pop(next(iter(self._requests))).owned:
-                req.Free()
+            self._requests.pop(next(iter(self._requests))).free()
         parts = _spans(nbytes, len(self._peers))
         comm, peers = self._comm, self._peers
         first_sends = [comm.Send_init(self.send[:parts[0][1]], p, _TAG) for p in peers]
@@ -193,6 +224,8 @@ class SizedExchange:
         """Free the persistent requests (inactive ones; one left active by a timeout stays
         allocated with its buffer)."""
         owned = [req for prepared in self._requests.values() for req in prepared.owned]
+        for fused in (f for prepared in self._requests.values() for f in prepared.fused):
+            fused.forget()
         for req in self._recvs + owned:
             if req.Test():
                 req.Free()

@@ -18,9 +18,12 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm._prepared import PreparedCall
 from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
+from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array, ReduceOp
 
-__all__ = ["InlinePlan", "allgather_inline", "allreduce_inline"]
+__all__ = ["FUSE_AFTER", "InlinePlan", "allgather_inline", "allreduce_inline"]
+
+_LOG = get_logger("comm")
 
 
 def allreduce_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array | None,
@@ -70,7 +73,8 @@ class InlinePlan(PreparedCall):
     still fails the header comparison and raises the full error.
     """
 
-    __slots__ = ("dtype", "nbytes", "op", "pair", "pair_new", "rows", "shape", "ufunc")
+    __slots__ = ("dtype", "fused", "fused_caller", "nbytes", "op", "pair", "pair_new", "rows",
+                 "runs", "shape", "ufunc")
 
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
@@ -84,6 +88,11 @@ class InlinePlan(PreparedCall):
         # ... straight into a new result, where it needs no reshaping.
         self.pair_new = self.pair if x.ndim == 1 else None
         self.ufunc = _UFUNCS[op]
+        #: The exchange's compiled call for this plan (see ``_fuse``), once it has one.
+        self.fused: Any = None
+        #: The caller whose header the compiled call sends (None: none yet, or not known).
+        self.fused_caller: str | None = None
+        self.runs = 0
 
     @staticmethod
     def _direct(dtype: np.dtype, op: ReduceOp) -> bool:
@@ -102,6 +111,29 @@ class InlinePlan(PreparedCall):
         return x.flags.c_contiguous
 
     def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        fused = self.fused
+        if fused is None:
+            self.runs += 1
+            if self.runs == FUSE_AFTER:
+                self._fuse()
+            return self._run(x, out)
+        # The compiled call (``_fuse``): the caller's checks here, the header, the exchange,
+        # the comparison and the reduction there. Inline: this is the path of every repeat.
+        name, twins = self.threads.caller()
+        if name != self.fused_caller or twins is not None or not (
+                out is None or out.flags.c_contiguous):
+            return self._run_fused_caller(fused, x, out)
+        result = np.empty(self.shape, self.dtype) if out is None else out
+        stats, volume = self.stats, self.volume
+        stats.bytes_sent += volume
+        stats.bytes_received += volume
+        code = fused(x if x.ndim == 1 else x.reshape(-1),
+                     result if result.ndim == 1 else result.reshape(-1))
+        if code:
+            return self._fused_failed(fused, code, x, out, result)
+        return result
+
+    def _run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         self.exchange(x)
         if out is None and self.pair_new is not None:
             first, second = self.pair_new
@@ -114,6 +146,60 @@ class InlinePlan(PreparedCall):
             else:
                 _reduce_rows(self.rows, result, self.op)
         return result
+
+    def _fuse(self) -> None:
+        """Ask the exchange for this call as one compiled call (``Exchange.fused_allreduce``);
+        where it has none, or it fails to build (then for no call of the process: said once
+        in the log), the Python path stays."""
+        global _fuse_failed
+        if self.chunked or not self.nbytes or _fuse_failed:
+            return
+        try:
+            self.fused = self.send.fused_allreduce(self.message, self.header, self.dtype,
+                                                   self.op.value)
+            self.fused_caller = self.spec.caller
+        except Exception as err:  # the Python path gives the same bits
+            _fuse_failed = True
+            _LOG.warning("small allreduces run without their compiled call in this process "
+                         "(%s: %s)", type(err).__name__, err)
+
+    def _run_fused_caller(self, fused: Any, x: np.ndarray,
+                          out: np.ndarray | None) -> np.ndarray:
+        """A repeat the compiled call cannot take as it is: the Python path runs it (a
+        strided ``out``; another caller, whose header the compiled call sends from then on;
+        or the error of a thread whose name another live thread bears)."""
+        # Until that call has passed the compiled call holds no known header: a call that
+        # raised must not leave it another caller's, which a later call would send.
+        self.fused_caller = None
+        result = self._run(x, out)
+        fused.set_header(self.header)
+        self.fused_caller = self.spec.caller
+        return result
+
+    def _fused_failed(self, fused: Any, code: int, x: np.ndarray, out: np.ndarray | None,
+                      result: np.ndarray) -> np.ndarray:
+        """After a compiled call that did not reduce: another rank's header differed (the
+        error on every rank, or a difference the call allows, then the reduction), or its
+        requests were freed (nothing was sent: the Python path runs the call, and compiles
+        it again after as many repeats)."""
+        if code != DIFFER:
+            self.stats.bytes_sent -= self.volume
+            self.stats.bytes_received -= self.volume
+            self.fused, self.runs = None, 0
+            return self._run(x, out)
+        self.agreement.verify(self.spec, np.ascontiguousarray(
+            self.buffers.recv[:, :HEADER_BYTES]).view(np.int64), self.message)
+        fused.reduce(result if result.ndim == 1 else result.reshape(-1))
+        return result
+
+
+#: Repeats of a plan before its exchange and reduction are asked for as one compiled call
+#: (``InlinePlan._fuse``): a training loop's, not a script's few calls, which would pay for
+#: loading the compiled code without gaining from it.
+FUSE_AFTER = 64
+#: What a compiled call returns where a rank's header differs from this rank's.
+DIFFER = 2
+_fuse_failed = False  # a compiled call failed to build: none is asked for again
 
 
 def _reduce_rows(rows: np.ndarray, result: Array, op: ReduceOp) -> None:

@@ -50,21 +50,30 @@ class AllreducePlan:
 class PlanCache:
     """Checked plans of dense host allreduces, for their repeats."""
 
-    __slots__ = ("_plans",)
+    __slots__ = ("_last", "_plans")
 
     def __init__(self) -> None:
         self._plans: dict[tuple[Any, ...], AllreducePlan] = {}
+        # The last plan found, with its key's parts: a loop repeating one call finds it by
+        # identity of dtype and op and equality of shape, without hashing a key.
+        self._last: tuple[Any, Any, Any, AllreducePlan] | None = None
 
     def get(self, x: Array, out: Array, op: Any) -> AllreducePlan | None:
         """The plan of a dense allreduce seen before that this call can reuse, or None."""
         if type(x) is not np.ndarray:  # device arrays: their device is checked every call
             return None
-        try:
-            plan = self._plans.get((x.dtype, x.shape, op))
-        except TypeError:  # an unhashable op: the full check will say so
-            return None
-        if plan is None:
-            return None
+        last = self._last
+        plan: AllreducePlan | None
+        if last is not None and x.dtype is last[0] and op is last[2] and x.shape == last[1]:
+            plan = last[3]
+        else:
+            try:
+                plan = self._plans.get((x.dtype, x.shape, op))
+            except TypeError:  # an unhashable op: the full check will say so
+                return None
+            if plan is None:
+                return None
+            self._last = (x.dtype, x.shape, op, plan)
         repeat = plan.repeat
         if repeat is not None and not repeat.accepts(x, out):
             return None
@@ -81,6 +90,7 @@ class PlanCache:
         ``t``; ``flat``: the call surely runs the flat ring (never the two-level allreduce)."""
         if type(x) is not np.ndarray:
             return
+        self._last = None
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
         if InlinePlan.applies(agreement, x):
@@ -95,3 +105,4 @@ class PlanCache:
     def clear(self) -> None:
         """Forget every plan (settings that plans carry have changed)."""
         self._plans.clear()
+        self._last = None

@@ -136,6 +136,9 @@ class Communicator:
                                           segment_bytes=ring.DEFAULT_SEGMENT_BYTES)
         self._allreduce = Allreduce(transport, self._agreement, self._two_level)
         self._plans = self._allreduce.plans
+        # A failed transport (a timeout) refuses every call: the repeats' fast path, which
+        # skips _ensure_open, finds no plan and takes the checked path, which refuses.
+        transport.on_failure(self._plans.clear)
         self._route = self._allreduce.route
         self.segment_bytes = ring.DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
 
@@ -320,7 +323,9 @@ class Communicator:
                 ranks (raised on every rank).
             RuntimeError: the communicator is closed.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: on a call of a few microseconds its lookups show
+        try:
             self._transport.operation = "allreduce"
             if compression is None and feedback is None and algorithm is None:
                 prepared = self._plans.get(x, out, op)
@@ -339,6 +344,8 @@ class Communicator:
             plan = self._allreduce.plan(x, out, op, compression, feedback, name, algorithm)
             self.stats.calls += 1
             return self._execute(plan, x, out)
+        finally:
+            lock.release()
 
     @_serialized
     def start_allreduce(self, x: Array, *, op: str | ReduceOp = "sum",

@@ -32,7 +32,7 @@ from ringcomm.core.types import (
 )
 
 __all__ = ["MAX_INLINE_BYTES", "MAX_SEGMENT_BYTES", "Settings", "agree_at_start",
-           "agree_byte_limit", "check_bytes", "read"]
+           "agree_byte_limit", "agree_env", "check_bytes", "read"]
 
 #: The largest inline slot: each rank keeps that much room for each other rank's message (and
 #: where the exchange is a fixed-size allgather, the slot travels with every collective).
@@ -211,15 +211,34 @@ def agree_byte_limit(t: Transport, name: str, default: int) -> int:
         ArgumentMismatchError: the variable differs between ranks (on every rank).
         InvalidArgumentError: the variable is not a byte count (on every rank).
     """
-    try:
-        mine = env_bytes(name)
-        if mine is None:
-            mine = default
-        problem = None
-    except ValueError as err:
-        mine, problem = 0, err
-    agree_at_start(t, {name: mine}, problem)
-    return mine
+    return agree_env(t, {name: default})[name]
+
+
+def agree_env(t: Transport, limits: dict[str, int],
+              flags: dict[str, bool] | None = None) -> dict[str, Any]:
+    """A transport's settings from the environment, checked to be the same on every rank in
+    one exchange (collective over ``t``): each byte limit of ``limits`` and each yes/no
+    variable of ``flags``, their defaults where unset.
+
+    Raises:
+        ArgumentMismatchError: a variable differs between ranks (on every rank).
+        InvalidArgumentError: a variable is not a byte count, or not yes/no (on every rank).
+    """
+    values: dict[str, Any] = {}
+    problem = None
+    for name, default in limits.items():
+        try:
+            found = env_bytes(name)
+            values[name] = default if found is None else found
+        except ValueError as err:
+            values[name], problem = 0, problem or err
+    for name, default_flag in (flags or {}).items():
+        try:
+            values[name] = env_flag(name, default_flag)
+        except ValueError as err:
+            values[name], problem = default_flag, problem or err
+    agree_at_start(t, values, problem)
+    return values
 
 
 def _raise_problems(problems: list[tuple[str, str] | None]) -> None:

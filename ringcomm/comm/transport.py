@@ -130,6 +130,10 @@ class WholeExchange:
     def drain(self, lengths: list[int]) -> None:
         """Nothing: messages travel whole."""
 
+    def fused_allreduce(self, nbytes: int, header: bytes, dtype: np.dtype, op: str) -> None:
+        """None: no compiled call (the Python path runs every call)."""
+        return None
+
 
 class FixedExchange(WholeExchange):
     """The agreement's exchange as one prepared fixed-size allgather (``sized`` False): every
@@ -202,10 +206,27 @@ class TransportBase:
     #: Allgather equal-sized host byte buffers: every backend implements it.
     allgather_fixed: Callable[[np.ndarray, np.ndarray], None]
 
+    _failure: Exception | None = None
+    _on_failure: tuple[Callable[[], None], ...] = ()
+
     @property
     def failure(self) -> Exception | None:
         """The error that aborted this transport, after which it refuses every call; None."""
-        return None
+        return self._failure
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when this transport fails (``fail``): a communicator drops what
+        it prepared, so that its next call sees the failure and refuses."""
+        self._on_failure = (*self._on_failure, callback)
+
+    def fail(self, error: Exception) -> None:
+        """Mark this transport failed with ``error`` (a wait that timed out left its requests
+        posted, and they would match a later call's messages): every later call is refused.
+        The first error is kept."""
+        if self._failure is None:
+            self._failure = error
+        for callback in self._on_failure:
+            callback()
 
     @property
     def device_id(self) -> int | None:

@@ -263,6 +263,14 @@ class Exchange(Protocol):
     def moved(self, nbytes: int) -> int:
         """Bytes one call with ``nbytes`` sends (and receives) on this rank."""
 
+    def fused_allreduce(self, nbytes: int, header: bytes, dtype: np.dtype, op: str) -> Any:
+        """The exchange of a message of ``nbytes`` (``header``, then a 1-d array of
+        ``dtype``) and the reduction by ``op`` of every rank's array, in rank order, as one
+        compiled call, or None where the exchange has none for it. Called with the array and
+        a 1-d result, it returns 0 (reduced, with the bits of ``ufunc.reduce`` over the rows)
+        or 2 (a rank's header differs: nothing reduced; its ``reduce(out)`` reduces once the
+        caller has found the difference allowed); its ``set_header`` changes the header."""
+
 
 class Transport(Protocol):
     """What the algorithms (ring, compressed rings, agreement) need from a backend.
@@ -320,6 +328,9 @@ class Transport(Protocol):
     @property
     def failure(self) -> Exception | None:
         """The error that aborted the transport, or None (read-only)."""
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the transport fails (after which it refuses every call)."""
 
     @property
     def default_inline_bytes(self) -> int:

@@ -303,3 +303,35 @@ def test_an_invalid_setting_on_one_rank_meeting_another_call(comm):
             comm.allreduce(np.ones(10, np.float32))
     assert comm.topology == "auto"
     usable(comm)
+
+
+@pytest.mark.parametrize("repeats", [3, 70])
+def test_a_timed_out_communicator_refuses_every_later_call(world, repeats):
+    """After a wait timed out (``abort_on_timeout=False``) the requests it left posted would
+    match a later call's messages: the communicator refuses every later call on that rank,
+    repeats of calls it prepared too (small ones inlined, compiled after 64 repeats or not,
+    medium ones through MPI's persistent allreduce), instead of mixing data."""
+    import time
+
+    from ringcomm.backends.mpi import MPICommunicator
+    if world.Get_size() != 2:
+        pytest.skip("two ranks: one waits, the other does not come")
+    c = MPICommunicator(world, abort_on_timeout=False, timeout=1)
+    small, medium = np.ones(4, np.float32), np.ones(200_000, np.float32)
+    try:
+        for _ in range(repeats):
+            c.allreduce(small)
+            c.allreduce(medium)
+        if c.rank == 0:
+            with pytest.raises(ringcomm.CollectiveTimeoutError):
+                c.allreduce(small)
+            for call in (lambda: c.allreduce(small), lambda: c.allreduce(medium),
+                         lambda: c.allreduce(np.ones(3)), c.barrier,
+                         lambda: c.allgather(small)):
+                with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
+                    call()
+        else:
+            time.sleep(1.5)
+        world.Barrier()
+    finally:
+        c.close()
