@@ -2,10 +2,13 @@
 
 MPI's functions are declared by name (``ExternalFunction``) and bound to the addresses of the
 library mpi4py loaded (``bind``, before the first call), so the compiled code is cached on
-disk like ringcomm's other kernels and never holds an address of another process. The control
-array's layout (``ctrl``, int64 words) is mpi_fused's: the header (12 words), the number of
-requests, MPI's completion flag, its last error code, where the statuses start, then the
-request handles and the statuses.
+disk like ringcomm's other kernels and never holds an address of another process.
+
+The control array (``ctrl``, int64 words; mpi_fused builds it): the header (12 words); the
+number of requests of the first chunks (every peer's receive, this rank's sends; 0 once they
+were freed), of the later chunks' receives and of their sends; the bytes of one request handle;
+MPI's completion flag; its last error code; the word where the statuses start; then the
+handles, in that order (first chunks, later receives, later sends), and the statuses.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import numba
 import numpy as np
 from numba import types
 
-__all__ = ["bind", "finish", "run"]
+__all__ = ["after_first", "bind", "reduce", "run"]
 
 _HEADER_WORDS = 12
-_NREQ, _FLAG, _IERR, _STATUSES, _HANDLES = 12, 13, 14, 15, 16
-_PENDING, _DIFFER, _ERROR, _STALE = 1, 2, 3, 4
+_NFIRST, _NRECVS, _NSENDS, _HANDLE, _FLAG, _IERR, _STATUSES = range(12, 19)
+_HANDLES = 20
+_PENDING_FIRST, _DIFFER, _ERROR, _STALE, _PENDING_REST = 1, 2, 3, 4, 5
 
 _startall = types.ExternalFunction(
     "MPI_Startall", types.int32(types.int32, types.voidptr))
@@ -41,12 +45,42 @@ def bind(lib: ctypes.CDLL) -> None:
 
 
 @numba.njit(**_OPTIONS)
+def _start(ctrl, begin, count):
+    """MPI_Startall on ``count`` requests from handle ``begin``; MPI's error code."""
+    handles = ctrl[_HANDLES:].view(np.uint8)[begin * ctrl[_HANDLE]:]
+    ierr = _startall(count, handles.ctypes)
+    if ierr != 0:
+        ctrl[_IERR] = ierr
+    return ierr
+
+
+@numba.njit(**_OPTIONS)
+def _poll(ctrl, begin, count, polls):
+    """MPI_Testall on ``count`` requests from handle ``begin``, up to ``polls`` times: 0 (all
+    complete), 1 (not yet) or 3 (MPI's error, in ctrl)."""
+    handles = ctrl[_HANDLES:].view(np.uint8)[begin * ctrl[_HANDLE]:]
+    flag = ctrl[_FLAG:_FLAG + 1].view(np.int32)
+    statuses = ctrl[ctrl[_STATUSES]:]
+    for _ in range(polls):
+        ierr = _testall(count, handles.ctypes, flag.ctypes, statuses.ctypes)
+        if ierr != 0:
+            ctrl[_IERR] = ierr
+            return _ERROR
+        if flag[0]:
+            return 0
+    return 1
+
+
+@numba.njit(**_OPTIONS)
 def run(x, rows, ctrl, out, rank, polls, op):
-    """Write the header and ``x`` into this rank's row, start the exchange, poll it up to
-    ``polls`` times, then (``finish``) compare and reduce. Returns 0 (done), 1 (still on the
-    way: wait, then ``finish``), 2 (headers differ), 3 (MPI error, in ctrl) or 4 (stale)."""
-    nreq = ctrl[_NREQ]
-    if nreq == 0:
+    """Write the header and ``x`` into this rank's row, start the exchange (the first chunks,
+    and this rank's later chunks' sends), poll the first chunks up to ``polls`` times, then
+    (``after_first``) compare and reduce. Returns 0 (done), 1 (the first chunks still on the
+    way: wait for them, then ``after_first``), 2 (headers differ), 3 (MPI's error, in ctrl),
+    4 (the requests were freed: nothing sent) or 5 (the later chunks still on the way: wait
+    for them, then ``reduce``)."""
+    nfirst = ctrl[_NFIRST]
+    if nfirst == 0:
         return _STALE
     own = rows[rank].view(np.int64)
     for i in range(_HEADER_WORDS):
@@ -55,35 +89,43 @@ def run(x, rows, ctrl, out, rank, polls, op):
     mine = rows[rank][skip:skip + x.shape[0]]
     for i in range(x.shape[0]):
         mine[i] = x[i]
-    handles = ctrl[_HANDLES:].ctypes
-    ierr = _startall(nreq, handles)
-    if ierr != 0:
-        ctrl[_IERR] = ierr
+    if _start(ctrl, 0, nfirst) != 0:
         return _ERROR
-    flag = ctrl[_FLAG:_FLAG + 1].view(np.int32)
-    statuses = ctrl[ctrl[_STATUSES]:].ctypes
-    for _ in range(polls):
-        ierr = _testall(nreq, handles, flag.ctypes, statuses)
-        if ierr != 0:
-            ctrl[_IERR] = ierr
-            return _ERROR
-        if flag[0]:
-            return finish(rows, ctrl, out, True, op)
-    return _PENDING
+    nsends = ctrl[_NSENDS]
+    if nsends and _start(ctrl, nfirst + ctrl[_NRECVS], nsends) != 0:
+        return _ERROR
+    code = _poll(ctrl, 0, nfirst, polls)
+    if code != 0:
+        return _PENDING_FIRST if code == 1 else code
+    return after_first(rows, ctrl, out, polls, op)
 
 
 @numba.njit(**_OPTIONS)
-def finish(rows, ctrl, out, check, op):
-    """Compare every rank's header with this call's (where ``check``), then reduce the rows
-    into ``out`` in rank order: each element is ((row 0 op row 1) op row 2) ..., the order of
-    ``ufunc.reduce`` over axis 0. Returns 0 or 2."""
+def after_first(rows, ctrl, out, polls, op):
+    """Every rank's first chunk is in: compare every header with this call's, receive the
+    later chunks (polled up to ``polls`` times), reduce. Returns 0, 2, 3 or 5 (as ``run``)."""
+    for r in range(rows.shape[0]):
+        head = rows[r].view(np.int64)
+        for i in range(_HEADER_WORDS):
+            if head[i] != ctrl[i]:
+                return _DIFFER
+    nrecvs = ctrl[_NRECVS]
+    if nrecvs:
+        nfirst = ctrl[_NFIRST]
+        if _start(ctrl, nfirst, nrecvs) != 0:
+            return _ERROR
+        code = _poll(ctrl, nfirst, nrecvs + ctrl[_NSENDS], polls)
+        if code != 0:
+            return _PENDING_REST if code == 1 else code
+    reduce(rows, out, op)
+    return 0
+
+
+@numba.njit(**_OPTIONS)
+def reduce(rows, out, op):
+    """Reduce every rank's array into ``out`` in rank order: each element is ((row 0 op row 1)
+    op row 2) ..., the order of ``ufunc.reduce`` over axis 0; avg then divides by the ranks."""
     size = rows.shape[0]
-    if check:
-        for r in range(size):
-            head = rows[r].view(np.int64)
-            for i in range(_HEADER_WORDS):
-                if head[i] != ctrl[i]:
-                    return _DIFFER
     skip = _HEADER_WORDS * 8 // rows.itemsize
     n = out.shape[0]
     first = rows[0][skip:skip + n]
@@ -108,4 +150,3 @@ def finish(rows, ctrl, out, check, op):
         divisor[0] = size
         for i in range(n):
             out[i] = out[i] / divisor[0]
-    return 0

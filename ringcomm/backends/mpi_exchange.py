@@ -33,6 +33,7 @@ none is left to match a later exchange.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -185,18 +186,17 @@ class SizedExchange:
         """The exchange of ``nbytes`` (the header, then an array of ``dtype``) with the
         reduction of the arrays by ``op``, as one compiled call
         (:class:`~ringcomm.backends.mpi_fused.FusedAllreduce`), or None where that call
-        would not give the same bits or the message travels in chunks."""
+        would not give the Python path's bits."""
         if not (self._fused and self._peers):
             return None
         from ringcomm.backends import mpi_fused  # Numba, only for a repeated small call
-        if (nbytes > EAGER_BYTES or nbytes <= len(header) or self.recv.shape[1] % 8
+        if (nbytes <= len(header) or self.recv.shape[1] % 8
                 or not mpi_fused.supports(dtype, op)):
             return None
         prepared = self._requests.get(nbytes) or self._prepare(nbytes)
-        if prepared.recvs or prepared.sends:
-            return None
-        fused = mpi_fused.FusedAllreduce(prepared.first, self.recv, self._rank, header, dtype,
-                                         op, self._polls_count, self._wait_all)
+        fused = mpi_fused.FusedAllreduce(
+            prepared.first, prepared.recvs, prepared.sends, functools.partial(self.rest, nbytes),
+            self.recv, self._rank, header, dtype, op, self._polls_count, self._wait_all)
         prepared.fused.append(fused)
         return fused
 

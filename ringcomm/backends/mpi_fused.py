@@ -6,13 +6,14 @@ exchange every rank's message, compare the headers, reduce the rows in rank orde
 that is a dozen calls of a few hundred nanoseconds each around the messages' own 2-3 us. Here
 it is one Numba function that starts the exchange's persistent MPI requests and polls them
 through MPI's C functions (``MPI_Startall``, ``MPI_Testall``, bound by name from the library
-mpi4py loaded), compares every rank's header with this rank's and reduces: at 2 ranks, an
-8-byte call after a barrier in 1.2-1.4x MPI_Allreduce's time instead of 2x
+mpi4py loaded), compares every rank's header with this rank's and reduces
 (bench/results/fused_small.md).
 
-Only what reproduces the Python path's bits: one-chunk messages (``EAGER_BYTES``), dtypes
-whose arithmetic Numba does as NumPy does (float32 and float64 by sum, prod and avg; int32
-and int64 by sum, prod, min and max, wrapping alike), rows added in rank order as
+A message past MPICH's eager limit travels in chunks as on the Python path
+(:mod:`ringcomm.backends.mpi_exchange`): the later chunks' receives start once every header
+is found equal to this rank's. Only what reproduces the Python path's bits is compiled: dtypes
+whose arithmetic Numba does as NumPy does (float32 and float64 by sum, prod and avg; int32 and
+int64 by sum, prod, min and max, wrapping alike), every element reduced in rank order as
 ``ufunc.reduce`` does. Everything else keeps the Python path, which is also where every error
 is raised: headers that differ are handed back (``verify`` then raises on every rank), and an
 exchange still on the way after the polls is completed by the transport's timed wait.
@@ -33,15 +34,14 @@ __all__ = ["DIFFER", "DONE", "STALE", "FusedAllreduce", "supports"]
 #: What a call returns: reduced; the headers differ (nothing reduced); the requests were
 #: freed (nothing sent).
 DONE, DIFFER, STALE = 0, 2, 4
-_PENDING, _ERROR = 1, 3
+_PENDING_FIRST, _ERROR, _PENDING_REST = 1, 3, 5
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _FLOAT_OPS = ("sum", "prod", "avg")
 _INT_OPS = ("sum", "prod", "min", "max")
-#: The control array (int64 words): the header, then these slots, then the request handles
-#: and MPI's statuses.
+# The control array's layout (see _mpi_fused_jit).
 _HEADER_WORDS = 12
-_NREQ, _FLAG, _IERR, _STATUSES = (_HEADER_WORDS + i for i in range(4))
-_HANDLES = _HEADER_WORDS + 4
+_NFIRST, _NRECVS, _NSENDS, _HANDLE, _FLAG, _IERR, _STATUSES = range(12, 19)
+_HANDLES = 20
 
 
 def supports(dtype: np.dtype, op: str) -> bool:
@@ -57,32 +57,39 @@ class FusedAllreduce:
     """One prepared length's exchange, with the reduction of its inlined arrays, compiled.
 
     Args:
-        requests: the exchange's persistent requests of this length (every peer's receive
-            and this rank's sends; one chunk each).
+        first: the persistent requests of every message's first chunk (every peer's receive,
+            then this rank's sends), which carries the header.
+        recvs, sends: those of the later chunks (none where the message travels whole); the
+            receives are started once every header is found equal to this rank's.
+        rest: receives the later chunks from Python (the exchange's ``rest`` of this length),
+            after headers that differ only where the call allows.
         recv: the exchange's buffer (ranks x row bytes; this rank's row is what it sends).
         rank: this rank's row.
-        header: this call's header (``header_bytes`` long), written before the array.
+        header: this call's header (96 bytes), written before the array.
         dtype, op: the inlined array's dtype, and the reduction.
         polls: how many times to test the requests before handing them to ``wait_all``.
         wait_all: the transport's timed wait (``MPITransport.wait_all``).
     """
 
-    __slots__ = ("_finish", "_polls", "_rank", "_run", "_wait_all", "ctrl", "op", "requests",
-                 "rows")
+    __slots__ = ("_after_first", "_first", "_later", "_polls", "_rank", "_reduce", "_rest",
+                 "_run", "_wait_all", "ctrl", "op", "rows")
 
-    def __init__(self, requests: list[Any], recv: np.ndarray, rank: int, header: bytes,
+    def __init__(self, first: list[Any], recvs: list[Any], sends: list[Any],
+                 rest: Callable[[], None], recv: np.ndarray, rank: int, header: bytes,
                  dtype: np.dtype, op: str, polls: int,
                  wait_all: Callable[[list[Any], int | None, str], None]) -> None:
         MPI = import_mpi()
         handle = MPI._sizeof(MPI.Request)
         status = MPI._sizeof(MPI.Status)
-        if len(header) != 8 * _HEADER_WORDS or recv.shape[1] % dtype.itemsize:
-            raise ValueError("the exchange's rows do not hold whole elements after the header")
-        self._run, self._finish = _kernels()
-        self.requests, self._wait_all = requests, wait_all
+        if len(header) != 8 * _HEADER_WORDS or recv.shape[1] % 8:
+            raise ValueError("the exchange's rows do not hold whole words after the header")
+        self._run, self._after_first, self._reduce = _kernels()
+        self._first, self._later, self._rest = first, recvs + sends, rest
+        self._wait_all = wait_all
         self._rank, self._polls, self.op = rank, max(polls, 1), _OPS[op]
         # Every rank's row as the array's dtype: the header, then the inlined array.
         self.rows = recv.view(dtype)
+        requests = first + recvs + sends
         statuses = _HANDLES + (len(requests) * handle + 7) // 8
         self.ctrl = np.zeros(statuses + (len(requests) * status + 7) // 8, np.int64)
         self.ctrl[:_HEADER_WORDS] = np.frombuffer(header, np.int64)
@@ -90,17 +97,20 @@ class FusedAllreduce:
         for i, req in enumerate(requests):  # the C handles, as MPI holds them
             handles[i * handle:(i + 1) * handle] = np.frombuffer(
                 ctypes.string_at(MPI._addressof(req), handle), np.uint8)
-        self.ctrl[_NREQ], self.ctrl[_STATUSES] = len(requests), statuses
+        self.ctrl[[_NFIRST, _NRECVS, _NSENDS, _HANDLE, _STATUSES]] = (
+            len(first), len(recvs), len(sends), handle, statuses)
         self._compile(dtype)
 
     def _compile(self, dtype: np.dtype) -> None:
-        """Compile (or load from Numba's cache) both entry points for ``dtype`` before the
+        """Compile (or load from Numba's cache) every entry point for ``dtype`` before the
         first call, which then sends nothing if this fails: the call with no requests returns
-        at once, the finish reduces the rows into a scratch element."""
+        at once, the reduction goes into a scratch element."""
         scratch, idle = np.zeros(1, dtype), self.ctrl.copy()
-        idle[_NREQ] = 0
+        idle[_NFIRST] = 0
         self._run(scratch, self.rows, idle, scratch, self._rank, 1, self.op)
-        self._finish(self.rows, idle, scratch, False, self.op)
+        idle[:_HEADER_WORDS] = 1 + self.rows[0].view(np.int64)[:_HEADER_WORDS]  # differs
+        self._after_first(self.rows, idle, scratch, 1, self.op)
+        self._reduce(self.rows, scratch, self.op)
 
     def set_header(self, header: bytes) -> None:
         """Send ``header`` from now on (the caller's name changed)."""
@@ -108,7 +118,7 @@ class FusedAllreduce:
 
     def forget(self) -> None:
         """The requests were freed: every later call returns STALE, sending nothing."""
-        self.ctrl[_NREQ] = 0
+        self.ctrl[_NFIRST] = 0
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> int:
         """Exchange 1-d ``x`` with every rank and reduce into 1-d ``out``: DONE; DIFFER
@@ -121,29 +131,34 @@ class FusedAllreduce:
             mpi4py.MPI.Exception: MPI refused to start or test the requests.
         """
         code = self._run(x, self.rows, self.ctrl, out, self._rank, self._polls, self.op)
-        if code == _PENDING:
-            self._wait_all(self.requests, None, "agreement exchange")
-            code = self._finish(self.rows, self.ctrl, out, True, self.op)
-        elif code == _ERROR:
+        if code == _PENDING_FIRST:
+            self._wait_all(self._first, None, "agreement exchange")
+            code = self._after_first(self.rows, self.ctrl, out, self._polls, self.op)
+        if code == _PENDING_REST:
+            self._wait_all(self._later, None, "agreement exchange")
+            self._reduce(self.rows, out, self.op)
+            return DONE
+        if code == _ERROR:
             raise import_mpi().Exception(int(self.ctrl[_IERR]))
         return code
 
     def reduce(self, out: np.ndarray) -> None:
-        """Reduce the rows received by the last call into ``out``, headers unlooked at (they
-        differed only where the call lets them)."""
-        self._finish(self.rows, self.ctrl, out, False, self.op)
+        """After a call that returned DIFFER, where the headers differ only as the call
+        allows: receive the later chunks, then reduce the rows into ``out``."""
+        self._rest()
+        self._reduce(self.rows, out, self.op)
 
 
+_COMPILED: tuple[Any, Any, Any] | None = None
 
-_COMPILED: tuple[Any, Any] | None = None
 
-
-def _kernels() -> tuple[Any, Any]:
-    """The compiled call and its finish, MPI's functions bound (once a process)."""
+def _kernels() -> tuple[Any, Any, Any]:
+    """The compiled call, its continuation and its reduction, MPI's functions bound (once a
+    process)."""
     global _COMPILED
     if _COMPILED is None:
         from ringcomm.backends import _mpi_fused_jit as jit
         MPI = import_mpi()
         jit.bind(ctypes.CDLL(MPI.__file__))
-        _COMPILED = jit.run, jit.finish
+        _COMPILED = jit.run, jit.after_first, jit.reduce
     return _COMPILED

@@ -152,7 +152,7 @@ class InlinePlan(PreparedCall):
         where it has none, or it fails to build (then for no call of the process: said once
         in the log), the Python path stays."""
         global _fuse_failed
-        if self.chunked or not self.nbytes or _fuse_failed:
+        if not self.nbytes or _fuse_failed:
             return
         try:
             self.fused = self.send.fused_allreduce(self.message, self.header, self.dtype,

@@ -76,7 +76,10 @@ def test_every_supported_dtype_and_op_gives_the_python_paths_bits(comm, world, r
     dt = np.dtype(dtype)
     ops = ["sum", "prod", "avg"] if dt.kind == "f" else ["sum", "prod", "min", "max"]
     for op in ops:
-        for shape in [(1,), (5,), (), (3, 4), (1000 // dt.itemsize,)]:
+        # 1000 bytes travel whole; 12 and 40 KB in chunks where ranks share a node (2-5 at 2
+        # ranks, 2 at 3 and 4; 40 KB whole from 3 ranks: MAX_CHUNKS).
+        for shape in [(1,), (5,), (), (3, 4), (1000 // dt.itemsize,),
+                      (12000 // dt.itemsize,), (40, 1000 // dt.itemsize)]:
             for step in range(6):
                 x = values(dt, shape, comm.rank, step, rng)
                 got = comm.allreduce(x, op=op)
@@ -105,6 +108,19 @@ def test_what_it_does_not_reduce_alike_stays_on_the_python_path(comm, world, rng
     assert fused_of(comm, x, op) is None
 
 
+def test_a_message_in_chunks_is_compiled_with_its_later_chunks(comm, world, rng):
+    """At 2 ranks sharing a node a 12 KB array's message goes in 2 chunks: the compiled call
+    starts the later chunk's send with the first, and its receive once the headers agree."""
+    if comm.size != 2 or comm.local_size != 2:
+        pytest.skip("two ranks on one node")
+    x = rng.standard_normal(3000).astype(np.float32)
+    for _ in range(5):
+        got = comm.allreduce(x)
+    fused = fused_of(comm, x)
+    assert fused is not None and len(fused._later) == 2  # the later chunk's receive and send
+    np.testing.assert_array_equal(got, expected(world, x, "sum"))
+
+
 def test_out_in_place_and_a_strided_out(comm, world, rng):
     x = rng.standard_normal(12).astype(np.float32)
     for _ in range(5):
@@ -131,16 +147,21 @@ def test_each_call_returns_its_own_array(comm, world):
         np.testing.assert_array_equal(r, np.full(4, float(n * i + n * (n - 1) // 2)))
 
 
-def test_a_rank_with_another_call_raises_everywhere_then_the_call_runs_again(comm, world):
+@pytest.mark.parametrize("n", [6, 3000])
+def test_a_rank_with_another_call_raises_everywhere_then_the_call_runs_again(comm, world, n):
+    """Another call on the last rank (another length, dtype, op or collective) meets the
+    compiled call on the others: the error on every rank, and nothing left behind (the 12 KB
+    call travels in chunks, whose later ones the others drain), then the call runs again."""
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    x = np.arange(6, dtype=np.float32)
+    x = np.arange(n, dtype=np.float32)
     for _ in range(5):
         comm.allreduce(x)
     assert fused_of(comm, x) is not None
     last = comm.rank == comm.size - 1
-    for other in (np.arange(7, dtype=np.float32), np.arange(6, dtype=np.float64),
-                  np.arange(6, dtype=np.int32), "max", "barrier"):
+    for other in (np.arange(n + 1, dtype=np.float32), np.arange(n, dtype=np.float64),
+                  np.arange(n, dtype=np.int32), np.arange(2 * n, dtype=np.float32), "max",
+                  "barrier"):
         with pytest.raises(ArgumentMismatchError):
             if not last:
                 comm.allreduce(x)
