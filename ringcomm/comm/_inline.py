@@ -3,10 +3,12 @@
 A dense array of at most ``comm.inline_bytes`` rides in the same exchange as the call's header
 (:mod:`ringcomm.comm.agree`): every rank receives every rank's array and reduces them in rank
 order, so all ranks compute the same bits, in one exchange. An :class:`InlinePlan` prepares a
-repeated call (every training step) so that it costs a copy in, the exchange and a reduction.
-A host allgather (equal shapes on every rank) of at most ``inline_bytes`` rides the same way
-(:func:`allgather_inline`), the consistency check on: one exchange instead of the header's and
-then the data's.
+repeated call (every training step) so that it costs a copy in, the exchange and a reduction;
+from its ``FUSE_AFTER``-th repeat, where the transport's exchange offers it
+(``Exchange.fused_allreduce``: MPI's), those run as one compiled call, the checks of the
+caller's thread staying here. A host allgather (equal shapes on every rank) of at most
+``inline_bytes`` rides the same way (:func:`allgather_inline`), the consistency check on: one
+exchange instead of the header's and then the data's.
 """
 
 from __future__ import annotations
