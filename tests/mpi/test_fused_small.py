@@ -139,6 +139,19 @@ def test_out_in_place_and_a_strided_out(comm, world, rng):
     assert not wide[1::2].any()
 
 
+def test_a_read_only_array_and_a_fortran_ordered_one(comm, world, rng):
+    """A read-only array (another type for Numba, compiled at its first call) and a 2-d array
+    in Fortran order (not C-contiguous: the Python path) give the same bits."""
+    x = rng.standard_normal(10).astype(np.float64)
+    x.flags.writeable = False
+    for _ in range(5):
+        np.testing.assert_array_equal(comm.allreduce(x), expected(world, x, "sum"))
+    assert comm.size == 1 or fused_of(comm, x) is not None
+    f = np.asfortranarray(rng.standard_normal((3, 4)))
+    for _ in range(5):
+        np.testing.assert_array_equal(comm.allreduce(f), expected(world, f, "sum"))
+
+
 def test_each_call_returns_its_own_array(comm, world):
     """Results are never a view of the exchange's buffers: a later call leaves them alone."""
     results = [comm.allreduce(np.full(4, float(i + comm.rank), np.float64)) for i in range(10)]
