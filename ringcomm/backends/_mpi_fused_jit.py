@@ -35,7 +35,18 @@ _testall = types.ExternalFunction(
 
 # As ringcomm's other kernels (ops/_cpu_jit.py): IEEE semantics, no fast-math, which keeps
 # every sum the bits NumPy gives. The GIL is kept: the polls are few.
-_OPTIONS: dict[str, Any] = {"cache": True, "error_model": "numpy", "fastmath": False}
+_OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": False}
+
+
+def _jit(fn: Any) -> Any:
+    """``fn`` compiled, its code cached on disk (next to this file, else Numba's user-wide
+    directory; in memory only where neither is writable, as ops/_cpu_jit.py does)."""
+    try:
+        return numba.njit(cache=True, **_OPTIONS)(fn)
+    except RuntimeError as exc:
+        if "cannot cache" not in str(exc):
+            raise
+        return numba.njit(cache=False, **_OPTIONS)(fn)
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -44,7 +55,7 @@ def bind(lib: ctypes.CDLL) -> None:
         llvm.add_symbol(name, ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
 
 
-@numba.njit(**_OPTIONS)
+@_jit
 def _start(ctrl, begin, count):
     """MPI_Startall on ``count`` requests from handle ``begin``; MPI's error code."""
     handles = ctrl[_HANDLES:].view(np.uint8)[begin * ctrl[_HANDLE]:]
@@ -54,7 +65,7 @@ def _start(ctrl, begin, count):
     return ierr
 
 
-@numba.njit(**_OPTIONS)
+@_jit
 def _poll(ctrl, begin, count, polls):
     """MPI_Testall on ``count`` requests from handle ``begin``, up to ``polls`` times: 0 (all
     complete), 1 (not yet) or 3 (MPI's error, in ctrl)."""
@@ -71,7 +82,7 @@ def _poll(ctrl, begin, count, polls):
     return 1
 
 
-@numba.njit(**_OPTIONS)
+@_jit
 def run(x, rows, ctrl, out, rank, polls, op):
     """Write the header and ``x`` into this rank's row, start the exchange (the first chunks,
     and this rank's later chunks' sends), poll the first chunks up to ``polls`` times, then
@@ -100,7 +111,7 @@ def run(x, rows, ctrl, out, rank, polls, op):
     return after_first(rows, ctrl, out, polls, op)
 
 
-@numba.njit(**_OPTIONS)
+@_jit
 def after_first(rows, ctrl, out, polls, op):
     """Every rank's first chunk is in: compare every header with this call's, receive the
     later chunks (polled up to ``polls`` times), reduce. Returns 0, 2, 3 or 5 (as ``run``)."""
@@ -121,7 +132,7 @@ def after_first(rows, ctrl, out, polls, op):
     return 0
 
 
-@numba.njit(**_OPTIONS)
+@_jit
 def reduce(rows, out, op):
     """Reduce every rank's array into ``out`` in rank order: each element is ((row 0 op row 1)
     op row 2) ..., the order of ``ufunc.reduce`` over axis 0; avg then divides by the ranks."""
