@@ -21,12 +21,20 @@ import numba
 import numpy as np
 from numba import types
 
-__all__ = ["after_first", "bind", "reduce", "run"]
+__all__ = ["DIFFER", "DONE", "ERROR", "FLAG", "HANDLE", "HANDLES", "HEADER_WORDS", "IERR",
+           "NFIRST", "NRECVS", "NSENDS", "PENDING_FIRST", "PENDING_REST", "STALE", "STATUSES",
+           "after_first", "bind", "reduce", "run"]
 
-_HEADER_WORDS = 12
-_NFIRST, _NRECVS, _NSENDS, _HANDLE, _FLAG, _IERR, _STATUSES = range(12, 19)
-_HANDLES = 20
-_PENDING_FIRST, _DIFFER, _ERROR, _STALE, _PENDING_REST = 1, 2, 3, 4, 5
+# Defined here, with the functions that read them, and imported by mpi_fused: Numba's cache of
+# these functions is renewed when this file changes, not when another one does.
+#: The control array's words: the header, the counts of requests (first chunks, later
+#: receives, later sends), a handle's bytes, MPI's flag and error code, where the statuses
+#: start; the handles from word HANDLES.
+HEADER_WORDS = 12
+NFIRST, NRECVS, NSENDS, HANDLE, FLAG, IERR, STATUSES = range(12, 19)
+HANDLES = 20
+#: What the functions return (see ``run``).
+DONE, PENDING_FIRST, DIFFER, ERROR, STALE, PENDING_REST = range(6)
 
 _startall = types.ExternalFunction(
     "MPI_Startall", types.int32(types.int32, types.voidptr))
@@ -58,10 +66,10 @@ def bind(lib: ctypes.CDLL) -> None:
 @_jit
 def _start(ctrl, begin, count):
     """MPI_Startall on ``count`` requests from handle ``begin``; MPI's error code."""
-    handles = ctrl[_HANDLES:].view(np.uint8)[begin * ctrl[_HANDLE]:]
+    handles = ctrl[HANDLES:].view(np.uint8)[begin * ctrl[HANDLE]:]
     ierr = _startall(count, handles.ctypes)
     if ierr != 0:
-        ctrl[_IERR] = ierr
+        ctrl[IERR] = ierr
     return ierr
 
 
@@ -69,14 +77,14 @@ def _start(ctrl, begin, count):
 def _poll(ctrl, begin, count, polls):
     """MPI_Testall on ``count`` requests from handle ``begin``, up to ``polls`` times: 0 (all
     complete), 1 (not yet) or 3 (MPI's error, in ctrl)."""
-    handles = ctrl[_HANDLES:].view(np.uint8)[begin * ctrl[_HANDLE]:]
-    flag = ctrl[_FLAG:_FLAG + 1].view(np.int32)
-    statuses = ctrl[ctrl[_STATUSES]:]
+    handles = ctrl[HANDLES:].view(np.uint8)[begin * ctrl[HANDLE]:]
+    flag = ctrl[FLAG:FLAG + 1].view(np.int32)
+    statuses = ctrl[ctrl[STATUSES]:]
     for _ in range(polls):
         ierr = _testall(count, handles.ctypes, flag.ctypes, statuses.ctypes)
         if ierr != 0:
-            ctrl[_IERR] = ierr
-            return _ERROR
+            ctrl[IERR] = ierr
+            return ERROR
         if flag[0]:
             return 0
     return 1
@@ -90,24 +98,24 @@ def run(x, rows, ctrl, out, rank, polls, op):
     way: wait for them, then ``after_first``), 2 (headers differ), 3 (MPI's error, in ctrl),
     4 (the requests were freed: nothing sent) or 5 (the later chunks still on the way: wait
     for them, then ``reduce``)."""
-    nfirst = ctrl[_NFIRST]
+    nfirst = ctrl[NFIRST]
     if nfirst == 0:
-        return _STALE
+        return STALE
     own = rows[rank].view(np.int64)
-    for i in range(_HEADER_WORDS):
+    for i in range(HEADER_WORDS):
         own[i] = ctrl[i]
-    skip = _HEADER_WORDS * 8 // rows.itemsize
+    skip = HEADER_WORDS * 8 // rows.itemsize
     mine = rows[rank][skip:skip + x.shape[0]]
     for i in range(x.shape[0]):
         mine[i] = x[i]
     if _start(ctrl, 0, nfirst) != 0:
-        return _ERROR
-    nsends = ctrl[_NSENDS]
-    if nsends and _start(ctrl, nfirst + ctrl[_NRECVS], nsends) != 0:
-        return _ERROR
+        return ERROR
+    nsends = ctrl[NSENDS]
+    if nsends and _start(ctrl, nfirst + ctrl[NRECVS], nsends) != 0:
+        return ERROR
     code = _poll(ctrl, 0, nfirst, polls)
     if code != 0:
-        return _PENDING_FIRST if code == 1 else code
+        return PENDING_FIRST if code == 1 else code
     return after_first(rows, ctrl, out, polls, op)
 
 
@@ -117,17 +125,17 @@ def after_first(rows, ctrl, out, polls, op):
     later chunks (polled up to ``polls`` times), reduce. Returns 0, 2, 3 or 5 (as ``run``)."""
     for r in range(rows.shape[0]):
         head = rows[r].view(np.int64)
-        for i in range(_HEADER_WORDS):
+        for i in range(HEADER_WORDS):
             if head[i] != ctrl[i]:
-                return _DIFFER
-    nrecvs = ctrl[_NRECVS]
+                return DIFFER
+    nrecvs = ctrl[NRECVS]
     if nrecvs:
-        nfirst = ctrl[_NFIRST]
+        nfirst = ctrl[NFIRST]
         if _start(ctrl, nfirst, nrecvs) != 0:
-            return _ERROR
-        code = _poll(ctrl, nfirst, nrecvs + ctrl[_NSENDS], polls)
+            return ERROR
+        code = _poll(ctrl, nfirst, nrecvs + ctrl[NSENDS], polls)
         if code != 0:
-            return _PENDING_REST if code == 1 else code
+            return PENDING_REST if code == 1 else code
     reduce(rows, out, op)
     return 0
 
@@ -137,7 +145,7 @@ def reduce(rows, out, op):
     """Reduce every rank's array into ``out`` in rank order: each element is ((row 0 op row 1)
     op row 2) ..., the order of ``ufunc.reduce`` over axis 0; avg then divides by the ranks."""
     size = rows.shape[0]
-    skip = _HEADER_WORDS * 8 // rows.itemsize
+    skip = HEADER_WORDS * 8 // rows.itemsize
     n = out.shape[0]
     first = rows[0][skip:skip + n]
     for i in range(n):

@@ -34,6 +34,7 @@ none is left to match a later exchange.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -87,7 +88,9 @@ class _Prepared:
         self.recvs, self.sends = recvs, sends
         self.rest = recvs + sends
         self.owned = first_sends + self.rest  # what this length alone holds, to free
-        self.fused: list[Any] = []  # compiled calls holding these requests' handles
+        # The compiled calls holding these requests' handles; weakly, as a plan dropped (the
+        # communicator's settings changed) and compiled again adds another.
+        self.fused: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def free(self) -> None:
         """Free what this length alone holds; its compiled calls refuse to run from now on."""
@@ -132,7 +135,7 @@ class SizedExchange:
         self._requests: dict[int, _Prepared] = {}
         self._volume = size - 1
         self._polls = range(polls)
-        self._polls_count, self._fused = polls, fused
+        self._fused = fused
 
     def __call__(self, nbytes: int) -> None:
         self.finish(self.start(nbytes))
@@ -196,8 +199,8 @@ class SizedExchange:
         prepared = self._requests.get(nbytes) or self._prepare(nbytes)
         fused = mpi_fused.FusedAllreduce(
             prepared.first, prepared.recvs, prepared.sends, functools.partial(self.rest, nbytes),
-            self.recv, self._rank, header, dtype, op, self._polls_count, self._wait_all)
-        prepared.fused.append(fused)
+            self.recv, self._rank, header, dtype, op, len(self._polls), self._wait_all)
+        prepared.fused.add(fused)
         return fused
 
     def moved(self, nbytes: int) -> int:

@@ -27,21 +27,30 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.backends import _mpi_fused_jit as _jit
+from ringcomm.backends._mpi_fused_jit import (
+    DIFFER,
+    DONE,
+    ERROR,
+    HANDLE,
+    HANDLES,
+    HEADER_WORDS,
+    IERR,
+    NFIRST,
+    NRECVS,
+    NSENDS,
+    PENDING_FIRST,
+    PENDING_REST,
+    STALE,
+    STATUSES,
+)
 from ringcomm.backends.mpi_process import import_mpi
 
 __all__ = ["DIFFER", "DONE", "STALE", "FusedAllreduce", "supports"]
 
-#: What a call returns: reduced; the headers differ (nothing reduced); the requests were
-#: freed (nothing sent).
-DONE, DIFFER, STALE = 0, 2, 4
-_PENDING_FIRST, _ERROR, _PENDING_REST = 1, 3, 5
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _FLOAT_OPS = ("sum", "prod", "avg")
 _INT_OPS = ("sum", "prod", "min", "max")
-# The control array's layout (see _mpi_fused_jit).
-_HEADER_WORDS = 12
-_NFIRST, _NRECVS, _NSENDS, _HANDLE, _FLAG, _IERR, _STATUSES = range(12, 19)
-_HANDLES = 20
 
 
 def supports(dtype: np.dtype, op: str) -> bool:
@@ -71,8 +80,8 @@ class FusedAllreduce:
         wait_all: the transport's timed wait (``MPITransport.wait_all``).
     """
 
-    __slots__ = ("_after_first", "_first", "_later", "_polls", "_rank", "_reduce", "_rest",
-                 "_run", "_wait_all", "ctrl", "op", "rows")
+    __slots__ = ("__weakref__", "_after_first", "_first", "_later", "_polls", "_rank",
+                 "_reduce", "_rest", "_run", "_wait_all", "ctrl", "op", "rows")
 
     def __init__(self, first: list[Any], recvs: list[Any], sends: list[Any],
                  rest: Callable[[], None], recv: np.ndarray, rank: int, header: bytes,
@@ -81,7 +90,7 @@ class FusedAllreduce:
         MPI = import_mpi()
         handle = MPI._sizeof(MPI.Request)
         status = MPI._sizeof(MPI.Status)
-        if len(header) != 8 * _HEADER_WORDS or recv.shape[1] % 8:
+        if len(header) != 8 * HEADER_WORDS or recv.shape[1] % 8:
             raise ValueError("the exchange's rows do not hold whole words after the header")
         self._run, self._after_first, self._reduce = _kernels()
         self._first, self._later, self._rest = first, recvs + sends, rest
@@ -90,14 +99,14 @@ class FusedAllreduce:
         # Every rank's row as the array's dtype: the header, then the inlined array.
         self.rows = recv.view(dtype)
         requests = first + recvs + sends
-        statuses = _HANDLES + (len(requests) * handle + 7) // 8
+        statuses = HANDLES + (len(requests) * handle + 7) // 8
         self.ctrl = np.zeros(statuses + (len(requests) * status + 7) // 8, np.int64)
-        self.ctrl[:_HEADER_WORDS] = np.frombuffer(header, np.int64)
-        handles = self.ctrl[_HANDLES:statuses].view(np.uint8)
+        self.ctrl[:HEADER_WORDS] = np.frombuffer(header, np.int64)
+        handles = self.ctrl[HANDLES:statuses].view(np.uint8)
         for i, req in enumerate(requests):  # the C handles, as MPI holds them
             handles[i * handle:(i + 1) * handle] = np.frombuffer(
                 ctypes.string_at(MPI._addressof(req), handle), np.uint8)
-        self.ctrl[[_NFIRST, _NRECVS, _NSENDS, _HANDLE, _STATUSES]] = (
+        self.ctrl[[NFIRST, NRECVS, NSENDS, HANDLE, STATUSES]] = (
             len(first), len(recvs), len(sends), handle, statuses)
         self._compile(dtype)
 
@@ -106,19 +115,19 @@ class FusedAllreduce:
         first call, which then sends nothing if this fails: the call with no requests returns
         at once, the reduction goes into a scratch element."""
         scratch, idle = np.zeros(1, dtype), self.ctrl.copy()
-        idle[_NFIRST] = 0
+        idle[NFIRST] = 0
         self._run(scratch, self.rows, idle, scratch, self._rank, 1, self.op)
-        idle[:_HEADER_WORDS] = 1 + self.rows[0].view(np.int64)[:_HEADER_WORDS]  # differs
+        idle[:HEADER_WORDS] = 1 + self.rows[0].view(np.int64)[:HEADER_WORDS]  # differs
         self._after_first(self.rows, idle, scratch, 1, self.op)
         self._reduce(self.rows, scratch, self.op)
 
     def set_header(self, header: bytes) -> None:
         """Send ``header`` from now on (the caller's name changed)."""
-        self.ctrl[:_HEADER_WORDS] = np.frombuffer(header, np.int64)
+        self.ctrl[:HEADER_WORDS] = np.frombuffer(header, np.int64)
 
     def forget(self) -> None:
         """The requests were freed: every later call returns STALE, sending nothing."""
-        self.ctrl[_NFIRST] = 0
+        self.ctrl[NFIRST] = 0
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> int:
         """Exchange 1-d ``x`` with every rank and reduce into 1-d ``out``: DONE; DIFFER
@@ -131,15 +140,15 @@ class FusedAllreduce:
             mpi4py.MPI.Exception: MPI refused to start or test the requests.
         """
         code = self._run(x, self.rows, self.ctrl, out, self._rank, self._polls, self.op)
-        if code == _PENDING_FIRST:
+        if code == PENDING_FIRST:
             self._wait_all(self._first, None, "agreement exchange")
             code = self._after_first(self.rows, self.ctrl, out, self._polls, self.op)
-        if code == _PENDING_REST:
+        if code == PENDING_REST:
             self._wait_all(self._later, None, "agreement exchange")
             self._reduce(self.rows, out, self.op)
             return DONE
-        if code == _ERROR:
-            raise import_mpi().Exception(int(self.ctrl[_IERR]))
+        if code == ERROR:
+            raise import_mpi().Exception(int(self.ctrl[IERR]))
         return code
 
     def reduce(self, out: np.ndarray) -> None:
@@ -149,16 +158,14 @@ class FusedAllreduce:
         self._reduce(self.rows, out, self.op)
 
 
-_COMPILED: tuple[Any, Any, Any] | None = None
+_bound = False
 
 
 def _kernels() -> tuple[Any, Any, Any]:
     """The compiled call, its continuation and its reduction, MPI's functions bound (once a
     process)."""
-    global _COMPILED
-    if _COMPILED is None:
-        from ringcomm.backends import _mpi_fused_jit as jit
-        MPI = import_mpi()
-        jit.bind(ctypes.CDLL(MPI.__file__))
-        _COMPILED = jit.run, jit.after_first, jit.reduce
-    return _COMPILED
+    global _bound
+    if not _bound:
+        _jit.bind(ctypes.CDLL(import_mpi().__file__))
+        _bound = True
+    return _jit.run, _jit.after_first, _jit.reduce

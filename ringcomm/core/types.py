@@ -267,9 +267,10 @@ class Exchange(Protocol):
         """The exchange of a message of ``nbytes`` (``header``, then a 1-d array of
         ``dtype``) and the reduction by ``op`` of every rank's array, in rank order, as one
         compiled call, or None where the exchange has none for it. Called with the array and
-        a 1-d result, it returns 0 (reduced, with the bits of ``ufunc.reduce`` over the rows)
-        or 2 (a rank's header differs: nothing reduced; its ``reduce(out)`` reduces once the
-        caller has found the difference allowed); its ``set_header`` changes the header."""
+        a 1-d result, it returns 0 (reduced, with the bits of ``ufunc.reduce`` over the rows),
+        2 (a rank's header differs: nothing reduced; its ``reduce(out)`` reduces once the
+        caller has found the difference allowed) or 4 (its requests were freed: nothing sent,
+        the caller runs the call another way); its ``set_header`` changes the header."""
 
 
 class Transport(Protocol):
