@@ -22,6 +22,7 @@ exchange still on the way after the polls is completed by the transport's timed 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +37,19 @@ from ringcomm.backends._mpi_fused_jit import (
     HANDLES,
     HEADER_WORDS,
     IERR,
+    LENGTH,
     NFIRST,
     NRECVS,
+    NROWS,
     NSENDS,
+    OP,
+    OPS,
     PENDING_FIRST,
     PENDING_REST,
+    POLLS,
+    RANK,
+    ROW_ITEMS,
+    ROWS,
     STALE,
     STATUSES,
 )
@@ -48,7 +57,6 @@ from ringcomm.backends.mpi_process import import_mpi
 
 __all__ = ["DIFFER", "DONE", "STALE", "FusedAllreduce", "supports"]
 
-_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _FLOAT_OPS = ("sum", "prod", "avg")
 _INT_OPS = ("sum", "prod", "min", "max")
 
@@ -80,8 +88,8 @@ class FusedAllreduce:
         wait_all: the transport's timed wait (``MPITransport.wait_all``).
     """
 
-    __slots__ = ("__weakref__", "_after_first", "_first", "_later", "_polls", "_rank",
-                 "_reduce", "_rest", "_run", "_wait_all", "ctrl", "op", "rows")
+    __slots__ = ("__weakref__", "_after_first", "_entry", "_first", "_later", "_reduce", "_rest",
+                 "_wait_all", "ctrl", "rows", "start")
 
     def __init__(self, first: list[Any], recvs: list[Any], sends: list[Any],
                  rest: Callable[[], None], recv: np.ndarray, rank: int, header: bytes,
@@ -92,10 +100,9 @@ class FusedAllreduce:
         status = MPI._sizeof(MPI.Status)
         if len(header) != 8 * HEADER_WORDS or recv.shape[1] % 8:
             raise ValueError("the exchange's rows do not hold whole words after the header")
-        self._run, self._after_first, self._reduce = _kernels()
+        self._entry, self._after_first, self._reduce = _kernels()
         self._first, self._later, self._rest = first, recvs + sends, rest
         self._wait_all = wait_all
-        self._rank, self._polls, self.op = rank, max(polls, 1), _OPS[op]
         # Every rank's row as the array's dtype: the header, then the inlined array.
         self.rows = recv.view(dtype)
         requests = first + recvs + sends
@@ -106,9 +113,16 @@ class FusedAllreduce:
         for i, req in enumerate(requests):  # the C handles, as MPI holds them
             handles[i * handle:(i + 1) * handle] = np.frombuffer(
                 ctypes.string_at(MPI._addressof(req), handle), np.uint8)
-        self.ctrl[[NFIRST, NRECVS, NSENDS, HANDLE, STATUSES]] = (
-            len(first), len(recvs), len(sends), handle, statuses)
+        self.ctrl[[NFIRST, NRECVS, NSENDS, HANDLE, STATUSES, RANK, POLLS, OP, LENGTH, ROWS,
+                   NROWS, ROW_ITEMS]] = (
+            len(first), len(recvs), len(sends), handle, statuses, rank, max(polls, 1), OPS[op],
+            self.ctrl.size, self.rows.ctypes.data, *self.rows.shape)
         self._compile(dtype)
+        #: ``start(x, out)``: the compiled call's first part, its code as it returns it
+        #: (``finish`` takes any other than DONE): the caller's path of every repeat, with
+        #: nothing between it and the compiled code. It reaches ``ctrl`` and ``rows`` by
+        #: address: this object holds them.
+        self.start = functools.partial(self._entry, self.ctrl.ctypes.data)
 
     def _compile(self, dtype: np.dtype) -> None:
         """Compile (or load from Numba's cache) every entry point for ``dtype`` before the
@@ -116,10 +130,10 @@ class FusedAllreduce:
         at once, the reduction goes into a scratch element."""
         scratch, idle = np.zeros(1, dtype), self.ctrl.copy()
         idle[NFIRST] = 0
-        self._run(scratch, self.rows, idle, scratch, self._rank, 1, self.op)
+        self._entry(idle.ctypes.data, scratch, scratch)
         idle[:HEADER_WORDS] = 1 + self.rows[0].view(np.int64)[:HEADER_WORDS]  # differs
-        self._after_first(self.rows, idle, scratch, 1, self.op)
-        self._reduce(self.rows, scratch, self.op)
+        self._after_first(self.rows, idle, scratch)
+        self._reduce(self.rows, self.ctrl, scratch)
 
     def set_header(self, header: bytes) -> None:
         """Send ``header`` from now on (the caller's name changed)."""
@@ -139,13 +153,18 @@ class FusedAllreduce:
             CollectiveTimeoutError: the other ranks did not come within the timeout.
             mpi4py.MPI.Exception: MPI refused to start or test the requests.
         """
-        code = self._run(x, self.rows, self.ctrl, out, self._rank, self._polls, self.op)
+        code = self.start(x, out)
+        return self.finish(code, out) if code else code
+
+    def finish(self, code: int, out: np.ndarray) -> int:
+        """After ``start`` returned ``code`` (not DONE): wait for what is still on the way
+        (the transport's timed wait) and reduce; DONE, DIFFER or STALE as ``__call__``."""
         if code == PENDING_FIRST:
             self._wait_all(self._first, None, "agreement exchange")
-            code = self._after_first(self.rows, self.ctrl, out, self._polls, self.op)
+            code = self._after_first(self.rows, self.ctrl, out)
         if code == PENDING_REST:
             self._wait_all(self._later, None, "agreement exchange")
-            self._reduce(self.rows, out, self.op)
+            self._reduce(self.rows, self.ctrl, out)
             return DONE
         if code == ERROR:
             raise import_mpi().Exception(int(self.ctrl[IERR]))
@@ -155,7 +174,7 @@ class FusedAllreduce:
         """After a call that returned DIFFER, where the headers differ only as the call
         allows: receive the later chunks, then reduce the rows into ``out``."""
         self._rest()
-        self._reduce(self.rows, out, self.op)
+        self._reduce(self.rows, self.ctrl, out)
 
 
 _bound = False
@@ -168,4 +187,4 @@ def _kernels() -> tuple[Any, Any, Any]:
     if not _bound:
         _jit.bind(ctypes.CDLL(import_mpi().__file__))
         _bound = True
-    return _jit.run, _jit.after_first, _jit.reduce
+    return _jit.start, _jit.after_first, _jit.reduce

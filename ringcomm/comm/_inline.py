@@ -13,12 +13,14 @@ exchange instead of the header's and then the data's.
 
 from __future__ import annotations
 
+from threading import current_thread
 from typing import Any
 
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm._prepared import PreparedCall
+from ringcomm.comm import callers
+from ringcomm.comm._prepared import PreparedCall, fitting_out
 from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array, ReduceOp
@@ -75,8 +77,8 @@ class InlinePlan(PreparedCall):
     still fails the header comparison and raises the full error.
     """
 
-    __slots__ = ("dtype", "fused", "fused_caller", "nbytes", "op", "pair", "pair_new", "rows",
-                 "runs", "shape", "ufunc")
+    __slots__ = ("dtype", "flat", "fused", "fused_caller", "fused_start", "nbytes", "op", "pair",
+                 "pair_new", "rows", "runs", "shape", "ufunc")
 
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
@@ -84,14 +86,17 @@ class InlinePlan(PreparedCall):
         self.op = op
         t = agreement.transport
         self.shape, self.dtype, self.nbytes = x.shape, x.dtype, x.nbytes
+        self.flat = x.ndim == 1  # the call's arrays go to the compiled call as they are
         self.rows = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)
         # The two rows of a 2-rank job, reduced with one ufunc call.
         self.pair = tuple(self.rows) if t.size == 2 and self._direct(x.dtype, op) else None
         # ... straight into a new result, where it needs no reshaping.
         self.pair_new = self.pair if x.ndim == 1 else None
         self.ufunc = _UFUNCS[op]
-        #: The exchange's compiled call for this plan (see ``_fuse``), once it has one.
+        #: The exchange's compiled call for this plan (see ``_fuse``), once it has one, and
+        #: its first part.
         self.fused: Any = None
+        self.fused_start: Any = None
         #: The caller whose header the compiled call sends (None: none yet, or not known).
         self.fused_caller: str | None = None
         self.runs = 0
@@ -107,12 +112,12 @@ class InlinePlan(PreparedCall):
         return (agreement.check and type(x) is np.ndarray and x.flags.c_contiguous
                 and x.nbytes <= agreement.inline_bytes and x.dtype.kind != "V")
 
-    @staticmethod
-    def accepts(x: np.ndarray, out: np.ndarray | None) -> bool:
-        """Whether this call's array can be copied into the exchange as it is."""
-        return x.flags.c_contiguous
-
-    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+        """Run a repeat: the result, or None (nothing done) where ``x`` or ``out`` cannot
+        take part as they are (the full path runs the call: see ``fitting_out``)."""
+        flags = x.flags
+        if not flags.c_contiguous or not (out is None or fitting_out(x, flags, out)):
+            return None
         fused = self.fused
         if fused is None:
             self.runs += 1
@@ -121,16 +126,19 @@ class InlinePlan(PreparedCall):
             return self._run(x, out)
         # The compiled call (``_fuse``): the caller's checks here, the header, the exchange,
         # the comparison and the reduction there. Inline: this is the path of every repeat.
-        name, twins = self.threads.caller()
-        if name != self.fused_caller or twins is not None or not (
-                out is None or out.flags.c_contiguous):
+        # The caller as ``ThreadNames.caller`` finds it, where it is the one whose header the
+        # compiled call holds (no thread within ``calls_as``, this thread's name, no twin).
+        name, me = self.fused_caller, current_thread()
+        if callers.WITHIN or me.name != name or self.threads.owners.get(name) is not me:
             return self._run_fused_caller(fused, x, out)
         result = np.empty(self.shape, self.dtype) if out is None else out
         stats, volume = self.stats, self.volume
         stats.bytes_sent += volume
         stats.bytes_received += volume
-        code = fused(x if x.ndim == 1 else x.reshape(-1),
-                     result if result.ndim == 1 else result.reshape(-1))
+        if self.flat:
+            code = self.fused_start(x, result)
+        else:
+            code = self.fused_start(x.reshape(-1), result.reshape(-1))
         if code:
             return self._fused_failed(fused, code, x, out, result)
         return result
@@ -159,6 +167,7 @@ class InlinePlan(PreparedCall):
         try:
             self.fused = self.send.fused_allreduce(self.message, self.header, self.dtype,
                                                    self.op.value)
+            self.fused_start = None if self.fused is None else self.fused.start
             self.fused_caller = self.spec.caller
         except Exception as err:  # the Python path gives the same bits
             _fuse_failed = True
@@ -167,9 +176,9 @@ class InlinePlan(PreparedCall):
 
     def _run_fused_caller(self, fused: Any, x: np.ndarray,
                           out: np.ndarray | None) -> np.ndarray:
-        """A repeat the compiled call cannot take as it is: the Python path runs it (a
-        strided ``out``; another caller, whose header the compiled call sends from then on;
-        or the error of a thread whose name another live thread bears)."""
+        """A repeat the compiled call cannot take as it is: the Python path runs it (another
+        caller, whose header the compiled call sends from then on; a call within
+        ``calls_as``; or the error of a thread whose name another live thread bears)."""
         # Until that call has passed the compiled call holds no known header: a call that
         # raised must not leave it another caller's, which a later call would send.
         self.fused_caller = None
@@ -180,18 +189,24 @@ class InlinePlan(PreparedCall):
 
     def _fused_failed(self, fused: Any, code: int, x: np.ndarray, out: np.ndarray | None,
                       result: np.ndarray) -> np.ndarray:
-        """After a compiled call that did not reduce: another rank's header differed (the
-        error on every rank, or a difference the call allows, then the reduction), or its
-        requests were freed (nothing was sent: the Python path runs the call, and compiles
-        it again after as many repeats)."""
+        """After the compiled call's first part returned ``code``: the rest of the exchange
+        still on the way (the compiled call completes it), another rank's header differed
+        (the error on every rank, or a difference the call allows, then the reduction), or
+        its requests were freed (nothing was sent: the Python path runs the call, and
+        compiles it again after as many repeats)."""
+        flat = result if result.ndim == 1 else result.reshape(-1)
+        code = fused.finish(code, flat)
+        if not code:
+            return result
         if code != DIFFER:
             self.stats.bytes_sent -= self.volume
             self.stats.bytes_received -= self.volume
-            self.fused, self.runs = None, 0
+            self.fused = self.fused_start = None
+            self.runs = 0
             return self._run(x, out)
         self.agreement.verify(self.spec, np.ascontiguousarray(
             self.buffers.recv[:, :HEADER_BYTES]).view(np.int64), self.message)
-        fused.reduce(result if result.ndim == 1 else result.reshape(-1))
+        fused.reduce(flat)
         return result
 
 

@@ -58,31 +58,31 @@ class PlanCache:
         # identity of dtype and op and equality of shape, without hashing a key.
         self._last: tuple[Any, Any, Any, AllreducePlan] | None = None
 
-    def get(self, x: Array, out: Array, op: Any) -> AllreducePlan | None:
-        """The plan of a dense allreduce seen before that this call can reuse, or None."""
+    def get(self, x: Array, op: Any) -> AllreducePlan | None:
+        """The plan of a dense allreduce of ``x`` by ``op`` seen before, or None. Whether
+        this call's ``out`` fits it is for the plan's repeat to say (``run``), or ``fits``."""
         if type(x) is not np.ndarray:  # device arrays: their device is checked every call
             return None
         last = self._last
-        plan: AllreducePlan | None
         if last is not None and x.dtype is last[0] and op is last[2] and x.shape == last[1]:
-            plan = last[3]
-        else:
-            try:
-                plan = self._plans.get((x.dtype, x.shape, op))
-            except TypeError:  # an unhashable op: the full check will say so
-                return None
-            if plan is None:
-                return None
-            self._last = (x.dtype, x.shape, op, plan)
-        repeat = plan.repeat
-        if repeat is not None and not repeat.accepts(x, out):
+            return last[3]
+        try:
+            plan = self._plans.get((x.dtype, x.shape, op))
+        except TypeError:  # an unhashable op: the full check will say so
             return None
-        if out is None or (type(out) is np.ndarray and out.shape == x.shape
-                           and (out.dtype is x.dtype or out.dtype == x.dtype)
-                           and out.flags.writeable
-                           and (out is x or not np.may_share_memory(x, out))):
-            return plan
-        return None
+        if plan is not None:
+            self._last = (x.dtype, x.shape, op, plan)
+        return plan
+
+    @staticmethod
+    def fits(x: np.ndarray, out: Array | None) -> bool:
+        """Whether ``out`` can take the result of a plan of ``x``'s call as it is: none
+        given, or a writable host array of ``x``'s shape and dtype, ``x`` itself or apart
+        from it (any strides)."""
+        return out is None or (type(out) is np.ndarray and out.shape == x.shape
+                               and (out.dtype is x.dtype or out.dtype == x.dtype)
+                               and out.flags.writeable
+                               and (out is x or not np.may_share_memory(x, out)))
 
     def put(self, x: Array, op: Any, plan: AllreducePlan, agreement: agree.Agreement,
             t: Transport, flat: bool) -> None:
@@ -106,3 +106,4 @@ class PlanCache:
         """Forget every plan (settings that plans carry have changed)."""
         self._plans.clear()
         self._last = None
+

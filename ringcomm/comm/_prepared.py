@@ -19,6 +19,7 @@ full error on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -128,15 +129,29 @@ class NativePlan(PreparedCall):
         native = t.prepare_native_allreduce(x.dtype, x.nbytes, op)
         return None if native is None else NativePlan(agreement, spec, x, native)
 
-    @staticmethod
-    def accepts(x: np.ndarray, out: np.ndarray | None) -> bool:
-        """Whether this call's arrays can go to the transport as they are."""
-        return (x.flags.c_contiguous and x.flags.aligned
-                and (out is None or (out.flags.c_contiguous and out.flags.aligned)))
-
-    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    def run(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+        """Run a repeat: the result, or None (nothing done) where the arrays cannot go to
+        the transport as they are (strided or unaligned: the full path runs the call)."""
+        flags = x.flags
+        if not (flags.c_contiguous and flags.aligned
+                and (out is None or fitting_out(x, flags, out, aligned=True))):
+            return None
         if self.check:
             self.exchange(x)
         result = np.empty(self.shape, self.dtype) if out is None else out
         self.native(x, result)
         return result
+
+
+def fitting_out(x: np.ndarray, flags: Any, out: Any, aligned: bool = False) -> bool:
+    """Whether ``out`` can take a repeat's result as it is: a plain writable C-contiguous
+    array (and aligned, where asked) of ``x``'s shape and dtype, ``x`` itself or apart from it
+    (``flags``: ``x.flags``, read once by the caller). Two arrays that each own their data are
+    two allocations: told apart without ``may_share_memory``'s bounds check."""
+    if type(out) is not np.ndarray or out.shape != x.shape or not (
+            out.dtype is x.dtype or out.dtype == x.dtype):
+        return False
+    own = out.flags
+    return (own.writeable and own.c_contiguous and (own.aligned or not aligned)
+            and (out is x or (flags.owndata and own.owndata)
+                 or not np.may_share_memory(x, out)))

@@ -328,13 +328,17 @@ class Communicator:
         try:
             self._transport.operation = "allreduce"
             if compression is None and feedback is None and algorithm is None:
-                prepared = self._plans.get(x, out, op)
+                prepared = self._plans.get(x, op)
                 if prepared is not None and not self._closed:
-                    self._stats.calls += 1
-                    if prepared.repeat is not None:
-                        return prepared.repeat.run(x, out)
-                    prepared.spec.caller = caller()
-                    return self._execute(prepared, x, out)
+                    repeat = prepared.repeat
+                    if repeat is None and self._plans.fits(x, out):
+                        self._stats.calls += 1
+                        prepared.spec.caller = caller()
+                        return self._execute(prepared, x, out)
+                    result = None if repeat is None else repeat.run(x, out)
+                    if result is not None:  # None: arrays the repeat cannot take as they are
+                        self._stats.calls += 1
+                        return result
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):
                 result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,
                                         compression=compression, feedback=feedback, name=name,

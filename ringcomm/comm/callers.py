@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["ThreadNames", "caller", "calls_as"]
+__all__ = ["WITHIN", "ThreadNames", "caller", "calls_as"]
 
 
 class _Caller(threading.local):
@@ -20,10 +20,10 @@ class _Caller(threading.local):
 
 
 _CALLER = _Caller()
-# How many threads are within ``calls_as`` now: while none is, no thread's ``_CALLER.name``
-# is set and the per-call path skips reading the thread-local (a few hundred nanoseconds).
-# A thread within it has counted itself before its calls, so it never reads 0 there.
-_WITHIN = 0
+#: How many threads are within ``calls_as`` now: while none is, no thread's ``_CALLER.name``
+#: is set and the per-call path skips reading the thread-local (a few hundred nanoseconds).
+#: A thread within it has counted itself before its calls, so it never reads 0 there.
+WITHIN = 0
 _WITHIN_LOCK = threading.Lock()
 
 
@@ -60,30 +60,31 @@ class ThreadNames:
     first call cannot tell whether its twin will call here later.
     """
 
-    __slots__ = ("_owners", "_twins")
+    __slots__ = ("_twins", "owners")
 
     def __init__(self) -> None:
-        # Thread objects, not idents (the ident of a finished thread is given to new ones);
-        # finished ones are dropped as new names come (a pool of new threads each step must
-        # not grow this without bound), and twins are held weakly.
-        self._owners: dict[str, threading.Thread] = {}
+        #: The thread that may call under each name (no live twin): Thread objects, not
+        #: idents (the ident of a finished thread is given to new ones); finished ones are
+        #: dropped as new names come (a pool of new threads each step must not grow this
+        #: without bound). Twins are held weakly.
+        self.owners: dict[str, threading.Thread] = {}
         self._twins: dict[str, weakref.WeakSet[threading.Thread]] = {}
 
     def owns(self, name: str) -> bool:
         """Whether the calling thread may call as ``name`` without a look at the others (the
         cheap check of every call)."""
-        return _CALLER.name is not None or self._owners.get(name) is threading.current_thread()
+        return _CALLER.name is not None or self.owners.get(name) is threading.current_thread()
 
     def caller(self) -> tuple[str, ValueError | None]:
         """This thread's caller (as :func:`caller` says) and, where another live thread bears
         its name, the error to raise on every rank: the per-call path's one look."""
-        if _WITHIN:
+        if WITHIN:
             name = _CALLER.name
             if name is not None:
                 return name, None
         me = threading.current_thread()
         name = me.name
-        if self._owners.get(name) is me:
+        if self.owners.get(name) is me:
             return name, None
         return name, self.conflict(name)
 
@@ -97,12 +98,12 @@ class ThreadNames:
         twins = {t for t in self._twins.get(name, ()) if t.is_alive()}
         if me not in twins and len(live) <= 1:
             self._twins.pop(name, None)
-            if len(self._owners) >= _MAX_OWNERS:
-                self._owners = {n: t for n, t in self._owners.items() if t.is_alive()}
-            self._owners[name] = me
+            if len(self.owners) >= _MAX_OWNERS:
+                self.owners = {n: t for n, t in self.owners.items() if t.is_alive()}
+            self.owners[name] = me
             return None
         self._twins[name] = weakref.WeakSet(twins | live | {me})
-        self._owners.pop(name, None)
+        self.owners.pop(name, None)
         return ValueError(
             f"thread {name!r} made a collective call, but another thread of its process "
             "bears the same name and has been alive with it: calls are matched across ranks "
@@ -115,14 +116,14 @@ class ThreadNames:
 def calls_as(name: str) -> Iterator[None]:
     """Make this thread's calls, within the block, as ``name`` (for a queue of collectives
     run by whichever thread is free: its calls keep one caller on every rank)."""
-    global _WITHIN
+    global WITHIN
     before = _CALLER.name
     with _WITHIN_LOCK:
-        _WITHIN += 1
+        WITHIN += 1
     _CALLER.name = name
     try:
         yield
     finally:
         _CALLER.name = before
         with _WITHIN_LOCK:
-            _WITHIN -= 1
+            WITHIN -= 1

@@ -270,7 +270,9 @@ class Exchange(Protocol):
         a 1-d result, it returns 0 (reduced, with the bits of ``ufunc.reduce`` over the rows),
         2 (a rank's header differs: nothing reduced; its ``reduce(out)`` reduces once the
         caller has found the difference allowed) or 4 (its requests were freed: nothing sent,
-        the caller runs the call another way); its ``set_header`` changes the header."""
+        the caller runs the call another way); its ``set_header`` changes the header. Its
+        ``start(x, out)`` is the same call's first part, for the path of every repeat: any
+        other code it returns goes to ``finish(code, out)``, which returns one of the three."""
 
 
 class Transport(Protocol):

@@ -92,7 +92,7 @@ def test_inline_repeats_give_their_first_result(comm, world, rng, dtype, op, sha
         assert comm.stats.bytes_sent == comm.stats.bytes_received == (
             (96 + x.nbytes) * (comm.size - 1))
         same_in_every_form(comm, x, op, first, out, strided)
-    prepared = comm._allreduce.plans.get(x, None, op)
+    prepared = comm._allreduce.plans.get(x, op)
     assert type(prepared.repeat).__name__ == "InlinePlan"
     assert same_on_all_ranks(world, first)
 

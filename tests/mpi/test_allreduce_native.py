@@ -107,7 +107,7 @@ def test_repeats_take_the_prepared_native_path(comm, world, rng, paths, op, shap
         assert again is not first and again.shape == shape
         np.testing.assert_array_equal(again, first)
         same_in_every_form(comm, x, op, first, out)
-    prepared = comm._allreduce.plans.get(x, None, op)
+    prepared = comm._allreduce.plans.get(x, op)
     if comm.size > 1:
         assert type(prepared.repeat).__name__ == "NativePlan"
         assert paths == [True] * 10

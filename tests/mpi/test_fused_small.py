@@ -47,7 +47,7 @@ def expected(world, x: np.ndarray, op: str) -> np.ndarray:
 
 
 def fused_of(comm, x, op="sum"):
-    plan = comm._plans.get(x, None, op)
+    plan = comm._plans.get(x, op)
     return None if plan is None or plan.repeat is None else getattr(plan.repeat, "fused", None)
 
 
@@ -137,6 +137,41 @@ def test_out_in_place_and_a_strided_out(comm, world, rng):
     comm.allreduce(x, wide[::2])  # not contiguous: the Python path writes it
     np.testing.assert_array_equal(wide[::2], want)
     assert not wide[1::2].any()
+
+
+def test_outs_the_repeat_cannot_take_get_the_full_check(comm, world, rng):
+    """Once the call is compiled, an ``out`` that is not a second allocation (a view of the
+    array's own buffer, apart from it or over the same elements or overlapping), read-only, of
+    another dtype or shape gets the full path's result or error, on every rank; then the
+    repeats are compiled again."""
+    x = rng.standard_normal(12).astype(np.float32)
+    buf = np.zeros(40, np.float32)
+    buf[:12] = x
+    for _ in range(5):
+        comm.allreduce(buf[:12])
+    fused = fused_of(comm, x)
+    assert comm.size == 1 or fused is not None
+    want = expected(world, x, "sum")
+    apart = buf[20:32]  # a view of the same allocation as buf[:12], no element shared
+    assert comm.allreduce(buf[:12], apart) is apart
+    np.testing.assert_array_equal(apart, want)
+    assert fused_of(comm, x) is fused  # told apart by their bounds: still compiled
+    same = buf[:12]  # another view of the same elements: in place
+    assert comm.allreduce(buf[:12], same) is same
+    np.testing.assert_array_equal(buf[:12], want)
+    buf[:12] = x
+    with pytest.raises(ValueError, match="overlaps"):
+        comm.allreduce(buf[:12], buf[6:18])
+    frozen = np.empty_like(x)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        comm.allreduce(x, frozen)
+    for wrong in (np.empty(12, np.float64), np.empty(13, np.float32)):
+        with pytest.raises(ValueError):
+            comm.allreduce(x, wrong)
+    for _ in range(5):
+        np.testing.assert_array_equal(comm.allreduce(x, np.empty_like(x)), want)
+    assert comm.size == 1 or fused_of(comm, x) is not None
 
 
 def test_a_read_only_array_and_a_fortran_ordered_one(comm, world, rng):
