@@ -335,10 +335,12 @@ class Communicator:
                         self._stats.calls += 1
                         prepared.spec.caller = caller()
                         return self._execute(prepared, x, out)
-                    result = None if repeat is None else repeat.run(x, out)
-                    if result is not None:  # None: arrays the repeat cannot take as they are
-                        self._stats.calls += 1
-                        return result
+                    if repeat is not None:
+                        self._stats.calls += 1  # before the exchange, as the full path
+                        result = repeat.run(x, out)
+                        if result is not None:
+                            return result
+                        self._stats.calls -= 1  # arrays it cannot take as they are: the full path
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):
                 result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,
                                         compression=compression, feedback=feedback, name=name,

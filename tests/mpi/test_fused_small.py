@@ -223,6 +223,22 @@ def test_a_rank_with_another_call_raises_everywhere_then_the_call_runs_again(com
     assert fused_of(comm, x) is not None
 
 
+def test_a_refused_call_is_counted_alike_on_every_rank(comm, world):
+    """A call refused on every rank counts as a call on every rank, whether a rank ran it as
+    a prepared repeat (the compiled call) or through the full path (another op there)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    x = np.ones(4, np.float32)
+    for _ in range(5):
+        comm.allreduce(x)
+    assert fused_of(comm, x) is not None
+    before = comm.stats.calls
+    with pytest.raises(ArgumentMismatchError):
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    comm.allreduce(x, np.empty(4, np.float32)[::1])
+    assert set(world.allgather(comm.stats.calls - before)) == {2}
+
+
 def test_calls_from_another_thread_carry_its_name(comm, world):
     """The header names the calling thread: calls from a thread of another name (the same on
     every rank) run, and the compiled call carries the new name from then on."""
