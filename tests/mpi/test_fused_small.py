@@ -51,6 +51,13 @@ def fused_of(comm, x, op="sum"):
     return None if plan is None or plan.repeat is None else getattr(plan.repeat, "fused", None)
 
 
+def compile_call(comm, x):
+    """Repeat ``x``'s sum past the fixture's FUSE_AFTER: from then on it is compiled."""
+    for _ in range(5):
+        comm.allreduce(x)
+    assert comm.size == 1 or fused_of(comm, x) is not None
+
+
 def values(dtype: np.dtype, shape: tuple[int, ...], rank: int, step: int,
            rng: np.random.Generator) -> np.ndarray:
     """Data with the cases that show a different order or rounding: for floats NaN, +-inf,
@@ -229,9 +236,7 @@ def test_a_refused_call_is_counted_alike_on_every_rank(comm, world):
     if comm.size == 1:
         pytest.skip("needs two ranks")
     x = np.ones(4, np.float32)
-    for _ in range(5):
-        comm.allreduce(x)
-    assert fused_of(comm, x) is not None
+    compile_call(comm, x)
     before = comm.stats.calls
     with pytest.raises(ArgumentMismatchError):
         comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
@@ -270,9 +275,7 @@ def test_calls_named_differently_on_one_rank_raise_everywhere(comm, world):
     if comm.size == 1:
         pytest.skip("needs two ranks")
     x = np.ones(3, np.float32)
-    for _ in range(5):
-        comm.allreduce(x)
-    assert fused_of(comm, x) is not None
+    compile_call(comm, x)
     name = "fused-a" if comm.rank == 0 else "fused-b"
     errors = []
 
