@@ -27,6 +27,8 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from ringcomm.ops._cpu_jit import cached_njit
+
 __all__ = ["DIFFER", "DONE", "ERROR", "FLAG", "HANDLE", "HANDLES", "HEADER_WORDS", "IERR",
            "LENGTH", "NFIRST", "NRECVS", "NROWS", "NSENDS", "OP", "OPS", "PENDING_FIRST",
            "PENDING_REST", "POLLS", "RANK", "ROWS", "ROW_ITEMS", "STALE", "STATUSES",
@@ -58,14 +60,9 @@ _OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": False}
 
 
 def _jit(fn: Any) -> Any:
-    """``fn`` compiled, its code cached on disk (next to this file, else Numba's user-wide
-    directory; in memory only where neither is writable, as ops/_cpu_jit.py does)."""
-    try:
-        return numba.njit(cache=True, **_OPTIONS)(fn)
-    except RuntimeError as exc:
-        if "cannot cache" not in str(exc):
-            raise
-        return numba.njit(cache=False, **_OPTIONS)(fn)
+    """``fn`` compiled with these options, its code cached on disk as ringcomm's other
+    kernels' (``cached_njit``)."""
+    return cached_njit(fn, options=_OPTIONS)
 
 
 def bind(lib: ctypes.CDLL) -> None:

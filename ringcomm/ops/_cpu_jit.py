@@ -16,7 +16,7 @@ from typing import Any
 
 import numba
 
-__all__ = ["KERNELS", "OPTIONS", "compile_kernel", "inline", "kernel"]
+__all__ = ["KERNELS", "OPTIONS", "cached_njit", "compile_kernel", "inline", "kernel"]
 
 #: Bit-identity with NumPy needs IEEE float32 semantics: no fast-math (no reassociation, no
 #: FMA contraction, NaN semantics kept). error_model="numpy" drops the division-by-zero checks.
@@ -42,17 +42,24 @@ def inline(fn: Callable[..., Any]) -> Any:
 
 
 def compile_kernel(name: str) -> Callable[..., Any]:
-    """Compile kernel ``name``, or load it from Numba's cache (next to its source file, else
-    Numba's user-wide directory; in memory only where neither is writable).
+    """Compile kernel ``name``, or load it from Numba's cache (see ``cached_njit``).
 
     Raises:
         KeyError: no such kernel.
         Exception: whatever Numba raises when it cannot compile it.
     """
     signature, fn = KERNELS[name]
+    return cached_njit(fn, signature)
+
+
+def cached_njit(fn: Callable[..., Any], signature: str | None = None,
+                options: dict[str, Any] = OPTIONS) -> Any:
+    """``fn`` jitted with ``options`` (for ``signature``, else for the types of each call),
+    its code cached on disk: next to its source file, else in Numba's user-wide directory; in
+    memory only where neither is writable."""
     try:
-        return numba.njit(signature, cache=True, **OPTIONS)(fn)
+        return numba.njit(signature, cache=True, **options)(fn)
     except RuntimeError as exc:
         if "cannot cache" not in str(exc):
             raise
-        return numba.njit(signature, cache=False, **OPTIONS)(fn)
+        return numba.njit(signature, cache=False, **options)(fn)
