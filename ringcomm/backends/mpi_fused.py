@@ -143,22 +143,17 @@ class FusedAllreduce:
         """The requests were freed: every later call returns STALE, sending nothing."""
         self.ctrl[NFIRST] = 0
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> int:
-        """Exchange 1-d ``x`` with every rank and reduce into 1-d ``out``: DONE; DIFFER
-        where a rank's header differs from this rank's (``out`` untouched; ``reduce`` after
-        the check); STALE where the requests were freed (nothing sent: the caller runs the
-        call another way).
+    def finish(self, code: int, out: np.ndarray) -> int:
+        """After ``start(x, out)`` returned ``code`` (not DONE): wait for what is still on
+        the way (the transport's timed wait) and reduce. Returns DONE (``out`` holds the
+        reduction); DIFFER where a rank's header differs from this rank's (``out``
+        untouched; ``reduce`` after the check); STALE where the requests were freed (nothing
+        sent: the caller runs the call another way).
 
         Raises:
             CollectiveTimeoutError: the other ranks did not come within the timeout.
             mpi4py.MPI.Exception: MPI refused to start or test the requests.
         """
-        code = self.start(x, out)
-        return self.finish(code, out) if code else code
-
-    def finish(self, code: int, out: np.ndarray) -> int:
-        """After ``start`` returned ``code`` (not DONE): wait for what is still on the way
-        (the transport's timed wait) and reduce; DONE, DIFFER or STALE as ``__call__``."""
         if code == PENDING_FIRST:
             self._wait_all(self._first, None, "agreement exchange")
             code = self._after_first(self.rows, self.ctrl, out)

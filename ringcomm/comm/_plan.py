@@ -16,7 +16,7 @@ import numpy as np
 
 from ringcomm.comm import agree
 from ringcomm.comm._inline import InlinePlan
-from ringcomm.comm._prepared import NativePlan
+from ringcomm.comm._prepared import NativePlan, fitting_out
 from ringcomm.core.types import Array, ReduceOp, Transport
 
 __all__ = ["AllreducePlan", "PlanCache"]
@@ -78,11 +78,8 @@ class PlanCache:
     def fits(x: np.ndarray, out: Array | None) -> bool:
         """Whether ``out`` can take the result of a plan of ``x``'s call as it is: none
         given, or a writable host array of ``x``'s shape and dtype, ``x`` itself or apart
-        from it (any strides)."""
-        return out is None or (type(out) is np.ndarray and out.shape == x.shape
-                               and (out.dtype is x.dtype or out.dtype == x.dtype)
-                               and out.flags.writeable
-                               and (out is x or not np.may_share_memory(x, out)))
+        from it (any strides: ``fitting_out``)."""
+        return out is None or fitting_out(x, x.flags, out, contiguous=False)
 
     def put(self, x: Array, op: Any, plan: AllreducePlan, agreement: agree.Agreement,
             t: Transport, flat: bool) -> None:
@@ -106,4 +103,3 @@ class PlanCache:
         """Forget every plan (settings that plans carry have changed)."""
         self._plans.clear()
         self._last = None
-

@@ -143,15 +143,18 @@ class NativePlan(PreparedCall):
         return result
 
 
-def fitting_out(x: np.ndarray, flags: Any, out: Any, aligned: bool = False) -> bool:
-    """Whether ``out`` can take a repeat's result as it is: a plain writable C-contiguous
-    array (and aligned, where asked) of ``x``'s shape and dtype, ``x`` itself or apart from it
-    (``flags``: ``x.flags``, read once by the caller). Two arrays that each own their data are
-    two allocations: told apart without ``may_share_memory``'s bounds check."""
+def fitting_out(x: np.ndarray, flags: Any, out: Any, aligned: bool = False,
+                contiguous: bool = True) -> bool:
+    """Whether ``out`` can take the result of a plan of ``x``'s call as it is: a plain
+    writable array of ``x``'s shape and dtype, C-contiguous (where asked) and aligned (where
+    asked), ``x`` itself or apart from it (``flags``: ``x.flags``, read once by the caller).
+    Two arrays that each own their data are two allocations: told apart without
+    ``may_share_memory``'s bounds check."""
     if type(out) is not np.ndarray or out.shape != x.shape or not (
             out.dtype is x.dtype or out.dtype == x.dtype):
         return False
     own = out.flags
-    return (own.writeable and own.c_contiguous and (own.aligned or not aligned)
+    return (own.writeable and (own.c_contiguous or not contiguous)
+            and (own.aligned or not aligned)
             and (out is x or (flags.owndata and own.owndata)
                  or not np.may_share_memory(x, out)))

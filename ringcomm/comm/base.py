@@ -331,16 +331,16 @@ class Communicator:
                 prepared = self._plans.get(x, op)
                 if prepared is not None and not self._closed:
                     repeat = prepared.repeat
-                    if repeat is None and self._plans.fits(x, out):
-                        self._stats.calls += 1
-                        prepared.spec.caller = caller()
-                        return self._execute(prepared, x, out)
                     if repeat is not None:
                         self._stats.calls += 1  # before the exchange, as the full path
                         result = repeat.run(x, out)
                         if result is not None:
                             return result
                         self._stats.calls -= 1  # arrays it cannot take as they are: the full path
+                    elif self._plans.fits(x, out):
+                        self._stats.calls += 1
+                        prepared.spec.caller = caller()
+                        return self._execute(prepared, x, out)
             if _arrays.is_subclass(x) or _arrays.is_subclass(out):
                 result = self.allreduce(_arrays.plain(x), _arrays.plain(out), op=op,
                                         compression=compression, feedback=feedback, name=name,

@@ -266,13 +266,12 @@ class Exchange(Protocol):
     def fused_allreduce(self, nbytes: int, header: bytes, dtype: np.dtype, op: str) -> Any:
         """The exchange of a message of ``nbytes`` (``header``, then a 1-d array of
         ``dtype``) and the reduction by ``op`` of every rank's array, in rank order, as one
-        compiled call, or None where the exchange has none for it. Called with the array and
-        a 1-d result, it returns 0 (reduced, with the bits of ``ufunc.reduce`` over the rows),
+        compiled call, or None where the exchange has none for it. Its ``start(x, out)``,
+        with the array and a 1-d result, returns 0 (reduced, with the bits of
+        ``ufunc.reduce`` over the rows) or a code for ``finish(code, out)``, which returns 0,
         2 (a rank's header differs: nothing reduced; its ``reduce(out)`` reduces once the
         caller has found the difference allowed) or 4 (its requests were freed: nothing sent,
-        the caller runs the call another way); its ``set_header`` changes the header. Its
-        ``start(x, out)`` is the same call's first part, for the path of every repeat: any
-        other code it returns goes to ``finish(code, out)``, which returns one of the three."""
+        the caller runs the call another way); its ``set_header`` changes the header."""
 
 
 class Transport(Protocol):
