@@ -91,7 +91,7 @@ class InlinePlan(PreparedCall):
         # The two rows of a 2-rank job, reduced with one ufunc call.
         self.pair = tuple(self.rows) if t.size == 2 and self._direct(x.dtype, op) else None
         # ... straight into a new result, where it needs no reshaping.
-        self.pair_new = self.pair if x.ndim == 1 else None
+        self.pair_new = self.pair if self.flat else None
         self.ufunc = _UFUNCS[op]
         #: The exchange's compiled call for this plan (see ``_fuse``), once it has one, and
         #: its first part.
