@@ -165,6 +165,32 @@ def test_usable_is_false_without_gpu(no_gpu, monkeypatch):
     assert ringcomm.nccl_available() is False
 
 
+def test_without_the_cuda_driver_cupy_sees_no_device():
+    """What the probes below rely on to skip CuPy: no libcuda, no device."""
+    if _cuda_stack.driver_loads():
+        pytest.skip("the CUDA driver loads here")
+    cupy = pytest.importorskip("cupy")
+    assert _nccl_setup.device_count(cupy)[0] == 0
+
+
+def test_auto_without_the_cuda_driver_never_imports_cupy(mpiexec, subprocess_env):
+    """A rank without a GPU chooses MPI without importing CuPy (with ml_dtypes, up to 1.5 s a
+    process), alone and in a job of two."""
+    if _cuda_stack.driver_loads():
+        pytest.skip("the CUDA driver loads here")
+    code = ("import sys, ringcomm\n"
+            "from ringcomm.backends import nccl\n"
+            "usable = nccl.usable()\n"
+            "with ringcomm.init('auto', abort_on_exception=False) as comm:\n"
+            "    print(f'RESULT {comm.size} {comm.backend} {usable} {\"cupy\" in sys.modules}')\n")
+    for n in (1, 2):
+        run = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-c", code],
+                             env=subprocess_env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+        assert lines == [f"RESULT {n} mpi False False"] * n, run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("visible", ["", "-1"])
 def test_usable_is_false_when_devices_are_hidden(monkeypatch, visible):
     monkeypatch.setattr(nccl, "_usable", [])

@@ -384,10 +384,11 @@ def every_rank_can_start(mpi_comm: Any = None, timeout: float | None = None) -> 
         return False
     try:
         identity = None
-        try:
-            identity = local_setup(rdv.local_rank, None, False).identity
-        except Exception:  # anything that keeps this rank from NCCL means "no", not an error
-            identity = None
+        if _cuda_stack.driver_loads():  # else no GPU here, known without importing CuPy
+            try:
+                identity = local_setup(rdv.local_rank, None, False).identity
+            except Exception:  # anything that keeps this rank from NCCL means "no"
+                identity = None
         everyone = rdv.allgather_object(identity)
     finally:
         rdv.close()

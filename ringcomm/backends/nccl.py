@@ -46,6 +46,7 @@ from ringcomm.backends import _nccl_lib, _nccl_setup
 from ringcomm.backends._nccl_transport import NCCLTransport
 from ringcomm.backends._nccl_wait import NCCLAsyncError, wait_for_stream
 from ringcomm.comm.base import Communicator
+from ringcomm.ops import _cuda_stack
 
 __all__ = ["NCCLAsyncError", "NCCLCommunicator", "NCCLTransport", "usable",
            "usable_everywhere", "wait_for_stream"]
@@ -57,13 +58,15 @@ _usable: list[bool] = []
 def usable() -> bool:
     """Whether this process sees a CUDA GPU and can load NCCL; never raises, cached.
 
-    NCCL is loaded first (a dlopen, no GPU needed); the device count is asked last, and a
-    failing CUDA driver only makes the answer False.
+    Without CUDA's driver library no GPU is visible (CuPy is then not imported); else NCCL is
+    loaded (a dlopen, no GPU needed); the device count is asked last, and a failing CUDA driver
+    only makes the answer False.
     """
     if not _usable:
         # An empty CUDA_VISIBLE_DEVICES (or -1) hides every GPU; unset shows them all.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ok = visible is None or visible.strip() not in ("", "-1")
+        ok = (visible is None or visible.strip() not in ("", "-1")) \
+            and _cuda_stack.driver_loads()
         if ok:
             try:
                 _nccl_lib.load()

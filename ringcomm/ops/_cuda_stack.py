@@ -10,6 +10,7 @@ no function raises: a hint must still come when the stack is broken.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 import re
 import sys
@@ -20,6 +21,7 @@ __all__ = [
     "PACKAGES",
     "CudaStack",
     "detect",
+    "driver_loads",
     "extra_for",
     "header_dir",
     "install_hint",
@@ -143,6 +145,24 @@ def _torch_major() -> int | None:
         return None
     m = _TORCH_LOCAL.search(version)
     return int(m.group(1)) // 10 if m else None  # cu130 -> 13, cu128 -> 12
+
+
+@functools.cache
+def driver_loads() -> bool:
+    """Whether the CUDA driver's library (libcuda.so.1) loads in this process; cached.
+
+    Where it does not, this process sees no CUDA device: CUDA's runtime (CuPy's too) reaches
+    every GPU through it. A rank without a GPU learns that here in a few microseconds, instead of
+    importing CuPy to ask (0.2-1.5 s a process, most of it ml_dtypes, which CuPy imports).
+    True where this cannot tell (not Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _driver_major() -> int | None:
