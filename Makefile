@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # the tests start hundreds of processes that each import ringcomm, 0.3-0.4 s faster from them.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-unit slurm test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+.PHONY: demo test test-unit slurm warm test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 
 $(BIN)/python:
@@ -70,9 +70,15 @@ slurm:
 			slurmctld slurmd slurm-client >/dev/null 2>&1; } \
 		|| echo "== Slurm could not be installed: tests/test_slurm.py will be skipped"; }
 
+# Numba's cache of ringcomm's kernels and the tests' emulated GPU library, filled once before the
+# tests (tests/warm_caches.py): in a fresh clone the first jobs otherwise each compile them, all
+# their processes at once. A few seconds where they are filled.
+warm: $(VENV)/.test
+	$(BIN)/python tests/warm_caches.py
+
 # tests/mpi runs under mpiexec below (at one rank it mostly skips: 40 s for the few calls of
 # a one-process communicator, which tests/test_api.py covers).
-test-unit: $(VENV)/.test slurm
+test-unit: $(VENV)/.test slurm warm
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal) --ignore=tests/mpi
 
 # Every file also runs at 3 ranks (an odd ring, nodes of different sizes, reduce-scatter parts
@@ -85,7 +91,7 @@ test-unit: $(VENV)/.test slurm
 MPI_AT_4 := allreduce allreduce_native compression cuda_ring collectives hierarchical_mpi \
 	powersgd_mpi auto_choice started_allreduce dist_all_to_all process_group_transport \
 	torch_process_sets dist_ops_like_gloo fused_small
-test-mpi: $(VENV)/.test
+test-mpi: $(VENV)/.test warm
 	$(BIN)/python tests/run_mpi.py -n 2 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q
 	$(BIN)/python tests/run_mpi.py -n 4 -- -q $(MPI_AT_4:%=tests/mpi/test_%.py)

@@ -345,3 +345,21 @@ def test_switch_off_keeps_the_python_path(monkeypatch, world):
         assert fused_of(c, x) is None
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_precompile_sends_nothing_and_the_call_then_runs(comm, world, rng, dtype):
+    """``precompile`` (what tests/warm_caches.py runs before the suite) on one rank only,
+    while the others wait: nothing is sent or received, and the compiled call runs after."""
+    if world.Get_rank() == 0:
+        mpi_fused.precompile(dtype)
+    world.Barrier()
+    x = (rng.standard_normal(6) * 100).astype(dtype)
+    compile_call(comm, x)
+    np.testing.assert_array_equal(comm.allreduce(x), expected(world, x, "sum"))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.uint8, np.dtype(">f4")])
+def test_precompile_refuses_what_the_call_does_not_reduce(dtype):
+    with pytest.raises(ValueError, match=r"float32/64 and int32/64; got"):
+        mpi_fused.precompile(dtype)
