@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
@@ -51,24 +53,25 @@ def _emulator(concurrent: bool) -> None:
         gpu_emulator.build(gpu_emulator.cache_dir())
 
 
-def tasks() -> list[tuple[object, object]]:
+def tasks() -> list[tuple[Callable[[Any], None], Any]]:
     """Every (function, argument) to run: the longest first."""
     from ringcomm.ops import _cpu_codecs, _cpu_jit, _cpu_topk  # noqa: F401  (they register)
 
-    out: list[tuple[object, object]] = [(_emulator, False), (_emulator, True)]
+    out: list[tuple[Callable[[Any], None], Any]] = [(_emulator, False), (_emulator, True)]
     out += [(_fused, dtype) for dtype in FUSED_DTYPES]
     out += [(_kernel, name) for name in _cpu_jit.KERNELS]
     return out
 
 
-def _run(task: tuple[object, object]) -> tuple[str, float, str]:
+def _run(task: tuple[Callable[[Any], None], Any]) -> tuple[str, float, str]:
+    """Run one task: its name, its seconds, and why it built nothing (or "")."""
     fn, arg = task
-    start = time.perf_counter()
+    start, why = time.perf_counter(), ""
     try:
-        fn(arg)  # type: ignore[operator]
+        fn(arg)
     except FileNotFoundError as exc:  # no C++ compiler: the emulator's tests skip
-        return f"{fn.__name__}({arg})", time.perf_counter() - start, str(exc)  # type: ignore[attr-defined]
-    return f"{fn.__name__}({arg})", time.perf_counter() - start, ""  # type: ignore[attr-defined]
+        why = str(exc)
+    return f"{fn.__name__}({arg})", time.perf_counter() - start, why
 
 
 def main(argv: list[str] | None = None) -> int:
