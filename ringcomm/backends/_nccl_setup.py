@@ -356,9 +356,12 @@ def local_setup(local_rank: int, device: int | None, make_uid: bool) -> LocalSet
         RuntimeError: CuPy, NCCL or a GPU is missing, or ``device`` does not exist; the
             message says what to install or do.
     """
-    cupy = import_cupy()
-    lib = _nccl_lib.load()
-    count, reason = device_count(cupy)
+    if not _cuda_stack.driver_loads():  # no GPU is visible: known without importing CuPy
+        count, reason = 0, "CUDA's driver library, libcuda.so.1, does not load"
+    else:
+        cupy = import_cupy()
+        lib = _nccl_lib.load()
+        count, reason = device_count(cupy)
     if not count:
         raise RuntimeError(
             f"the NCCL backend needs a CUDA GPU, and this process sees none ({reason}); run on "
@@ -384,11 +387,10 @@ def every_rank_can_start(mpi_comm: Any = None, timeout: float | None = None) -> 
         return False
     try:
         identity = None
-        if _cuda_stack.driver_loads():  # else no GPU here, known without importing CuPy
-            try:
-                identity = local_setup(rdv.local_rank, None, False).identity
-            except Exception:  # anything that keeps this rank from NCCL means "no"
-                identity = None
+        try:
+            identity = local_setup(rdv.local_rank, None, False).identity
+        except Exception:  # anything that keeps this rank from NCCL means "no", not an error
+            identity = None
         everyone = rdv.allgather_object(identity)
     finally:
         rdv.close()
