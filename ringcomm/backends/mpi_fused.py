@@ -117,17 +117,14 @@ class FusedAllreduce:
                    NROWS, ROW_ITEMS]] = (
             len(first), len(recvs), len(sends), handle, statuses, rank, max(polls, 1), OPS[op],
             self.ctrl.size, self.rows.ctypes.data, *self.rows.shape)
-        self._compile(dtype)
+        # Compiled (or loaded from Numba's cache) before the first call, which then sends
+        # nothing if this fails.
+        _compile(self.rows, self.ctrl, dtype)
         #: ``start(x, out)``: the compiled call's first part, its code as it returns it
         #: (``finish`` takes any other than DONE): the caller's path of every repeat, with
         #: nothing between it and the compiled code. It reaches ``ctrl`` and ``rows`` by
         #: address: this object holds them.
         self.start = functools.partial(self._entry, self.ctrl.ctypes.data)
-
-    def _compile(self, dtype: np.dtype) -> None:
-        """Compile (or load from Numba's cache) every entry point for ``dtype`` before the
-        first call, which then sends nothing if this fails."""
-        _compile(self.rows, self.ctrl, dtype)
 
     def set_header(self, header: bytes) -> None:
         """Send ``header`` from now on (the caller's name changed)."""
