@@ -7,9 +7,10 @@ Device arrays on another device are refused, with the same error on every rank.
 
 :class:`MPITransport` implements the Transport over four duplicates of an MPI communicator
 (the ring's messages, users' point-to-point messages, the host collectives, and the
-agreement's exchange of :mod:`ringcomm.backends.mpi_exchange`), so that none
-of ringcomm's messages can match another's or the application's. :class:`MPICommunicator` is
-the Communicator over it.
+agreement's exchange of :mod:`ringcomm.backends.mpi_exchange`), and a fifth for the barriers of
+the shared segment of medium allreduces (:mod:`ringcomm.backends.mpi_shared`) where every rank
+shares a node, so that none of ringcomm's messages can match another's or the application's.
+:class:`MPICommunicator` is the Communicator over it.
 
 Bounded time: every wait of the transport is a nonblocking MPI call polled with ``Testall``
 until a deadline (MPI's blocking calls cannot be interrupted). A rank that died, stopped or
@@ -36,6 +37,7 @@ from ringcomm import ops as _ops
 from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_exchange import SizedExchange
 from ringcomm.backends.mpi_process import FORWARD_S, abort, cores, import_mpi, machine_id
+from ringcomm.backends.mpi_shared import SharedAllreduce
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_env
 from ringcomm.comm.transport import (
@@ -48,6 +50,7 @@ from ringcomm.comm.transport import (
     write_fatal,
 )
 from ringcomm.core import trace
+from ringcomm.core.env import env_flag
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
@@ -137,6 +140,23 @@ _NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", 
 # sizes take MPI_Iallreduce.
 _PERSISTENT_BYTES = 32 << 10
 _PERSISTENT_KEPT = 64
+# Where every rank shares one node, the dense allreduces that MPI's would run from
+# _SHARED_MIN_BYTES up run through a shared segment instead (ringcomm/backends/mpi_shared.py):
+# each rank copies its array in once, reduces its chunk of every rank's in rank order, and
+# copies the result out, between two barriers; and the native limit's default is then
+# _SHARED_BYTES_PER_PEER x (n - 1). Measured with MPICH 5 on 2 cores, time over
+# MPI_Allreduce's after a barrier (bench/results/shared_allreduce.md): at 2 ranks 128 KiB-1 MiB
+# 0.87-0.92 against 1.03-1.27 before; with a 4 KiB inline size, against MPI's allreduce,
+# 16-32 KiB 1.37 and 1.21 against 1.58 and 1.47 at 2 ranks, 1.95 and 1.42 against 2.11 and
+# 1.86 at 4, but 8 KiB 2.11 against MPI's persistent allreduce's 1.83 (4 ranks: 2.55 against
+# 2.28), hence _SHARED_MIN_BYTES; against the ring, at 2 ranks
+# 1 MiB 0.90 against 1.11, 2 MiB 0.93 against 0.97, 4-8 MiB 1.02-1.03 against 0.82-0.93; at 4
+# ranks (two a core) 1-6 MiB 0.75-0.82 against 0.94-1.45.
+# RINGCOMM_MPI_SHARED_ALLREDUCE=0 keeps MPI's (agreed at start like the limit above).
+SHARED_ENV = "RINGCOMM_MPI_SHARED_ALLREDUCE"
+_SHARED_MIN_BYTES = 16 << 10
+_SHARED_BYTES_PER_PEER = 1 << 20
+_SHARED_KEPT = 256
 _MPI_OPS = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "SUM", ReduceOp.MIN: "MIN",
             ReduceOp.MAX: "MAX", ReduceOp.PROD: "PROD"}
 
@@ -225,6 +245,11 @@ class MPITransport(TransportBase):
         self._exchanges: list[SizedExchange] = []  # the agreement's, freed at close
         #: Persistent allreduces by (dtype, nbytes, op) (see _allreduce_of).
         self._allreduces: dict[tuple[Any, ...], Callable[[np.ndarray, np.ndarray], None]] = {}
+        #: The shared segment of medium allreduces (see SHARED_ENV), made at the first call
+        #: that would take it where ``_shared_pending``; None before and where none is made.
+        self._shared: SharedAllreduce | None = None
+        self._shared_pending = False
+        self._shared_comm: Any = None
         self._ctl = base  # until the duplicates exist, a timeout aborts through base
         self.operation = "init"
         dups = [base.Idup() for _ in range(4)]
@@ -249,15 +274,27 @@ class MPITransport(TransportBase):
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
-            agreed = agree_env(self, {NATIVE_BYTES_ENV: (self.size - 1) * _NATIVE_BYTES_PER_PEER},
-                               {FUSED_ENV: True})
+            agreed = agree_env(self, {NATIVE_BYTES_ENV: (self.size - 1) * self._per_peer()},
+                               {FUSED_ENV: True, SHARED_ENV: True})
         except ValueError:  # refused on every rank: nothing of this transport stays behind
             self.close()
             raise
         self.native_allreduce_bytes = agreed[NATIVE_BYTES_ENV]
         #: Whether repeated small allreduces may run as one compiled call (see FUSED_ENV).
         self.fused_calls = agreed[FUSED_ENV]
+        self._shared_pending = agreed[SHARED_ENV] and self.local_size == self.size > 1
         self._mpi_ops = {op: getattr(MPI, name) for op, name in _MPI_OPS.items()}
+
+    def _per_peer(self) -> int:
+        """The default limit of the native allreduce per other rank: _SHARED_BYTES_PER_PEER
+        where a shared segment would run it (every rank on one node, SHARED_ENV not 0), else
+        _NATIVE_BYTES_PER_PEER."""
+        try:
+            shared = env_flag(SHARED_ENV, True)
+        except ValueError:  # refused on every rank by the agreement that follows
+            shared = True
+        one_node = self.local_size == self.size > 1
+        return _SHARED_BYTES_PER_PEER if shared and one_node else _NATIVE_BYTES_PER_PEER
 
     def native_allreduce(self, x: Array, out: Array, op: ReduceOp) -> bool:
         """MPI's own allreduce of flat host ``x`` into ``out`` (which may be ``x``) when it
@@ -318,11 +355,47 @@ class MPITransport(TransportBase):
         key = (dtype, nbytes, op)
         allreduce = self._allreduces.get(key)
         if allreduce is None:
-            allreduce = self._persistent_allreduce(dtype, nbytes, op)
+            allreduce = (self._shared_allreduce(dtype, nbytes, op)
+                         or self._persistent_allreduce(dtype, nbytes, op))
             if allreduce is None:
                 return self._iallreduce(nbytes, op)
-            self._allreduces[key] = allreduce
+            if len(self._allreduces) < _SHARED_KEPT:
+                self._allreduces[key] = allreduce
         return allreduce
+
+    def _shared_allreduce(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                          ) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """The allreduce of ``dtype``, ``nbytes`` and ``op`` through the shared segment
+        (made at the first call that takes it: every rank at the same call), counted in the
+        stats; None where the segment does not take it (see SHARED_ENV)."""
+        if nbytes < _SHARED_MIN_BYTES:
+            return None
+        if self._shared_pending:
+            self._shared_pending = False
+            self._shared = self._make_shared()
+        shared = self._shared
+        if shared is None or nbytes > shared.slot:
+            return None
+        run = shared.prepare(dtype, nbytes, op)
+        stats, moved = self.stats, self.native_volume(nbytes)
+
+        def allreduce(x: np.ndarray, out: np.ndarray) -> None:
+            run(x, out)
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
+        return allreduce
+
+    def _make_shared(self) -> SharedAllreduce | None:
+        """This transport's shared segment, on a duplicate of its own (collective)."""
+        comm, req = self._ctl.Idup()
+        self._wait_one(req, "shared segment")
+        shared = SharedAllreduce.create(self, comm, self.native_allreduce_bytes, self._wait,
+                                        self._polls)
+        if shared is None:
+            comm.Free()
+        else:
+            self._shared_comm = comm
+        return shared
 
     def _iallreduce(self, nbytes: int, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], None]:
         iallreduce, mpi_op, in_place = self._ctl.Iallreduce, self._mpi_ops[op], self._MPI.IN_PLACE
@@ -345,7 +418,7 @@ class MPITransport(TransportBase):
         the result out; None where the size is past _PERSISTENT_BYTES, _PERSISTENT_KEPT are
         held already (the same on every rank: they are made at the same calls), or MPI is
         older than 4.0."""
-        if nbytes > _PERSISTENT_BYTES or len(self._allreduces) >= _PERSISTENT_KEPT:
+        if nbytes > _PERSISTENT_BYTES or len(self._persistent) >= _PERSISTENT_KEPT:
             return None
         buf = np.empty(nbytes // dtype.itemsize, dtype)
         try:
@@ -475,6 +548,10 @@ class MPITransport(TransportBase):
         for exchange in self._exchanges:
             exchange.free()
         self._exchanges.clear()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared_comm.Free()
+        self._shared, self._shared_pending = None, False
         for comm in (self._ring, self._p2p, self._ctl, self._agree):
             comm.Free()
 

@@ -13,7 +13,8 @@ The file holds one process (``ringcomm rank 0``) with one row per operation name
   itself, ``ALLREDUCE`` for instance);
 - nested in those, the phases the algorithms mark with :func:`ringcomm.core.trace.span` while
   the operation runs: ``RING_REDUCE_SCATTER``, ``RING_ALLGATHER``, ``MPI_ALLREDUCE`` (MPI's own,
-  for mid-sized dense host arrays), ``COMPRESS``, ``DECOMPRESS``.
+  for mid-sized dense host arrays), ``SHM_ALLREDUCE`` (the same through the shared segment of
+  ranks on one node), ``COMPRESS``, ``DECOMPRESS``.
 
 ``HOROVOD_TIMELINE_MARK_CYCLES=1`` (or ``mark_cycles=True``) adds a ``CYCLE_START`` mark across
 all rows for every negotiation cycle. Timestamps are microseconds since the timeline started;

@@ -1,0 +1,200 @@
+"""Medium dense allreduces through the shared segment of ranks on one node
+(ringcomm/backends/mpi_shared.py): the exact bits of a rank-order reduction on every rank, no
+call's data in another's, and every rank on one path where a rank cannot map the segment."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import gather_inputs, same_on_all_ranks
+from test_allreduce import check, make
+
+import ringcomm
+from ringcomm.backends import mpi as mpi_backend
+from ringcomm.backends import mpi_shared
+from ringcomm.backends.mpi import MPICommunicator
+from ringcomm.comm.agree import INLINE_BYTES
+from ringcomm.core.types import CollectiveTimeoutError
+
+MIN = mpi_backend._SHARED_MIN_BYTES
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+           "max": np.maximum}
+
+
+def rank_order(world: MPI.Comm, x: np.ndarray, op: str) -> np.ndarray:
+    """Every rank's ``x`` reduced in rank order in ``x``'s dtype (divided by the size for
+    avg): the bits the segment's owners compute."""
+    xs = gather_inputs(world, x)
+    acc = xs[0].copy()
+    for row in xs[1:]:
+        _UFUNCS[op](acc, row, out=acc)
+    if op == "avg":
+        np.divide(acc, len(xs), out=acc)
+    return acc
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """A communicator whose calls above 4 KiB are not inlined, so that 16-64 KiB calls take
+    the native path too."""
+    c = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=INLINE_BYTES)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def shared(comm):
+    """Whether ``comm``'s transport has a segment: every test's calls run on one node."""
+    if comm.size == 1:
+        pytest.skip("one rank copies")
+    # A medium call makes it (every rank at the same call).
+    comm.allreduce(np.ones(MIN // 4, np.float32))
+    segment = comm.transport._shared
+    assert segment, "every rank of the test job shares one node"
+    return segment
+
+
+def _sizes(slot: int, item: int) -> list[int]:
+    return [MIN - item, MIN, MIN + 7 * item, 100_003 * item // 4 * 4, slot - item, slot,
+            slot + item]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+def test_rank_order_bits_at_every_boundary(comm, world, rng, shared, dtype, op):
+    """Below the segment's least size, at it, odd counts, its largest and past it (MPI's own
+    then): a rank-order reduction's bits wherever the segment runs, the same on every rank."""
+    if op == "avg" and dtype.startswith("int"):
+        pytest.skip("avg is refused for integers")
+    if op in ("min", "max") and dtype.startswith("float"):
+        pytest.skip("float mins and maxes take the ring")
+    item = np.dtype(dtype).itemsize
+    for nbytes in _sizes(shared.slot, item):
+        x = make(rng, nbytes // item, dtype, op)
+        y = comm.allreduce(x, op=op)
+        assert same_on_all_ranks(world, y)
+        if MIN <= nbytes <= shared.slot or dtype.startswith("int"):
+            np.testing.assert_array_equal(y, rank_order(world, x, op), err_msg=str(nbytes))
+        z = x.copy()
+        assert comm.allreduce(z, out=z, op=op) is z
+        np.testing.assert_array_equal(z, y)
+
+
+@pytest.mark.parametrize("shape", [(20_000,), (100, 201), (3, 50, 70)])
+def test_prepared_repeats_out_and_in_place(comm, world, rng, shared, shape):
+    """The prepared repeat (NativePlan) of a medium call: new arrays, ``out`` and in place,
+    n-dimensional, the first call's bits each time."""
+    x = make(rng, int(np.prod(shape)), "float32", "sum").reshape(shape)
+    first = comm.allreduce(x)
+    np.testing.assert_array_equal(first, rank_order(world, x, "sum"))
+    out = np.empty_like(x)
+    for _ in range(5):
+        np.testing.assert_array_equal(comm.allreduce(x), first)
+        assert comm.allreduce(x, out=out) is out
+        np.testing.assert_array_equal(out, first)
+        z = x.copy()
+        comm.allreduce(z, out=z)
+        np.testing.assert_array_equal(z, first)
+    assert type(comm._allreduce.plans.get(x, "sum").repeat).__name__ == "NativePlan"
+
+
+def test_back_to_back_calls_never_see_each_others_data(comm, world, rng, shared):
+    """Calls of two sizes in turn, with new values each time and one rank late now and then
+    (a rank that writes its next slot early must not change what a slow rank still reads):
+    every result is its own call's."""
+    item = 4
+    sizes = (MIN // item + 5, shared.slot // item)
+    late = rng.random(300) < 0.1
+    for i in range(300):
+        n = sizes[i % 2]
+        x = np.full(n, float(i * world.Get_size() + world.Get_rank()), np.float32)
+        x[::97] += np.float32(0.5)
+        if late[i]:
+            time.sleep(0.001)
+        y = comm.allreduce(x)
+        expect = rank_order(world, x, "sum") if i % 50 == 0 else None
+        ranks = world.Get_size()
+        base = float(i * ranks * ranks + ranks * (ranks - 1) // 2)
+        assert y[1] == np.float32(base), (i, y[1], base)
+        assert y[-1] == np.float32(base + (0.5 * ranks if (n - 1) % 97 == 0 else 0.0))
+        if expect is not None:
+            np.testing.assert_array_equal(y, expect)
+
+
+def test_the_segment_file_is_gone_once_made(comm, world, shared):
+    """Rank 0 unlinks the file once every rank has mapped it: nothing of it outlives the
+    job's processes."""
+    pid = world.bcast(os.getpid(), root=0)
+    assert glob.glob(f"/dev/shm/ringcomm-{pid}-*") == []
+
+
+def _fresh(monkeypatch, **env) -> MPICommunicator:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=60,
+                           inline_bytes=INLINE_BYTES)
+
+
+@pytest.mark.parametrize("who", ["rank 0 makes none", "the last rank cannot map it"])
+def test_a_rank_without_the_segment_keeps_every_rank_on_mpi(monkeypatch, world, rng, who):
+    """Where rank 0 cannot make the segment or another rank cannot map it, no rank uses it:
+    MPI's allreduce everywhere, the same bits on every rank."""
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    rank, last = world.Get_rank(), world.Get_size() - 1
+    if who.startswith("rank 0") and rank == 0:
+        monkeypatch.setattr(mpi_shared, "_DIR", "/nonexistent-ringcomm-test")
+    if who.startswith("the last") and rank == last:
+        monkeypatch.setattr(mpi_shared, "_attach", lambda *a: (None, "refused by the test"))
+    c = _fresh(monkeypatch)
+    try:
+        x = make(rng, 50_000, "float64", "sum")
+        y = c.allreduce(x)
+        assert c.transport._shared is None
+        check(world, x, y, "sum")  # within rounding of the exact sum, the same on every rank
+    finally:
+        c.close()
+
+
+def test_switched_off_by_the_environment(monkeypatch, world, rng):
+    c = _fresh(monkeypatch, **{mpi_backend.SHARED_ENV: "0"})
+    try:
+        c.allreduce(make(rng, 50_000, "float32", "sum"))
+        assert c.transport._shared is None
+    finally:
+        c.close()
+
+
+def test_switch_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    value = "0" if world.Get_rank() == 0 else "1"
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match=r"RINGCOMM_MPI_SHARED_ALLREDUCE differs between ranks"):
+        _fresh(monkeypatch, **{mpi_backend.SHARED_ENV: value})
+    world.Barrier()
+
+
+def test_a_rank_that_never_comes_times_out_in_the_barrier(world, rng):
+    """Rank 0 enters a segment allreduce that no other rank enters (past the agreement: the
+    transport's own call): it raises CollectiveTimeoutError within the timeout, naming the
+    collective, instead of waiting for good."""
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    c = MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=1.0,
+                        inline_bytes=INLINE_BYTES)
+    x = np.ones(MIN // 4, np.float32)
+    c.allreduce(x)  # makes the segment on every rank
+    assert c.transport._shared
+    if world.Get_rank() == 0:
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="allreduce"):
+            c.transport.native_allreduce(x, np.empty_like(x), ringcomm.ReduceOp.SUM)
+        assert time.monotonic() - started < 20
+    world.Barrier()
+    c.close()
