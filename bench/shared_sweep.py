@@ -11,6 +11,7 @@ communicator in the same job every other call measured 5-15% slower here::
 
     mpiexec -n 2 python bench/shared_sweep.py --paths segment,mpi --sizes 4K,16K,128K,1M
     mpiexec -n 2 python bench/shared_sweep.py --paths segment,ring --sizes 512K,1M,2M,4M,8M
+    mpiexec -n 2 python bench/shared_sweep.py --collective reduce_scatter --paths segment,ring
 """
 
 from __future__ import annotations
@@ -47,17 +48,32 @@ def _communicator(path: str, limit: int) -> ringcomm.Communicator:
 
 
 def _sweep(world: MPI.Comm, comms: dict[str, ringcomm.Communicator], nbytes: int,
-           iters: int) -> tuple[list[float], dict[str, list[float]]]:
-    """MPI_Allreduce's times of ``nbytes`` and each path's over them, call by call."""
+           iters: int, collective: str) -> tuple[list[float], dict[str, list[float]]]:
+    """MPI's times of ``nbytes`` (MPI_Allreduce, or MPI_Reduce_scatter_block) and each
+    path's over them, call by call."""
     x = np.random.default_rng(world.rank).random(nbytes // 4, np.float32)
     ref, y = np.empty_like(x), np.empty_like(x)
+    if collective == "allreduce":
+        def mpi() -> None:
+            world.Allreduce(x, ref)
+
+        def ours(c: ringcomm.Communicator) -> None:
+            c.allreduce(x, out=y)
+    else:
+        part = ref[:x.size // world.size]
+
+        def mpi() -> None:
+            world.Reduce_scatter_block(x, part)
+
+        def ours(c: ringcomm.Communicator) -> None:
+            c.reduce_scatter(x)
     names = list(comms)
     ratios: dict[str, list[float]] = {k: [] for k in names}
     mpi_times = []
     for i in range(iters + WARMUP):
-        mpi_time = _timed(world, lambda: world.Allreduce(x, ref))
+        mpi_time = _timed(world, mpi)
         for k in names[i % len(names):] + names[:i % len(names)]:  # each path first in turn
-            t = _timed(world, lambda c=comms[k]: c.allreduce(x, out=y))
+            t = _timed(world, lambda c=comms[k]: ours(c))
             if i >= WARMUP:
                 ratios[k].append(t / mpi_time)
         if i >= WARMUP:
@@ -72,6 +88,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=400, help="at most, per size")
     parser.add_argument("--paths", default="segment,mpi",
                         help="comma list of segment, mpi (MPI's allreduce), ring")
+    parser.add_argument("--collective", choices=("allreduce", "reduce_scatter"),
+                        default="allreduce", help="against MPI_Allreduce or "
+                        "MPI_Reduce_scatter_block (sizes that divide by the ranks)")
     parser.add_argument("--least", default=None,
                         help="the segment's least size for this run (default: the library's)")
     args = parser.parse_args()
@@ -83,10 +102,11 @@ def main() -> None:
     if world.rank == 0:
         segment = next(iter(comms.values())).transport
         print(f"# {world.size} ranks; one node: {segment.local_size == segment.size}; "
-              f"MPI_Allreduce's time, then each path's over it: median [q1, q3]", flush=True)
+              f"{args.collective}: MPI's time, then each path's over it: median [q1, q3]",
+              flush=True)
     for nbytes in sizes:
         iters = max(40, min(args.iters, int(TOTAL_BYTES / nbytes)))
-        mpi_times, ratios = _sweep(world, comms, nbytes, iters)
+        mpi_times, ratios = _sweep(world, comms, nbytes, iters, args.collective)
         if world.rank == 0:
             cells = " | ".join(
                 f"{k} {np.median(v):.2f} [{np.percentile(v, 25):.2f}, {np.percentile(v, 75):.2f}]"

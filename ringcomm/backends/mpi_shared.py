@@ -1,4 +1,4 @@
-"""Medium dense allreduces through memory every rank of one node maps.
+"""Medium dense allreduces (and reduce-scatters) through memory every rank of one node maps.
 
 MPI's allreduce of a few hundred KiB between processes of one node moves each array through
 MPI's shared-memory cells (a copy in and a copy out per hop) and reduces what arrives; here
@@ -150,6 +150,34 @@ class SharedAllreduce:
                 barrier()
                 out[...] = result.reshape(out.shape)  # any layout of out: written through
         return allreduce
+
+    def prepare_reduce_scatter(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                               ) -> Callable[[np.ndarray], np.ndarray]:
+        """The reduce-scatter of flat C-contiguous arrays of ``dtype`` and ``nbytes`` (at
+        most ``slot``) by ``op``: this rank's chunk, ``[r * L // n, (r + 1) * L // n)``,
+        reduced in rank order from every rank's slot into a new array (divided by the size
+        for AVG)."""
+        count = nbytes // dtype.itemsize
+        n, rank = self.size, self.rank
+        lo, hi = rank * count // n, (rank + 1) * count // n
+        mine = self._slots[rank][:nbytes].view(dtype)
+        parts = [s[:nbytes].view(dtype)[lo:hi] for s in self._slots]
+        ufunc = _UFUNCS[op]
+        average = op is ReduceOp.AVG
+        barrier = self._barrier_call()
+
+        def reduce_scatter(x: np.ndarray) -> np.ndarray:
+            with trace.span("SHM_REDUCE_SCATTER"):
+                mine[...] = x
+                barrier()
+                chunk = ufunc(parts[0], parts[1])
+                for part in parts[2:]:
+                    ufunc(chunk, part, out=chunk)
+                if average:
+                    np.divide(chunk, n, out=chunk)
+                barrier()  # every rank has read every slot: the next call may write
+                return chunk
+        return reduce_scatter
 
     def _barrier_call(self) -> Callable[[], None]:
         """A barrier of the segment's ranks, polled within the timeout."""

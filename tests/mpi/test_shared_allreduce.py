@@ -198,3 +198,50 @@ def test_a_rank_that_never_comes_times_out_in_the_barrier(world, rng):
         assert time.monotonic() - started < 20
     world.Barrier()
     c.close()
+
+
+def rank_order_chunk(world: MPI.Comm, x: np.ndarray, op: str) -> np.ndarray:
+    """This rank's chunk, ``[r * L // n, (r + 1) * L // n)``, of ``rank_order``."""
+    n, r = world.Get_size(), world.Get_rank()
+    return rank_order(world, x, op)[r * x.size // n:(r + 1) * x.size // n]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+def test_reduce_scatter_rank_order_bits(comm, world, rng, shared, dtype, op):
+    """A reduce-scatter of a medium flat array through the segment: this rank's chunk of a
+    rank-order reduction, exactly, into a new array or ``out``; below the segment's least
+    size and past its slot the ring runs (then within rounding)."""
+    if op == "avg" and dtype.startswith("int"):
+        pytest.skip("avg is refused for integers")
+    item = np.dtype(dtype).itemsize
+    n, r = world.Get_size(), world.Get_rank()
+    for nbytes in _sizes(shared.slot, item):
+        x = make(rng, nbytes // item, dtype, op)
+        if op in ("min", "max") and dtype.startswith("float"):
+            x[::1001] = np.nan  # kept, as the ring keeps it
+        y = comm.reduce_scatter(x, op=op)
+        out = np.empty((r + 1) * x.size // n - r * x.size // n, x.dtype)
+        assert comm.reduce_scatter(x, op=op, out=out) is out  # every call made before asserts
+        expect = rank_order_chunk(world, x, op)
+        assert y.shape == expect.shape and y.dtype == x.dtype
+        np.testing.assert_array_equal(out, y)
+        if MIN <= nbytes <= shared.slot or dtype.startswith("int") or op in ("min", "max"):
+            np.testing.assert_array_equal(y, expect, err_msg=str(nbytes))
+        else:  # the ring's order of additions: within rounding of the magnitudes summed
+            scale = rank_order_chunk(world, np.abs(x), "sum" if op != "prod" else "prod")
+            tol = 8 * n * np.finfo(x.dtype).eps
+            assert np.all(np.abs(y - expect) <= tol * np.abs(scale)), nbytes
+
+
+def test_reduce_scatters_and_allreduces_in_turn(comm, world, rng, shared):
+    """Reduce-scatters and allreduces of the segment, back to back, the chunks shaped
+    (4, -1): every call gets its own call's values, and the chunks of every rank make the
+    allreduce."""
+    n, r = world.Get_size(), world.Get_rank()
+    for i in range(60):
+        x = make(rng, MIN // 4 * (1 + i % 7) + i, "float32", "sum")
+        full = comm.allreduce(x)
+        part = comm.reduce_scatter(x.reshape(-1))
+        np.testing.assert_array_equal(part, full[r * x.size // n:(r + 1) * x.size // n])
+        np.testing.assert_array_equal(full, rank_order(world, x, "sum"))
