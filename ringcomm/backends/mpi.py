@@ -286,7 +286,9 @@ class MPITransport(TransportBase):
         self.native_allreduce_bytes = agreed[NATIVE_BYTES_ENV]
         #: Whether repeated small allreduces may run as one compiled call (see FUSED_ENV).
         self.fused_calls = agreed[FUSED_ENV]
-        self._shared_pending = agreed[SHARED_ENV] and self.local_size == self.size > 1
+        # (A limit below the segment's least size, 0 for always the ring, makes none.)
+        self._shared_pending = (agreed[SHARED_ENV] and self.local_size == self.size > 1
+                                and self.native_allreduce_bytes >= _SHARED_MIN_BYTES)
         self._mpi_ops = {op: getattr(MPI, name) for op, name in _MPI_OPS.items()}
 
     def _per_peer(self) -> int:
@@ -359,12 +361,15 @@ class MPITransport(TransportBase):
         key = (dtype, nbytes, op)
         allreduce = self._allreduces.get(key)
         if allreduce is None:
-            allreduce = (self._shared_allreduce(dtype, nbytes, op)
-                         or self._persistent_allreduce(dtype, nbytes, op))
+            shared = self._shared_allreduce(dtype, nbytes, op)
+            if shared is not None:  # kept for the sizes seen first (made again: views only)
+                if len(self._allreduces) < _SHARED_KEPT:
+                    self._allreduces[key] = shared
+                return shared
+            allreduce = self._persistent_allreduce(dtype, nbytes, op)
             if allreduce is None:
                 return self._iallreduce(nbytes, op)
-            if len(self._allreduces) < _SHARED_KEPT:
-                self._allreduces[key] = allreduce
+            self._allreduces[key] = allreduce
         return allreduce
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:

@@ -170,6 +170,19 @@ def test_switched_off_by_the_environment(monkeypatch, world, rng):
         c.close()
 
 
+def test_a_native_limit_of_zero_makes_no_segment(monkeypatch, world, rng):
+    """RINGCOMM_MPI_ALLREDUCE_BYTES=0 asks for the ring always: no segment, for allreduces
+    and reduce-scatters alike."""
+    c = _fresh(monkeypatch, **{mpi_backend.NATIVE_BYTES_ENV: "0"})
+    try:
+        x = make(rng, 50_000, "int64", "sum")
+        np.testing.assert_array_equal(c.allreduce(x), gather_inputs(world, x).sum(axis=0))
+        c.reduce_scatter(x)
+        assert c.transport._shared is None and not c.transport._shared_pending
+    finally:
+        c.close()
+
+
 def test_switch_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
     if world.Get_size() == 1:
         pytest.skip("needs two ranks")
