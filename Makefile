@@ -85,13 +85,12 @@ test-unit: $(VENV)/.test slurm warm
 # of different lengths). At 4 ranks (four ranks on two cores: 2x slower) only what a fourth
 # rank changes: the rings, compressed and dense (a ring longer than 3), the two-level allreduce
 # over 2 nodes of 2, the collectives, groups split in two pairs, all_reduce against gloo's
-# (where two of the ranks' bools are True), the compiled small allreduce (whose polls end
-# at once where ranks outnumber cores: the timed wait completes it) and the shared segment's
-# allreduce (each rank reduces a chunk: the last chunks of an odd count). The property-based tests
+# (where two of the ranks' bools are True), and the compiled small allreduce (whose polls end
+# at once where ranks outnumber cores: the timed wait completes it). The property-based tests
 # are not among them (four ranks on two cores took 35 s of them).
 MPI_AT_4 := allreduce allreduce_native compression cuda_ring collectives hierarchical_mpi \
 	powersgd_mpi auto_choice started_allreduce dist_all_to_all process_group_transport \
-	torch_process_sets dist_ops_like_gloo fused_small shared_allreduce
+	torch_process_sets dist_ops_like_gloo fused_small
 test-mpi: $(VENV)/.test warm
 	$(BIN)/python tests/run_mpi.py -n 2 -- -q
 	$(BIN)/python tests/run_mpi.py -n 3 -- -q

@@ -41,8 +41,17 @@ def rank_order(world: MPI.Comm, x: np.ndarray, op: str) -> np.ndarray:
 @pytest.fixture(scope="module")
 def comm():
     """A communicator whose calls above 4 KiB are not inlined, so that 16-64 KiB calls take
-    the native path too."""
-    c = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=INLINE_BYTES)
+    the native path too, and whose native limit (the segment's slot) is 256 KiB at every
+    size, so that the calls around the slot stay quick."""
+    saved = os.environ.get(mpi_backend.NATIVE_BYTES_ENV)
+    os.environ[mpi_backend.NATIVE_BYTES_ENV] = "256K"
+    try:
+        c = ringcomm.init("mpi", abort_on_exception=False, inline_bytes=INLINE_BYTES)
+    finally:
+        if saved is None:
+            del os.environ[mpi_backend.NATIVE_BYTES_ENV]
+        else:
+            os.environ[mpi_backend.NATIVE_BYTES_ENV] = saved
     yield c
     c.close()
 
