@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.algorithms.ring import chunk_bounds
 from ringcomm.core import trace
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import ReduceOp
@@ -54,8 +55,6 @@ _DIR = "/dev/shm"
 _TOKEN_BYTES = 16
 # Result chunks start on cache lines of their own: the ranks write them at once.
 _LINE = 64
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
 def slot_bytes(size: int, limit: int) -> int:
@@ -76,7 +75,6 @@ class SharedAllreduce:
                  wait: Callable[[Callable[[], bool], list[Any], int | None, str], None],
                  polls: int) -> None:
         self._comm = comm
-        self._memory = memory
         self.slot = slot
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         whole = np.frombuffer(memory, np.uint8, (self.size + 1) * slot)
@@ -125,28 +123,19 @@ class SharedAllreduce:
         ``slot``) by ``op``: this rank's chunk reduced in rank order (divided by the size for
         AVG), every chunk copied out."""
         count = nbytes // dtype.itemsize
-        n, rank = self.size, self.rank
-        align = max(1, _LINE // dtype.itemsize)
-        blocks = -(-count // align)
-        lo, hi = (min(count, (r * blocks // n) * align) for r in (rank, rank + 1))
-        mine = self._slots[rank][:nbytes].view(dtype)
-        parts = [s[:nbytes].view(dtype)[lo:hi] for s in self._slots]
+        lo, hi = chunk_bounds(count, self.size, max(1, _LINE // dtype.itemsize))[
+            self.rank:self.rank + 2]
+        mine, parts = self._views(dtype, nbytes, lo, hi)
         result = self._result[:nbytes].view(dtype)
         chunk = result[lo:hi]
-        ufunc = _UFUNCS[op]
-        average = op is ReduceOp.AVG
+        reduce = self._reduction(op)
         barrier = self._barrier_call()
 
         def allreduce(x: np.ndarray, out: np.ndarray) -> None:
             with trace.span("SHM_ALLREDUCE"):
                 mine[...] = x.reshape(-1)
                 barrier()
-                if hi > lo:
-                    ufunc(parts[0], parts[1], out=chunk)
-                    for part in parts[2:]:
-                        ufunc(chunk, part, out=chunk)
-                    if average:
-                        np.divide(chunk, n, out=chunk)
+                reduce(parts, chunk)
                 barrier()
                 out[...] = result.reshape(out.shape)  # any layout of out: written through
         return allreduce
@@ -157,27 +146,41 @@ class SharedAllreduce:
         most ``slot``) by ``op``: this rank's chunk, ``[r * L // n, (r + 1) * L // n)``,
         reduced in rank order from every rank's slot into a new array (divided by the size
         for AVG)."""
-        count = nbytes // dtype.itemsize
-        n, rank = self.size, self.rank
-        lo, hi = rank * count // n, (rank + 1) * count // n
-        mine = self._slots[rank][:nbytes].view(dtype)
-        parts = [s[:nbytes].view(dtype)[lo:hi] for s in self._slots]
-        ufunc = _UFUNCS[op]
-        average = op is ReduceOp.AVG
+        lo, hi = chunk_bounds(nbytes // dtype.itemsize, self.size)[self.rank:self.rank + 2]
+        mine, parts = self._views(dtype, nbytes, lo, hi)
+        reduce = self._reduction(op)
         barrier = self._barrier_call()
 
         def reduce_scatter(x: np.ndarray) -> np.ndarray:
             with trace.span("SHM_REDUCE_SCATTER"):
                 mine[...] = x
                 barrier()
-                chunk = ufunc(parts[0], parts[1])
-                for part in parts[2:]:
-                    ufunc(chunk, part, out=chunk)
-                if average:
-                    np.divide(chunk, n, out=chunk)
+                chunk = np.empty(hi - lo, dtype)
+                reduce(parts, chunk)
                 barrier()  # every rank has read every slot: the next call may write
                 return chunk
         return reduce_scatter
+
+    def _views(self, dtype: np.dtype, nbytes: int, lo: int, hi: int
+               ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """This rank's slot as ``nbytes`` of ``dtype``, and elements ``[lo, hi)`` of every
+        rank's, in rank order."""
+        mine = self._slots[self.rank][:nbytes].view(dtype)
+        return mine, [s[:nbytes].view(dtype)[lo:hi] for s in self._slots]
+
+    def _reduction(self, op: ReduceOp) -> Callable[[list[np.ndarray], np.ndarray], None]:
+        """``reduce(parts, out)``: ``parts`` combined by ``op`` in rank order into ``out``
+        (then divided by the size for AVG)."""
+        ufunc, size = getattr(np, op.spec.ufunc), self.size
+        average = op is ReduceOp.AVG
+
+        def reduce(parts: list[np.ndarray], out: np.ndarray) -> None:
+            ufunc(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                ufunc(out, part, out=out)
+            if average:
+                np.divide(out, size, out=out)
+        return reduce
 
     def _barrier_call(self) -> Callable[[], None]:
         """A barrier of the segment's ranks, polled within the timeout."""
@@ -203,11 +206,10 @@ class SharedAllreduce:
         return barrier_nonpersistent
 
     def close(self) -> None:
-        """Free the barrier (where no wait left it active) and drop the mapping (the memory
-        goes when the arrays made from it do)."""
+        """Free the barrier (where no wait left it active); the mapping goes with the last
+        array made from it."""
         if self._persistent and self._barrier.Test():
             self._barrier.Free()
-        self._slots, self._result = [], self._result[:0]
 
 
 def _make(nbytes: int) -> tuple[str | None, bytes | None, mmap.mmap | None, str]:
