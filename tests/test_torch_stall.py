@@ -8,6 +8,7 @@ checks the errors' types and messages and that the job ended in bounded time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -144,3 +145,29 @@ def test_differing_optimizer_buckets_are_reported_as_such(mpiexec, subprocess_en
         assert "it is a DistributedOptimizer bucket, and the ranks cut different ones where " \
             "their parameters' names, which of them require a gradient, " \
             "fusion_threshold_bytes or the compression differ" in d["message"]
+
+
+def test_a_stall_counts_from_after_every_rank_submitted():
+    """Rank 0's clock at the start of the cycle that brings an operation can be earlier than
+    another rank's submission of it (that rank sends its message later in the same cycle), so
+    the stall counts from the next cycle's start: no rank ever sees it fail before the limit
+    on its own clock."""
+    from ringcomm.torch._errors import StalledOperationError
+    from ringcomm.torch.horovod._control import ResponseCache
+    from ringcomm.torch.horovod._table import PendingTable
+
+    table = PendingTable(2, 0, ResponseCache(8), stall_limit=STALL_S, stall_warning=math.inf)
+    meta = {"dtype": "torch.float32", "device": "cpu", "shape": (3,), "op": "SUM",
+            "prescale": 1.0, "postscale": 1.0, "compression": None}
+    only_on_1 = ("allreduce.x", "allreduce", "x", meta, True)
+    t0 = 100.0
+    assert table.absorb([([], False, t0), ([only_on_1], False, t0 + 0.5)], 1) == []
+    # Past the limit from the bringing cycle's start, not from the next one's.
+    t1 = t0 + 0.01
+    assert table.absorb([([], False, t1), ([], False, t1)], 2) == []
+    assert table.absorb([([], False, t1 + STALL_S - 0.001), ([], False, 0.0)], 3) == []
+    assert table  # still pending
+    [outcome] = table.absorb([([], False, t1 + STALL_S + 0.001), ([], False, 0.0)], 4)
+    assert isinstance(outcome.error, StalledOperationError)
+    assert "'x' was submitted by rank 1 but not by rank 0" in str(outcome.error)
+    assert not table

@@ -41,7 +41,11 @@ class Entry:
     metas: dict[int, dict[str, Any]]
     fusable: dict[int, bool]
     arrival: tuple[int, int, int]  # (cycle, rank, position): the agreed order
-    first_seen: float  # rank 0's clock when it first appeared
+    # Rank 0's clock at the start of the first cycle after the one that brought it: every
+    # rank sent its message of that cycle (and so had submitted it) before that moment, so a
+    # stall counted from it is never shorter than the limit on any rank's own clock. None
+    # during the cycle that brought it.
+    first_seen: float | None
     request: Request  # the first rank's request
     uniform: bool = True  # every rank's request so far equals ``request``
     warned: bool = False
@@ -91,13 +95,16 @@ class PendingTable:
         the order it runs."""
         now0 = everyone[0][2]
         table = self._entries
+        for older in table.values():
+            if older.first_seen is None:
+                older.first_seen = now0
         for r, (requests, _, _) in enumerate(everyone):
             for pos, request in enumerate(requests):
                 name, kind = request[0], request[1]
                 entry = table.get(name)
                 if entry is None:
                     table[name] = Entry(name, kind, request[2], {r: request[3]},
-                                        {r: request[4]}, (cycle, r, pos), now0, request)
+                                        {r: request[4]}, (cycle, r, pos), None, request)
                 else:
                     if entry.uniform and request is not entry.request:
                         entry.uniform = request == entry.request
@@ -136,7 +143,7 @@ class PendingTable:
             return Outcome(entry, HorovodInternalError(
                 f"{entry.kind} {entry.user_name!r}: {ranks_text(sorted(joined))} joined "
                 "(hvd.join) before submitting it; only allreduce runs with joined ranks"))
-        waited = now0 - entry.first_seen
+        waited = 0.0 if entry.first_seen is None else now0 - entry.first_seen
         missing = sorted(set(range(self.size)) - have - joined)
         if waited > self.stall_limit:
             return Outcome(entry, StalledOperationError(
