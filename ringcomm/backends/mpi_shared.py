@@ -17,7 +17,10 @@ has answered, so that nothing of it outlives the job's processes. Every rank che
 maps rank 0's segment (a token rank 0 wrote), and every rank learns every rank's answer: where
 one rank cannot map it (another machine's ``/dev/shm``, a container of its own), no rank uses
 it. Freeing it is each process's own (unmapping), never a collective that a rank which left
-early would hang.
+early would hang. It takes at most a quarter of what ``/dev/shm`` has free when it is made
+(rank 0's slot size, which every rank takes): others need that memory too (a container's
+``/dev/shm`` is 64 MiB by default, and PyTorch's DataLoader workers hand their batches through
+it), and a segment that leaves too little makes them fail, not this.
 
 Why the barriers keep the data apart: a rank writes its slot only after the second barrier of
 the previous call, which every rank enters only after reading the slots, and writes the
@@ -50,6 +53,10 @@ _LOG = get_logger("mpi")
 # A segment holds size + 1 slots (one per rank, and the result); they are at most the MPI
 # allreduce's limit and together at most _BUDGET_BYTES of the node's memory.
 _BUDGET_BYTES = 32 << 20
+# ... and at most this share of what /dev/shm has free; no segment where its slots would be
+# smaller than _LEAST_SLOT (calls that small gain little from it).
+_FREE_SHARE = 4
+_LEAST_SLOT = 64 << 10
 _ALIGN = 4096
 _DIR = "/dev/shm"
 _TOKEN_BYTES = 16
@@ -95,15 +102,15 @@ class SharedAllreduce:
         collective: every rank at the same call), or None on every rank where some rank
         cannot map it. ``transport`` asks the questions (its polled ``allgather_object``)."""
         size = comm.Get_size()
-        slot = slot_bytes(size, limit)
-        nbytes = (size + 1) * slot
-        path, token, memory, why = None, None, None, ""
+        slot, path, token, memory, why = 0, None, None, None, ""
         if transport.rank == 0:
-            path, token, memory, why = _make(nbytes)
+            slot, why = _fitting_slot(size, limit)
+            if slot:
+                path, token, memory, why = _make((size + 1) * slot)
         try:
-            path, token = transport.allgather_object((path, token))[0]
+            slot, path, token = transport.allgather_object((slot, path, token))[0]
             if memory is None and path is not None:
-                memory, why = _attach(path, nbytes, token)
+                memory, why = _attach(path, (size + 1) * slot, token)
             answers = transport.allgather_object(why)
         finally:  # every rank has answered (or the job is failing): the name goes
             if transport.rank == 0 and path is not None:
@@ -210,6 +217,31 @@ class SharedAllreduce:
         array made from it."""
         if self._persistent and self._barrier.Test():
             self._barrier.Free()
+
+
+def _free_bytes() -> int:
+    """What /dev/shm has free for this process, in bytes (0 where there is none)."""
+    try:
+        vfs = os.statvfs(_DIR)
+    except OSError:
+        return 0
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _fitting_slot(size: int, limit: int) -> tuple[int, str]:
+    """Rank 0's slot for ``size`` ranks: :func:`slot_bytes`, or less where the segment
+    would take more than 1/_FREE_SHARE of /dev/shm's free space; (0, why) where that leaves
+    less than _LEAST_SLOT."""
+    slot = slot_bytes(size, limit)
+    free = _free_bytes()
+    fitting = free // _FREE_SHARE // (size + 1) // _ALIGN * _ALIGN
+    if fitting < slot:
+        if fitting < _LEAST_SLOT:
+            return 0, f"{_DIR} has {free} bytes free, too few for {size + 1} slots"
+        _LOG.info("shared segment: slots of %d bytes, not %d, as %s has %d bytes free",
+                  fitting, slot, _DIR, free)
+        slot = fitting
+    return slot, ""
 
 
 def _make(nbytes: int) -> tuple[str | None, bytes | None, mmap.mmap | None, str]:

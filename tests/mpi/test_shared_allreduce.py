@@ -171,6 +171,38 @@ def test_a_rank_without_the_segment_keeps_every_rank_on_mpi(monkeypatch, world, 
         c.close()
 
 
+@pytest.mark.parametrize("free", ["room for 64 KiB slots", "too little"])
+def test_the_segment_takes_a_quarter_of_what_is_free_at_most(monkeypatch, world, rng, free):
+    """Rank 0 sizes the slots to a quarter of /dev/shm's free space; every rank takes its
+    size (calls above it take MPI's allreduce), and where not even 64 KiB slots fit, no rank
+    makes a segment."""
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    n = world.Get_size()
+    room = mpi_shared._FREE_SHARE * (n + 1) * (64 << 10)
+    if world.Get_rank() == 0:  # only rank 0 looks: the others must follow its answer
+        monkeypatch.setattr(mpi_shared, "_free_bytes",
+                            lambda: room + 4095 if free.startswith("room") else room - 4096)
+    c = _fresh(monkeypatch)
+    try:
+        for count in (12_000, 16_384, 16_385, 40_000):  # float32: 48, 64, 64 KiB + 4, 160 KiB
+            x = make(rng, count, "float32", "sum")
+            y = c.allreduce(x)
+            if free.startswith("room") and count <= 16_384:
+                np.testing.assert_array_equal(y, rank_order(world, x, "sum"))
+            else:
+                check(world, x, y, "sum")
+        slot = c.transport._shared.slot if c.transport._shared else 0
+        assert world.allgather(slot) == [64 << 10 if free.startswith("room") else 0] * n
+    finally:
+        c.close()
+
+
+def test_free_bytes_are_those_of_dev_shm():
+    vfs = os.statvfs("/dev/shm")
+    assert abs(mpi_shared._free_bytes() - vfs.f_bavail * vfs.f_frsize) < 64 << 20
+
+
 def test_switched_off_by_the_environment(monkeypatch, world, rng):
     c = _fresh(monkeypatch, **{mpi_backend.SHARED_ENV: "0"})
     try:
