@@ -19,6 +19,7 @@ small dense calls under "auto") never make them, and cost nothing more.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ringcomm import ops as _ops
@@ -205,6 +206,8 @@ class TwoLevel:
             except BaseException:
                 local.close()
                 raise
+            for sub in (local, cross):  # a timeout in either fails the communicator
+                sub.on_failure(functools.partial(_forward_failure, sub, t))
             self._groups = (local, cross)
         return self._groups
 
@@ -247,3 +250,11 @@ def _may_help(t: Transport, x: Array, comp: Any | None) -> bool:
     if comp is None or isinstance(comp, DenseCompressor):
         return x.nbytes >= HIERARCHICAL_MIN_BYTES
     return True  # sparse: the node count decides
+
+
+def _forward_failure(sub: Transport, parent: Transport) -> None:
+    """Fail ``parent`` with the error that failed ``sub`` (its node-local or cross-node
+    group): a wait there that timed out left requests posted on some ranks, and the
+    communicator over ``parent`` must refuse every later call, as for its own timeouts."""
+    if sub.failure is not None:
+        parent.fail(sub.failure)

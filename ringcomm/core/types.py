@@ -334,6 +334,10 @@ class Transport(Protocol):
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the transport fails (after which it refuses every call)."""
 
+    def fail(self, error: Exception) -> None:
+        """Mark the transport failed with ``error`` (a wait on it, or on a transport split
+        from it, timed out): every later call is refused."""
+
     @property
     def default_inline_bytes(self) -> int:
         """The inline size where the user sets none (read-only)."""

@@ -335,3 +335,42 @@ def test_a_timed_out_communicator_refuses_every_later_call(world, repeats):
         world.Barrier()
     finally:
         c.close()
+
+
+def test_a_timeout_in_a_two_level_phase_refuses_every_later_call(monkeypatch, world):
+    """A wait that times out in the two-level allreduce's node-local or cross-node group (a
+    transport of its own, split from the communicator's) fails the communicator: every later
+    call on that rank is refused, as for a timeout of its own, instead of running on a
+    group whose requests are still posted."""
+    import time
+
+    from ringcomm.algorithms import ring
+    from ringcomm.backends.mpi import MPICommunicator
+    if world.Get_size() != 2:
+        pytest.skip("two ranks: one waits in the cross-node phase, the other comes late")
+    c = MPICommunicator(world, abort_on_timeout=False, timeout=1, algorithm="hierarchical",
+                        topology=1)
+    x = np.ones(50_000, np.float32)
+    try:
+        np.testing.assert_array_equal(c.allreduce(x), 2 * x)  # the groups exist
+        if c.rank == 1:  # late after the call's agreement: rank 0 waits in the cross phase
+            local_phase = ring.reduce_scatter
+
+            def late(*args, **kwargs):
+                time.sleep(2.5)
+                return local_phase(*args, **kwargs)
+            monkeypatch.setattr(ring, "reduce_scatter", late)
+        try:
+            c.allreduce(x)
+            raised = None
+        except Exception as err:  # rank 1 may time out or finish
+            raised = err
+        if c.rank == 0:
+            assert isinstance(raised, ringcomm.CollectiveTimeoutError), raised
+            assert c.transport.failure is not None
+            for call in (lambda: c.allreduce(x), lambda: c.allreduce(np.ones(3)), c.barrier):
+                with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
+                    call()
+        world.Barrier()
+    finally:
+        c.close()
