@@ -382,8 +382,9 @@ def reduce_scatter(t: Transport, x: Array, op: ReduceOp, *,
     (a new array): the transport's own reduce-scatter where it has one, the ring otherwise.
 
     ``work``, a flat array of ``x``'s length and dtype (``x`` itself allowed), takes the ring's
-    partial sums instead of a new array, and the chunk returned is then a view of it (the rest
-    of ``work`` is left undefined).
+    partial sums instead of a new array, and where the ring runs the chunk returned is then a
+    view of it (the rest of ``work`` is left undefined; the transport's own reduce-scatter
+    returns a new array, ``work`` untouched).
     """
     if t.size == 1:
         return x.copy()

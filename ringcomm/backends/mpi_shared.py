@@ -136,7 +136,7 @@ class SharedAllreduce:
         result = self._result[:nbytes].view(dtype)
         chunk = result[lo:hi]
         reduce = self._reduction(op)
-        barrier = self._barrier_call()
+        barrier = self._barrier_call("allreduce")
 
         def allreduce(x: np.ndarray, out: np.ndarray) -> None:
             with trace.span("SHM_ALLREDUCE"):
@@ -156,7 +156,7 @@ class SharedAllreduce:
         lo, hi = chunk_bounds(nbytes // dtype.itemsize, self.size)[self.rank:self.rank + 2]
         mine, parts = self._views(dtype, nbytes, lo, hi)
         reduce = self._reduction(op)
-        barrier = self._barrier_call()
+        barrier = self._barrier_call("reduce_scatter")
 
         def reduce_scatter(x: np.ndarray) -> np.ndarray:
             with trace.span("SHM_REDUCE_SCATTER"):
@@ -189,8 +189,9 @@ class SharedAllreduce:
                 np.divide(out, size, out=out)
         return reduce
 
-    def _barrier_call(self) -> Callable[[], None]:
-        """A barrier of the segment's ranks, polled within the timeout."""
+    def _barrier_call(self, what: str) -> Callable[[], None]:
+        """A barrier of the segment's ranks in a call of ``what``, polled within the
+        timeout."""
         wait, polls = self._wait, self._polls
         if self._persistent:
             req = self._barrier
@@ -202,14 +203,14 @@ class SharedAllreduce:
                     for _ in polls:
                         if test():
                             return
-                    wait(test, [req], None, "allreduce")
+                    wait(test, [req], None, what)
             return barrier
         ibarrier = self._comm.Ibarrier
 
         def barrier_nonpersistent() -> None:
             req = ibarrier()
             if not req.Test():
-                wait(req.Test, [req], None, "allreduce")
+                wait(req.Test, [req], None, what)
         return barrier_nonpersistent
 
     def close(self) -> None:
