@@ -280,10 +280,20 @@ class _SameDtype:
     """Dense codec: partial sums in the output array itself; no staging copies."""
 
     def __init__(self, t: Transport, x: Array, y: Any, op: ReduceOp,
-                 layout: RingLayout) -> None:
+                 layout: RingLayout, own: Any = None) -> None:
         self.x, self.y, self.op, self.layout = x, y, op, layout
         self.ops = _ops.get(x)
         self.tmp = staging(t, "ring.recv", x, layout.max_seg, self.wire_dtype(x))
+        #: Where this rank's own chunk's result goes where not into ``y`` (a reduce-scatter
+        #: into the caller's ``out``), and where that chunk starts in ``x``.
+        self.own, self.own_start = own, layout.chunks[layout.rank]
+
+    def result(self, s: slice, final: bool) -> Any:
+        """Where the reduction of elements ``s`` goes: ``own`` for the final one where
+        given, else ``y``."""
+        if final and self.own is not None:
+            return self.own[s.start - self.own_start: s.stop - self.own_start]
+        return self.y[s]
 
     @staticmethod
     def wire_dtype(x: Array) -> Any:
@@ -299,7 +309,7 @@ class _SameDtype:
 
     def rs_reduce(self, buf: Array, c: int, j: int, final: bool) -> Any:
         s = self.layout.seg(c, j)
-        out = self.y[s]
+        out = self.result(s, final)
         self.ops.reduce(self.op, buf, self.x[s], out)
         if final and self.op is ReduceOp.AVG:
             self.ops.divide(out, self.layout.n, out)
@@ -316,8 +326,8 @@ class _Widened(_SameDtype):
     """Dense codec for 16-bit floats: partial sums travel in float32, rounded once by the owner."""
 
     def __init__(self, t: Transport, x: Array, y: Any, op: ReduceOp,
-                 layout: RingLayout) -> None:
-        super().__init__(t, x, y, op, layout)
+                 layout: RingLayout, own: Any = None) -> None:
+        super().__init__(t, x, y, op, layout, own)
         acc = self.wire_dtype(x)
         widest = max(layout.chunk_len(c) for c in range(layout.n))
         self.staged = staging(t, "ring.send", x, layout.max_seg, acc)
@@ -338,11 +348,12 @@ class _Widened(_SameDtype):
         s = self.layout.seg(c, j)
         if final:
             self.ops.reduce(self.op, buf, self.x[s], buf)
+            result = self.result(s, final)
             if self.op is ReduceOp.AVG:
-                self.ops.divide(buf, self.layout.n, self.y[s])
+                self.ops.divide(buf, self.layout.n, result)
             else:
-                self.ops.copy(self.y[s], buf)
-            return self.y[s]
+                self.ops.copy(result, buf)
+            return result
         step = (self.layout.rank - c - 2) % self.layout.n
         lo = s.start - self.layout.chunks[c]
         out = self.partials[step % 2][lo: lo + s.stop - s.start]
@@ -350,9 +361,10 @@ class _Widened(_SameDtype):
         return out
 
 
-def _codec(t: Transport, x: Array, y: Any, op: ReduceOp, layout: RingLayout) -> RingCodec:
+def _codec(t: Transport, x: Array, y: Any, op: ReduceOp, layout: RingLayout,
+           own: Any = None) -> RingCodec:
     widen = accumulation_dtype(np.dtype(x.dtype)) != x.dtype
-    return (_Widened if widen else _SameDtype)(t, x, y, op, layout)
+    return (_Widened if widen else _SameDtype)(t, x, y, op, layout, own)
 
 
 def _layout(t: Transport, x: Array, segment_bytes: int) -> RingLayout:
@@ -377,25 +389,43 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, *,
 
 
 def reduce_scatter(t: Transport, x: Array, op: ReduceOp, *,
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, work: Any | None = None) -> Any:
-    """Reduce flat ``x`` and return this rank's chunk, ``[r * L // n, (r + 1) * L // n)``
-    (a new array): the transport's own reduce-scatter where it has one, the ring otherwise.
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, work: Any | None = None,
+                   out: Any | None = None) -> Any:
+    """Reduce flat ``x`` and return this rank's chunk, ``[r * L // n, (r + 1) * L // n)``:
+    the transport's own reduce-scatter where it has one, the ring otherwise.
 
-    ``work``, a flat array of ``x``'s length and dtype (``x`` itself allowed), takes the ring's
-    partial sums instead of a new array, and where the ring runs the chunk returned is then a
-    view of it (the rest of ``work`` is left undefined; the transport's own reduce-scatter
-    returns a new array, ``work`` untouched).
+    The chunk is written into ``out`` (flat, of the chunk's length, apart from ``work``)
+    where given (straight from the last reduction where it is a host array apart from
+    ``x``), else into a new array. ``work``, a flat
+    array of ``x``'s length and dtype (``x`` itself allowed), takes the ring's partial sums;
+    where the ring runs, the chunk returned without ``out`` is then a view of it (the rest
+    of ``work`` is left undefined). Without ``work`` they go into the transport's scratch,
+    kept between calls: an array of ``x``'s size made anew each call costs its page faults
+    every time (at 64 MiB, 2 ranks, half the call).
     """
     if t.size == 1:
-        return x.copy()
+        return x.copy() if out is None else _copied(out, x)
     native = t.native_reduce_scatter(x, op)
     if native is not None:
-        return native
+        return native if out is None else _copied(out, native)
     layout = _layout(t, x, segment_bytes)
-    y = _ops.get(x).empty((x.size,), x.dtype) if work is None else work
-    run(t, layout, _codec(t, x, y, op, layout), allgather=False)
+    y = t.scratch("reduce_scatter", x, x.size, x.dtype) if work is None else work
+    # Straight into out where it is a host array apart from x (x's elements are read until
+    # the last step; an out inside x takes the chunk once the ring is done).
+    own = out if (out is not None and type(out) is np.ndarray
+                  and not np.may_share_memory(out, x)) else None
+    run(t, layout, _codec(t, x, y, op, layout, own), allgather=False)
+    if own is not None:
+        return own
     chunk = y[layout.chunk(t.rank)]
+    if out is not None:
+        return _copied(out, chunk)
     return chunk.copy() if work is None else chunk
+
+
+def _copied(out: Any, chunk: Any) -> Any:
+    _ops.get(out).copy(out, chunk)
+    return out
 
 
 def allgather_parts(t: Transport, buf: Array, bounds: list[int]) -> None:

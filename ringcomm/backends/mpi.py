@@ -34,6 +34,7 @@ from typing import Any, NoReturn, cast
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.algorithms.ring import chunk_bounds
 from ringcomm.backends import cuda_device, staging
 from ringcomm.backends.mpi_exchange import SizedExchange
 from ringcomm.backends.mpi_process import FORWARD_S, abort, cores, import_mpi, machine_id
@@ -153,7 +154,8 @@ _PERSISTENT_KEPT = 64
 # 1 MiB 0.90 against 1.11, 2 MiB 0.93 against 0.97, 4-8 MiB 1.02-1.03 against 0.82-0.93; at 4
 # ranks (two a core) 1-6 MiB 0.75-0.82 against 0.94-1.45.
 # Reduce-scatters of the same sizes, which took the ring, take the segment too (each rank
-# reduces its own chunk): 1.3-1.9x faster than the ring at 2 and 4 ranks from 16 KiB to 3 MiB.
+# reduces its own chunk): 1.3-1.9x faster than the ring at 2 and 4 ranks from 16 KiB to 3 MiB;
+# the others up to the native limit run MPI_Ireduce_scatter (bench/results/reduce_scatter.md).
 # RINGCOMM_MPI_SHARED_ALLREDUCE=0 keeps MPI's (agreed at start like the limit above).
 SHARED_ENV = "RINGCOMM_MPI_SHARED_ALLREDUCE"
 _SHARED_MIN_BYTES = 16 << 10
@@ -373,28 +375,66 @@ class MPITransport(TransportBase):
         return allreduce
 
     def native_reduce_scatter(self, x: Array, op: ReduceOp) -> Array | None:
-        """This rank's chunk of a reduce-scatter of flat host ``x`` through the shared
-        segment (from _SHARED_MIN_BYTES to its slot, a dtype MPI's allreduce takes), or None
-        (the ring runs). Every rank decides alike: the call was agreed."""
-        if not (self._shared_pending or self._shared is not None) or type(x) is not np.ndarray:
+        """This rank's chunk of a reduce-scatter of flat host ``x``, ``[r * L // n,
+        (r + 1) * L // n)``, as a new array: through the shared segment (from
+        _SHARED_MIN_BYTES to its slot), else MPI's own reduce-scatter (up to the native
+        allreduce's limit, for what MPI's allreduce takes), or None (the ring runs). Every
+        rank decides alike: the call was agreed."""
+        if type(x) is not np.ndarray or not x.flags.c_contiguous:
             return None
-        dtype = x.dtype
-        if (dtype not in _NATIVE_DTYPES or not dtype.isnative or x.nbytes < _SHARED_MIN_BYTES
-                or not x.flags.c_contiguous):
-            return None
-        shared = self._segment()
-        if shared is None or x.nbytes > shared.slot:
-            return None
-        key = (dtype, x.nbytes, op)
+        key = (x.dtype, x.nbytes, op)
         run = self._reduce_scatters.get(key)
         if run is None:
-            run = shared.prepare_reduce_scatter(dtype, x.nbytes, op)
+            run = self._reduce_scatter_of(x.dtype, x.nbytes, op)
+            if run is None:
+                return None
             if len(self._reduce_scatters) < _SHARED_KEPT:
                 self._reduce_scatters[key] = run
-        chunk = run(x)
-        moved = (self.size - 1) * x.nbytes // self.size  # what the ring's reduce-scatter moves
-        self.stats.add(moved, moved)
-        return chunk
+        return run(x)
+
+    def _reduce_scatter_of(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                           ) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The native reduce-scatter of calls of ``dtype``, ``nbytes`` and ``op``, counted
+        in the stats as the ring's would be, or None (see ``native_reduce_scatter``)."""
+        if dtype not in _NATIVE_DTYPES or not dtype.isnative:
+            return None
+        run = None
+        if nbytes >= _SHARED_MIN_BYTES and (self._shared_pending or self._shared is not None):
+            shared = self._segment()  # every rank at the same call: the sizes were agreed
+            if shared is not None and nbytes <= shared.slot:
+                run = shared.prepare_reduce_scatter(dtype, nbytes, op)
+        if run is None and self._reduces_natively(dtype, nbytes, op):
+            run = self._ireduce_scatter(dtype, nbytes, op)
+        if run is None:
+            return None
+        stats, moved = self.stats, (self.size - 1) * nbytes // self.size
+
+        def reduce_scatter(x: np.ndarray) -> np.ndarray:
+            chunk = run(x)
+            stats.add(moved, moved)
+            return chunk
+        return reduce_scatter
+
+    def _ireduce_scatter(self, dtype: np.dtype, nbytes: int, op: ReduceOp
+                         ) -> Callable[[np.ndarray], np.ndarray]:
+        """``MPI_Ireduce_scatter`` of flat arrays of ``dtype`` and ``nbytes``: this rank's
+        chunk of the ring's bounds (divided by the size for AVG)."""
+        bounds = chunk_bounds(nbytes // dtype.itemsize, self.size)
+        counts = np.diff(bounds).tolist()
+        length = counts[self.rank]
+        ireduce_scatter, mpi_op = self._ctl.Ireduce_scatter, self._mpi_ops[op]
+        wait_one = self._wait_one
+        divide = _ops.get(np.empty(0)).divide if op is ReduceOp.AVG else None
+        size = self.size
+
+        def reduce_scatter(x: np.ndarray) -> np.ndarray:
+            chunk = np.empty(length, dtype)
+            with trace.span("MPI_REDUCE_SCATTER"):
+                wait_one(ireduce_scatter(x, chunk, counts, op=mpi_op), "reduce_scatter")
+            if divide is not None:
+                divide(chunk, size, chunk)
+            return chunk
+        return reduce_scatter
 
     def _segment(self) -> SharedAllreduce | None:
         """The shared segment, made at the first call that asks (every rank at the same

@@ -6,9 +6,10 @@ order, so all ranks compute the same bits, in one exchange. An :class:`InlinePla
 repeated call (every training step) so that it costs a copy in, the exchange and a reduction;
 from its ``FUSE_AFTER``-th repeat, where the transport's exchange offers it
 (``Exchange.fused_allreduce``: MPI's), those run as one compiled call, the checks of the
-caller's thread staying here. A host allgather (equal shapes on every rank) of at most
-``inline_bytes`` rides the same way (:func:`allgather_inline`), the consistency check on: one
-exchange instead of the header's and then the data's.
+caller's thread staying here. A host allgather (equal shapes on every rank) or reduce-scatter
+of at most ``inline_bytes`` rides the same way (:func:`allgather_inline`,
+:func:`reduce_scatter_inline`), the consistency check on: one exchange instead of the
+header's and then the data's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array, ReduceOp
 
-__all__ = ["FUSE_AFTER", "InlinePlan", "allgather_inline", "allreduce_inline"]
+__all__ = ["FUSE_AFTER", "InlinePlan", "allgather_inline", "allreduce_inline",
+           "reduce_scatter_inline"]
 
 _LOG = get_logger("comm")
 
@@ -66,6 +68,23 @@ def allgather_inline(agreement: Agreement, spec: CallSpec, x: np.ndarray) -> np.
     # which the next call overwrites).
     flat = recv[:, HEADER_BYTES: HEADER_BYTES + nbytes].copy().reshape(-1)
     return flat.view(x.dtype).reshape((recv.shape[0] * x.shape[0], *x.shape[1:]))
+
+
+def reduce_scatter_inline(agreement: Agreement, spec: CallSpec, x: Array, out: Array | None,
+                          op: ReduceOp) -> Array:
+    """This rank's chunk, ``[r * L // n, (r + 1) * L // n)``, of a reduce-scatter of a flat
+    array of at most ``inline_bytes`` within the agreement exchange (the consistency check
+    on): equal headers mean every rank's row holds an array of ``x``'s length and dtype, and
+    each rank reduces its own chunk of the rows in rank order (on the host, as the inline
+    allreduce), into ``out`` where given (C-contiguous, that many elements, ``x``'s kind)."""
+    recv = agreement.exchange(spec, x)
+    n, r = recv.shape[0], agreement.transport.rank
+    lo, hi = r * x.size // n, (r + 1) * x.size // n
+    if out is None:
+        out = _ops.get(x).empty((hi - lo,), x.dtype)
+    if hi > lo:
+        _reduce_rows(agreement.inline_rows(recv, x.dtype, x.size)[:, lo:hi], out, op)
+    return out
 
 
 class InlinePlan(PreparedCall):

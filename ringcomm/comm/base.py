@@ -25,7 +25,7 @@ from ringcomm.algorithms import ring
 from ringcomm.algorithms.auto import AutoFigures
 from ringcomm.comm import _arrays, _twolevel, agree, settings
 from ringcomm.comm._allreduce import Allreduce
-from ringcomm.comm._inline import allgather_inline
+from ringcomm.comm._inline import allgather_inline, reduce_scatter_inline
 from ringcomm.comm._plan import AllreducePlan
 from ringcomm.comm.callers import caller
 from ringcomm.comm.topology import resolve_topology
@@ -423,20 +423,20 @@ class Communicator:
                                          f"rank {r}'s chunk of {x.size} over {n} ranks")
         except (TypeError, ValueError) as err:
             spec.error, rop = err, ReduceOp.SUM
+        if (spec.error is None and self._agreement.check
+                and x.nbytes <= self._agreement.inline_bytes):
+            if type(x) is not np.ndarray:  # copied to the host: as allreduce's inline path
+                self._transport.wait_gpu("reduce_scatter")
+            self.stats.calls += 1  # the exchange counts its bytes
+            with self._on_device(x):
+                return reduce_scatter_inline(self._agreement, spec, _arrays.flat(x), out, rop)
         self._agreement.agree(spec)
         self.stats.calls += 1
         with self._on_device(x):
-            flat = _arrays.flat(x)
-            if out is None:
-                return ring.reduce_scatter(self._route(x), flat, rop,
-                                           segment_bytes=self.segment_bytes)
-            # The ring's partial sums in a work array of their own; the chunk (a view of it)
-            # is then written once, into out.
-            work = _ops.get(x).empty((flat.size,), flat.dtype)
-            chunk = ring.reduce_scatter(self._route(x), flat, rop,
-                                        segment_bytes=self.segment_bytes, work=work)
-            _ops.get(x).copy(out.reshape(-1), chunk)
-            return out
+            chunk = ring.reduce_scatter(self._route(x), _arrays.flat(x), rop,
+                                        segment_bytes=self.segment_bytes,
+                                        out=None if out is None else out.reshape(-1))
+            return chunk if out is None else out
 
     def allgather(self, x: Array, *, out: Array | None = None) -> Array:
         """Concatenate ``x`` from every rank along the first axis, in rank order.

@@ -38,3 +38,14 @@ def tolerance(dtype: np.dtype, n: int, op: str) -> float:
     eps = float(np.finfo(np.float32 if dtype.itemsize == 2 else dtype).eps)
     rounding = float(np.finfo(dtype).eps) if dtype.itemsize == 2 else 0.0
     return 4 * n * eps + rounding
+
+
+def fresh_mpi_communicator(monkeypatch, **env: str):
+    """A new MPI communicator over the whole job, made with ``env`` set (its start-up
+    settings), a 4 KiB inline size, a 60 s timeout and timeouts raised, not fatal."""
+    from ringcomm.backends.mpi import MPICommunicator
+    from ringcomm.comm.agree import INLINE_BYTES
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=60,
+                           inline_bytes=INLINE_BYTES)

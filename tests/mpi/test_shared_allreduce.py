@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import gather_inputs, same_on_all_ranks
+from mpi_helpers import fresh_mpi_communicator, gather_inputs, same_on_all_ranks
 from test_allreduce import check, make
 
 import ringcomm
@@ -143,12 +143,6 @@ def test_the_segment_file_is_gone_once_made(comm, world, shared):
     assert glob.glob(f"/dev/shm/ringcomm-{pid}-*") == []
 
 
-def _fresh(monkeypatch, **env) -> MPICommunicator:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return MPICommunicator(MPI.COMM_WORLD, abort_on_timeout=False, timeout=60,
-                           inline_bytes=INLINE_BYTES)
-
 
 @pytest.mark.parametrize("who", ["rank 0 makes none", "the last rank cannot map it"])
 def test_a_rank_without_the_segment_keeps_every_rank_on_mpi(monkeypatch, world, rng, who):
@@ -161,7 +155,7 @@ def test_a_rank_without_the_segment_keeps_every_rank_on_mpi(monkeypatch, world, 
         monkeypatch.setattr(mpi_shared, "_DIR", "/nonexistent-ringcomm-test")
     if who.startswith("the last") and rank == last:
         monkeypatch.setattr(mpi_shared, "_attach", lambda *a: (None, "refused by the test"))
-    c = _fresh(monkeypatch)
+    c = fresh_mpi_communicator(monkeypatch)
     try:
         x = make(rng, 50_000, "float64", "sum")
         y = c.allreduce(x)
@@ -183,7 +177,7 @@ def test_the_segment_takes_a_quarter_of_what_is_free_at_most(monkeypatch, world,
     if world.Get_rank() == 0:  # only rank 0 looks: the others must follow its answer
         monkeypatch.setattr(mpi_shared, "_free_bytes",
                             lambda: room + 4095 if free.startswith("room") else room - 4096)
-    c = _fresh(monkeypatch)
+    c = fresh_mpi_communicator(monkeypatch)
     try:
         for count in (12_000, 16_384, 16_385, 40_000):  # float32: 48, 64, 64 KiB + 4, 160 KiB
             x = make(rng, count, "float32", "sum")
@@ -204,7 +198,7 @@ def test_free_bytes_are_those_of_dev_shm():
 
 
 def test_switched_off_by_the_environment(monkeypatch, world, rng):
-    c = _fresh(monkeypatch, **{mpi_backend.SHARED_ENV: "0"})
+    c = fresh_mpi_communicator(monkeypatch, **{mpi_backend.SHARED_ENV: "0"})
     try:
         c.allreduce(make(rng, 50_000, "float32", "sum"))
         assert c.transport._shared is None
@@ -215,7 +209,7 @@ def test_switched_off_by_the_environment(monkeypatch, world, rng):
 def test_a_native_limit_of_zero_makes_no_segment(monkeypatch, world, rng):
     """RINGCOMM_MPI_ALLREDUCE_BYTES=0 asks for the ring always: no segment, for allreduces
     and reduce-scatters alike."""
-    c = _fresh(monkeypatch, **{mpi_backend.NATIVE_BYTES_ENV: "0"})
+    c = fresh_mpi_communicator(monkeypatch, **{mpi_backend.NATIVE_BYTES_ENV: "0"})
     try:
         x = make(rng, 50_000, "int64", "sum")
         np.testing.assert_array_equal(c.allreduce(x), gather_inputs(world, x).sum(axis=0))
@@ -231,7 +225,7 @@ def test_switch_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
     value = "0" if world.Get_rank() == 0 else "1"
     with pytest.raises(ringcomm.ArgumentMismatchError,
                        match=r"RINGCOMM_MPI_SHARED_ALLREDUCE differs between ranks"):
-        _fresh(monkeypatch, **{mpi_backend.SHARED_ENV: value})
+        fresh_mpi_communicator(monkeypatch, **{mpi_backend.SHARED_ENV: value})
     world.Barrier()
 
 
