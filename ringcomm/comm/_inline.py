@@ -26,7 +26,7 @@ from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array, ReduceOp
 
-__all__ = ["FUSE_AFTER", "InlinePlan", "allgather_inline", "allreduce_inline",
+__all__ = ["FUSE_AFTER", "InlinePlan", "ScatterPlan", "allgather_inline", "allreduce_inline",
            "reduce_scatter_inline"]
 
 _LOG = get_logger("comm")
@@ -85,6 +85,49 @@ def reduce_scatter_inline(agreement: Agreement, spec: CallSpec, x: Array, out: A
     if hi > lo:
         _reduce_rows(agreement.inline_rows(recv, x.dtype, x.size)[:, lo:hi], out, op)
     return out
+
+
+class ScatterPlan(PreparedCall):
+    """A small host reduce-scatter seen before, prepared for its repeats (a training step's
+    FSDP reduce-scatters): the call's header and views of the exchange buffers held, so a
+    repeat costs one copy in, one exchange, a comparison per rank and the reduction of this
+    rank's chunk. A repeat with other arguments on another rank still fails the header
+    comparison and raises the full error on every rank."""
+
+    __slots__ = ("length", "op", "part")
+
+    def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
+                 op: ReduceOp) -> None:
+        super().__init__(agreement, spec, x)
+        n, r = agreement.transport.size, agreement.transport.rank
+        lo, hi = r * x.size // n, (r + 1) * x.size // n
+        self.length, self.op = hi - lo, op
+        #: Every rank's row of this rank's chunk, in the received buffer.
+        self.part = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)[:, lo:hi]
+
+    @staticmethod
+    def applies(agreement: Agreement, x: Array) -> bool:
+        """Whether a plan can serve ``x``'s repeats: as ``InlinePlan.applies``."""
+        return InlinePlan.applies(agreement, x)
+
+    def run(self, x: np.ndarray, out: Any) -> np.ndarray | None:
+        """Run a repeat of a call of ``x``'s dtype and shape: the chunk (in ``out`` where
+        given), or None (nothing done) where ``x`` is not contiguous or ``out`` cannot take
+        the chunk as it is (the full path runs the call and says why)."""
+        if not x.flags.c_contiguous or not (out is None or self._fits(out)):
+            return None
+        self.exchange(x)  # x's bytes are in the exchange buffer: out may lie inside x
+        result = np.empty(self.length, self.part.dtype) if out is None else out
+        if self.length:
+            _reduce_rows(self.part, result, self.op)
+        return result
+
+    def _fits(self, out: Any) -> bool:
+        if type(out) is not np.ndarray or out.size != self.length or not (
+                out.dtype is self.part.dtype or out.dtype == self.part.dtype):
+            return False
+        flags = out.flags
+        return flags.c_contiguous and flags.writeable
 
 
 class InlinePlan(PreparedCall):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.comm import agree
-from ringcomm.comm._inline import InlinePlan
+from ringcomm.comm._inline import InlinePlan, ScatterPlan
 from ringcomm.comm._prepared import NativePlan, fitting_out
 from ringcomm.core.types import Array, ReduceOp, Transport
 
@@ -48,12 +48,14 @@ class AllreducePlan:
 
 
 class PlanCache:
-    """Checked plans of dense host allreduces, for their repeats."""
+    """Checked plans of dense host allreduces, and of small host reduce-scatters, for their
+    repeats."""
 
-    __slots__ = ("_last", "_plans")
+    __slots__ = ("_last", "_plans", "_scatters")
 
     def __init__(self) -> None:
         self._plans: dict[tuple[Any, ...], AllreducePlan] = {}
+        self._scatters: dict[tuple[Any, ...], ScatterPlan] = {}
         # The last plan found, with its key's parts: a loop repeating one call finds it by
         # identity of dtype and op and equality of shape, without hashing a key.
         self._last: tuple[Any, Any, Any, AllreducePlan] | None = None
@@ -99,7 +101,30 @@ class PlanCache:
         except TypeError:
             pass
 
+    def scatter(self, x: Any, op: Any) -> ScatterPlan | None:
+        """The prepared reduce-scatter of host array ``x`` by ``op`` seen before, or None."""
+        if type(x) is not np.ndarray:
+            return None
+        try:
+            return self._scatters.get((x.dtype, x.shape, op))
+        except TypeError:  # an unhashable op: the full check will say so
+            return None
+
+    def keep_scatter(self, x: Array, op: Any, spec: agree.CallSpec, rop: ReduceOp,
+                     agreement: agree.Agreement) -> None:
+        """Prepare the repeats of a checked reduce-scatter of ``x`` by ``op`` (``rop``
+        once checked) that finished within the agreement, where a plan can serve them."""
+        if not ScatterPlan.applies(agreement, x):
+            return
+        if len(self._scatters) >= _LIMIT:
+            self._scatters.clear()
+        try:
+            self._scatters[(x.dtype, x.shape, op)] = ScatterPlan(agreement, spec, x, rop)
+        except TypeError:
+            pass
+
     def clear(self) -> None:
         """Forget every plan (settings that plans carry have changed)."""
         self._plans.clear()
+        self._scatters.clear()
         self._last = None

@@ -409,9 +409,16 @@ class Communicator:
         ``out``, where given, takes the chunk (an array of that many elements, ``x``'s kind and
         dtype, C-contiguous, any shape) and is returned; it may share memory with ``x``.
         """
-        self._ensure_open()
         self._transport.operation = "reduce_scatter"
-        x = _arrays.plain(x)
+        prepared = self._plans.scatter(x, op)
+        if prepared is not None and not self._closed:
+            self.stats.calls += 1  # before the exchange, as the full path
+            result = prepared.run(x, out)
+            if result is not None:
+                return result
+            self.stats.calls -= 1  # arrays it cannot take as they are: the full path
+        self._ensure_open()
+        given, x = x, _arrays.plain(x)
         spec = agree.CallSpec("reduce_scatter")
         try:
             self._transport.check_arrays(x, *(() if out is None else (out,)))
@@ -429,7 +436,10 @@ class Communicator:
                 self._transport.wait_gpu("reduce_scatter")
             self.stats.calls += 1  # the exchange counts its bytes
             with self._on_device(x):
-                return reduce_scatter_inline(self._agreement, spec, _arrays.flat(x), out, rop)
+                chunk = reduce_scatter_inline(self._agreement, spec, _arrays.flat(x), out, rop)
+            if given is x:  # a plain host array: its repeats run prepared (ScatterPlan)
+                self._plans.keep_scatter(x, op, spec, rop, self._agreement)
+            return chunk
         self._agreement.agree(spec)
         self.stats.calls += 1
         with self._on_device(x):

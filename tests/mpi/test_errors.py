@@ -310,7 +310,8 @@ def test_a_timed_out_communicator_refuses_every_later_call(world, repeats):
     """After a wait timed out (``abort_on_timeout=False``) the requests it left posted would
     match a later call's messages: the communicator refuses every later call on that rank,
     repeats of calls it prepared too (small ones inlined, compiled after 64 repeats or not,
-    medium ones through MPI's persistent allreduce), instead of mixing data."""
+    medium ones through MPI's persistent allreduce, small reduce-scatters), instead of mixing
+    data."""
     import time
 
     from ringcomm.backends.mpi import MPICommunicator
@@ -322,12 +323,13 @@ def test_a_timed_out_communicator_refuses_every_later_call(world, repeats):
         for _ in range(repeats):
             c.allreduce(small)
             c.allreduce(medium)
+            c.reduce_scatter(small)
         if c.rank == 0:
             with pytest.raises(ringcomm.CollectiveTimeoutError):
                 c.allreduce(small)
             for call in (lambda: c.allreduce(small), lambda: c.allreduce(medium),
                          lambda: c.allreduce(np.ones(3)), c.barrier,
-                         lambda: c.allgather(small)):
+                         lambda: c.allgather(small), lambda: c.reduce_scatter(small)):
                 with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
                     call()
         else:

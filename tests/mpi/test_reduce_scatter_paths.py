@@ -185,3 +185,64 @@ def test_ring_into_out_has_the_bits_of_a_new_result(monkeypatch, world, rng, dty
                 np.testing.assert_array_equal(other[start:start + hi - lo], new)
     finally:
         c.close()
+
+
+def test_repeats_run_prepared_each_with_its_own_data(comm, world, rng):
+    """From its second call a small reduce-scatter runs prepared (``ScatterPlan``): every
+    repeat's chunk is its own data's, into a new array, a given ``out`` or ``x`` itself."""
+    if comm.size == 1:
+        pytest.skip("one rank copies")
+    x = make(rng, 999, "float32", "sum")
+    comm.reduce_scatter(x)
+    assert comm._plans.scatter(x, "sum") is not None
+    n, r = comm.size, comm.rank
+    lo, hi = r * 999 // n, (r + 1) * 999 // n
+    out = np.empty(hi - lo, np.float32)
+    for i in range(60):
+        x = make(rng, 999, "float32", "sum")
+        want = chunk_of(world, x, "sum")
+        if i % 3 == 0:
+            got = comm.reduce_scatter(x)
+        elif i % 3 == 1:
+            got = comm.reduce_scatter(x, out=out)
+            assert got is out
+        else:
+            got = comm.reduce_scatter(x, out=x[lo:hi])
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("other", ["max", "a longer reduce_scatter", "allgather",
+                                   "a strided out"])
+def test_a_repeat_that_differs_on_one_rank_fails_on_every_rank(comm, world, rng, other):
+    """Ranks repeating a prepared reduce-scatter meet a rank whose call differs (it takes
+    the full path, or another call): the same error everywhere, then every rank goes on."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    x = make(rng, 300, "float64", "sum")
+    for _ in range(3):
+        comm.reduce_scatter(x)
+    odd = comm.rank == comm.size - 1
+    expected = ValueError if other == "a strided out" else ringcomm.ArgumentMismatchError
+    with pytest.raises(expected):
+        if odd and other == "max":
+            comm.reduce_scatter(x, op="max")
+        elif odd and other == "allgather":
+            comm.allgather(x)
+        elif odd and other == "a strided out":
+            length = (comm.rank + 1) * 300 // comm.size - comm.rank * 300 // comm.size
+            comm.reduce_scatter(x, out=np.empty(2 * length)[::2])
+        elif odd:
+            comm.reduce_scatter(make(rng, 301, "float64", "sum"))
+        else:
+            comm.reduce_scatter(x)
+    np.testing.assert_array_equal(comm.reduce_scatter(x), chunk_of(world, x, "sum"))
+
+
+def test_a_prepared_repeat_after_close_raises(monkeypatch, world, rng):
+    c = fresh_mpi_communicator(monkeypatch)
+    x = make(rng, 100, "int64", "sum")
+    c.reduce_scatter(x)
+    c.reduce_scatter(x)
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.reduce_scatter(x)
