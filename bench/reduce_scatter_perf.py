@@ -12,24 +12,13 @@ ringcomm's time to MPI's, with quartiles (below 1: faster than MPI)::
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
+from shared_sweep import TOTAL_BYTES, WARMUP, timed
 
 import ringcomm
 from ringcomm.perf.options import parse_size
-
-WARMUP = 20
-TOTAL_BYTES = 2e8  # per size: fewer iterations for the larger sizes
-
-
-def _timed(world: MPI.Comm, call: Callable[[], object]) -> float:
-    world.Barrier()
-    start = time.perf_counter()
-    call()
-    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
 def _size(world: MPI.Comm, comm: ringcomm.Communicator, nbytes: int, iters: int,
@@ -56,9 +45,9 @@ def _size(world: MPI.Comm, comm: ringcomm.Communicator, nbytes: int, iters: int,
     mpi_times, our_times = [], []
     for i in range(iters + WARMUP):
         if i % 2:
-            a, b = _timed(world, ours), _timed(world, mpi)
+            a, b = timed(world, ours), timed(world, mpi)
         else:
-            b, a = _timed(world, mpi), _timed(world, ours)
+            b, a = timed(world, mpi), timed(world, ours)
         if i >= WARMUP:
             our_times.append(a)
             mpi_times.append(b)

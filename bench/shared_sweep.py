@@ -31,7 +31,8 @@ WARMUP = 20
 TOTAL_BYTES = 2e8  # per size, each path: fewer iterations for the larger sizes
 
 
-def _timed(world: MPI.Comm, call: Callable[[], object]) -> float:
+def timed(world: MPI.Comm, call: Callable[[], object]) -> float:
+    """One call of ``call`` after a barrier: the slowest rank's time, in seconds."""
     world.Barrier()
     start = time.perf_counter()
     call()
@@ -71,9 +72,9 @@ def _sweep(world: MPI.Comm, comms: dict[str, ringcomm.Communicator], nbytes: int
     ratios: dict[str, list[float]] = {k: [] for k in names}
     mpi_times = []
     for i in range(iters + WARMUP):
-        mpi_time = _timed(world, mpi)
+        mpi_time = timed(world, mpi)
         for k in names[i % len(names):] + names[:i % len(names)]:  # each path first in turn
-            t = _timed(world, lambda c=comms[k]: ours(c))
+            t = timed(world, lambda c=comms[k]: ours(c))
             if i >= WARMUP:
                 ratios[k].append(t / mpi_time)
         if i >= WARMUP:

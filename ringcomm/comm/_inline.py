@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.algorithms.ring import chunk_bounds
 from ringcomm.comm import callers
 from ringcomm.comm._prepared import PreparedCall, fitting_out
 from ringcomm.comm.agree import HEADER_BYTES, Agreement, CallSpec, host_bytes
@@ -78,13 +79,19 @@ def reduce_scatter_inline(agreement: Agreement, spec: CallSpec, x: Array, out: A
     each rank reduces its own chunk of the rows in rank order (on the host, as the inline
     allreduce), into ``out`` where given (C-contiguous, that many elements, ``x``'s kind)."""
     recv = agreement.exchange(spec, x)
-    n, r = recv.shape[0], agreement.transport.rank
-    lo, hi = r * x.size // n, (r + 1) * x.size // n
+    lo, hi = _own_chunk(agreement, x.size)
     if out is None:
         out = _ops.get(x).empty((hi - lo,), x.dtype)
     if hi > lo:
         _reduce_rows(agreement.inline_rows(recv, x.dtype, x.size)[:, lo:hi], out, op)
     return out
+
+
+def _own_chunk(agreement: Agreement, length: int) -> tuple[int, int]:
+    """This rank's chunk of ``length`` elements: the ring's (``chunk_bounds``)."""
+    t = agreement.transport
+    lo, hi = chunk_bounds(length, t.size)[t.rank:t.rank + 2]
+    return lo, hi
 
 
 class ScatterPlan(PreparedCall):
@@ -99,16 +106,10 @@ class ScatterPlan(PreparedCall):
     def __init__(self, agreement: Agreement, spec: CallSpec, x: np.ndarray,
                  op: ReduceOp) -> None:
         super().__init__(agreement, spec, x)
-        n, r = agreement.transport.size, agreement.transport.rank
-        lo, hi = r * x.size // n, (r + 1) * x.size // n
+        lo, hi = _own_chunk(agreement, x.size)
         self.length, self.op = hi - lo, op
         #: Every rank's row of this rank's chunk, in the received buffer.
         self.part = agreement.inline_rows(self.buffers.recv, x.dtype, x.size)[:, lo:hi]
-
-    @staticmethod
-    def applies(agreement: Agreement, x: Array) -> bool:
-        """Whether a plan can serve ``x``'s repeats: as ``InlinePlan.applies``."""
-        return InlinePlan.applies(agreement, x)
 
     def run(self, x: np.ndarray, out: Any) -> np.ndarray | None:
         """Run a repeat of a call of ``x``'s dtype and shape: the chunk (in ``out`` where

@@ -114,7 +114,7 @@ class PlanCache:
                      agreement: agree.Agreement) -> None:
         """Prepare the repeats of a checked reduce-scatter of ``x`` by ``op`` (``rop``
         once checked) that finished within the agreement, where a plan can serve them."""
-        if not ScatterPlan.applies(agreement, x):
+        if not InlinePlan.applies(agreement, x):  # checked, host, contiguous, small
             return
         if len(self._scatters) >= _LIMIT:
             self._scatters.clear()
