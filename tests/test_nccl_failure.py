@@ -179,6 +179,30 @@ def test_an_asynchronous_error_aborts_and_names_the_collective(gpu, transport):
     _refuses_everything(comm)
 
 
+def test_an_abort_runs_the_failure_callbacks_once(gpu, transport):
+    """What was prepared over the communicator (a Communicator's plans, a two-level
+    allreduce's parent) hears of an abort by the watchdog as of a host transport's timeout."""
+    calls: list[Exception | None] = []
+    transport.on_failure(lambda: calls.append(transport.failure))
+    gpu.stuck = True
+    with pytest.raises(ringcomm.CollectiveTimeoutError) as info:
+        transport.barrier()
+    assert calls == [info.value]
+    transport.abort(info.value)  # a second abort: nothing more to tell
+    assert calls == [info.value]
+
+
+def test_giving_up_a_communicator_runs_the_failure_callbacks(gpu, transport):
+    calls: list[Exception | None] = []
+    transport.on_failure(lambda: calls.append(transport.failure))
+    error = ringcomm.CollectiveTimeoutError("split timed out", kind="split", timeout=TIMEOUT)
+    transport._watch.give_up(error)
+    transport._watch.give_up(error)
+    assert calls == [error]
+    with pytest.raises(RuntimeError, match="held by an NCCL call that never returned"):
+        transport.barrier()
+
+
 def test_a_small_device_allreduce_waits_bounded_before_its_copy_to_the_host(gpu, transport,
                                                                           monkeypatch):
     """The inline path copies a small device array to the host; on a stuck stream that copy

@@ -191,6 +191,7 @@ class Watchdog:
             if self.failure is not None:
                 return
             self.failure = error
+        self._t.fail(error)  # what was prepared over it goes (the transport's callbacks)
         aborting = threading.Thread(target=self._abort_comm, args=(error,), daemon=True,
                                     name="ringcomm-nccl-abort")
         aborting.start()
@@ -206,8 +207,10 @@ class Watchdog:
         abort or a destroy under that call would free what it uses. The communicator is left
         to it (``close`` frees nothing of NCCL's after a failure)."""
         with self._lock:
-            if self.failure is None:
-                self.failure, self.held = error, True
+            if self.failure is not None:
+                return
+            self.failure, self.held = error, True
+        self._t.fail(error)
 
     def _abort_comm(self, error: CollectiveError) -> None:
         try:
