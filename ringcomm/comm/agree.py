@@ -14,7 +14,6 @@ collective.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -22,6 +21,7 @@ import numpy as np
 from ringcomm import ops as _ops
 from ringcomm.comm._mismatch import build_error
 from ringcomm.comm.callers import ThreadNames, caller
+from ringcomm.core.digest import fingerprint
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     SUPPORTED_DTYPES,
@@ -52,10 +52,6 @@ _MAY_DIFFER = {"allgatherv": (DIM0,)}
 
 
 _HEADERS: dict[tuple[Any, ...], bytes] = {}
-
-
-def _crc(value: object) -> int:
-    return zlib.crc32(repr(value).encode())
 
 
 class CallSpec:
@@ -124,19 +120,19 @@ class CallSpec:
     def _words(self, segment_bytes: int) -> np.ndarray:
         h = np.zeros(_WORDS, dtype=np.int64)
         h[KIND] = KINDS.index(self.kind)
-        h[CALLER] = _crc(self.caller)
+        h[CALLER] = fingerprint(self.caller)
         h[ARRAY] = self.array
         if self.error is not None:
             h[ERROR] = 1
             return h
         dt = self.dtype
-        h[DTYPE] = SUPPORTED_DTYPES.index(dt) if dt in SUPPORTED_DTYPES else 100 + _crc(dt)
+        h[DTYPE] = SUPPORTED_DTYPES.index(dt) if dt in SUPPORTED_DTYPES else 100 + fingerprint(dt)
         h[OP] = self.op.spec.code if self.op else -1
         h[ROOT] = self.root
         h[NDIM] = len(self.shape)
         h[DIM0] = self.shape[0] if self.shape else 1
-        h[REST] = _crc(self.shape[1:])
-        h[EXTRA] = _crc((self.extra, self.algorithm) if self.algorithm else self.extra)
+        h[REST] = fingerprint(self.shape[1:])
+        h[EXTRA] = fingerprint((self.extra, self.algorithm) if self.algorithm else self.extra)
         h[SEGMENT] = segment_bytes
         return h
 

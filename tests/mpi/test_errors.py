@@ -124,6 +124,21 @@ def test_broadcast_root_differs(comm):
     usable(comm)
 
 
+# Trailing dimensions whose reprs have equal CRC32s: a header that compared them through
+# CRC32 let these calls meet (wrong values, results that differ between ranks, a hang).
+_SAME_CRC32 = [((4, 38, 50), (597, 12, 1)), ((85, 679), (14874, 4))]
+
+
+@pytest.mark.parametrize("pair", _SAME_CRC32, ids=["inline", "segment"])
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "allgather"])
+def test_shapes_with_equal_crc32s_differ(comm, pair, kind):
+    needs_two(comm)
+    x = np.ones((1, *pair[comm.rank % 2]), np.float32)
+    with pytest.raises(ringcomm.ArgumentMismatchError, match="shape differs between ranks"):
+        getattr(comm, kind)(x)
+    usable(comm)
+
+
 def test_allgather_shapes_differ(comm):
     needs_two(comm)
     with pytest.raises(ValueError, match="use allgatherv"):

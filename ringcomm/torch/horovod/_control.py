@@ -27,10 +27,11 @@ from __future__ import annotations
 import collections
 import os
 import time
-import zlib
 from typing import Any, NoReturn
 
 import numpy as np
+
+from ringcomm.core.digest import fingerprint
 
 __all__ = ["DEFAULT_CACHE_CAPACITY", "ControlChannel", "Message", "Request", "ResponseCache",
            "cache_capacity"]
@@ -136,7 +137,7 @@ class ResponseCache:
     def _keep(self, slot: int, request: Request) -> None:
         self._slots[slot] = request
         # A checksum of every change, not a count: caches that evicted different slots differ.
-        self.generation = zlib.crc32(f"{slot}:{request[0]}".encode(), self.generation)
+        self.generation = fingerprint((self.generation, slot, request[0]))
 
 
 class ControlChannel:

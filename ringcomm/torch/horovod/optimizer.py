@@ -18,7 +18,6 @@ import itertools
 import threading
 import warnings
 import weakref
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.core.digest import fingerprint
 from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch._residuals import ResidualLayouts, check_grad_scaler, rescaling
 from ringcomm.torch.compression import Compression, NoneCompressor, RingCompressor, as_compression
@@ -234,7 +234,7 @@ class _DistributedOptimizer(_OptimizerMixin):
                 "shape": (bucket.numel,), "op": self.op.name,
                 "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
                 "compression": type(self._compression).__name__,
-                "parameters": zlib.crc32(repr(bucket.layout).encode()), "bucket": True,
+                "parameters": fingerprint(bucket.layout), "bucket": True,
                 "backward_passes_per_step": self.backward_passes_per_step}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
