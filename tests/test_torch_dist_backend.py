@@ -985,11 +985,21 @@ keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
 pair = dist.new_group([0, 2])
 flipped = dist.new_group([2, 1], **({"sort_ranks": False} if keeps_order else {}))
 alone = dist.new_group([1])
+# Every rank, in another order than the job's (numbered as given where torch keeps it).
+backwards = dist.new_group([2, 1, 0], **({"sort_ranks": False} if keeps_order else {}))
 report = {"rank": r}
 
 def communicator(group):
     comm = getattr(group, "communicator", None)
     return None if comm is None else [comm.backend, comm.rank, comm.size]
+
+def gather_and_broadcast(name, group, width):
+    o = torch.empty(width * group.size())
+    dist.all_gather_into_tensor(o, torch.full((width,), float(r)), group=group)
+    report[f"{name}_gather"] = o.tolist()
+    b = torch.full((width,), float(r))
+    dist.broadcast(b, src=2, group=group)  # src: a global rank
+    report[f"{name}_broadcast"] = b.tolist()
 
 def attempt(name, call):
     try:
@@ -1004,12 +1014,7 @@ if r in (0, 2):
     t = torch.full((2,), float(r + 1))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pair)
     report["pair_max"] = t.tolist()
-    o = torch.empty(4)
-    dist.all_gather_into_tensor(o, torch.full((2,), float(r)), group=pair)
-    report["pair_gather"] = o.tolist()
-    b = torch.full((2,), float(r))
-    dist.broadcast(b, src=2, group=pair)  # src: a global rank
-    report["pair_broadcast"] = b.tolist()
+    gather_and_broadcast("pair", pair, 2)
     o = torch.empty(2)
     dist.reduce_scatter_tensor(o, torch.arange(4.0) + r, group=pair)
     report["pair_reduce_scatter"] = o.tolist()
@@ -1054,6 +1059,8 @@ if r == 1:
     dist.all_reduce(t, group=alone)
     report["alone_sum"] = t.tolist()
     report["alone_comm"] = communicator(alone)
+gather_and_broadcast("backwards", backwards, 1)
+report["backwards_comm"] = communicator(backwards)
 t = torch.full((2,), float(r))  # the job's group, after its sub-groups
 dist.all_reduce(t)
 report["world_sum"] = t.tolist()
@@ -1084,7 +1091,9 @@ def test_sub_groups_on_the_ringcomm_backend(tmp_path, tmp_path_factory, subproce
     collectives, on their members only. Under mpiexec each gets a ringcomm communicator of
     its members alone, numbered as the group is (in the order given where torch keeps it):
     over MPI (MPI_Comm_create_group) under mpiexec, over the group's own gloo group under
-    torchrun. Exact values, the same error on every member for arguments that differ (plain
+    torchrun; so does a group of every rank in another order than the job's (the job's
+    communicator numbers them as torch's default group). Exact values, the same error on
+    every member for arguments that differ (plain
     gloo ends the process for some of those, and reads others' bytes for the wrong dtype),
     and DDP over a two-rank sub-group ends with the same parameters, bit for bit, as on
     gloo."""
@@ -1092,9 +1101,13 @@ def test_sub_groups_on_the_ringcomm_backend(tmp_path, tmp_path_factory, subproce
     theirs = _gloo_run("subgroups", tmp_path_factory,
                        lambda where: _run_subgroups(where, subprocess_env, "torchrun", "gloo"))
     first = [2, 1] if ours[1]["keeps_order"] else [1, 2]  # flipped's members, in its order
+    every = [2, 1, 0] if ours[1]["keeps_order"] else [0, 1, 2]  # backwards's
     for row in ours:
         r = row["rank"]
         assert row["world_sum"] == [3.0, 3.0], row
+        assert row["backwards_gather"] == [float(g) for g in every], row
+        assert row["backwards_broadcast"] == [2.0], row
+        assert row["backwards_comm"] == [underneath, every.index(r), 3], row
         if r in (0, 2):
             assert row["pair_sum"] == [4.0] * 4 and row["pair_max"] == [3.0, 3.0], row
             assert row["pair_gather"] == [0.0, 0.0, 2.0, 2.0], row

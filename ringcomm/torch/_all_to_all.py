@@ -19,7 +19,7 @@ import torch
 
 from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ArgumentMismatchError, DtypeMismatchError, InvalidArgumentError
-from ringcomm.torch._tensors import as_array
+from ringcomm.torch._tensors import as_array, flat_bytes
 
 __all__ = ["agree_counts", "all_to_all_single", "apart", "move_bytes"]
 
@@ -168,6 +168,4 @@ def apart(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous tensor's memory as a flat uint8 NumPy array."""
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return as_array(t.detach().reshape(-1).view(torch.uint8))
+    return as_array(flat_bytes(t))

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "from_array", "host_view",
-           "resolved", "sync_device", "travels_widened"]
+__all__ = ["Operand", "StreamFence", "as_array", "device_scope", "flat_bytes", "from_array",
+           "host_view", "resolved", "sync_device", "travels_widened"]
 
 # dtype -> (dtype it travels as, number of trailing unit dimensions that tag it)
 _WIDENED: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -88,6 +88,23 @@ def as_array(t: torch.Tensor) -> Any:
         with device_scope(t.device.index):
             return cupy.from_dlpack(t)
     raise TypeError(f"tensors on {t.device.type} are not supported; expected cpu or cuda")
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor over it (writing one writes the
+    other).
+
+    PyTorch calls a tensor of one element contiguous whatever its stride (``x[::2]`` of two
+    elements has stride 2), and ``reshape(-1)`` keeps that stride, which a dtype view refuses
+    ("self.stride(-1) must be 1"): such a tensor is taken at its one element with stride 1.
+    An empty tensor gives an empty array of bytes (of any strides).
+    """
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat = t.detach().reshape(-1)
+    if flat.stride(0) != 1 and flat.numel() == 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def from_array(a: Any) -> torch.Tensor:

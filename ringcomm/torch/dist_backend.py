@@ -536,13 +536,20 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return self._comm
         self._making = True
         try:
-            if self.size() == dist.get_world_size():
+            if self.size() == dist.get_world_size() and self._numbered_as_job():
                 self._comm = self._job_communicator()
-            else:
+            else:  # some of the job's ranks, or all of them in another order
                 self._comm = self._members_communicator()
         finally:
             self._making = False
         return self._comm
+
+    def _numbered_as_job(self) -> bool:
+        """Whether this group numbers every process as torch's default group does (that
+        group itself, or all its ranks in its order): asked of every member, so that all
+        make the same kind of communicator."""
+        same = int(self.rank() == dist.get_rank())
+        return all(row[0] for row in self._gather_ints([same]))
 
     def _job_communicator(self) -> Communicator:
         """ringcomm.init()'s communicator over the job, numbered as this group is: over MPI

@@ -162,6 +162,26 @@ def test_empty_and_lone_rows(group):
     _still_in_step(group)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs another rank to send to")
+@pytest.mark.parametrize("where", ["rank 0", "every rank"])
+def test_one_element_tensors_of_any_stride(group, where):
+    """A shift by one rank, one element each way, through an input and an output of stride
+    2 (``x[::2]`` of two elements, which PyTorch calls contiguous) on one rank or on all: the
+    same values as through dense tensors (a byte view of such a tensor was refused on its
+    rank alone, after the counts were agreed, and the other ranks waited)."""
+    strided = where == "every rank" or RANK == 0
+    x = torch.tensor([1.0, 2.0]) + 10 * RANK
+    x = x[::2] if strided else x[:1]
+    base = torch.full((2,), -1.0)
+    out = base[::2] if strided else base[:1]
+    sends = [1 if d == (RANK + 1) % SIZE else 0 for d in range(SIZE)]
+    recvs = [1 if s == (RANK - 1) % SIZE else 0 for s in range(SIZE)]
+    dist.all_to_all_single(out, x, recvs, sends, group=group)
+    _still_in_step(group)
+    assert out.tolist() == [1.0 + 10 * ((RANK - 1) % SIZE)], out
+    assert base[1].item() == -1.0  # the element between, left alone
+
+
 def test_async_calls_complete_in_call_order(group):
     """Works started back to back (DDP and MoE layers start several) finish with the right
     values, an all_reduce between them included."""

@@ -263,6 +263,21 @@ def test_alltoall_gradient_goes_back_where_rows_came_from(h, full):
     np.testing.assert_array_equal(values(x.grad), expected)
 
 
+def test_one_element_tensors_of_any_stride(h):
+    """A one-element tensor counts as contiguous whatever its stride (``x[::2]`` of two), and
+    a flat view of it keeps that stride: the ranks holding one still take part, as the others
+    (a byte view of it refused on that rank alone left the others waiting)."""
+    lone = (torch.tensor([5.0, 6.0]) + 10 * RANK)[::2]  # stride 2 on every rank
+    assert lone.is_contiguous() and lone.stride() == (2,)
+    out, received = ex.alltoall(lone, torch.tensor([1 if d == 0 else 0 for d in range(SIZE)]))
+    if RANK == 0:
+        assert out.tolist() == [5.0 + 10 * r for r in range(SIZE)], out
+    assert received.tolist() == ([1] * SIZE if RANK == 0 else [0] * SIZE)
+    both = ex.grouped_allgather([lone, torch.arange(3.0) + RANK])
+    assert both[0].tolist() == [5.0 + 10 * r for r in range(SIZE)], both
+    assert both[1].tolist() == [float(j + r) for r in range(SIZE) for j in range(3)], both
+
+
 def test_alltoall_equal_split_gradient(h):
     x = torch.ones(2 * SIZE, 3, requires_grad=True)
     (ex.alltoall(x) * (RANK + 1)).sum().backward()

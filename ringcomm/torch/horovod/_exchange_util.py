@@ -11,7 +11,7 @@ import torch
 
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._errors import collective_error
-from ringcomm.torch._tensors import as_array, from_array, sync_device
+from ringcomm.torch._tensors import as_array, flat_bytes, from_array, sync_device
 from ringcomm.torch.horovod._ops import describe
 
 __all__ = [
@@ -67,9 +67,7 @@ def row_elems(t: torch.Tensor) -> int:
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
-    if t.numel() == 0:  # empty tensors may have strides a dtype view refuses
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return flat_bytes(t.detach().contiguous())
 
 
 def allgather_ints(comm: Communicator, values: list[int], device: torch.device) -> np.ndarray:
