@@ -156,13 +156,16 @@ def _payload(x: np.ndarray, block: int, raw: bool, seed: int) -> np.ndarray:
 @needs_numba
 @pytest.mark.parametrize("clean", [True, False])
 def test_int8_error_past_flt_max(clean):
-    """127 * (FLT_MAX / 127) rounds to Inf: the reference keeps the -Inf error when every block
-    is finite and zeroes it when some block is not (zero, here); so does the compiled path."""
+    """127 * (FLT_MAX / 127) rounds to Inf: the error (-Inf) is zeroed, whether every block is
+    finite or some block is not (zero, here), as the CUDA kernels do; a residual never holds
+    Inf, which would make the next call's block NaN; so does the compiled path."""
     x = np.array([np.finfo(np.float32).max, 1.0, 0.0 if not clean else 2.0], np.float32)
     with np.errstate(over="ignore"):
         assert np.isinf(np.float32(127) * (x[0] / np.float32(127)))
     payload = np.zeros(ref.int8_nbytes(3, 1), np.uint8)
-    ref.int8_encode(x, payload, 1)
+    error = np.full(3, np.nan, np.float32)
+    ref.int8_encode(x, payload, 1, error=error)
+    assert error.tolist() == [0.0, 0.0, 0.0]
     run_both(lambda m, p, e: m.int8_encode(x, p, 1, error=e),
              (payload.size, np.uint8), (12, np.float32))
     run_both(lambda m, p, e: m.int8_hop(payload, np.zeros(3, np.float32), p, 1, error=e),

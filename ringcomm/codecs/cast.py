@@ -43,7 +43,9 @@ class FP16(_Cast):
 
 
 class BF16(_Cast):
-    """Send bfloat16 (8-bit significand, float32's range): 2x fewer bytes, relative error about
-    4e-3 per element, never overflows where float32 does not."""
+    """Send bfloat16 (8-bit significand, float32's exponent range): 2x fewer bytes, relative
+    error about 4e-3 per element. Magnitudes from 3.3961775e38 (bfloat16's largest,
+    3.3895314e38, and half its last step) round to Inf, and their error is not kept, as fp16's
+    above 65504."""
 
     fmt: ClassVar[str] = "bf16"

@@ -176,8 +176,7 @@ def _quantize_block(x: Array, q: Any, inv: Any, scale: Any, stochastic: Any, see
     global index of x[0].
 
     Returns whether an error came out non-finite in a finite block (q * scale rounds past
-    FLT_MAX when absmax is within an ulp of it). The reference zeroes such errors only when
-    some block of the call is not finite (its ``clean``), so the caller decides."""
+    FLT_MAX when absmax is FLT_MAX itself), for the caller to zero (``_zero_overflowed``)."""
     n = x.size
     if inv == _F(0):  # 0, tiny, Inf or NaN: q = 0, non-finite errors zeroed
         for i in range(n):
@@ -199,10 +198,10 @@ def _quantize_block(x: Array, q: Any, inv: Any, scale: Any, stochastic: Any, see
 
 
 @inline
-def _zero_errors_if(error: Any, clean: Any, overflow: Any) -> None:
-    """The reference's ``if not clean: zero_nonfinite(error)``, for the errors of finite
-    blocks (the other blocks' are zeroed already)."""
-    if overflow and not clean:
+def _zero_overflowed(error: Any, overflow: Any) -> None:
+    """The reference's ``zero_nonfinite(error)`` for the errors of finite blocks, where one
+    overflowed (the other blocks' are zeroed already)."""
+    if overflow:
         for i in range(error.size):
             error[i] = _finite_or_zero(error[i])
 
@@ -211,17 +210,16 @@ def _zero_errors_if(error: Any, clean: Any, overflow: Any) -> None:
 def _encode(src: Array, scales: Any, q: Any, block: Any, stochastic: Any, seed: Any, base: Any,
             error: Any, with_error: Any) -> None:
     n = src.size
-    clean, overflow = True, False
+    overflow = False
     for b in range(scales.size):
         lo = b * block
         hi = min(lo + block, n)
         x = src[lo:hi]
         inv = _block_scale(x, scales, b)
-        clean &= inv != _F(0)
         overflow |= _quantize_block(x, q[lo:hi], inv, scales[b], stochastic, seed,
                                     _U(base + lo), error[lo:hi], with_error)
     if with_error:
-        _zero_errors_if(error, clean, overflow)
+        _zero_overflowed(error, overflow)
 
 
 @inline
@@ -230,7 +228,7 @@ def _hop(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any,
     """Decode + own into ``acc`` (one block long, stays in cache), then quantize it. A block is
     read before it is written, so ``q``/``scales`` may be the input payload's own views."""
     n = own.size
-    clean, overflow = True, False
+    overflow = False
     for b in range(scales.size):
         lo = b * block
         hi = min(lo + block, n)
@@ -240,11 +238,10 @@ def _hop(scales_in: Any, q_in: Any, own: Array, scales: Any, q: Any, block: Any,
         for i in range(x.size):
             x[i] = x[i] + ow[i]
         inv = _block_scale(x, scales, b)
-        clean &= inv != _F(0)
         overflow |= _quantize_block(x, q[lo:hi], inv, scales[b], stochastic, seed,
                                     _U(base + lo), error[lo:hi], with_error)
     if with_error:
-        _zero_errors_if(error[:n], clean, overflow)
+        _zero_overflowed(error[:n], overflow)
 
 
 @inline

@@ -181,6 +181,9 @@ def _finite_error(src: np.ndarray, decoded: np.ndarray, error: np.ndarray) -> No
 # q = 0; 127 / absmax is finite for every block inside.
 _TINY = np.float32(127) / np.finfo(np.float32).max
 _HUGE = np.finfo(np.float32).max
+# Below this scale (absmax < 2**127) q * scale cannot round past FLT_MAX; above it (absmax
+# FLT_MAX itself) the codes +-127 decode to +-Inf, whose error is zeroed as a non-finite one.
+_SCALE_MAY_OVERFLOW = np.float32(2.0**120)
 
 
 def _block_absmax(src: np.ndarray, block: int, out: np.ndarray, tmp: np.ndarray) -> None:
@@ -205,7 +208,8 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
     values then stay in the residual) or to NaN (q * Inf, q * NaN: a non-finite input never
     turns finite); a NaN block's scale is the quiet NaN 0x7fc00000, whatever the input NaN's
     payload. Subnormal values are kept, never flushed (the kernels are compiled without
-    flush-to-zero). ``error``, when given, receives ``src - decode(out)`` (0 where not finite).
+    flush-to-zero). ``error``, when given, receives ``src - decode(out)`` (0 where not finite:
+    also where the block's absmax is FLT_MAX, whose codes +-127 decode to +-Inf).
     """
     n = src.size
     scales, q = int8_views(out, n, block)
@@ -232,7 +236,7 @@ def int8_encode(src: np.ndarray, out: np.ndarray, block: int, *, stochastic: boo
         if error is not None:
             _per_block(scales, t, block, np.multiply, t)  # t holds q exactly: this is decode
             np.subtract(src, t, out=error)
-            if not clean:
+            if not clean or (scales.size and scales.max() >= _SCALE_MAY_OVERFLOW):
                 zero_nonfinite(error)
 
 

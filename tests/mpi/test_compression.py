@@ -124,6 +124,25 @@ def test_non_finite_input_never_becomes_finite(comm, world, rng, name, bad):
     assert np.isfinite(clean).all()
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "topk-ring", "topk-allgather"])
+def test_float32_extremes_do_not_poison_the_next_steps(comm, world, rng, name):
+    """+-FLT_MAX on one rank: whatever the call gives there (int8's codes +-127 of FLT_MAX /
+    127 decode to Inf, as bf16 and fp16 round it to Inf), every residual stays finite and the
+    next call, on ordinary values, is finite everywhere and the same on every rank."""
+    comp = COMPRESSORS[name]
+    ef = ringcomm.ErrorFeedback()
+    g = np.zeros(64, np.float32)
+    if comm.rank == 0:
+        g[0] = -np.finfo(np.float32).max
+    if comm.rank == comm.size - 1:
+        g[33] = np.finfo(np.float32).max
+    first = comm.allreduce(g, compression=comp, feedback=ef, name="w")
+    residual_finite = bool(np.isfinite(ef.residual("w")).all())
+    after = comm.allreduce(np.ones(64, np.float32), compression=comp, feedback=ef, name="w")
+    assert same_on_all_ranks(world, first) and same_on_all_ranks(world, after)
+    assert residual_finite and np.isfinite(after).all(), (first, after)
+
+
 def test_wire_bytes(comm, world, rng):
     if comm.size == 1:
         pytest.skip("nothing goes on the wire in a single process")
