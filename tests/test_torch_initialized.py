@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from exit_checks import run_bounded
@@ -154,6 +155,38 @@ def test_init_on_one_rank_only_ends_at_the_timeout(mpiexec, subprocess_env, back
     assert re.search(r"CollectiveTimeoutError: init timed out on rank 0 of 2 after 5\.\d s "
                      r"waiting for the other ranks \(whether MPI numbers the processes as "
                      r"torch\.distributed does\)", proc.stderr), proc.stderr[-3000:]
+
+
+# Under torchrun, torch.distributed up with a group timeout far above ringcomm's: rank 0
+# alone calls ringcomm.init(timeout=5); rank 1 is elsewhere.
+ONE_RANK_INIT_TORCHRUN = r"""
+import datetime, os, sys, time, torch.distributed as dist, ringcomm
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+if dist.get_rank() == 0:
+    start = time.monotonic()
+    try:
+        ringcomm.init(os.environ["BACKEND"], timeout=5, abort_on_exception=False)
+        print("<0|returned>", flush=True)
+    except Exception as err:
+        print(f"<0|{type(err).__name__} {time.monotonic() - start:.0f} {err}>", flush=True)
+else:
+    time.sleep(25)
+"""
+
+
+@pytest.mark.parametrize("backend", ["auto", "gloo"])
+def test_init_on_one_rank_under_torchrun_ends_at_its_timeout(tmp_path, subprocess_env, backend):
+    """The store of a group torch.distributed made waits the group's timeout: the start-up's
+    exchanges over it wait ringcomm's own (they waited the group's 90 s, not 5)."""
+    job = tmp_path / "one_rank.py"
+    job.write_text(ONE_RANK_INIT_TORCHRUN)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    proc = run_bounded([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                        str(job)], timeout=120, env={**subprocess_env, "BACKEND": backend})
+    line = _lines(proc.stdout).get(0, proc.stdout[-2000:] + proc.stderr[-2000:])
+    kind, seconds, _ = line.split(" ", 2)
+    assert kind == "CollectiveTimeoutError" and int(seconds) < 15, line
+    assert backend == "gloo" or "waiting for rank 1" in line, line
 
 
 LIGHTNING_CHILD = ("import ringcomm\n"

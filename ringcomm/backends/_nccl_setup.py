@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import socket
+import time
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
@@ -25,6 +26,7 @@ import numpy as np
 from ringcomm.backends import _nccl_lib
 from ringcomm.comm.transport import check_timeout
 from ringcomm.core import launch
+from ringcomm.core.types import CollectiveTimeoutError
 from ringcomm.ops import _cuda_stack
 
 __all__ = [
@@ -107,15 +109,18 @@ class _StoreRendezvous:
     Args:
         store: a store whose keys no other rendezvous uses (a PrefixStore).
         rank, size, local_rank, local_size: this rank's place in the rendezvous.
+        timeout: how long a rank waits for the others' keys, in seconds (the store's own
+            timeout is the process group's where torch.distributed made it, not the user's).
     """
 
     kind = "store"
 
     def __init__(self, store: Any, rank: int, size: int, local_rank: int,
-                 local_size: int) -> None:
+                 local_size: int, timeout: float) -> None:
         self.store = store
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
+        self.timeout = timeout
         self._calls = itertools.count()
 
     @classmethod
@@ -148,18 +153,20 @@ class _StoreRendezvous:
         # Every communicator of this process gets its own key space; all ranks create their
         # communicators in the same order, so the generations agree.
         prefixed = dist.PrefixStore(f"ringcomm/nccl{next(_GENERATION)}/", store)
-        return cls(prefixed, info.rank, info.size, info.local_rank, info.local_size)
+        return cls(prefixed, info.rank, info.size, info.local_rank, info.local_size, timeout)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         tag = f"ag{next(self._calls)}/"
         self.store.set(f"{tag}{self.rank}", pickle.dumps(obj))
-        everyone = [pickle.loads(self.store.get(f"{tag}{r}")) for r in range(self.size)]
+        keys = [f"{tag}{r}" for r in range(self.size)]
+        self._wait(keys, "an exchange")
+        everyone = [pickle.loads(self.store.get(key)) for key in keys]
         # Rank 0 may host the store's server (no torchrun agent store): it must not leave, on
         # an error everyone is about to raise, before every rank has read every value.
         if self.store.add(f"{tag}read", 1) == self.size:
             self.store.set(f"{tag}all", b"1")
         if self.rank == 0:
-            self.store.wait([f"{tag}all"])
+            self._wait([f"{tag}all"], "an exchange's end")
         return everyone
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
@@ -168,7 +175,31 @@ class _StoreRendezvous:
             assert data is not None
             self.store.set(key, data)
             return data
+        self._wait([key], f"rank {root}'s broadcast", root)
         return bytes(self.store.get(key))
+
+    def _wait(self, keys: list[str], what: str, peer: int | None = None) -> None:
+        """Wait until the store holds ``keys``, at most the timeout, else raise
+        CollectiveTimeoutError naming the ranks whose keys are missing."""
+        start = time.monotonic()
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+            return
+        except Exception as err:  # torch's DistStoreError or RuntimeError, by version
+            if "timeout" not in str(err).lower():
+                raise
+        elapsed = time.monotonic() - start
+        missing = [int(k.rsplit("/", 1)[-1]) for k in keys
+                   if k.rsplit("/", 1)[-1].isdigit() and not self.store.check([k])]
+        ranks = missing or ([peer] if peer is not None else [])
+        waited = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" \
+            if ranks else "the other ranks"
+        raise CollectiveTimeoutError(
+            f"ringcomm's start-up timed out on rank {self.rank} of {self.size} "
+            f"after {elapsed:.1f} s waiting for {waited} in {what} over torch.distributed's "
+            f"store ({waited} did not come: exited, stopped, or in another call). The timeout "
+            f"is {self.timeout:g} s (ringcomm.init's)", kind="start-up",
+            peer=ranks[0] if len(ranks) == 1 else None, elapsed=elapsed, timeout=self.timeout)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> bool:
         return False  # a store round trip per collective is too slow; NCCL does this one
@@ -185,7 +216,7 @@ class _StoreRendezvous:
         rank = ranks.index(self.rank)
         here = [i for i, host in enumerate(hosts) if host == hosts[rank]]
         return _StoreRendezvous(dist.PrefixStore(space, self.store), rank, len(ranks),
-                                here.index(rank), len(here))
+                                here.index(rank), len(here), self.timeout)
 
     def close(self) -> None:
         self.store = None

@@ -194,6 +194,24 @@ def _torch_group_count() -> int | None:
     return None if names is None else len(names)
 
 
+def _new_job_group(seconds: float) -> Any:
+    """A gloo group of every rank of torch.distributed's default group, made within
+    ``seconds`` (its creation waits for every rank over the group's store)."""
+    start = time.monotonic()
+    try:
+        return dist.new_group(backend="gloo", timeout=_duration(seconds))
+    except Exception as err:  # torch's DistStoreError or RuntimeError, by version
+        if "timeout" not in str(err).lower():
+            raise
+        elapsed = time.monotonic() - start
+        raise CollectiveTimeoutError(
+            f"ringcomm's start-up timed out on rank {dist.get_rank()} of "
+            f"{dist.get_world_size()} after {elapsed:.1f} s making its gloo group, which waits "
+            "for every rank of torch.distributed's default group: some did not come (exited, "
+            f"stopped, or in another call). The timeout is {seconds:g} s (ringcomm.init's); "
+            f"torch said: {err}", kind="start-up", elapsed=elapsed, timeout=seconds) from err
+
+
 class TorchDistTransport(TransportBase):
     """The Transport over a gloo process group of torch.distributed (torchrun jobs).
 
@@ -222,7 +240,7 @@ class TorchDistTransport(TransportBase):
         seconds = check_timeout(timeout)
         made_here = group is None
         if made_here:
-            group = dist.new_group(backend="gloo", timeout=_duration(seconds))
+            group = _new_job_group(seconds)
         # From the group's host names, not the launcher's variables: Lightning's launcher
         # sets no local size, and a guess could differ between the ranks of one node.
         hosts = _gather_objects(functools.partial(_all_gather, group=group),
