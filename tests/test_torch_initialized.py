@@ -158,7 +158,7 @@ def test_init_on_one_rank_only_ends_at_the_timeout(mpiexec, subprocess_env, back
 
 
 # Under torchrun, torch.distributed up with a group timeout far above ringcomm's: rank 0
-# alone calls ringcomm.init(timeout=5); rank 1 is elsewhere.
+# alone calls ringcomm.init(timeout=5); rank 1 waits in a barrier of torch's meanwhile.
 ONE_RANK_INIT_TORCHRUN = r"""
 import datetime, os, sys, time, torch.distributed as dist, ringcomm
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
@@ -169,8 +169,7 @@ if dist.get_rank() == 0:
         print("<0|returned>", flush=True)
     except Exception as err:
         print(f"<0|{type(err).__name__} {time.monotonic() - start:.0f} {err}>", flush=True)
-else:
-    time.sleep(25)
+dist.barrier()
 """
 
 
