@@ -17,13 +17,13 @@ from __future__ import annotations
 import itertools
 import pickle
 import socket
-import time
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ringcomm.backends import _nccl_lib
+from ringcomm.backends.store_wait import missing_keys, ranks_of
 from ringcomm.comm.transport import check_timeout
 from ringcomm.core import launch
 from ringcomm.core.types import CollectiveTimeoutError
@@ -181,17 +181,10 @@ class _StoreRendezvous:
     def _wait(self, keys: list[str], what: str, peer: int | None = None) -> None:
         """Wait until the store holds ``keys``, at most the timeout, else raise
         CollectiveTimeoutError naming the ranks whose keys are missing."""
-        start = time.monotonic()
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
+        missing, elapsed = missing_keys(self.store, keys, self.timeout)
+        if not missing:
             return
-        except Exception as err:  # torch's DistStoreError or RuntimeError, by version
-            if "timeout" not in str(err).lower():
-                raise
-        elapsed = time.monotonic() - start
-        missing = [int(k.rsplit("/", 1)[-1]) for k in keys
-                   if k.rsplit("/", 1)[-1].isdigit() and not self.store.check([k])]
-        ranks = missing or ([peer] if peer is not None else [])
+        ranks = ranks_of(missing) or ([peer] if peer is not None else [])
         waited = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" \
             if ranks else "the other ranks"
         raise CollectiveTimeoutError(

@@ -21,7 +21,6 @@ gloo, told why.
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 from typing import Any
 
@@ -42,6 +40,7 @@ from ringcomm.backends.mpi_process import (
     world_joined,
 )
 from ringcomm.backends.pmi_server import process_mapping
+from ringcomm.backends.store_wait import missing_keys, ranks_of
 from ringcomm.core.env import env, flag_value
 from ringcomm.core.launch import MPI_LAUNCHER_VARIABLES
 from ringcomm.core.process_end import at_process_end, failed_status
@@ -160,17 +159,10 @@ def _wait(store: Any, keys: list[str], rank: int, size: int, timeout: float) -> 
     started the server) or raise CollectiveTimeoutError after ``timeout`` seconds, naming
     the ranks that did not come (the store's own timeout, which the group's need not be, and
     its message, which names a key, are not the user's)."""
-    start = time.monotonic()
-    keys = [_PREFIX + key for key in keys]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+    missing, elapsed = missing_keys(store, [_PREFIX + key for key in keys], timeout)
+    if not missing:
         return
-    except Exception as err:  # torch's DistStoreError or RuntimeError, by version
-        if "timeout" not in str(err).lower():
-            raise
-    elapsed = time.monotonic() - start
-    missing = [key.rsplit("/", 1)[-1] for key in keys if not store.check([key])]
-    ranks = [int(r) for r in missing if r.isdigit()] or [0]
+    ranks = ranks_of(missing) or [0]
     waited = "rank" if len(ranks) == 1 else "ranks"
     raise CollectiveTimeoutError(
         f"MPI's start-up timed out on rank {rank} of {size} after {elapsed:.1f} s waiting for "
