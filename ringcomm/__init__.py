@@ -28,6 +28,7 @@ from ringcomm.comm import settings as _settings
 from ringcomm.comm.base import Communicator
 from ringcomm.compress import BF16, FP16, Auto, Compressor, ErrorFeedback, Int8, TopK
 from ringcomm.core import log as _log
+from ringcomm.core.joined import mark_joined, refuse_inherited
 from ringcomm.core.launch import LaunchInfo
 from ringcomm.core.launch import detect as launch_info
 from ringcomm.core.types import (
@@ -252,6 +253,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     options, startup_error = _settings.read(consistency_check, segment_bytes, inline_bytes,
                                             timeout, algorithm, topology)
     info = launch_info()
+    refuse_inherited(info)  # a process that one of the job's started (core/joined.py)
     if not info.rank_known:
         raise RuntimeError(_lightning_hint(info))
     _check_torch_group(info)
@@ -274,6 +276,7 @@ def init(backend: str = "auto", *, mpi_comm: Any = None, consistency_check: bool
     comm = _backends.REGISTRY[backend].build(mpi_comm, options, info, startup_error)
     _check_spans_job(comm, info, mpi_comm)
     _log_init(comm, why, info, options)
+    mark_joined(info)
     if abort_on_exception and comm.size > 1:
         from ringcomm.backends.mpi_process import install_abort_hook
 

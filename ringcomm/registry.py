@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
+from ringcomm.core.joined import mark_joined, refuse_inherited
 from ringcomm.core.launch import LaunchInfo
 from ringcomm.core.restarts import attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
@@ -122,34 +124,41 @@ register(Backend("gloo", "torch.distributed's default group", _build_gloo))
 
 
 def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float) -> None:
-    """Agree on the ``backend`` asked for, over MPI, where every backend but gloo would start
-    MPI first (an MPI launch, or ``mpi_comm`` given; not over torch.distributed): a collective
-    before any backend's own, so that ranks asking for different ones (whose start-ups make
-    different collectives) or one naming none raise the same error instead of reading each
-    other's messages, or waiting in MPI's start-up for a rank that raised before it.
+    """Agree on the ``backend`` asked for: a collective before any backend's own, so that
+    ranks asking for different ones (whose start-ups make different collectives) raise the
+    same error instead of reading each other's messages, or waiting in a start-up for a rank
+    that is in another. Over MPI where every backend but gloo would start MPI first (an MPI
+    launch, or ``mpi_comm`` given); under torchrun, or with torch.distributed's default group
+    up without an MPI launch, over that group's store (:func:`_names_over_torch`).
 
     Raises:
         ArgumentMismatchError: the ranks asked for different backends (on every rank).
-        ValueError: every rank named the same unknown backend.
-        CollectiveTimeoutError: a rank never came within ``timeout`` (the job ends first,
-            ``MPI_Abort``, as at every timeout of the MPI backend).
+        CollectiveTimeoutError: a rank never came within ``timeout`` (over MPI the job ends
+            first, ``MPI_Abort``, as at every timeout of the MPI backend).
 
-    A rank that asks for gloo takes no part (its processes may form a torch.distributed group
-    of some of MPI's ranks, without MPI): one that asks for gloo where the others ask for
-    another backend leaves them in MPI's start-up (a documented limit).
+    Over MPI, a rank that asks for gloo takes no part (its processes may form a
+    torch.distributed group of some of MPI's ranks, without MPI): one that asks for gloo where
+    the others ask for another backend leaves them in MPI's start-up (a documented limit).
+    An unknown backend, the same on every rank, is agreed on (``init`` then raises ValueError
+    on every rank).
     """
     from ringcomm.backends.mpi_process import gather_names, import_mpi, mpi_world_is_job
 
-    gloo_apart = backend == "gloo" and info.launcher != "horovodrun"  # whose MPI is the job's
-    if gloo_apart or (mpi_comm is None and (info.over_torch or not mpi_world_is_job())):
-        return
-    try:
-        comm = mpi_comm if mpi_comm is not None else import_mpi().COMM_WORLD
-    except RuntimeError:  # no mpi4py: the backend says so as it starts
-        return
-    if comm.Get_size() == 1:
-        return
-    names = gather_names(comm, str(backend), timeout, "init")
+    if mpi_comm is None and info.over_torch:
+        if mpi_world_is_job():  # an MPI launch (or an earlier join): as it always was
+            return
+        names = _names_over_torch(backend, info, timeout)
+    else:
+        gloo_apart = backend == "gloo" and info.launcher != "horovodrun"  # MPI is the job's
+        if gloo_apart or (mpi_comm is None and not mpi_world_is_job()):
+            return
+        try:
+            comm = mpi_comm if mpi_comm is not None else import_mpi().COMM_WORLD
+        except RuntimeError:  # no mpi4py: the backend says so as it starts
+            return
+        if comm.Get_size() == 1:
+            return
+        names = gather_names(comm, str(backend), timeout, "init")
     if len(set(names)) > 1:
         from ringcomm.comm._mismatch import rank_groups
         from ringcomm.core.types import ArgumentMismatchError
@@ -158,6 +167,37 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
             f"init: backend differs between ranks: {rank_groups(names)}. Every rank must ask "
             "for the same backend", kind="init", ranks=tuple(range(len(names))),
             differences={"backend": tuple(names)})
+
+
+def _names_over_torch(backend: str, info: LaunchInfo, timeout: float) -> list[str]:
+    """The backend every rank asked for, over torch.distributed's default group's store, under
+    torchrun or with that group up, where MPI's world is not the job (under an MPI launch
+    nothing is compared): every backend starts the group first there (gloo, from
+    torchrun's environment), but "nccl" where it is not up (NCCL's rendezvous takes the
+    store alone; those ranks are not compared: a rank asking for another backend leaves them
+    in NCCL's start-up until the timeout). A list of one where nothing is compared."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # the backend says so as it starts
+        return [backend]
+    if info.size == 1 or (backend == "nccl" and not dist.is_initialized()):
+        return [backend]
+    _start_torch_distributed(info, timeout)
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None:
+        return [backend]
+    from ringcomm.backends.store_wait import allgather
+
+    # Every rank of the job calls init in the same order, so each call's key space is the
+    # same on every rank (and used once: a later init, after close, takes the next).
+    everyone = allgather(default_store(), f"ringcomm/backend{next(_AGREEMENTS)}/",
+                         dist.get_rank(), dist.get_world_size(), str(backend).encode(),
+                         timeout, "init's agreement on the backend")
+    return [name.decode() for name in everyone]
+
+
+#: How many agreements on the backend this process made over torch.distributed's store.
+_AGREEMENTS = itertools.count()
 
 
 def _mpi_world_size() -> int | None:
@@ -302,11 +342,6 @@ def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:
     return join(default_store(), dist.get_rank(), dist.get_world_size(), timeout)
 
 
-#: Set in a process of a horovodrun job once it joined (its process id): a process it starts
-#: inherits horovodrun's variables, and this tells it that it is not one of the job's.
-HOROVODRUN_JOINED = "RINGCOMM_HOROVODRUN_JOINED"
-
-
 def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     """Start MPI in every process that horovodrun's own launcher started (no MPI: its "Gloo"
     mode) as one world, numbered as horovodrun numbers them, over horovodrun's rendezvous
@@ -326,16 +361,7 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     where = horovodrun_rendezvous()
     if info.launcher != "horovodrun" or where is None or info.size == 1 or world_joined():
         return
-    joined = os.environ.get(HOROVODRUN_JOINED)
-    if joined and joined != str(os.getpid()):
-        # Started by a process of the job (a subprocess.run of an evaluation script), whose
-        # variables it inherited: joining as that rank a second time ended the job (the PMI
-        # server saw one rank twice) or hung in MPI's start-up.
-        raise RuntimeError(
-            f"{info.describe()}, inherited from process {joined}, which already joined the "
-            f"job as rank {info.rank}: this process, started by it, is not one of the job's. "
-            "Remove HOROVOD_RANK, HOROVOD_SIZE and HOROVOD_GLOO_RENDEZVOUS_ADDR from its "
-            "environment to run it on its own")
+    refuse_inherited(info)  # a process that one of the job's started (core/joined.py)
     if os.environ.get("HOROVOD_ELASTIC", "") not in ("", "0"):
         raise RuntimeError(
             f"{info.describe()} in elastic mode (HOROVOD_ELASTIC=1: --min-np, --max-np or a "
@@ -349,7 +375,7 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     why = join(RendezvousStore(host, port), info.rank, info.size, timeout, always=True,
                toward=host)
     if why is None:
-        os.environ[HOROVODRUN_JOINED] = str(os.getpid())
+        mark_joined(info)
         return
     raise RuntimeError(
         f"{info.describe()}: ringcomm runs horovodrun's processes as one MPI world, "

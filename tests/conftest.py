@@ -15,6 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _forget_joined_jobs() -> Iterator[None]:
+    """A test that started a communicator under a launcher's variables of its own (set with
+    monkeypatch) leaves this process marked as a process of that job (``RINGCOMM_JOINED``,
+    ringcomm/core/joined.py), which the processes later tests start would inherit."""
+    yield
+    os.environ.pop("RINGCOMM_JOINED", None)
+
+
 @pytest.fixture(scope="session")
 def mpiexec() -> str:
     """The mpiexec next to this interpreter (the mpich wheel's Hydra), or skip."""
@@ -28,7 +37,8 @@ def mpiexec() -> str:
 def subprocess_env() -> dict[str, str]:
     """Environment for child processes: unbuffered output, and no inherited launcher rank."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL", "HYDRA_"))}
+           if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL", "HYDRA_"))
+           and k != "RINGCOMM_JOINED"}
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env

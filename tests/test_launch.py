@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from exit_checks import run_bounded
 
@@ -103,7 +106,6 @@ def test_detect_rejects_bad_values(env, message):
 def test_hydra_sets_what_detect_reads(mpiexec, subprocess_env):
     """Under the mpich wheel's mpiexec, every rank reads its own rank from the environment."""
     import re
-    import sys
 
     # One bracketed write per rank: the ranks share a pipe, and a print's text and newline can
     # be two writes that another rank's output slips between.
@@ -127,7 +129,6 @@ INIT = ("import sys, numpy as np, ringcomm; c = ringcomm.init(abort_on_exception
 
 def test_log_level_info_names_rank_backend_and_launcher(mpiexec, subprocess_env):
     """Under mpiexec -n 2, RINGCOMM_LOG_LEVEL=INFO makes each rank log its init line."""
-    import sys
 
     env = {**subprocess_env, "RINGCOMM_LOG_LEVEL": "INFO"}
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", INIT], timeout=60, env=env)
@@ -143,7 +144,6 @@ def test_log_level_info_names_rank_backend_and_launcher(mpiexec, subprocess_env)
 
 
 def test_silent_by_default(mpiexec, subprocess_env):
-    import sys
 
     env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_LOG_LEVEL"}
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", INIT], timeout=60, env=env)
@@ -153,7 +153,6 @@ def test_silent_by_default(mpiexec, subprocess_env):
 
 def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
     """WORLD_SIZE=2 in a job mpiexec started with one process: backend "mpi" refuses it."""
-    import sys
 
     code = ("import ringcomm\n"
             "try:\n    ringcomm.init('mpi', abort_on_exception=False)\n"
@@ -195,3 +194,20 @@ def test_horovodrun_rendezvous_is_where_its_server_listens():
     with pytest.raises(ValueError, match="HOROVOD_GLOO_RENDEZVOUS_PORT should be an integer"):
         launch.horovodrun_rendezvous({**HOROVODRUN, "HOROVOD_GLOO_RENDEZVOUS_PORT": "x"})
     assert detect(HOROVODRUN).describe() == "HOROVOD_SIZE=4 (horovodrun)"
+
+
+
+def test_a_process_started_by_a_rank_is_not_one_of_the_job(mpiexec, subprocess_env, tmp_path):
+    """A rank of an mpiexec job runs a script of its own, which inherits mpiexec's variables
+    and calls ringcomm.init(): it fails at once, saying why (its MPI start failed on the
+    closed PMI_FD, with MPICH's error stack), and the job goes on."""
+    script = tmp_path / "job.py"
+    script.write_text((Path(__file__).parent / "inherited_child.py").read_text())
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, str(script)], timeout=90,
+                       env=subprocess_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stdout
+    for rank in range(2):
+        child = (tmp_path / f"job.py.{rank}").read_text()
+        assert child.startswith("0 RuntimeError: PMI_SIZE=2 (mpich), but PMI_FD="), child
+        assert "is not one of the job's" in child, child

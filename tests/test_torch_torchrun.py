@@ -552,3 +552,60 @@ def test_auto_joins_where_no_gpu_is_seen(tmp_path, subprocess_env):
     saying so."""
     env = {k: v for k, v in subprocess_env.items() if k != "RINGCOMM_TORCHRUN_MPI"}
     _torchrun(tmp_path, {**env, "RINGCOMM_LOG_LEVEL": "INFO"}, AUTO_SCRIPT)
+
+
+
+@pytest.mark.slow
+@_TRANSPORTS
+def test_a_process_started_by_a_rank_is_not_one_of_the_job(tmp_path, subprocess_env, transport):
+    """A rank runs a script of its own, which inherits torchrun's variables and calls
+    ringcomm.init(): it fails at once, saying so, and the job goes on. (It joined
+    torch.distributed's group as a second process of that rank, then waited in MPI's start-up
+    forever, spinning, after the job had ended.)"""
+    _torchrun(tmp_path, _on(transport, subprocess_env),
+              (Path(__file__).parent / "inherited_child.py").read_text())
+    for rank in range(2):
+        line = (tmp_path / f"job.py.{rank}").read_text()
+        assert line.startswith("0 RuntimeError: WORLD_SIZE=2 (torchrun), inherited from "
+                               "process "), line
+        assert (f"which already joined the job as rank {rank}: this process, started by it, "
+                "is not one of the job's. Remove RANK, WORLD_SIZE and LOCAL_RANK") in line, line
+
+
+BACKENDS_SCRIPT = r"""
+import sys
+import time
+import torch.distributed as dist
+import ringcomm
+
+rank = int(__import__("os").environ["RANK"])
+if sys.argv[3] == "up":
+    dist.init_process_group("gloo")
+start = time.monotonic()
+try:
+    ringcomm.init(backend=sys.argv[1 + rank], timeout=60)
+    outcome = "started"
+except ringcomm.ArgumentMismatchError as err:
+    outcome = f"ArgumentMismatchError: {err}"
+with open(f"{__file__}.{rank}", "w") as f:
+    f.write(f"{time.monotonic() - start:.1f} {outcome}")
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backends", "group"), [(("auto", "mpi"), "down"),
+                                                 (("gloo", "auto"), "down"),
+                                                 (("nccl", "mpi"), "up")])
+def test_ranks_asking_for_different_backends_are_told(tmp_path, subprocess_env, backends, group):
+    """Ranks of a torchrun job asking ringcomm.init() for different backends raise the same
+    ArgumentMismatchError at once, naming the backends, as under mpiexec (each waited in a
+    start-up of its own until the timeout, then raised an error of its own)."""
+    _torchrun(tmp_path, _on("mpi", subprocess_env), BACKENDS_SCRIPT, args=(*backends, group))
+    texts = [(tmp_path / f"job.py.{rank}").read_text() for rank in range(2)]
+    for text in texts:
+        seconds, outcome = text.split(" ", 1)
+        assert outcome == (f"ArgumentMismatchError: init: backend differs between ranks: "
+                           f"{backends[0]} on rank 0; {backends[1]} on rank 1. Every rank must "
+                           "ask for the same backend"), text
+        assert float(seconds) < 30, text

@@ -23,10 +23,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ringcomm.backends import _nccl_lib
-from ringcomm.backends.store_wait import missing_keys, ranks_of
+from ringcomm.backends.store_wait import allgather, wait_for
 from ringcomm.comm.transport import check_timeout
 from ringcomm.core import launch
-from ringcomm.core.types import CollectiveTimeoutError
 from ringcomm.ops import _cuda_stack
 
 __all__ = [
@@ -156,18 +155,9 @@ class _StoreRendezvous:
         return cls(prefixed, info.rank, info.size, info.local_rank, info.local_size, timeout)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        tag = f"ag{next(self._calls)}/"
-        self.store.set(f"{tag}{self.rank}", pickle.dumps(obj))
-        keys = [f"{tag}{r}" for r in range(self.size)]
-        self._wait(keys, "an exchange")
-        everyone = [pickle.loads(self.store.get(key)) for key in keys]
-        # Rank 0 may host the store's server (no torchrun agent store): it must not leave, on
-        # an error everyone is about to raise, before every rank has read every value.
-        if self.store.add(f"{tag}read", 1) == self.size:
-            self.store.set(f"{tag}all", b"1")
-        if self.rank == 0:
-            self._wait([f"{tag}all"], "an exchange's end")
-        return everyone
+        everyone = allgather(self.store, f"ag{next(self._calls)}/", self.rank, self.size,
+                             pickle.dumps(obj), self.timeout)
+        return [pickle.loads(value) for value in everyone]
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         key = f"bc{next(self._calls)}"
@@ -179,20 +169,7 @@ class _StoreRendezvous:
         return bytes(self.store.get(key))
 
     def _wait(self, keys: list[str], what: str, peer: int | None = None) -> None:
-        """Wait until the store holds ``keys``, at most the timeout, else raise
-        CollectiveTimeoutError naming the ranks whose keys are missing."""
-        missing, elapsed = missing_keys(self.store, keys, self.timeout)
-        if not missing:
-            return
-        ranks = ranks_of(missing) or ([peer] if peer is not None else [])
-        waited = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" \
-            if ranks else "the other ranks"
-        raise CollectiveTimeoutError(
-            f"ringcomm's start-up timed out on rank {self.rank} of {self.size} "
-            f"after {elapsed:.1f} s waiting for {waited} in {what} over torch.distributed's "
-            f"store ({waited} did not come: exited, stopped, or in another call). The timeout "
-            f"is {self.timeout:g} s (ringcomm.init's)", kind="start-up",
-            peer=ranks[0] if len(ranks) == 1 else None, elapsed=elapsed, timeout=self.timeout)
+        wait_for(self.store, keys, self.rank, self.size, self.timeout, what, peer)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> bool:
         return False  # a store round trip per collective is too slow; NCCL does this one

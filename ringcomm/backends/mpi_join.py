@@ -42,7 +42,8 @@ from ringcomm.backends.mpi_process import (
 from ringcomm.backends.pmi_server import process_mapping
 from ringcomm.backends.store_wait import missing_keys, ranks_of
 from ringcomm.core.env import env, flag_value
-from ringcomm.core.launch import MPI_LAUNCHER_VARIABLES
+from ringcomm.core.joined import refuse_inherited
+from ringcomm.core.launch import MPI_LAUNCHER_VARIABLES, detect
 from ringcomm.core.process_end import at_process_end, failed_status
 from ringcomm.core.types import (
     ArgumentMismatchError,
@@ -97,12 +98,15 @@ def join(store: Any, rank: int, size: int, timeout: float, *, always: bool = Fal
         ArgumentMismatchError: ``RINGCOMM_TORCHRUN_MPI`` differs between ranks (on every rank).
         CollectiveTimeoutError: a rank did not come within ``timeout`` (it exited, stopped, or
             is in another call); on the ranks that waited for it.
-        RuntimeError: MPI started but its world is not the job's.
+        RuntimeError: MPI started but its world is not the job's, or this process's
+            launcher variables were inherited from a process of the job
+            (``ringcomm.core.joined``).
 
     A later call gives the first call's answer (or error) again, without the store.
     """
     if world_joined():
         return None
+    refuse_inherited(detect())  # a process that one of the job's started
     if _OUTCOME:  # agreed by every rank before: the same answer again, without the store
         if isinstance(_OUTCOME[0], BaseException):
             raise _OUTCOME[0]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringcomm.core import launch
+from ringcomm.core.joined import refuse_inherited
 
 __all__ = ["FORWARD_S", "abort", "cores", "import_mpi", "install_abort_hook", "mpi_world_is_job",
            "note_world_joined", "world_joined", "world_numbers_alike",
@@ -68,7 +69,11 @@ def yield_when_oversubscribed() -> None:
 
 
 def import_mpi() -> Any:
-    """Import ``mpi4py.MPI`` or raise RuntimeError saying what to install."""
+    """Import ``mpi4py.MPI`` or raise RuntimeError saying what to install, or that this
+    process inherited an MPI launcher's variables from a process of the job
+    (``ringcomm.core.joined``)."""
+    if "mpi4py.MPI" not in sys.modules:
+        refuse_inherited(launch.detect())
     yield_when_oversubscribed()
     try:
         from mpi4py import MPI

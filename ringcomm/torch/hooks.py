@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.algorithms.auto import Auto, Compression
+from ringcomm.algorithms.hierarchical import check_compressor
 from ringcomm.algorithms.powersgd import LowRankMemory, PowerSGD
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm._twolevel import check_algorithm
@@ -121,8 +122,9 @@ class RingcommState:
     (:func:`~ringcomm.torch.register_ddp_hook` refuses a state it gave another model).
 
     Raises:
-        ValueError: ``start_iter`` or ``min_compress_bytes`` negative, or an unknown
-            ``algorithm``.
+        ValueError: ``start_iter`` or ``min_compress_bytes`` negative, an unknown
+            ``algorithm``, or a compressor the hierarchical allreduce cannot run (PowerSGD)
+            where ``algorithm`` (else ``comm.algorithm``) is "hierarchical".
         TypeError: ``compression`` is not a compressor.
 
     Example::
@@ -152,6 +154,9 @@ class RingcommState:
             _lifecycle.init()
             comm = _basics.communicator()
         self.comm = comm
+        if (self.algorithm or comm.algorithm) == "hierarchical" and comm.size > 1:
+            # Refused here, not at the first compressed bucket, start_iter steps into training.
+            check_compressor(None if isinstance(self.compression, Auto) else self.compression)
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback()
         self.start_iter = start_iter

@@ -394,6 +394,8 @@ def test_a_model_over_a_one_process_group_takes_a_one_process_communicator():
 
     from ringcomm.torch import register_ddp_hook
 
+    if SIZE == 1:
+        pytest.skip("a job of several processes: at one, the whole job's group is one process")
     alone, groups = dist.new_subgroups(group_size=1)
     comm = ringcomm.init("mpi", mpi_comm=MPI.COMM_SELF, abort_on_exception=False)
     try:
@@ -471,5 +473,17 @@ def test_hook_hierarchical_algorithm_trains_like_ddp():
         assert comm._two_level.topology is not None or SIZE == 1  # the groups were made
         with pytest.raises(ValueError, match="algorithm must be one of"):
             RingcommState(comm, algorithm="tree")
+        # PowerSGD's matrices are per tensor, not per node shard: refused as the state is
+        # made (it was refused at the first compressed bucket, start_iter steps into training).
+        for algorithm, comm_algorithm in (("hierarchical", "auto"), (None, "hierarchical")):
+            comm.algorithm = comm_algorithm
+            if SIZE == 1:  # one process: nothing to reduce in two levels
+                RingcommState(comm, compression=ringcomm.PowerSGD(), algorithm=algorithm)
+                continue
+            with pytest.raises(ValueError, match=r"the hierarchical allreduce reduces node "
+                               r"shards of the array, which PowerSGD\(.*cannot compress"):
+                RingcommState(comm, compression=ringcomm.PowerSGD(), algorithm=algorithm)
+        RingcommState(comm, compression=ringcomm.Int8(), algorithm="hierarchical")
+        RingcommState(comm, compression=ringcomm.PowerSGD(), algorithm="flat")
     finally:
         comm.close()
