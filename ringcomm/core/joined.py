@@ -100,4 +100,3 @@ def _closed_pmi_fd() -> str | None:
         return None if stat.S_ISSOCK(os.fstat(int(fd)).st_mode) else fd
     except OSError:
         return fd
-
