@@ -385,7 +385,7 @@ class TorchDistTransport(TransportBase):
     def finished_allreduce(self, x: Array) -> torch.futures.Future:
         """A Future completed with ``x`` as a tensor (sharing its memory; CUDA-aware for a
         CUDA array), as ``start_native_allreduce``'s completes."""
-        tensor = torch.from_numpy(x) if type(x) is np.ndarray else torch.from_dlpack(x)
+        tensor = _result_tensor(x)
         result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[tensor.device] if tensor.is_cuda else None)
         result.set_result(tensor)
@@ -402,19 +402,23 @@ class TorchDistTransport(TransportBase):
         dtype = np.dtype(x.dtype)
         if not self._reduces_natively(dtype, x.nbytes, op):
             return None
-        tensor = torch.from_numpy(x) if type(x) is np.ndarray else torch.from_dlpack(x)
+        tensor = _result_tensor(x)
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # gloo's requirement
         hold(flat)
         self.count_native(x.nbytes)
         result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[flat.device] if flat.is_cuda else None)
         work = self._start_all_reduce(flat)
+        # A tensor that cannot share x's memory (negative strides) is a copy: the result goes
+        # back into x too.
+        into = x if type(x) is np.ndarray and min(x.strides, default=0) < 0 else None
         work.get_future().add_done_callback(functools.partial(
-            self._native_done, result, tensor, flat, op is ReduceOp.AVG, time.monotonic()))
+            self._native_done, result, tensor, flat, op is ReduceOp.AVG, time.monotonic(),
+            into))
         return result
 
     def _native_done(self, result: torch.futures.Future, tensor: torch.Tensor,
-                     flat: torch.Tensor, average: bool, start: float,
+                     flat: torch.Tensor, average: bool, start: float, into: np.ndarray | None,
                      done: torch.futures.Future) -> None:
         """Complete ``result`` as gloo completed ``done``, on gloo's thread (or on the one that
         started it, where gloo finished first). A CUDA tensor's average, copy and completion
@@ -434,6 +438,8 @@ class TorchDistTransport(TransportBase):
                     flat.div_(self.size)
                 if flat is not tensor:
                     tensor.copy_(flat)
+                if into is not None:
+                    into[...] = tensor.numpy()
                 result.set_result(tensor)
         except Exception as err:  # handed to whoever waits on the result
             result.set_exception(err)
@@ -672,3 +678,13 @@ class TorchDistCommunicator(Communicator):
                                             abort_on_timeout=abort_on_timeout),
                          consistency_check=consistency_check,
                          segment_bytes=segment_bytes, inline_bytes=inline_bytes, **options)
+
+
+def _result_tensor(x: Array) -> torch.Tensor:
+    """``x`` as the tensor a started allreduce completes with: sharing its memory, but a
+    contiguous copy of a NumPy array of negative strides, which no tensor can have (and
+    which ``allreduce`` takes: refused here, after the ranks agreed on the call, it failed on
+    that rank alone and left the others in gloo's allreduce)."""
+    if type(x) is not np.ndarray:
+        return torch.from_dlpack(x)
+    return torch.from_numpy(x if min(x.strides, default=0) >= 0 else np.ascontiguousarray(x))

@@ -106,6 +106,23 @@ def test_a_non_contiguous_array_is_reduced_through_a_copy(comm):
     np.testing.assert_array_equal(base[:, 1], untouched)
 
 
+@pytest.mark.parametrize("reversed_on", ["every rank", "rank 0"])
+def test_an_array_of_negative_strides_is_reduced_in_place(comm, reversed_on):
+    """A reversed view, which allreduce takes and no torch tensor can be: reduced in place
+    through a copy (the Future's tensor), on every rank. It failed on its rank alone, after
+    the ranks agreed on the call, and left the others in gloo's allreduce (a timeout)."""
+    base = _ints(2 * 40_000, "float32", salt=3)
+    mine = RANK == 0 or reversed_on == "every rank"
+    x = base[::-2] if mine else base[1::2]  # 40 000 elements, strides -8 or 8
+    expected = _exact(x.copy(), "sum")
+    untouched = (base[-2::-2] if mine else base[::2]).copy()
+    result = comm.start_allreduce(x).wait()
+    np.testing.assert_array_equal(x, expected)
+    np.testing.assert_array_equal(result.numpy(), expected)
+    np.testing.assert_array_equal(base[-2::-2] if mine else base[::2], untouched)
+    assert _same_everywhere(x)
+
+
 def test_calls_in_flight_interleave_with_the_rings_collectives(comm):
     arrays = [_ints(n, "float32", salt=i) for i, n in enumerate((70_001, 300_000, 9_999))]
     expected = [_exact(a, "avg") for a in arrays]

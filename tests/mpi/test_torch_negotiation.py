@@ -137,6 +137,52 @@ def test_unnamed_operations_match_per_thread(h):
         assert torch.equal(out[k], torch.full((4,), float(SIZE * k + 10 * sum(range(SIZE)))))
 
 
+@pytest.mark.parametrize("where", ["every rank", "rank 0"])
+def test_unnamed_operations_of_two_threads_of_one_name_fail_on_every_rank(h, where):
+    """Two live threads of one name submit unnamed allreduces: the names are counted per
+    thread name, so which twin's call paired with which on another rank was a race (16 in 30
+    results were another thread's data, silently). Each fails on every rank, where the twins
+    live on every rank or on rank 0 only (the other ranks' one thread of that name makes
+    the same calls); a named operation of theirs runs."""
+    twins = RANK < (SIZE if where == "every rank" else 1)
+    go = threading.Barrier(2)
+    outcomes: dict[int, list[object]] = {0: [], 1: []}
+
+    def unnamed(k: int) -> None:
+        for _ in range(5):
+            try:
+                out = h.allreduce(torch.full((8,), 1000.0 * k + RANK + 1), op=h.Sum)
+                outcomes[k].append(out[0].item())
+            except Exception as err:  # the test looks at it
+                outcomes[k].append(err)
+
+    def named(k: int) -> None:
+        out = h.allreduce(torch.full((3,), float(RANK + 1)), op=h.Sum, name=f"twin{k}")
+        outcomes[k].append(out[0].item())
+
+    def twin(k: int) -> None:
+        go.wait(timeout=60)  # both alive before either calls
+        unnamed(k)
+        named(k)
+
+    def alone() -> None:
+        unnamed(0), unnamed(1), named(0), named(1)
+
+    threads = ([threading.Thread(target=twin, args=(k,), name="twin") for k in (0, 1)] if twins
+               else [threading.Thread(target=alone, name="twin")])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    total = float(sum(range(1, SIZE + 1)))
+    for k in (0, 1):
+        *calls, last = outcomes[k]
+        assert last == total and len(calls) == 5, outcomes
+        for got in calls:
+            assert isinstance(got, ValueError), outcomes
+            assert "bears the same name" in str(got) and "name the operation" in str(got), got
+
+
 def test_small_operations_are_fused(h):
     comm = h.communicator()
     ops = [(f"fuse.{i}", 10, torch.float32, "sum") for i in range(64)]

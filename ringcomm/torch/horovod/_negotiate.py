@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from ringcomm.comm.base import Communicator
+from ringcomm.comm.callers import ThreadNames
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import CollectiveTimeoutError
 from ringcomm.torch._engine import Handle
@@ -142,6 +143,7 @@ class Coordinator:
         self._due = math.inf  # when the background thread negotiates what is new
         self._mine: dict[str, _Mine] = {}
         self._counters: dict[tuple[str, str], int] = {}
+        self._threads = ThreadNames()  # who submits unnamed operations under each name
         # Joins completed: unnamed operations are numbered afresh after each (see _run).
         self._joins = 0
         self._cycle = 0
@@ -174,6 +176,8 @@ class Coordinator:
             if self._dead is not None or self._stop:
                 raise RuntimeError(str(self._dead) if self._dead else _SHUT_DOWN)
             name, user_name = self._full_name(op)
+            if op.name is None and op.kind not in ("barrier", "join"):
+                self._refuse_twin(op)
             if name in self._mine:
                 raise ValueError(
                     f"duplicate name: an operation named {user_name!r} ({op.kind}) is already "
@@ -208,6 +212,18 @@ class Coordinator:
         joins = f"join{self._joins}." if self._joins else ""
         name = f"{op.kind}.noname.{where}{joins}{k}"
         return name, name
+
+    def _refuse_twin(self, op: Op) -> None:
+        """Fail ``op`` on every rank (an error in its request) where another live thread of
+        this process bears the calling thread's name: an unnamed operation is named after its
+        thread and counted per name, so two threads of one name shared the numbers, and which
+        of them took each depended on a race on each rank: results were another thread's
+        data (16 in 30 at 2 ranks), silently. The rule and its error are the Communicator's
+        (``ringcomm.comm.callers.ThreadNames``)."""
+        twin = self._threads.conflict(threading.current_thread().name)
+        if twin is not None and "error" not in op.meta:
+            op.meta["error"] = (f"{type(twin).__name__}: {twin}, or name the operation "
+                                "(name=...)")
 
     def _commit_name(self, op: Op) -> None:
         """Count an accepted unnamed operation (a refused one does not shift the names)."""
