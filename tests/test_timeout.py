@@ -335,3 +335,35 @@ def test_two_level_timeout_names_the_job_s_ranks(mpiexec, subprocess_env, tmp_pa
     assert rows[2]["message"].startswith("allreduce timed out on rank 2 of 4 in its group of "
                                          "ranks 2, 3 "), rows[2]
     assert rows[2]["peer"] in (None, 3), rows[2]
+
+
+DIST_GROUP = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+import ringcomm.torch  # noqa: F401  (registers the "ringcomm" backend)
+
+dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=3))
+t = torch.ones(300_000)
+dist.all_reduce(t)                                  # the communicator is made
+if dist.get_rank() == 0:
+    dist.all_reduce(t)                              # rank 1 never comes
+else:
+    time.sleep(60)
+"""
+
+
+def test_a_ringcomm_groups_timeout_error_names_the_groups_timeout(mpiexec, subprocess_env,
+                                                                  tmp_path):
+    """The "ringcomm" torch.distributed backend waits its group's timeout: its timeout error
+    says to change that one (it named ringcomm.init's and RINGCOMM_TIMEOUT, which it does
+    not read)."""
+    pytest.importorskip("torch")
+    script = tmp_path / "group.py"
+    script.write_text(DIST_GROUP)
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, str(script)], timeout=100,
+                       env=subprocess_env)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert ("allreduce timed out on rank 0 of 2 after 3." in proc.stderr
+            and "The timeout is 3 s: change it with the group's timeout, "
+            "dist.init_process_group(timeout=...) or dist.new_group(timeout=...)"
+            in proc.stderr), proc.stderr[-3000:]

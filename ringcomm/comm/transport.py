@@ -60,6 +60,11 @@ def check_timeout(timeout: Any) -> float:
     return seconds
 
 
+#: Where a communicator's timeout is set, as its timeout errors say, unless its transport
+#: names another place (``timeout_source``: a torch.distributed group's, say).
+TIMEOUT_SOURCE = "ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT"
+
+
 def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
                   timeout: float, *, kind: str | None = None) -> CollectiveTimeoutError:
     """The error of a wait of transport ``t`` that passed ``timeout``: the collective (``kind``,
@@ -77,7 +82,7 @@ def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
     message = (f"{kind} timed out on rank {ranks[t.rank]} of {world}{within} after "
                f"{elapsed:.1f} s waiting for {waited}{step}: {culprit} may have exited, "
                f"stopped, or be in another call. The timeout is {timeout:g} s: change it with "
-               "ringcomm.init(timeout=...) or RINGCOMM_TIMEOUT")
+               f"{getattr(t, 'timeout_source', TIMEOUT_SOURCE)}")
     return CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
                                   timeout=timeout)
 
@@ -97,6 +102,7 @@ def adopt_ranks(child: Any, parent: Any, members: list[int]) -> Any:
     in the child's order), the job's numbering of its ranks, for its messages; return it."""
     child.world_ranks = tuple(parent.world_ranks[r] for r in members)
     child.world_size = parent.world_size
+    child.timeout_source = parent.timeout_source
     return child
 
 
@@ -195,6 +201,8 @@ class TransportBase:
         #: Each rank as the whole job numbers it (a sub-group's differ from its own ranks).
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))
         self.world_size = self.size
+        #: Where the user sets this transport's timeout, as its timeout errors say.
+        self.timeout_source = TIMEOUT_SOURCE
         self._buffers: dict[tuple[Any, ...], Any] = {}
 
     @property

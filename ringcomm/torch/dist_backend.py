@@ -540,6 +540,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 self._comm = self._job_communicator()
             else:  # some of the job's ranks, or all of them in another order
                 self._comm = self._members_communicator()
+            # It waits the group's timeout, which its timeout errors name.
+            self._comm.transport.timeout_source = (
+                "the group's timeout, dist.init_process_group(timeout=...) or "
+                "dist.new_group(timeout=...)")
         finally:
             self._making = False
         return self._comm
