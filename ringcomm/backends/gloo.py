@@ -411,7 +411,7 @@ class TorchDistTransport(TransportBase):
         work = self._start_all_reduce(flat)
         # A tensor that cannot share x's memory (negative strides) is a copy: the result goes
         # back into x too.
-        into = x if type(x) is np.ndarray and min(x.strides, default=0) < 0 else None
+        into = x if _negative_strides(x) else None
         work.get_future().add_done_callback(functools.partial(
             self._native_done, result, tensor, flat, op is ReduceOp.AVG, time.monotonic(),
             into))
@@ -687,4 +687,9 @@ def _result_tensor(x: Array) -> torch.Tensor:
     that rank alone and left the others in gloo's allreduce)."""
     if type(x) is not np.ndarray:
         return torch.from_dlpack(x)
-    return torch.from_numpy(x if min(x.strides, default=0) >= 0 else np.ascontiguousarray(x))
+    return torch.from_numpy(np.ascontiguousarray(x) if _negative_strides(x) else x)
+
+
+def _negative_strides(x: Array) -> bool:
+    """Whether ``x`` is a NumPy array with a negative stride (no tensor can share it)."""
+    return type(x) is np.ndarray and min(x.strides, default=0) < 0
