@@ -221,6 +221,38 @@ def test_duplicate_name_while_other_ranks_wait_in_a_barrier(h):
     assert torch.equal(h.allreduce(t, name="late", op=h.Sum), torch.full((3,), float(SIZE)))
 
 
+
+def test_an_asynchronous_operation_is_in_flight_for_a_cycle_while_cycles_run(h):
+    """Horovod's duplicate-name test, its second half: the ranks already run cycles (an
+    operation of rank 0 waits for the others) when each submits an operation asynchronously
+    and at once the same name again. The second submission must find the first in flight:
+    a cycle that took the first at once could run it to its end first, and the second then
+    went through on some ranks and waited for the others for good (55 of 200 in a
+    reproducer). Asynchronous submissions are negotiated a cycle time after the first of
+    their burst, cycles running or not."""
+    needs_two()
+    t = torch.ones(17, 17)
+    late = h.allreduce_async(t, name="keeps-cycles-running", op=h.Sum) if RANK == 0 else None
+    accepted = []
+    for i in range(60):
+        first = h.allreduce_async(t, name=f"twice{i}", op=h.Sum)
+        try:
+            accepted.append((i, h.allreduce_async(t, name=f"twice{i}", op=h.Sum)))
+        except ValueError:
+            pass
+        h.synchronize(first)
+    # Whatever went through twice pairs with the same name from every other rank, so that
+    # no operation is left waiting, whatever the outcome.
+    went_through = MPI.COMM_WORLD.allgather([i for i, _ in accepted])
+    for i in sorted({i for mine in went_through for i in mine} - {i for i, _ in accepted}):
+        accepted.append((i, h.allreduce_async(t, name=f"twice{i}", op=h.Sum)))
+    for _, handle in accepted:
+        h.synchronize(handle)
+    if RANK != 0:
+        late = h.allreduce_async(t, name="keeps-cycles-running", op=h.Sum)
+    assert torch.equal(h.synchronize(late), torch.full((17, 17), float(SIZE)))
+    assert went_through == [[]] * SIZE
+
 @pytest.mark.parametrize("what", ["shape", "dtype", "op"])
 def test_mismatch_fails_that_operation_on_every_rank(h, what):
     needs_two()

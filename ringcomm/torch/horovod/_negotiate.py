@@ -26,9 +26,11 @@ its name and the ranks that never submitted it: never a silent mismatch.
 Who runs a cycle: one thread at a time per process (the *turn*). A thread that waits for one
 of its operations (a synchronous call, ``synchronize``) runs the cycles itself while nobody
 else does, so a synchronous call costs no hand-off between threads; otherwise a background
-thread runs them: HOROVOD_CYCLE_TIME (1 ms) after the first operation that nobody waits for
-yet, so that a burst of asynchronous submissions travels in one cycle, and without delay while
-operations pending on other ranks remain (one cycle time apart where a cycle made no progress).
+thread runs them, and without delay while operations pending on other ranks remain (one cycle
+time apart where a cycle made no progress). An operation nobody waits for yet is negotiated
+HOROVOD_CYCLE_TIME (1 ms) after the first of its burst, by whichever thread runs cycles, so
+that a burst of asynchronous submissions travels in one cycle and an operation is in flight
+for at least that long (a second submission of its name at once raises, as in Horovod).
 On a CUDA job the background thread always runs them: its streams are the default streams,
 which the submitters' fences order (see :class:`~ringcomm.torch._engine.Handle`).
 
@@ -140,7 +142,8 @@ class Coordinator:
         self._turns = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
         self._new: list[_Mine] = []
-        self._due = math.inf  # when the background thread negotiates what is new
+        self._due = math.inf  # when what is new and nobody waits for is negotiated
+        self._urgent = False  # a thread waits for what is new: negotiate it now
         self._mine: dict[str, _Mine] = {}
         self._counters: dict[tuple[str, str], int] = {}
         self._threads = ThreadNames()  # who submits unnamed operations under each name
@@ -190,13 +193,13 @@ class Coordinator:
             if tl is not None:  # before a cycle can see the operation
                 tl.negotiate_start(name, op.kind)
             if not waited and self._due == math.inf:
-                # Once per burst: the background thread negotiates it one cycle time from now
-                # unless a thread that waits for it does so first.
+                # Once per burst: negotiated one cycle time from now, by the background
+                # thread or a cycle already running, unless a thread that waits for it asks
+                # first. Never at once: a second submission of the name right after this one
+                # must find it in flight (Horovod's duplicate-name error), not already run.
                 self._due = time.monotonic() + self._cycle_time
                 self._idle.notify()
-            self._new.append(mine)
-            if self._sleeping:
-                self._wake.notify()
+            self._new.append(mine)  # a thread that waits for it hurries it (_await)
             if self._thread is None:
                 self._start()
         return handle
@@ -271,10 +274,11 @@ class Coordinator:
             return  # an operation run by a cycle waits for another: as on the background thread
         if torch.cuda.is_initialized():
             with self._lock:  # the background thread runs it now (see the module docstring)
-                self._due = -math.inf
+                self._hurry()
                 self._idle.notify()
             return
         with self._lock:
+            self._hurry()
             self._waiters += 1
             try:
                 while not (handle.done() or self._over):
@@ -287,6 +291,14 @@ class Coordinator:
             finally:
                 self._waiters -= 1
                 self._hand_over()  # what is left is the background thread's
+
+    def _hurry(self) -> None:
+        """A thread waits: what is new is negotiated now, by a cycle that waits for the
+        burst's time too (the lock is held)."""
+        if self._new:
+            self._urgent = True
+            if self._sleeping:
+                self._wake.notify()
 
     def _loop(self) -> None:
         me = threading.current_thread()
@@ -301,9 +313,9 @@ class Coordinator:
             if self._cycler is None and self._waiters == 0:
                 if self._stop or self._table:
                     return True
-                if self._new and self._due < math.inf:  # else its submitter waits for it
-                    left = self._due - time.monotonic()
-                    if left <= 0:
+                if self._new and (self._urgent or self._due < math.inf):
+                    left = self._due - time.monotonic()  # else its submitter waits for it
+                    if self._urgent or left <= 0:
                         return True
                     self._idle.wait(left)
                     continue
@@ -336,21 +348,35 @@ class Coordinator:
     def _hand_over(self) -> None:
         """Wake the background thread where it has a cycle to run (the lock is held)."""
         if self._waiters == 0 and (self._over or self._stop or self._table
-                                   or (self._new and self._due < math.inf)):
+                                   or (self._new and (self._urgent or self._due < math.inf))):
             self._idle.notify()
 
     # ----------------------------------------------------------------------- the cycles
     def _take_new(self) -> tuple[list[_Mine], bool]:
-        """Take what was submitted for this cycle (the lock is held)."""
-        if not self._new and not self._progressed and not self._stop:
-            # Operations wait for other ranks: one cycle time, unless new work comes.
+        """Take what was submitted for this cycle (the lock is held): at once where a thread
+        waits for it; else when the burst is due (see :meth:`submit`); where nothing is new
+        and the last cycle ran nothing (operations wait for other ranks), one cycle time
+        from now."""
+        idle_until = time.monotonic() + self._cycle_time
+        while not self._stop:
+            if self._new:
+                if self._urgent:
+                    break
+                until = self._due
+            elif not self._progressed:
+                until = idle_until
+            else:
+                break
+            left = until - time.monotonic()
+            if left <= 0:
+                break
             self._sleeping = True
             try:
-                self._wake.wait(self._cycle_time)
+                self._wake.wait(left)
             finally:
                 self._sleeping = False
         new, self._new = self._new, []
-        self._due = math.inf
+        self._due, self._urgent = math.inf, False
         return new, self._stop
 
     def _run_cycle(self, new: list[_Mine], stop: bool) -> None:
