@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # the tests start hundreds of processes that each import ringcomm, 0.3-0.4 s faster from them.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-unit slurm warm test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
+.PHONY: demo test checks test-unit slurm warm test-mpi test-horovod test-horovod-gloo test-torch-dist test-torch-dist-all layers ruff typecheck docs gpu-test gpu-bench gpu-check \
 	bench-ddp lint clean
 
 $(BIN)/python:
@@ -40,7 +40,12 @@ demo: $(VENV)/.demo
 	$(BIN)/mpiexec -n $(NP) $(BIN)/ringcomm-perf -b 4K -e 16M -f 4 -n 10 \
 		--compression int8,topk:0.01
 
-test: layers ruff typecheck docs test-unit test-mpi test-horovod test-torch-dist
+test: checks test-unit test-mpi test-horovod test-torch-dist
+
+# The static checks, Slurm's install and the caches' warm-up side by side: each is one process
+# (mypy alone takes 30 s from a fresh clone; Slurm's install waits on the package mirror).
+checks: $(VENV)/.test
+	$(MAKE) --no-print-directory -j4 --output-sync=target layers ruff typecheck docs slurm warm
 
 # The import layers of ringcomm/ (contracts in pyproject.toml): a module imports only from
 # layers below it.

@@ -117,14 +117,15 @@ def test_installed_benchmark_runs_from_outside_the_tree(wheel, tmp_path):
     from test_perf import _check_output
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # pip below runs from the test venv, --python there
     bin_dir = env_dir / "bin"
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
            and not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
     install = subprocess.run(
-        [str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         f"{wheel}[mpi]"], env=env, capture_output=True, text=True, timeout=900)
+        [sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "--quiet",
+         "--disable-pip-version-check", f"{wheel}[mpi]"],
+        env=env, capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stdout + install.stderr
     work = tmp_path / "elsewhere"
     work.mkdir()
