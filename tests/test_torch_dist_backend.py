@@ -270,8 +270,29 @@ def sparse_gradients():
         b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
+def failed_in_backward():
+    """What backward() raises where DDP's bucket allreduce fails on every rank (before any
+    data moves, so the ranks stay in step): the error, in a RuntimeError of DDP's."""
+    from ringcomm.comm.base import Communicator
+    real = Communicator.allreduce
+    def failing(self, *args, **kwargs):
+        raise ValueError("the bucket's allreduce failed here")
+    Communicator.allreduce = failing
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+        ddp(torch.ones(2, 64)).sum().backward()
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        Communicator.allreduce = real
+
+
 report["joined"] = joined()
 report["sparse"] = sparse_gradients()
+if backend == "ringcomm":
+    report["failed_in_backward"] = failed_in_backward()
+    dist.barrier()
 with open(f"report_{r}.json", "w") as f:  # a file each: the ranks' stdout interleaves
     json.dump({"rank": r, **report}, f)
 dist.destroy_process_group()
@@ -366,6 +387,10 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     assert len({row["joined"] for row in ours + theirs}) == 1, (ours, theirs)
     assert len({row["sparse"] for row in ours + theirs}) == 1, (ours, theirs)
     assert len({row["float8"] for row in ours}) == 1 and ours[0]["float8"], ours
+    # A collective that fails in DDP's backward: its error reaches backward() on every rank
+    # (the failed future read as done by DDP's C++ crashed both ranks, the error lost).
+    for row in ours:
+        assert "ValueError: the bucket's allreduce failed here" in row["failed_in_backward"], row
 
 
 FUNCTIONAL_JOB = r"""

@@ -80,6 +80,7 @@ from ringcomm.core.restarts import attempt_prefix
 from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
+from ringcomm.torch._futures import failing_for_cpp
 from ringcomm.torch._operand_errors import in_torch_terms
 from ringcomm.torch._tensors import Operand, as_array, resolved, travels_widened
 
@@ -312,18 +313,25 @@ class _Work(dist._Work):
     """The work object of one collective: ``wait()`` raises the collective's error on the
     caller's thread, and ``get_future()`` (what DDP waits on) is completed with its result or
     its error. (A work made by torch's ``_create_work_from_future`` would return from
-    ``wait()`` without raising the future's error: a failed collective would pass silently.)"""
+    ``wait()`` without raising the future's error: a failed collective would pass silently.)
+
+    The collective completes ``future`` with ``set_result`` or ``set_exception``, a failure
+    that C++ does not see (DDP's reducer crashed reading the error as tensors): what
+    ``get_future()`` gives is failed for C++ too (ringcomm.torch._futures)."""
 
     def __init__(self, future: Future[Any]) -> None:
         super().__init__()
         self._future = future
+        self._chained: Future[Any] | None = None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._future.wait()  # raises the collective's error, if any
         return True
 
     def get_future(self) -> Future[Any]:
-        return self._future
+        if self._chained is None:  # made when asked: most callers only wait
+            self._chained = failing_for_cpp(self._future)
+        return self._chained
 
     def result(self) -> Any:
         """The collective's output tensors, once it is done (raising its error, if any)."""

@@ -49,6 +49,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
+from ringcomm.torch._futures import failing_for_cpp
 from ringcomm.torch._iteration_trials import IterationTrials
 from ringcomm.torch._residuals import Layout, ResidualLayouts, check_grad_scaler, rescaling
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
@@ -586,7 +587,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     handle = Handle(buffer.device)
     handle.callback = settle
     state._engine.execute(task, overlap=overlap, handle=handle)
-    return future
+    return failing_for_cpp(future)  # an error reaches backward() as itself
 
 
 def _sparse_hook(state: RingcommState, bucket: dist.GradBucket,
@@ -614,7 +615,7 @@ def _sparse_hook(state: RingcommState, bucket: dist.GradBucket,
     overlap = device.type == "cuda" if state.overlap is None else state.overlap  # as dense ones
     state._engine.execute(functools.partial(_sparse_average, state, host, device),
                           overlap=overlap, handle=handle)
-    return future
+    return failing_for_cpp(future)
 
 
 # DDP's register_comm_hook compares these annotations with the classes themselves; postponed

@@ -385,6 +385,29 @@ def test_bad_state_arguments():
         pickle.dumps(RingcommState())  # as torch.save(state) does
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_collective_that_fails_in_the_hook_reaches_backward_as_itself(fresh_comm, monkeypatch,
+                                                                       sparse):
+    """A bucket's collective that fails (here on every rank, before anything moves) raises
+    in backward() with its own type and words; C++ read the hook's failed future as done and
+    said "Unable to cast <the words> to Tensor". The communicator stays usable."""
+    def failing(*args, **kwargs):
+        raise ValueError("the bucket's collective failed here")
+
+    monkeypatch.setattr(fresh_comm, "allgather" if sparse else "allreduce", failing)
+    torch.manual_seed(0)
+    net = torch.nn.Embedding(10, 4, sparse=True) if sparse else torch.nn.Linear(16, 4)
+    model = DDP(net)
+    model.register_comm_hook(RingcommState(comm=fresh_comm, error_feedback=False),
+                             ringcomm_hook)
+    x = torch.arange(3) if sparse else torch.ones(2, 16)
+    with pytest.raises(RuntimeError, match=r"Error: .*the bucket's collective failed here") as got:
+        model(x).sum().backward()
+    assert "Unable to cast" not in str(got.value)
+    monkeypatch.undo()
+    assert fresh_comm.allreduce(np.ones(3)).tolist() == [float(SIZE)] * 3
+
+
 def test_a_model_over_a_one_process_group_takes_a_one_process_communicator():
     """DDP over a sub-group of one rank (each rank its own) in a job of several, with
     register_ddp_hook and a communicator of that one process: the hook runs (it refused, as
