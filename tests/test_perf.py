@@ -33,18 +33,55 @@ def test_sizes_and_flags_as_nccl_tests_spells_them():
     assert options.sizes(args, 2) == [8 * 4 ** k for k in range(11)]
     assert options.dtype_of(args.datatype) == np.float16
     assert options.sizes(options.parse_args(["-b", "6", "-e", "6"]), 4) == [4]
+    # Sizes below one element are one element, each once (two 4-byte rows before).
+    assert options.sizes(options.parse_args(["-b", "1", "-e", "3"]), 4) == [4]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["-b", "1M", "-e", "4K"], "need minbytes <= maxbytes"),
+    (["-b", "1M", "-e", "4K"], "need 1 <= minbytes <= maxbytes"),
+    (["-b", "0"], "need 1 <= minbytes"),  # the sizes never grew: a run without end
     (["-f", "1"], "stepfactor >= 2"),
     (["-b", "lots"], "expected a size like 8, 4K, 16M or 1G"),
+    (["-w", "-3"], "-w/--warmup_iters must be >= 0, got -3"),
+    (["--job-warmup", "-1"], "--job-warmup must be >= 0"),
+    (["--phases", "-2"], "--phases must be >= 0"),
+    (["-c", "5"], "-c/--check must be 0 or 1, got 5"),
     (["--compression", "int8,zip"], "unknown compression 'zip'"),
+    (["--compression", "int8:abc"], "the block size in 'int8:abc' must be a whole number, "
+                                    "got 'abc'"),
+    (["--compression", "topk:x"], "the ratio in 'topk:x' must be a number, got 'x'"),
+    (["--compression", "topk:2"], "ratio must be in (0, 1]"),
+    (["--compression", "fp16:xyz"], "'fp16:xyz' is not of the form fp16"),
+    (["--compression", "none:7"], "'none:7' is not of the form none"),
+    (["--compression", "auto:foo"], "'auto:foo' is not of the form auto[:topk]"),
+    (["--compression", "int8:1:2"], "'int8:1:2' is not of the form int8[:block]"),
+    (["--compression", "int8,fp16,int8"], "--compression names int8 more than once"),
+    (["--baseline", "mpi,foo"], "unknown baseline foo; known: mpi, gloo, nccl, none"),
+    (["--backend", "tcp"], "invalid choice: 'tcp'"),
 ])
-def test_bad_options_say_what_was_expected(argv, message, capsys):
-    with pytest.raises(SystemExit):
+def test_bad_options_say_what_was_expected(argv, message):
+    with pytest.raises(options.UsageError) as got:
         options.parse_args(argv)
-    assert message in capsys.readouterr().err
+    assert message in str(got.value)
+
+
+def test_ranks_options_are_compared_but_rank_0s_output_files():
+    one = options.agreed(options.parse_args(["-b", "8", "-e", "1M", "--json", "a.json"]))
+    assert "json" not in one
+    same = options.agreed(options.parse_args(["-b", "8", "-e", "1024K", "--json", "b.json"]))
+    assert options.disagreement([(None, one), (None, same)]) is None
+    other = options.agreed(options.parse_args(["-b", "8", "-e", "2M", "-n", "3"]))
+    assert options.disagreement([(None, one), (None, other), (None, one)]) == (
+        "-e/--maxbytes differs between ranks: 1048576 on ranks 0, 2, 2097152 on rank 1; "
+        "-n/--iters differs between ranks: 20 on ranks 0, 2, 3 on rank 1")
+    # A rank's problem comes first, with the ranks that have it.
+    assert options.disagreement([(None, one), ("bad -f", None), ("bad -f", None)]) == (
+        "ranks 1, 2: bad -f")
+    # A rank with a bad option starts as the command line asks, where it can tell.
+    assert options.start_options(["-f", "1", "--backend", "mpi", "--segment-bytes", "1M"]) == (
+        "mpi", 1 << 20)
+    assert options.start_options(["--backend", "tcp", "--segment-bytes", "lots"]) == (
+        "auto", None)
 
 
 def _row(size, label="none", **extra):
@@ -115,3 +152,55 @@ def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["size"] for r in rows] == [8, 64, 512, 4096, 32768]
     assert all(r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] for r in rows)
+
+
+PERF_SPY = """
+import sys
+import numpy as np
+import ringcomm
+from mpi4py import MPI
+from ringcomm.perf import run
+
+if sys.argv[1] == "differ":  # a compressed result off by one bit on rank 1
+    real = ringcomm.Communicator.allreduce
+    def allreduce(self, x, *args, **kwargs):
+        y = real(self, x, *args, **kwargs)
+        if kwargs.get("compression") is not None and MPI.COMM_WORLD.Get_rank() == 1:
+            y.view(np.uint32).reshape(-1)[0] ^= 1
+        return y
+    ringcomm.Communicator.allreduce = allreduce
+sys.exit(run.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_options_of_one_rank_and_results_of_one_rank_are_told(mpiexec, subprocess_env,
+                                                              tmp_path):
+    """A bad option on one rank, options that differ between ranks, and a compressed result
+    one bit off on one rank: told, with exit status 2 or 1, by every rank in seconds (a bad
+    option left the other ranks waiting in MPI's start-up; options that differ, in
+    mismatched calls without a timeout; the compressed result was not compared)."""
+    spy = tmp_path / "spy.py"
+    spy.write_text(PERF_SPY)
+
+    def run(rank0: list[str], rank1: list[str], mode: str = "plain"):
+        base = ["-b", "8", "-e", "8", "-n", "2", "-w", "1", "--job-warmup", "2"]
+        cmd = [mpiexec, "-n", "1", sys.executable, str(spy), mode, *base, *rank0, ":",
+               "-n", "1", sys.executable, str(spy), mode, *base, *rank1]
+        return subprocess.run(cmd, cwd=tmp_path, env=subprocess_env, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = run([], ["-f", "1"])
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "ringcomm-perf: error: rank 1: need 1 <= minbytes <= maxbytes, stepfactor >= 2" \
+        in bad.stderr, bad.stderr
+    differ = run(["-e", "64"], ["-e", "16"])
+    assert differ.returncode == 2, differ.stdout + differ.stderr
+    assert ("-e/--maxbytes differs between ranks: 64 on rank 0, 16 on rank 1"
+            in differ.stderr), differ.stderr
+    wrong = run(["--compression", "fp16"], ["--compression", "fp16"], "differ")
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    rows = [line.split() for line in wrong.stdout.splitlines()
+            if line and not line.startswith("#")]
+    assert [(row[4], row[8]) for row in rows] == [("none", "0"), ("fp16", "1")], wrong.stdout
+    assert "# Out of bounds values : " in wrong.stdout and "FAILED" in wrong.stdout

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["count_wrong", "host", "mpi_op", "relative_error"]
+__all__ = ["count_differing", "count_wrong", "host", "mpi_op", "relative_error"]
 
 
 def host(x: Any) -> np.ndarray:
@@ -58,6 +58,19 @@ def count_wrong(world: Any, x: Any, y: Any, op: str) -> int:
     if host_y.tobytes() != first:
         wrong = host_y.size
     return int(world.allreduce(wrong, op=MPI.MAX))
+
+
+def count_differing(world: Any, y: Any) -> int:
+    """Elements of ``y`` whose bits differ from rank 0's result, the most over the ranks:
+    compressed results must be bit-identical on every rank too (collective)."""
+    from mpi4py import MPI
+
+    mine = np.ascontiguousarray(host(y)).reshape(-1)
+    first = world.bcast(mine.tobytes() if world.Get_rank() == 0 else None, root=0)
+    bits = mine.view(np.uint8).reshape(mine.size, mine.itemsize)
+    theirs = np.frombuffer(first, dtype=np.uint8).reshape(bits.shape)
+    differing = int(np.count_nonzero((bits != theirs).any(axis=1)))
+    return int(world.allreduce(differing, op=MPI.MAX))
 
 
 def relative_error(world: Any, xs: Any, y: Any, op: str) -> float:

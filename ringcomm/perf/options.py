@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 import ringcomm
 from ringcomm.core.types import ReduceOp
 
-__all__ = ["DTYPES", "algorithm_kw", "dtype_of", "label_of", "parse_args", "parse_compression",
-           "parse_size", "sizes"]
+__all__ = ["DTYPES", "UsageError", "agreed", "algorithm_kw", "disagreement", "dtype_of",
+           "label_of", "parse_args", "parse_compression", "parse_size", "sizes", "start_options"]
 
 #: nccl-tests' type names and the NumPy dtypes they stand for.
 DTYPES = {"half": "float16", "float": "float32", "double": "float64", "int32": "int32",
@@ -46,10 +46,25 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _SUFFIX[m.group(2)]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The benchmark's options (``argv``: the command line's when None)."""
-    p = argparse.ArgumentParser(prog="ringcomm-perf", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+#: Options that only rank 0 uses (its output files): they may differ between ranks.
+RANK0_ONLY = ("json", "plot", "title")
+
+
+class UsageError(ValueError):
+    """An option the benchmark cannot run with: what was expected, what came."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises UsageError instead of exiting: every rank must hear of a rank's bad option
+    before any of them leaves (run.main agrees on them), or the others wait in the start-up."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="ringcomm-perf", description=DESCRIPTION,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("32M"),
                    help="smallest size per rank (default 32M)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"),
@@ -86,16 +101,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", type=int, default=0, metavar="CALLS",
                    help="after the timing, run each variant CALLS more times with a tracer and "
                         "report the seconds per call of every phase span (slowest rank)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options (``argv``: the command line's when None).
+
+    Raises:
+        UsageError: an option that is malformed or out of range, saying what was expected.
+    """
+    p = _parser()
     args = p.parse_args(argv)
-    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1:
-        p.error(f"need minbytes <= maxbytes, stepfactor >= 2 and iters >= 1; got -b "
+    if not (1 <= args.minbytes <= args.maxbytes) or args.stepfactor < 2 or args.iters < 1:
+        p.error(f"need 1 <= minbytes <= maxbytes, stepfactor >= 2 and iters >= 1; got -b "
                 f"{args.minbytes} -e {args.maxbytes} -f {args.stepfactor} -n {args.iters}")
+    for flag, value in (("-w/--warmup_iters", args.warmup_iters),
+                        ("--job-warmup", args.job_warmup), ("--phases", args.phases)):
+        if value < 0:
+            p.error(f"{flag} must be >= 0, got {value}")
+    if args.check not in (0, 1):
+        p.error(f"-c/--check must be 0 or 1, got {args.check}")
+    specs = [spec.strip().lower() for spec in args.compression.split(",")]
     try:
-        for spec in args.compression.split(","):
+        for spec in specs:
             parse_compression(spec)
     except ValueError as err:
         p.error(str(err))
+    twice = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if twice:
+        p.error(f"--compression names {', '.join(twice)} more than once")
+    if args.baseline is not None:
+        from ringcomm.perf.baselines import KNOWN
+
+        unknown = sorted({b.strip() for b in args.baseline.split(",")} - {*KNOWN, "none", ""})
+        if unknown:
+            p.error(f"unknown baseline {', '.join(unknown)}; known: {', '.join(KNOWN)}, none")
     return args
+
+
+def start_options(argv: list[str]) -> tuple[str, int | None]:
+    """The backend and segment size to start with where ``argv`` has a bad option (so that
+    ringcomm's start-up agrees, and the bad option is told on every rank next)."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--segment-bytes", default=None)
+    try:
+        known, _ = p.parse_known_args(argv)
+        segment = None if known.segment_bytes is None else parse_size(known.segment_bytes)
+    except (argparse.ArgumentError, argparse.ArgumentTypeError):
+        return "auto", None
+    backend = known.backend if known.backend in ("auto", "mpi", "nccl") else "auto"
+    return backend, segment
+
+
+def agreed(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every rank must share (all but rank 0's output files)."""
+    return {k: v for k, v in vars(args).items() if k not in RANK0_ONLY}
+
+
+def disagreement(everyone: list[tuple[str | None, dict[str, Any] | None]]) -> str | None:
+    """What is wrong with the ranks' options, each rank's (problem, ``agreed`` options) in
+    rank order: the ranks' problems, else the options that differ, each rank's value; None
+    where they agree."""
+    problems: dict[str, list[int]] = {}
+    for rank, (problem, _) in enumerate(everyone):
+        if problem:
+            problems.setdefault(problem, []).append(rank)
+    if problems:
+        return "; ".join(f"{_ranks(ranks)}: {problem}" for problem, ranks in problems.items())
+    first = everyone[0][1] or {}
+    flags = {a.dest: "/".join(a.option_strings) for a in _parser()._actions}
+    differ = []
+    for key in first:
+        values: dict[str, list[int]] = {}
+        for rank, (_, opts) in enumerate(everyone):
+            values.setdefault(repr((opts or {}).get(key)), []).append(rank)
+        if len(values) > 1:
+            differ.append(f"{flags.get(key, key)} differs between ranks: " + ", ".join(
+                f"{value} on {_ranks(ranks)}" for value, ranks in values.items()))
+    return "; ".join(differ) or None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def algorithm_kw(spec: str) -> dict[str, str]:
@@ -113,24 +201,38 @@ def parse_compression(spec: str) -> Any:
     '@flat' or '@hier' suffix is the algorithm's, see ``algorithm_kw``)."""
     algorithm_kw(spec)  # check it
     name, *params = spec.strip().lower().partition("@")[0].split(":")
+    form = _FORMS.get(name)
+    if form is None:
+        raise ValueError(f"unknown compression {spec!r}; known: {', '.join(_FORMS.values())}")
+    if len(params) > form.count(":") or (name == "auto" and params not in ([], ["topk"])):
+        raise ValueError(f"{spec!r} is not of the form {form}")
     if name == "none":
         return None
     if name == "auto":
         # auto:topk allows top-k at 1% besides fp16 and int8
-        extra = (ringcomm.TopK(0.01),) if params and params[0] == "topk" else ()
+        extra = (ringcomm.TopK(0.01),) if params else ()
         return ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8(), *extra))
     if name == "fp16":
         return ringcomm.FP16()
     if name == "bf16":
         return ringcomm.BF16()
     if name == "int8":
-        return ringcomm.Int8(block_size=int(params[0]) if params else 256)
-    if name == "topk":
-        ratio = float(params[0]) if params else 0.01
-        algorithm = params[1] if len(params) > 1 else "ring"
-        return ringcomm.TopK(ratio=ratio, algorithm=algorithm)
-    raise ValueError(f"unknown compression {spec!r}; known: none, fp16, bf16, int8[:block], "
-                     f"topk:RATIO[:ring|allgather], auto, auto:topk")
+        return ringcomm.Int8(block_size=_number(int, params[0], spec, "block size")
+                             if params else 256)
+    ratio = _number(float, params[0], spec, "ratio") if params else 0.01
+    return ringcomm.TopK(ratio=ratio, algorithm=params[1] if len(params) > 1 else "ring")
+
+
+_FORMS = {"none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8[:block]",
+          "topk": "topk:RATIO[:ring|allgather]", "auto": "auto[:topk]"}
+
+
+def _number(kind: type, text: str, spec: str, what: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"the {what} in {spec!r} must be a "
+                         f"{'whole number' if kind is int else 'number'}, got {text!r}") from None
 
 
 def label_of(comp: Any) -> str:
@@ -143,9 +245,12 @@ def label_of(comp: Any) -> str:
 
 
 def sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
-    """The sizes from -b to -e, each -f times the last, whole elements of ``itemsize``."""
+    """The sizes from -b to -e, each -f times the last, in whole elements of ``itemsize`` (one
+    at least), each once."""
     out, s = [], args.minbytes
     while s <= args.maxbytes:
-        out.append(max(itemsize, s - s % itemsize))
+        size = max(itemsize, s - s % itemsize)
+        if size not in out:
+            out.append(size)
         s *= args.stepfactor
     return out

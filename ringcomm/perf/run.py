@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -118,8 +119,10 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
 
 def _check(row: dict[str, Any], args: argparse.Namespace, comm: Any, world: Any, x: Any,
            v: _Variant, feedback: ringcomm.ErrorFeedback) -> None:
-    """#wrong (dense: out-of-place and in-place, from fresh inputs) or the relative error
-    (compressed: one call without feedback)."""
+    """#wrong (dense: out-of-place and in-place, from fresh inputs, against MPI's float64
+    sum and rank 0's bits; compressed: elements whose bits differ from rank 0's, in one call
+    without feedback and in the last in-place call timed) and, compressed, the relative
+    error."""
     if v.comp is None:
         row["wrong"] = checks.count_wrong(world, x, v.out, args.op)
         if not args.no_inplace:
@@ -127,29 +130,56 @@ def _check(row: dict[str, Any], args: argparse.Namespace, comm: Any, world: Any,
             v.run_in_place()
             row["ip_wrong"] = checks.count_wrong(world, x, v.inplace, args.op)
         return
+    if not args.no_inplace:
+        row["ip_wrong"] = checks.count_differing(world, v.inplace)
     feedback.reset()
     y = comm.allreduce(x, op=args.op, compression=v.comp, **options.algorithm_kw(v.label))
+    row["wrong"] = checks.count_differing(world, y)
     row["relerr"] = checks.relative_error(world, x, y, args.op)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark (under the launcher, on every rank); 0 when every check passed."""
-    args = options.parse_args(argv)
-    comm = ringcomm.init(args.backend, segment_bytes=args.segment_bytes)
+def _agreed_args(argv: list[str]) -> tuple[Any, Any, argparse.Namespace | None, str | None]:
+    """Start ringcomm and agree on the options: (communicator, MPI world, options, the
+    problem every rank reports). A rank's bad option, or options that differ between ranks
+    (rank 0's output files aside), are told on every rank: a rank that left alone with its
+    error left the others waiting in the start-up, and ranks of different sizes or counts
+    waited for each other in mismatched calls."""
+    args, problem = None, None
+    try:
+        args = options.parse_args(argv)
+    except options.UsageError as err:
+        problem = str(err)
+    backend, segment = ((args.backend, args.segment_bytes) if args is not None
+                        else options.start_options(argv))
+    comm = ringcomm.init(backend, segment_bytes=segment)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD.Dup()
+    if args is not None and args.json and comm.rank == 0:
+        folder = Path(args.json).resolve().parent
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            problem = f"--json {args.json}: {folder} is no directory this process may write in"
+    everyone = world.allgather((problem, None if args is None else options.agreed(args)))
+    return comm, world, args, options.disagreement(everyone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (under the launcher, on every rank); 0 when every check passed, 2
+    where the options are bad on any rank or differ between ranks (said by rank 0)."""
+    comm, world, parsed, problem = _agreed_args(sys.argv[1:] if argv is None else list(argv))
+    if problem is not None or parsed is None:
+        if comm.rank == 0:
+            print(f"ringcomm-perf: error: {problem}", file=sys.stderr, flush=True)
+        world.Free()
+        comm.close()
+        return 2
+    args = parsed
     dtype = options.dtype_of(args.datatype)
     variants = [(s.strip(), options.parse_compression(s)) for s in args.compression.split(",")]
     if variants[0][1] is not None:
         variants.insert(0, ("none", None))  # the dense ring is the ratio's reference
     baseline = args.baseline or ("nccl" if comm.backend == "nccl" else "mpi")
     baselines = [b.strip() for b in baseline.split(",") if b.strip() not in ("", "none")]
-    unknown = sorted(set(baselines) - set(_baselines.KNOWN))
-    if unknown:
-        comm.close()
-        raise SystemExit(f"ringcomm-perf: unknown baseline {', '.join(unknown)}; known: "
-                         f"{', '.join(_baselines.KNOWN)}, none")
     table = report.Table(baselines, not args.no_inplace, not args.no_memcpy)
     info = report.machine()
     warning = report.load_warning(comm.local_size)
