@@ -61,6 +61,9 @@ def _run_two(mpiexec: str, env: dict[str, str], variable: str, value: str,
     ("RINGCOMM_ALGORITHM", "abc", "RINGCOMM_ALGORITHM must be one of"),
     ("RINGCOMM_RANKS_PER_NODE", "abc", "RINGCOMM_RANKS_PER_NODE must be a number of ranks"),
     ("RINGCOMM_LOG_LEVEL", "abc", "RINGCOMM_LOG_LEVEL must be one of DEBUG"),
+    # Read at the first call before: rank 0 raised there alone, rank 1 went on.
+    ("RINGCOMM_CPU_KERNELS", "bogus", "RINGCOMM_CPU_KERNELS must be one of numba, numpy, "
+                                      "got 'bogus'"),
 ])
 def test_bad_value_on_one_rank_fails_every_rank(mpiexec, subprocess_env, variable, value,
                                                  expected):
@@ -142,6 +145,12 @@ def test_a_rank_running_another_release_fails_every_rank(mpiexec, subprocess_env
 
 def test_the_same_settings_on_every_rank_start(mpiexec, subprocess_env):
     lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_SEGMENT_BYTES", "4096", "4K")
+    assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
+
+
+def test_cpu_kernels_differing_are_allowed(mpiexec, subprocess_env):
+    """NumPy's reference and the compiled codecs give the same bits: ranks may differ."""
+    lines = _run_two(mpiexec, subprocess_env, "RINGCOMM_CPU_KERNELS", "numpy", "numba")
     assert lines == {0: "ok 2 2.0 True", 1: "ok 2 2.0 True"}, lines
 
 

@@ -100,6 +100,8 @@ class Communicator:
                  algorithm: str | None = None, topology: str | int = "auto",
                  startup_error: Exception | None = None) -> None:
         try:
+            # Read at the first call, a bad value failed there, on its rank alone.
+            _ops.cpu_kernels()
             self._two_level = _twolevel.TwoLevel(
                 transport, _twolevel.resolve_algorithm(algorithm), topology)
             self._setup(transport, consistency_check, segment_bytes, inline_bytes)

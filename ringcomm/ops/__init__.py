@@ -17,7 +17,8 @@ import numpy as np
 
 from ringcomm.core.types import Array
 
-__all__ = ["CPU_KERNELS_VARIABLE", "get", "host_ops", "is_device_array", "numpy_ops"]
+__all__ = ["CPU_KERNELS_VARIABLE", "cpu_kernels", "get", "host_ops", "is_device_array",
+           "numpy_ops"]
 
 #: The environment variable that chooses the CPU operations: "numba" (the default: compiled
 #: codecs, the reference where Numba is unavailable) or "numpy" (the reference only).
@@ -43,6 +44,21 @@ def numpy_ops() -> ModuleType:
     return module
 
 
+def cpu_kernels() -> str:
+    """What ``RINGCOMM_CPU_KERNELS`` chooses: "numba" (also where it is unset) or "numpy".
+    Ranks may choose differently (both give the same bits); a communicator checks it as it
+    starts, so that a bad value fails every rank there, not one rank at its first call.
+
+    Raises:
+        ValueError: the variable names neither.
+    """
+    raw = os.environ.get(CPU_KERNELS_VARIABLE, "").strip().lower() or "numba"
+    if raw not in _CPU_CHOICES:
+        raise ValueError(f"{CPU_KERNELS_VARIABLE} must be one of {', '.join(_CPU_CHOICES)}, "
+                         f"got {os.environ[CPU_KERNELS_VARIABLE]!r}")
+    return raw
+
+
 def host_ops() -> ModuleType:
     """The operations module for NumPy arrays, as ``RINGCOMM_CPU_KERNELS`` chooses (read once).
 
@@ -51,11 +67,7 @@ def host_ops() -> ModuleType:
     """
     module = _loaded.get("host")
     if module is None:
-        raw = os.environ.get(CPU_KERNELS_VARIABLE, "").strip().lower() or "numba"
-        if raw not in _CPU_CHOICES:
-            raise ValueError(f"{CPU_KERNELS_VARIABLE} must be one of {', '.join(_CPU_CHOICES)}, "
-                             f"got {os.environ[CPU_KERNELS_VARIABLE]!r}")
-        if raw == "numpy":
+        if cpu_kernels() == "numpy":
             module = numpy_ops()
         else:
             from ringcomm.ops import cpu
