@@ -278,6 +278,17 @@ def test_a_waiting_thread_runs_the_cycle_itself(coordinator):
     assert threads == [threading.current_thread()]
 
 
+def test_a_cycle_takes_a_synchronous_operation_before_its_thread_waits(coordinator):
+    """A cycle (here this thread's turn, as the background thread's would be while other
+    ranks' operations are pending) that finds a synchronous operation whose thread does not
+    wait for it yet takes it at once: such an operation sets no burst time, and a cycle that
+    waited for one raised OverflowError on the thread running cycles."""
+    handle = coordinator.submit(_op("sync", lambda comm: 7), waited=True)
+    with coordinator._lock:
+        coordinator._turn(threading.current_thread())
+    assert handle.done() and handle.wait() == 7
+
+
 def test_operations_nobody_waits_for_run_on_the_background_thread(coordinator):
     ran = threading.Event()
     threads = []

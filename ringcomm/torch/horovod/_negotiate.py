@@ -199,7 +199,9 @@ class Coordinator:
                 # must find it in flight (Horovod's duplicate-name error), not already run.
                 self._due = time.monotonic() + self._cycle_time
                 self._idle.notify()
-            self._new.append(mine)  # a thread that waits for it hurries it (_await)
+            self._new.append(mine)
+            if waited:  # its thread waits for it next: the cycle running takes it now
+                self._hurry()
             if self._thread is None:
                 self._start()
         return handle
@@ -274,8 +276,10 @@ class Coordinator:
             return  # an operation run by a cycle waits for another: as on the background thread
         if torch.cuda.is_initialized():
             with self._lock:  # the background thread runs it now (see the module docstring)
-                self._hurry()
-                self._idle.notify()
+                if self._new:
+                    self._due = -math.inf
+                    self._hurry()
+                    self._idle.notify()
             return
         with self._lock:
             self._hurry()
@@ -293,8 +297,10 @@ class Coordinator:
                 self._hand_over()  # what is left is the background thread's
 
     def _hurry(self) -> None:
-        """A thread waits: what is new is negotiated now, by a cycle that waits for the
-        burst's time too (the lock is held)."""
+        """A thread waits: what is new is taken at once by the next cycle, or by one that
+        waits for a burst's time (the lock is held). Whether the background thread runs
+        that cycle is ``_due``'s to say (see _background_due): a thread that waits runs
+        its cycles itself."""
         if self._new:
             self._urgent = True
             if self._sleeping:
@@ -313,9 +319,9 @@ class Coordinator:
             if self._cycler is None and self._waiters == 0:
                 if self._stop or self._table:
                     return True
-                if self._new and (self._urgent or self._due < math.inf):
-                    left = self._due - time.monotonic()  # else its submitter waits for it
-                    if self._urgent or left <= 0:
+                if self._new and self._due < math.inf:  # else its submitter waits for it
+                    left = self._due - time.monotonic()
+                    if left <= 0:
                         return True
                     self._idle.wait(left)
                     continue
@@ -348,7 +354,7 @@ class Coordinator:
     def _hand_over(self) -> None:
         """Wake the background thread where it has a cycle to run (the lock is held)."""
         if self._waiters == 0 and (self._over or self._stop or self._table
-                                   or (self._new and (self._urgent or self._due < math.inf))):
+                                   or (self._new and self._due < math.inf)):
             self._idle.notify()
 
     # ----------------------------------------------------------------------- the cycles
@@ -360,7 +366,7 @@ class Coordinator:
         idle_until = time.monotonic() + self._cycle_time
         while not self._stop:
             if self._new:
-                if self._urgent:
+                if self._urgent or self._due == math.inf:  # (inf: never, but never wait so)
                     break
                 until = self._due
             elif not self._progressed:
