@@ -289,6 +289,27 @@ def test_a_cycle_takes_a_synchronous_operation_before_its_thread_waits(coordinat
     assert handle.done() and handle.wait() == 7
 
 
+def test_a_wait_takes_the_waiting_threads_operations_and_no_others(coordinator):
+    """A synchronous call takes its thread's new operations into the next cycle at once (one
+    cycle for a burst and the wait that follows it), and leaves another thread's for their
+    burst's time: taken at once, they could complete before that thread's next line, and a
+    second submission of the name there went through on some ranks only."""
+    coordinator._cycle_time = 60.0  # no burst falls due during the test
+    theirs: list[Any] = []
+    worker = threading.Thread(target=lambda: theirs.append(
+        coordinator.submit(_op("theirs", lambda comm: 1))), name="another")
+    worker.start()
+    worker.join()
+    early = coordinator.submit(_op("mine-async", lambda comm: 2))
+    mine = coordinator.submit(_op("mine", lambda comm: 3), waited=True)
+    with coordinator._lock:
+        coordinator._turn(threading.current_thread())
+    assert mine.wait() == 3 and early.done() and early.wait() == 2
+    assert not theirs[0].done()
+    assert [m.request[2] for m in coordinator._new] == ["theirs"]
+    assert theirs[0].wait() == 1  # waited for: taken at once
+
+
 def test_operations_nobody_waits_for_run_on_the_background_thread(coordinator):
     ran = threading.Event()
     threads = []

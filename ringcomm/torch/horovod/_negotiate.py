@@ -30,7 +30,9 @@ thread runs them, and without delay while operations pending on other ranks rema
 time apart where a cycle made no progress). An operation nobody waits for yet is negotiated
 HOROVOD_CYCLE_TIME (1 ms) after the first of its burst, by whichever thread runs cycles, so
 that a burst of asynchronous submissions travels in one cycle and an operation is in flight
-for at least that long (a second submission of its name at once raises, as in Horovod).
+for at least that long (a second submission of its name at once raises, as in Horovod); a
+thread that waits (a synchronous call, ``synchronize``) takes its own thread's new operations
+into the next cycle at once, never another thread's.
 On a CUDA job the background thread always runs them: its streams are the default streams,
 which the submitters' fences order (see :class:`~ringcomm.torch._engine.Handle`).
 
@@ -107,6 +109,8 @@ class _Mine:
     op: Op
     handle: Handle
     request: Request  # what this rank tells the others about it
+    waited: bool = False  # a thread waits for it: the next cycle takes it, due or not
+    thread: int = 0  # the submitting thread's identity
 
 
 class Coordinator:
@@ -143,7 +147,6 @@ class Coordinator:
         self._idle = threading.Condition(self._lock)
         self._new: list[_Mine] = []
         self._due = math.inf  # when what is new and nobody waits for is negotiated
-        self._urgent = False  # a thread waits for what is new: negotiate it now
         self._mine: dict[str, _Mine] = {}
         self._counters: dict[tuple[str, str], int] = {}
         self._threads = ThreadNames()  # who submits unnamed operations under each name
@@ -186,7 +189,8 @@ class Coordinator:
                     f"duplicate name: an operation named {user_name!r} ({op.kind}) is already "
                     "in flight on this rank; give concurrent operations distinct names")
             mine = self._mine[name] = _Mine(op, handle,
-                                            (name, op.kind, user_name, op.meta, fusable))
+                                            (name, op.kind, user_name, op.meta, fusable),
+                                            waited, threading.get_ident())
             if op.name is None:
                 self._commit_name(op)
             tl = _timeline.active()
@@ -200,8 +204,8 @@ class Coordinator:
                 self._due = time.monotonic() + self._cycle_time
                 self._idle.notify()
             self._new.append(mine)
-            if waited:  # its thread waits for it next: the cycle running takes it now
-                self._hurry()
+            if waited:  # its thread waits for it next: taken now, with its thread's others
+                self._hurry(handle)
             if self._thread is None:
                 self._start()
         return handle
@@ -278,11 +282,11 @@ class Coordinator:
             with self._lock:  # the background thread runs it now (see the module docstring)
                 if self._new:
                     self._due = -math.inf
-                    self._hurry()
+                    self._hurry(handle)
                     self._idle.notify()
             return
         with self._lock:
-            self._hurry()
+            self._hurry(handle)
             self._waiters += 1
             try:
                 while not (handle.done() or self._over):
@@ -296,15 +300,23 @@ class Coordinator:
                 self._waiters -= 1
                 self._hand_over()  # what is left is the background thread's
 
-    def _hurry(self) -> None:
-        """A thread waits: what is new is taken at once by the next cycle, or by one that
-        waits for a burst's time (the lock is held). Whether the background thread runs
-        that cycle is ``_due``'s to say (see _background_due): a thread that waits runs
-        its cycles itself."""
-        if self._new:
-            self._urgent = True
-            if self._sleeping:
-                self._wake.notify()
+    def _hurry(self, handle: Handle) -> None:
+        """A thread waits for ``handle``: its operation, if not yet negotiated, and the
+        other new operations of the thread that submitted it are taken by the next cycle,
+        or by one that sleeps now (the lock is held; one cycle for a burst and the
+        ``synchronize`` that follows it). Other threads' new operations keep their burst's
+        time: a thread's wait must not take another's operation before that thread's next
+        line (a second submission of its name). Whether the background thread runs that
+        cycle is ``_due``'s to say (see _background_due): a thread that waits runs its
+        cycles itself."""
+        thread = next((m.thread for m in self._new if m.handle is handle), None)
+        if thread is None:
+            return
+        for m in self._new:
+            if m.thread == thread:
+                m.waited = True
+        if self._sleeping:
+            self._wake.notify()
 
     def _loop(self) -> None:
         me = threading.current_thread()
@@ -359,30 +371,36 @@ class Coordinator:
 
     # ----------------------------------------------------------------------- the cycles
     def _take_new(self) -> tuple[list[_Mine], bool]:
-        """Take what was submitted for this cycle (the lock is held): at once where a thread
-        waits for it; else when the burst is due (see :meth:`submit`); where nothing is new
-        and the last cycle ran nothing (operations wait for other ranks), one cycle time
-        from now."""
+        """Take what this cycle negotiates (the lock is held): the operations a thread waits
+        for, and those nobody waits for once their burst is due (see :meth:`submit`); the
+        others stay new. The cycle runs at once where one is taken or the last cycle ran
+        something; where the last ran nothing (operations wait for other ranks), one cycle
+        time from now, or sooner where an operation becomes due or a thread waits."""
         idle_until = time.monotonic() + self._cycle_time
         while not self._stop:
-            if self._new:
-                if self._urgent or self._due == math.inf:  # (inf: never, but never wait so)
-                    break
+            now = time.monotonic()
+            if self._due <= now or any(m.waited for m in self._new):
+                break
+            if self._progressed:
+                if self._table or not self._new:
+                    break  # the next cycle at once, whether it takes anything new or not
                 until = self._due
-            elif not self._progressed:
-                until = idle_until
             else:
-                break
-            left = until - time.monotonic()
-            if left <= 0:
-                break
+                if now >= idle_until:
+                    break
+                until = min(idle_until, self._due)
             self._sleeping = True
             try:
-                self._wake.wait(left)
+                self._wake.wait(until - now)
             finally:
                 self._sleeping = False
-        new, self._new = self._new, []
-        self._due, self._urgent = math.inf, False
+        if self._due <= time.monotonic() or self._stop:
+            new, self._new, self._due = self._new, [], math.inf
+        else:
+            new = [m for m in self._new if m.waited]
+            self._new = [m for m in self._new if not m.waited]
+            if not self._new:  # the burst's time goes with the last of it
+                self._due = math.inf
         return new, self._stop
 
     def _run_cycle(self, new: list[_Mine], stop: bool) -> None:
