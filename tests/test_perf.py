@@ -72,8 +72,8 @@ def test_ranks_options_are_compared_but_rank_0s_output_files():
     assert options.disagreement([(None, one), (None, same)]) is None
     other = options.agreed(options.parse_args(["-b", "8", "-e", "2M", "-n", "3"]))
     assert options.disagreement([(None, one), (None, other), (None, one)]) == (
-        "-e/--maxbytes differs between ranks: 1048576 on ranks 0, 2, 2097152 on rank 1; "
-        "-n/--iters differs between ranks: 20 on ranks 0, 2, 3 on rank 1")
+        "-e/--maxbytes differs between ranks: 1048576 on ranks 0, 2; 2097152 on rank 1; "
+        "-n/--iters differs between ranks: 20 on ranks 0, 2; 3 on rank 1")
     # A rank's problem comes first, with the ranks that have it.
     assert options.disagreement([(None, one), ("bad -f", None), ("bad -f", None)]) == (
         "ranks 1, 2: bad -f")
@@ -196,7 +196,7 @@ def test_options_of_one_rank_and_results_of_one_rank_are_told(mpiexec, subproces
         in bad.stderr, bad.stderr
     differ = run(["-e", "64"], ["-e", "16"])
     assert differ.returncode == 2, differ.stdout + differ.stderr
-    assert ("-e/--maxbytes differs between ranks: 64 on rank 0, 16 on rank 1"
+    assert ("-e/--maxbytes differs between ranks: 64 on rank 0; 16 on rank 1"
             in differ.stderr), differ.stderr
     wrong = run(["--compression", "fp16"], ["--compression", "fp16"], "differ")
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr

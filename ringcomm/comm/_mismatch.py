@@ -12,10 +12,11 @@ from ringcomm.core.types import (
     InvalidTypeError,
 )
 
-__all__ = ["build_error", "rank_groups"]
+__all__ = ["build_error", "rank_groups", "ranks_text"]
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
@@ -25,7 +26,7 @@ def rank_groups(values: list[Any]) -> str:
     for r, v in enumerate(values):
         groups.setdefault(v, []).append(r)
     # An empty value (a call without compression) is shown as "none", never as a blank.
-    return "; ".join(f"{v if v != '' else 'none'!s} on {_ranks(rs)}"
+    return "; ".join(f"{v if v != '' else 'none'!s} on {ranks_text(rs)}"
                      for v, rs in groups.items())
 
 
@@ -57,7 +58,7 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
     if errors:
         (etype, msg), ranks = next(iter(errors.items()))
         cls = InvalidTypeError if etype == "TypeError" else InvalidArgumentError
-        return cls(f"{kind} failed on {_ranks(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
+        return cls(f"{kind} failed on {ranks_text(ranks)}: {msg}", kind=kind, ranks=tuple(ranks),
                    reason=msg)
     parts, differences = [], {}
     for field in ("array", "dtype", "shape", "op", "root", "compression/name", "setting",

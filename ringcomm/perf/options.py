@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 import ringcomm
+from ringcomm.comm._mismatch import rank_groups, ranks_text
 from ringcomm.core.types import ReduceOp
 
 __all__ = ["DTYPES", "UsageError", "agreed", "algorithm_kw", "disagreement", "dtype_of",
@@ -168,22 +169,15 @@ def disagreement(everyone: list[tuple[str | None, dict[str, Any] | None]]) -> st
         if problem:
             problems.setdefault(problem, []).append(rank)
     if problems:
-        return "; ".join(f"{_ranks(ranks)}: {problem}" for problem, ranks in problems.items())
+        return "; ".join(f"{ranks_text(ranks)}: {problem}" for problem, ranks in problems.items())
     first = everyone[0][1] or {}
     flags = {a.dest: "/".join(a.option_strings) for a in _parser()._actions}
     differ = []
     for key in first:
-        values: dict[str, list[int]] = {}
-        for rank, (_, opts) in enumerate(everyone):
-            values.setdefault(repr((opts or {}).get(key)), []).append(rank)
-        if len(values) > 1:
-            differ.append(f"{flags.get(key, key)} differs between ranks: " + ", ".join(
-                f"{value} on {_ranks(ranks)}" for value, ranks in values.items()))
+        values = [repr((opts or {}).get(key)) for _, opts in everyone]
+        if len(set(values)) > 1:
+            differ.append(f"{flags.get(key, key)} differs between ranks: {rank_groups(values)}")
     return "; ".join(differ) or None
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def algorithm_kw(spec: str) -> dict[str, str]:
