@@ -231,6 +231,22 @@ def test_an_asynchronous_operation_is_in_flight_for_a_cycle_while_cycles_run(h):
     reproducer). Asynchronous submissions are negotiated a cycle time after the first of
     their burst, cycles running or not."""
     needs_two()
+    from ringcomm.torch.horovod import _negotiate
+
+    # 50 ms, not 1: a rank held back between its two submissions for longer than a cycle time
+    # (a loaded machine) sees its first operation complete, as in Horovod.
+    coordinators = list(_negotiate._COORDINATORS.values())
+    cycle_times = [c._cycle_time for c in coordinators]
+    for c in coordinators:
+        c._cycle_time = 0.05
+    try:
+        _submit_twice_while_cycles_run(h)
+    finally:
+        for c, cycle_time in zip(coordinators, cycle_times, strict=True):
+            c._cycle_time = cycle_time
+
+
+def _submit_twice_while_cycles_run(h):
     t = torch.ones(17, 17)
     late = h.allreduce_async(t, name="keeps-cycles-running", op=h.Sum) if RANK == 0 else None
     accepted = []
