@@ -136,11 +136,46 @@ __global__ void uniform_kernel(float* out, i64 n, u32 seed, u32 base) {
 }
 
 // ------------------------------------------------------------------- sparse helpers
+// The index of topk_overflow_kernel's mark (ops/_topk_plan.py OVERFLOW).
+enum : int { TOPK_OVERFLOW = -1 };
+
 // out[idx[i]] += val[i]; the indices of one payload are unique, so no two threads collide.
-__global__ void scatter_add_kernel(float* out, const int* idx, const float* val, i64 k) {
+// A payload whose first pair is topk_overflow_kernel's mark makes every entry of out NaN.
+__global__ void scatter_add_kernel(float* out, i64 n, const int* idx, const float* val, i64 k) {
+  if (idx[0] == TOPK_OVERFLOW) {
+    for (i64 i = global_thread(); i < n; i += thread_count()) out[i] = ffrom(QUIET_NAN);
+    return;
+  }
   for (i64 i = global_thread(); i < k; i += thread_count()) {
     const int j = idx[i];
     out[j] = fadd(out[j], val[i]);
+  }
+}
+
+// The sum of v over one block of OVERFLOW_THREADS threads, in every thread.
+constexpr int OVERFLOW_THREADS = 256;
+RC_FN i64 block_total(i64 v, i64* part) {
+  part[threadIdx.x] = v;
+  __syncthreads();
+  i64 total = 0;
+  for (int t = 0; t < OVERFLOW_THREADS; ++t) total += part[t];
+  __syncthreads();  // part is free again
+  return total;
+}
+
+// Marks a selection of k entries of x (n > k) that left non-finite entries behind: when all of
+// its values are non-finite and x holds more than k NaN or Inf, its first pair becomes
+// (TOPK_OVERFLOW, NaN). One block; x is read only in that rare case.
+__global__ void topk_overflow_kernel(const float* x, i64 n, int* idx, float* val, i64 k) {
+  __shared__ i64 part[OVERFLOW_THREADS];
+  i64 finite = 0;
+  for (i64 i = threadIdx.x; i < k && !finite; i += OVERFLOW_THREADS) finite = finite_f(val[i]);
+  if (block_total(finite, part) > 0) return;
+  i64 bad = 0;
+  for (i64 i = threadIdx.x; i < n; i += OVERFLOW_THREADS) bad += finite_f(x[i]) ? 0 : 1;
+  if (block_total(bad, part) > k && threadIdx.x == 0) {
+    idx[0] = TOPK_OVERFLOW;
+    val[0] = ffrom(QUIET_NAN);
   }
 }
 
@@ -160,9 +195,12 @@ __global__ void finite_copy_kernel(float* error, const float* acc, i64 n, int ve
   run_elementwise(FiniteCopyF{error, acc}, n, vec);
 }
 
-// The top-k residual, second pass: the selected entries were sent, so nothing of them remains.
+// The top-k residual, second pass: the selected entries were sent, so nothing of them remains
+// (the overflow mark is not an entry).
 __global__ void scatter_zero_kernel(float* error, const int* idx, i64 k) {
-  for (i64 i = global_thread(); i < k; i += thread_count()) error[idx[i]] = 0.0f;
+  for (i64 i = global_thread(); i < k; i += thread_count()) {
+    if (idx[i] != TOPK_OVERFLOW) error[idx[i]] = 0.0f;
+  }
 }
 
 }  // namespace rc

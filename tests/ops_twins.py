@@ -335,6 +335,34 @@ def check_topk(dev: Device, rng: np.random.Generator, n: int, k: int, approximat
     assert_same(dev, val, want_val)
 
 
+def check_topk_overflow(dev: Device, rng: np.random.Generator, n: int, k: int) -> None:
+    """More NaN and Inf than a selection carries: the same mark (first pair -1, NaN) as NumPy's,
+    added as "every entry NaN" and left out of the residual; none where they all fit."""
+    for bad in sorted({0, k - 1, k, k + 1, n // 2, n}):
+        if not 0 <= bad <= n:
+            continue
+        x = distinct(rng, n)
+        x[rng.choice(n, bad, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], bad)
+        want_idx, want_val = ref.topk(x, k)
+        ref.topk_overflow(x, want_idx, want_val)
+        assert (want_idx[:1] == -1).any() == (bad > k), (bad, k)
+        idx, val = gpu.topk(dev.put(x), k)
+        gpu.topk_overflow(dev.put(x), idx, val)
+        assert_same(dev, idx, want_idx)
+        assert_same(dev, val, want_val)
+        want = data(rng, n, np.float32, nonfinite=False)
+        got = dev.put(want)
+        ref.scatter_add(want, want_idx, want_val)
+        gpu.scatter_add(got, idx, val)
+        assert_same(dev, got, want)
+        want = np.empty(n, np.float32)
+        ref.sparse_residual(x, want_idx, want)
+        out = dev.poisoned(n, np.float32)
+        gpu.sparse_residual(dev.put(x), idx, out)
+        assert_same(dev, out, want)
+        assert np.isfinite(want).all()
+
+
 def check_topk_ties(dev: Device, rng: np.random.Generator, n: int, k: int) -> None:
     """Many equal magnitudes: the top k, ascending, ties at the k-th going to the lowest
     indices, exactly as NumPy selects them."""

@@ -270,6 +270,24 @@ def test_nonfinite_stays_nonfinite(comp):
         assert np.isfinite(results[1]).all()
 
 
+@pytest.mark.parametrize("comp", ["topk-ring", "topk-allgather"])
+def test_more_nonfinite_than_topk_sends_stays_nonfinite(comp):
+    """120 NaN and Inf of 500 entries on one rank, more than any selection's k: the overflow
+    mark makes each chunk that holds them NaN, in the node-local phases as in the cross-node
+    ring, so every one of them is non-finite in the result, the same on every rank."""
+    n = 6
+    xs = np.random.default_rng(6).standard_normal((2, n, 500)).astype(np.float32)
+    bad = np.arange(1, 500, 4)[:120]
+    xs[0, 0, bad] = np.where(bad % 3 == 0, np.nan, np.inf)
+    per_rank = feedback_steps((3, 2), COMPRESSORS[comp], "avg", xs)
+    first = [res[0] for res, _ in per_rank]
+    assert identical(first)
+    assert not np.isfinite(first[0][bad]).any(), np.flatnonzero(np.isfinite(first[0][bad]))
+    for results, residual in per_rank:
+        assert np.isfinite(residual).all()
+        assert np.isfinite(results[1]).all()
+
+
 @pytest.mark.parametrize("shape", [(2, 2), (4, 2)], ids=["2x2", "4x2"])
 def test_int8_error_lower_than_flat(shape):
     """Two levels re-quantize (nodes - 1) times instead of (ranks - 1): a smaller error than

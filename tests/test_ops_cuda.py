@@ -216,6 +216,11 @@ def test_topk_with_digits_picked_in_select_hist_is_the_same(monkeypatch, dev, rn
 
 
 @pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
+def test_topk_overflow_is_marked_as_numpy_marks_it(dev, rng, n, ratio):
+    twins.check_topk_overflow(dev, rng, n, max(1, math.ceil(ratio * n)))
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5])
 def test_topk_ties_go_to_the_lowest_indices(dev, rng, n, ratio):
     twins.check_topk_ties(dev, rng, n, max(1, math.ceil(ratio * n)))
 

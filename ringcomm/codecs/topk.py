@@ -73,8 +73,16 @@ class TopK(Compressor):
         return min(n, max(1 if n else 0, math.ceil(self.ratio * n - 1e-9)))
 
     def select(self, x: Array, k: int, *, seed: int = 0) -> tuple[Any, Any]:
-        """The ``k`` largest-magnitude entries of float32 ``x``: (int32 indices, float32 values)."""
-        return _ops.get(x).topk(x, k, approximate=self.approximate, seed=seed)
+        """The ``k`` largest-magnitude entries of float32 ``x``: (int32 indices, float32 values).
+
+        NaN and Inf rank first. Where ``x`` holds more than k of them, the first pair is the
+        overflow mark (index ``-1``, NaN): whoever adds the pairs makes every entry NaN, so no
+        NaN or Inf comes out finite.
+        """
+        xp = _ops.get(x)
+        idx, val = xp.topk(x, k, approximate=self.approximate, seed=seed)
+        xp.topk_overflow(x, idx, val)
+        return idx, val
 
     @staticmethod
     def pack(idx: Array, val: Array, out: Array) -> Any:

@@ -115,7 +115,7 @@ def _elementwise_names() -> list[str]:
     for f in FLOATS:
         names += [f"rc::compensate_kernel<{CTYPES[f]}>", f"rc::zero_nonfinite_kernel<{CTYPES[f]}>"]
     names += ["rc::uniform_kernel", "rc::scatter_add_kernel", "rc::finite_copy_kernel",
-              "rc::scatter_zero_kernel"]
+              "rc::scatter_zero_kernel", "rc::topk_overflow_kernel"]
     return names
 
 

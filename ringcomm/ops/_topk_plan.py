@@ -9,7 +9,12 @@ the k-th largest key go to the lowest indices on both sides.
 
 from __future__ import annotations
 
-__all__ = ["SMALL", "prefilter_rank", "sample_plan", "sampled"]
+__all__ = ["OVERFLOW", "SMALL", "prefilter_rank", "sample_plan", "sampled"]
+
+#: The index of the pair (first of a selection, its value NaN) that says a selection could not
+#: carry every non-finite entry of what it was selected from (more than k of them): whoever
+#: adds the pairs makes every entry NaN, so that no NaN or Inf comes out finite.
+OVERFLOW = -1
 
 #: Arrays shorter than this are selected exactly, without a sampled threshold.
 SMALL = 4096

@@ -20,6 +20,7 @@ import numpy as np
 from ringcomm.core.types import Array, ReduceOp
 from ringcomm.ops import _cuda_runtime as _rt
 from ringcomm.ops import _cuda_source as _src
+from ringcomm.ops import _topk_plan as _plan
 from ringcomm.ops._cuda_codecs import (
     cast_decode,
     cast_encode,
@@ -57,6 +58,7 @@ __all__ = [
     "subtract_outer",
     "to_host",
     "topk",
+    "topk_overflow",
     "uniform",
     "zero_nonfinite",
     "zeros",
@@ -293,10 +295,33 @@ def scatter_add(out: Array, idx: Array, val: Array) -> None:
     if k == 0:
         return
     if out.dtype != _F32 or not out.flags.c_contiguous:
-        out[idx] += val
+        if bool(idx[0] == _plan.OVERFLOW):  # waits for the GPU: a path for other layouts
+            out[...] = np.nan
+        else:
+            out[idx] += val
         return
     idx, val = _pairs(idx, val)
-    _rt.launch("rc::scatter_add_kernel", _rt.grid(k), (out, idx, val, np.int64(k)))
+    _rt.launch("rc::scatter_add_kernel", _rt.grid(k),
+               (out, np.int64(out.size), idx, val, np.int64(k)))
+
+
+def topk_overflow(x: Array, idx: Array, val: Array) -> None:
+    """Mark a selection ``topk(x, k)`` that left non-finite entries of ``x`` behind: when all its
+    k values are non-finite and ``x`` holds more than k NaN or Inf, its first pair becomes
+    (``OVERFLOW``, NaN), which :func:`scatter_add` reads as "every entry is NaN". Decided on the
+    device (one block, which reads ``x`` only in that case).
+
+    Args:
+        x: the float32 device array the pairs were selected from.
+        idx: the selection's int32 indices, in place.
+        val: its float32 values, in place.
+    """
+    k = idx.size
+    if k == 0 or k >= x.size:
+        return
+    x = _rt.converted(x, _F32).reshape(-1)
+    _rt.launch("rc::topk_overflow_kernel", 1, (x, np.int64(x.size), idx, val, np.int64(k)),
+               threads=256)
 
 
 def sparse_residual(acc: Array, idx: Array, error: Any) -> None:
@@ -312,7 +337,7 @@ def sparse_residual(acc: Array, idx: Array, error: Any) -> None:
         return
     if acc.dtype != _F32 or error.dtype != _F32 or not _contiguous(acc, error):
         copy(error, acc)
-        error[idx] = 0
+        error[idx[idx != _plan.OVERFLOW]] = 0
         zero_nonfinite(error)
         return
     if error.data.ptr == acc.data.ptr and error.size == acc.size:

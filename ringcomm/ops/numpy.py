@@ -48,6 +48,7 @@ __all__ = [
     "subtract_outer",
     "to_host",
     "topk",
+    "topk_overflow",
     "uniform",
     "zero_nonfinite",
     "zeros",
@@ -382,9 +383,28 @@ def topk(x: np.ndarray, k: int, *, approximate: bool = False,
     return idx, x.reshape(-1)[idx].astype(_F32)
 
 
+def topk_overflow(x: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
+    """Mark a selection ``topk(x, k)`` that left non-finite entries of ``x`` behind: when all
+    its k values are non-finite and ``x`` holds more than k NaN or Inf, its first pair becomes
+    (``OVERFLOW``, NaN), which :func:`scatter_add` reads as "every entry is NaN"."""
+    k = idx.size
+    if k == 0 or k == x.size or np.isfinite(val).any():
+        return
+    if k < x.size - int(np.count_nonzero(np.isfinite(x))):
+        idx[0], val[0] = _plan.OVERFLOW, np.nan
+
+
+def _overflowed(idx: np.ndarray) -> bool:
+    return bool(idx.size) and bool(idx[0] == _plan.OVERFLOW)
+
+
 def scatter_add(out: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
-    """``out[idx] += val`` for unique ``idx`` (one payload's indices never repeat)."""
-    out[idx] += val
+    """``out[idx] += val`` for unique ``idx`` (one payload's indices never repeat); every entry
+    of ``out`` becomes NaN where the first pair is :func:`topk_overflow`'s mark."""
+    if _overflowed(idx):
+        out[...] = np.nan
+    else:
+        out[idx] += val
 
 
 def compensate(x: np.ndarray, residual: np.ndarray | None, out: np.ndarray) -> None:
@@ -406,6 +426,8 @@ def sparse_residual(acc: np.ndarray, idx: np.ndarray, error: np.ndarray) -> None
     """``error = acc`` with the entries ``topk`` selected zeroed (what it did not send); NaN
     and Inf left over become 0. ``idx`` must be what ``topk(acc, ...)`` returned; ``error``
     may be ``acc`` itself (no copy then)."""
+    if _overflowed(idx):  # every selected entry is non-finite; the mark is not an entry
+        idx = idx[1:]
     # Non-finite entries rank above every number, so they are all selected unless every selected
     # entry is non-finite: only then can one remain.
     clean = idx.size > 0 and bool(np.isfinite(acc[idx]).any())

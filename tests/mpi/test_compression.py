@@ -124,6 +124,27 @@ def test_non_finite_input_never_becomes_finite(comm, world, rng, name, bad):
     assert np.isfinite(clean).all()
 
 
+@pytest.mark.parametrize("name", ["topk-ring", "topk-ring-approx", "topk-allgather"])
+@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+def test_more_non_finite_entries_than_topk_sends_stay_non_finite(comm, world, rng, name, where):
+    """455 NaN and Inf in 5000 entries, more than any chunk's k: a selection that cannot carry
+    them all sends the overflow mark, so every one of them is non-finite in the result (its
+    whole chunk is NaN), the same on every rank; the residuals stay finite."""
+    comp = COMPRESSORS[name]
+    ef = ringcomm.ErrorFeedback()
+    g = rng.standard_normal(5000).astype(np.float32)
+    bad = np.arange(7, 5000, 11)
+    if where == "every-rank" or comm.rank == comm.size - 1:
+        g[bad] = np.where(bad % 2 == 1, np.nan, -np.inf)
+    y = comm.allreduce(g, compression=comp, feedback=ef, name="w")
+    assert not np.isfinite(y[bad]).any(), np.flatnonzero(np.isfinite(y[bad]))[:10]
+    assert same_on_all_ranks(world, y)
+    assert np.isfinite(ef.residual("w")).all()
+    clean = comm.allreduce(rng.standard_normal(5000).astype(np.float32), compression=comp,
+                           feedback=ef, name="w")
+    assert np.isfinite(clean).all() and same_on_all_ranks(world, clean)
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "topk-ring", "topk-allgather"])
 def test_float32_extremes_do_not_poison_the_next_steps(comm, world, rng, name):
     """+-FLT_MAX on one rank: whatever the call gives there (int8's codes +-127 of FLT_MAX /
