@@ -170,30 +170,57 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
 
 
 def _names_over_torch(backend: str, info: LaunchInfo, timeout: float) -> list[str]:
-    """The backend every rank asked for, over torch.distributed's default group's store, under
-    torchrun or with that group up, where MPI's world is not the job (under an MPI launch
-    nothing is compared): every backend starts the group first there (gloo, from
-    torchrun's environment), but "nccl" where it is not up (NCCL's rendezvous takes the
-    store alone; those ranks are not compared: a rank asking for another backend leaves them
-    in NCCL's start-up until the timeout). A list of one where nothing is compared."""
+    """The backend every rank asked for, under torchrun or with torch.distributed's default
+    group up, where MPI's world is not the job (under an MPI launch nothing is compared).
+
+    With the group up, over its store. Under torchrun's agent (its store serves every worker)
+    with the group not up, over the agent's store before any backend starts: a rank asking for
+    "nccl" (whose rendezvous takes the store alone) and one asking for another backend (which
+    starts the group) would each wait for the other in a start-up. Elsewhere (a torchrun-style
+    environment without the agent, whose rank 0 hosts the store) every backend starts the
+    group first (gloo, from the environment) and compares over its store, but "nccl", which is
+    not compared there. A list of one where nothing is compared.
+    """
     try:
         import torch.distributed as dist
     except ImportError:  # the backend says so as it starts
         return [backend]
-    if info.size == 1 or (backend == "nccl" and not dist.is_initialized()):
+    if info.size == 1:
         return [backend]
-    _start_torch_distributed(info, timeout)
-    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if default_store is None:
+    if not dist.is_initialized() and _agent_store_shared(info):
+        store = _agent_store(info, timeout)
+    elif backend == "nccl" and not dist.is_initialized():
         return [backend]
+    else:
+        _start_torch_distributed(info, timeout)
+        default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if default_store is None:
+            return [backend]
+        store = default_store()
     from ringcomm.backends.store_wait import allgather
 
     # Every rank of the job calls init in the same order, so each call's key space is the
     # same on every rank (and used once: a later init, after close, takes the next).
-    everyone = allgather(default_store(), f"ringcomm/backend{next(_AGREEMENTS)}/",
-                         dist.get_rank(), dist.get_world_size(), str(backend).encode(),
-                         timeout, "init's agreement on the backend")
+    everyone = allgather(store, f"ringcomm/backend{next(_AGREEMENTS)}/", info.rank, info.size,
+                         str(backend).encode(), timeout, "init's agreement on the backend")
     return [name.decode() for name in everyone]
+
+
+def _agent_store_shared(info: LaunchInfo) -> bool:
+    """Whether torchrun's agent serves this worker's store (every worker is its client)."""
+    return info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _agent_store(info: LaunchInfo, timeout: float) -> Any:
+    """A client of torchrun's agent store, under this attempt's prefix where the store holds an
+    earlier attempt's keys (``ringcomm.core.restarts``)."""
+    import torch.distributed as dist
+
+    agents = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           info.size, is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout))
+    prefix = attempt_prefix()
+    return dist.PrefixStore(prefix, agents) if prefix else agents
 
 
 #: How many agreements on the backend this process made over torch.distributed's store.
@@ -313,14 +340,11 @@ def _init_default_group(info: LaunchInfo, timeout: datetime.timedelta) -> None:
     own (``ringcomm.core.restarts``: the store is then the torchrun agent's)."""
     import torch.distributed as dist
 
-    prefix = attempt_prefix()
-    if not prefix:
+    if not attempt_prefix():
         dist.init_process_group("gloo", timeout=timeout)
         return
-    agents = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           info.size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, agents), rank=info.rank,
-                            world_size=info.size, timeout=timeout)
+    dist.init_process_group("gloo", store=_agent_store(info, timeout.total_seconds()),
+                            rank=info.rank, world_size=info.size, timeout=timeout)
 
 
 def join_mpi_over_torch(info: LaunchInfo, timeout: float) -> str | None:

@@ -596,11 +596,14 @@ print(f"rank {rank} ok", flush=True)
 @pytest.mark.slow
 @pytest.mark.parametrize(("backends", "group"), [(("auto", "mpi"), "down"),
                                                  (("gloo", "auto"), "down"),
+                                                 (("nccl", "gloo"), "down"),
                                                  (("nccl", "mpi"), "up")])
 def test_ranks_asking_for_different_backends_are_told(tmp_path, subprocess_env, backends, group):
     """Ranks of a torchrun job asking ringcomm.init() for different backends raise the same
     ArgumentMismatchError at once, naming the backends, as under mpiexec (each waited in a
-    start-up of its own until the timeout, then raised an error of its own)."""
+    start-up of its own until the timeout, then raised an error of its own). "nccl" with the
+    group down is compared over torchrun's agent store before any start-up (it was not: its
+    rank waited in NCCL's rendezvous, the other in the group's, until the timeout)."""
     _torchrun(tmp_path, _on("mpi", subprocess_env), BACKENDS_SCRIPT, args=(*backends, group))
     texts = [(tmp_path / f"job.py.{rank}").read_text() for rank in range(2)]
     for text in texts:
