@@ -501,6 +501,77 @@ def test_named_compressed_allreduce_with_a_joined_rank(h):
     h.join()
 
 
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
+def test_compressed_allreduce_the_joined_rank_never_made(h, compression):
+    """Compressed allreduces that rank 1, joined from the start, never made (unnamed, and
+    named): it rebuilds their compressor from what the others submit and takes part with
+    zeros, as Horovod's joined ranks do (every rank raised "compression/name differs")."""
+    needs_two()
+    comp = getattr(h.Compression, compression)
+    outs = []
+    if RANK != 1:
+        for name in (None, "never_made_here"):
+            outs.append(h.allreduce(torch.full((4096,), 6.0), name=name, compression=comp))
+    h.join()
+    for out in outs:
+        assert torch.allclose(out, torch.full((4096,), 6.0 * (SIZE - 1) / SIZE), rtol=1e-2)
+    everyone = MPI.COMM_WORLD.allgather(b"".join(o.numpy().tobytes() for o in outs))
+    assert len({everyone[r] for r in range(SIZE) if r != 1}) == 1
+
+
+def test_grouped_allreduce_with_a_joined_rank(h):
+    """A grouped allreduce (two dtypes, fused) while rank 1 has joined: the joined rank takes
+    part with zeros of each collective the others' fusion makes, as Horovod runs a grouped
+    allreduce as allreduces (it was refused: "only allreduce runs with joined ranks")."""
+    needs_two()
+    outs = []
+    if RANK != 1:
+        outs = h.grouped_allreduce([torch.ones(2), torch.ones(3, 2),
+                                    torch.ones(4, dtype=torch.float64), torch.ones(1)],
+                                   op=h.Sum)
+    h.join()
+    for out in outs:
+        assert torch.equal(out, torch.full_like(out, float(SIZE - 1)))
+    assert [tuple(o.shape) for o in outs] == ([(2,), (3, 2), (4,), (1,)] if RANK != 1 else [])
+
+
+class _HalfCompressor:
+    """Horovod's FP16Compressor, as scripts copy it (a class of their own)."""
+
+    @staticmethod
+    def compress(tensor):
+        return (tensor.half() if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx) if ctx.is_floating_point else tensor
+
+
+def test_join_with_a_horovod_style_compressor_in_the_optimizer(h):
+    """DistributedOptimizer with a compressor of the script's own while rank 1 has joined: each
+    gradient is compressed before it is submitted, as in Horovod, so the joined rank's zeros
+    have the compressed tensor's dtype and shape (they were the flat float32 bucket's: every
+    step of the others failed, "dtype differs between ranks")."""
+    needs_two()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = h.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 compression=_HalfCompressor)
+    grads = []
+    for _ in range(3 if RANK != 1 else 1):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        grads.append(model.bias.grad.clone())
+    h.join()  # before any assertion: a rank that raised would leave the joined one waiting
+    for step, grad in enumerate(grads):
+        active = SIZE if step == 0 else SIZE - 1
+        want = torch.full((3,), 2.0 * active / SIZE)
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, want, rtol=1e-3, atol=0, msg=f"step {step}")
+
+
 def test_a_name_used_compressed_then_plain_with_a_joined_rank(h):
     """A name first used for an int8 allreduce, then for a plain one while a rank has joined:
     the joined rank sends plain zeros (it sent int8 ones: the others raised)."""

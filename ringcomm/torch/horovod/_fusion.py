@@ -169,7 +169,11 @@ def plan_buckets(params: list[torch.Tensor], names: dict[torch.Tensor, str],
 
 
 class Reduction:
-    """How DistributedOptimizer reduces a bucket: op, scaling, compression, error feedback."""
+    """How DistributedOptimizer reduces a bucket: op, scaling, compression, error feedback.
+
+    ``compression``, a Horovod-style compressor (None for a ring's), applies around an
+    ordinary allreduce that DistributedOptimizer submits itself; ``ring`` compresses in it.
+    """
 
     __slots__ = ("comm", "compression", "op", "postscale", "prescale", "residuals", "ring")
 
@@ -188,10 +192,6 @@ class Reduction:
                                "no gradients")
         # DistributedOptimizer gives every parameter of a bucket a gradient before submitting it.
         grads = cast("list[torch.Tensor]", [p.grad for p in bucket.params])
-        if self.ring is None and self.compression is not None:
-            for g in grads:
-                self._custom(comm, g)
-            return
         fused = len(grads) > 1 or not grads[0].is_contiguous()
         if fused:
             if bucket.buffer is None:
@@ -214,10 +214,3 @@ class Reduction:
         if fused:
             for g, (_, off, n) in zip(grads, bucket.layout, strict=True):
                 g.copy_(flat[off: off + n].view(g.shape))
-
-    def _custom(self, comm: Communicator, grad: torch.Tensor) -> None:
-        """A Horovod-style compressor: compress, reduce uncompressed, decompress."""
-        compressed, ctx = self.compression.compress(grad)
-        allreduce_tensor(comm, compressed, compressed, op=self.op, prescale=self.prescale,
-                         postscale=self.postscale)
-        grad.copy_(self.compression.decompress(compressed, ctx))

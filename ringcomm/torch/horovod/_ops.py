@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
+from ringcomm.codecs.cast import BF16, FP16
+from ringcomm.codecs.int8 import Int8
+from ringcomm.codecs.topk import TopK
 from ringcomm.comm.base import Communicator
 
-__all__ = ["JOINED_RUNS", "Op", "ReduceSpec", "describe"]
+__all__ = ["JOINED_RUNS", "Op", "ReduceSpec", "describe", "ring_from_spec", "ring_spec"]
 
 #: What a rank that has joined runs for a compressed allreduce the others make, by the
 #: ``owner`` its meta names (``"allreduce"`` for hvd.allreduce, one per compressing
@@ -26,6 +29,29 @@ __all__ = ["JOINED_RUNS", "Op", "ReduceSpec", "describe"]
 #: alike (a joined rank made them in the steps before it ran out of data); an allreduce whose
 #: meta names no owner, or one not found here, gets plain zeros.
 JOINED_RUNS: dict[tuple[str, str], Callable[[Communicator, dict[str, Any]], None]] = {}
+
+#: The ring compressors that keep no state between calls, with the attributes that make them
+#: (their constructor's arguments): a rank that has joined rebuilds one from an operation's
+#: ``meta`` to take part in it, whether or not it ever made that operation itself.
+_STATELESS: dict[type, tuple[str, ...]] = {
+    FP16: (), BF16: (), Int8: ("block_size", "stochastic", "seed"),
+    TopK: ("ratio", "algorithm", "approximate"),
+}
+
+
+def ring_spec(ring: Any) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+    """What rebuilds ``ring`` (:func:`ring_from_spec`), comparable across ranks; None for a
+    compressor that keeps state between calls (PowerSGD, Auto) or one of the user's own."""
+    fields = _STATELESS.get(type(ring))
+    if fields is None:
+        return None
+    return type(ring).__name__, tuple((f, getattr(ring, f)) for f in fields)
+
+
+def ring_from_spec(spec: tuple[str, tuple[tuple[str, Any], ...]]) -> Any:
+    """A compressor equal to the one :func:`ring_spec` described (the same repr)."""
+    kinds = {kind.__name__: kind for kind in _STATELESS}
+    return kinds[spec[0]](**dict(spec[1]))
 
 
 @dataclasses.dataclass

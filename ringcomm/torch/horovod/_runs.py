@@ -11,6 +11,7 @@ this rank submitted, and to the timeline.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch._tensors import device_scope
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod._fusion import reduce_fused
-from ringcomm.torch.horovod._ops import JOINED_RUNS, ReduceSpec
+from ringcomm.torch.horovod._ops import JOINED_RUNS, ReduceSpec, ring_from_spec
 from ringcomm.torch.horovod._table import Outcome, meta_dtype
 
 __all__ = ["run_group", "zeros_spec"]
@@ -71,17 +72,35 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
         entry, m = group[0].entry, group[0].mine
         if entry.kind == "join":
             return [last_joined]
+        meta = next(iter(entry.metas.values()))
+        if entry.kind == "grouped_allreduce" and m is None:
+            _joined_group(comm, meta)
+            return [None]
         if entry.kind != "allreduce" and m is None:
             raise HorovodInternalError(f"{entry.kind} {entry.user_name!r} reached a joined rank")
         if m is not None and m.op.run is not None:
             return [m.op.run(comm)]
-        meta = next(iter(entry.metas.values()))
+        if m is None and meta.get("ring") is not None:  # compressed; no state to take part with
+            reduce_fused(comm, [zeros_spec(meta, ring_from_spec(meta["ring"]), meta["feedback"])])
+            return [None]
         owner = meta.get("owner") if m is None else None
         joined = JOINED_RUNS.get((owner, entry.user_name)) if owner is not None else None
         if joined is not None:
             joined(comm, meta)
             return [None]
     return reduce_fused(comm, [_spec(o) for o in group])
+
+
+def _joined_group(comm: Communicator, meta: dict[str, Any]) -> None:
+    """A joined rank's part in a grouped allreduce: zeros for each collective the others'
+    :func:`reduce_fused` makes of it (one per dtype and device, in the order they first come;
+    flat where it fuses several tensors)."""
+    groups: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    for dtype, device, shape in meta["tensors"]:
+        groups.setdefault((dtype, device), []).append(tuple(shape))
+    for (dtype, _), shapes in groups.items():
+        shape = shapes[0] if len(shapes) == 1 else (sum(math.prod(s) for s in shapes),)
+        reduce_fused(comm, [zeros_spec(dict(meta, dtype=dtype, shape=shape))])
 
 
 def _spec(o: Outcome) -> ReduceSpec:

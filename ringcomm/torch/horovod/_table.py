@@ -138,11 +138,12 @@ class PendingTable:
             return Outcome(entry, self._mismatch(entry))
         have = set(entry.metas)
         if entry.kind != "join" and joined and len(have | joined) == self.size:
-            if entry.kind == "allreduce":
+            if entry.kind in _WITH_JOINED:
                 return Outcome(entry, self._mismatch(entry))
             return Outcome(entry, HorovodInternalError(
                 f"{entry.kind} {entry.user_name!r}: {ranks_text(sorted(joined))} joined "
-                "(hvd.join) before submitting it; only allreduce runs with joined ranks"))
+                "(hvd.join) before submitting it; only allreduces (grouped ones included) run "
+                "with joined ranks"))
         waited = 0.0 if entry.first_seen is None else now0 - entry.first_seen
         missing = sorted(set(range(self.size)) - have - joined)
         if waited > self.stall_limit:
@@ -253,6 +254,11 @@ class PendingTable:
         nbytes = _nbytes(meta)
         self._memo[id(meta)] = (meta, key, nbytes)
         return key, nbytes
+
+
+#: The kinds that run with ranks that have joined (which take part with zeros), as in Horovod,
+#: whose controller refuses the others there.
+_WITH_JOINED = ("allreduce", "grouped_allreduce")
 
 
 def _arrival(entry: Entry) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ from ringcomm.torch.horovod._basics import (
     root_in_set,
 )
 from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
-from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe
+from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe, ring_spec
 from ringcomm.torch.horovod._reduce import parse_op
 from ringcomm.torch.horovod._runs import zeros_spec
 
@@ -76,10 +76,14 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
     dst = torch.empty_like(tensor, memory_format=torch.contiguous_format) if out is None else out
     spec = ReduceSpec(tensor, dst, op, pre, post, ring,
                       f"allreduce.{name}" if feedback and ring is not None and name else None)
-    if ring is not None and name is not None:
-        meta["owner"] = "allreduce"  # what a joined rank runs for it (JOINED_RUNS)
-        JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, ring,
-                                                           spec.feedback_name)
+    if ring is not None:
+        # What a rank that has joined runs for it: a compressor keeping no state rebuilt from
+        # the meta; one that keeps state, the one this name ran with (JOINED_RUNS).
+        meta.update(ring=ring_spec(ring), feedback=spec.feedback_name)
+        if meta["ring"] is None and name is not None:
+            meta["owner"] = "allreduce"
+            JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, ring,
+                                                               spec.feedback_name)
     return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
 

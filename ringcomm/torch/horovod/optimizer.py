@@ -37,7 +37,7 @@ from ringcomm.torch.horovod._basics import (
 )
 from ringcomm.torch.horovod._fusion import Bucket, Reduction, fusion_threshold, plan_buckets
 from ringcomm.torch.horovod._negotiate import enqueue
-from ringcomm.torch.horovod._ops import JOINED_RUNS, Op
+from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe
 from ringcomm.torch.horovod._reduce import parse_op
 from ringcomm.torch.horovod.functions import allreduce_async_, sparse_allreduce_async, synchronize
 
@@ -126,6 +126,8 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._handles: list[Any] = []
         self._submitted: set[int] = set()
         self._densified: list[Any] = []  # sparse gradients reduced dense this step
+        # Gradients a Horovod-style compressor reduces this step: (gradient, result, its ctx).
+        self._decompressing: list[tuple[Any, Any, Any]] = []
         self._fresh = True
         self._synchronized = False
         self._should_synchronize = True
@@ -153,6 +155,7 @@ class _DistributedOptimizer(_OptimizerMixin):
             self._follow_scale(self._residuals)
         self._delay = dict.fromkeys(self._bucket_of, self.backward_passes_per_step)
         self._handles, self._submitted, self._fresh = [], set(), False
+        self._decompressing = []
 
     def _follow_scale(self, residuals: ResidualLayouts) -> None:
         """Rescale the residuals by new loss scale / old where the grad scaler's changed (at a
@@ -229,18 +232,41 @@ class _DistributedOptimizer(_OptimizerMixin):
         if any(g.is_sparse for g in grads):
             self._submit_apart(bucket, grads)
             return
+        if self._reduction.ring is None and self._reduction.compression is not None:
+            self._submit_custom(bucket, grads[0])
+            return
         grad = grads[0]
         meta = {"dtype": str(grad.dtype), "device": grad.device.type,
-                "shape": (bucket.numel,), "op": self.op.name,
-                "prescale": self._reduction.prescale, "postscale": self._reduction.postscale,
-                "compression": type(self._compression).__name__,
-                "parameters": fingerprint(bucket.layout), "bucket": True,
-                "backward_passes_per_step": self.backward_passes_per_step}
+                "shape": (bucket.numel,), **self._fields(bucket)}
         if self._reduction.ring is not None:
             meta["owner"] = self._owner  # which optimizer a joined rank runs it with
         op = Op("allreduce", bucket.name, meta, lambda comm: self._reduction(bucket),
                 nbytes=bucket.numel * grad.element_size(), process_set=self._process_set)
         self._handles.append((None, enqueue(op)))
+
+    def _fields(self, bucket: Bucket) -> dict[str, Any]:
+        """What every rank's reduction of ``bucket`` agrees on besides its tensor."""
+        return {"op": self.op.name, "prescale": self._reduction.prescale,
+                "postscale": self._reduction.postscale,
+                "compression": type(self._compression).__name__,
+                "parameters": fingerprint(bucket.layout), "bucket": True,
+                "backward_passes_per_step": self.backward_passes_per_step}
+
+    def _submit_custom(self, bucket: Bucket, grad: torch.Tensor) -> None:
+        """A bucket (of one parameter) under a Horovod-style compressor, as Horovod reduces it:
+        the gradient compressed here, what ``compress`` gave allreduced as any tensor (so a
+        rank that has joined takes part with zeros of its dtype and shape), and decompressed
+        into the gradient by :meth:`synchronize`."""
+        red = self._reduction
+        compressed, ctx = red.compression.compress(grad)
+        out = torch.empty_like(compressed, memory_format=torch.contiguous_format)
+        meta = {**describe(compressed), **self._fields(bucket)}
+        op = Op("allreduce", bucket.name, meta,
+                reduce=ReduceSpec(compressed, out, self.op, red.prescale, red.postscale),
+                nbytes=compressed.numel() * compressed.element_size(),
+                process_set=self._process_set)
+        self._handles.append((None, enqueue(op)))
+        self._decompressing.append((grad, out, ctx))
 
     def _submit_apart(self, bucket: Bucket, grads: list[torch.Tensor]) -> None:
         """A bucket holding a sparse gradient: each gradient (``grads``, of the bucket's
@@ -279,7 +305,11 @@ class _DistributedOptimizer(_OptimizerMixin):
                     errors.append(err)
             for p in self._densified:
                 p.grad = p.grad.to_sparse()
+            if not errors:
+                for grad, out, ctx in self._decompressing:
+                    grad.copy_(self._reduction.compression.decompress(out, ctx))
             self._fresh, self._handles, self._densified = True, [], []
+            self._decompressing = []
             if errors:
                 raise errors[0]
         self._synchronized = True
@@ -344,6 +374,7 @@ class _DistributedOptimizer(_OptimizerMixin):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load optimizer state; any reduction in progress is forgotten."""
         self._handles, self._fresh, self._synchronized = [], True, False
+        self._decompressing = []
         self._should_synchronize = True
         return super().load_state_dict(state_dict)
 
@@ -408,8 +439,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             factor/size after it.
         num_groups: accepted for compatibility (fusion is by size here).
         groups: accepted for compatibility (fusion is by size here).
-        sparse_as_dense: reduce sparse gradients as dense tensors (the gradient stays dense);
-            by default they are reduced by allgather of their entries (the result is sparse).
+        sparse_as_dense: reduce sparse gradients as dense tensors (handed back sparse, as in
+            Horovod); by default they are reduced by allgather of their entries (the result
+            is sparse).
         process_set: reduce over this process set (a rank outside it steps on its own
             gradients).
         fusion_threshold_bytes: largest fused bucket (default: $HOROVOD_FUSION_THRESHOLD, else
