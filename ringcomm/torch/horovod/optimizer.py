@@ -303,11 +303,11 @@ class _DistributedOptimizer(_OptimizerMixin):
                         p.grad = handle()
                 except Exception as err:
                     errors.append(err)
-            for p in self._densified:
-                p.grad = p.grad.to_sparse()
-            if not errors:
+            if not errors:  # into the gradients, before the densified ones turn sparse again
                 for grad, out, ctx in self._decompressing:
                     grad.copy_(self._reduction.compression.decompress(out, ctx))
+            for p in self._densified:
+                p.grad = p.grad.to_sparse()
             self._fresh, self._handles, self._densified = True, [], []
             self._decompressing = []
             if errors:
