@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpi4py import MPI  # noqa: E402
-from torch_helpers import hvd, same_on_all_ranks  # noqa: E402
+from torch_helpers import HalfCompressor, hvd, same_on_all_ranks  # noqa: E402
 
 SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 FUSION = 4 * 1024 * 1024  # the default threshold (bytes)
@@ -535,18 +535,6 @@ def test_grouped_allreduce_with_a_joined_rank(h):
     assert [tuple(o.shape) for o in outs] == ([(2,), (3, 2), (4,), (1,)] if RANK != 1 else [])
 
 
-class _HalfCompressor:
-    """Horovod's FP16Compressor, as scripts copy it (a class of their own)."""
-
-    @staticmethod
-    def compress(tensor):
-        return (tensor.half() if tensor.dtype.is_floating_point else tensor), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx) if ctx.is_floating_point else tensor
-
-
 def test_join_with_a_horovod_style_compressor_in_the_optimizer(h):
     """DistributedOptimizer with a compressor of the script's own while rank 1 has joined: each
     gradient is compressed before it is submitted, as in Horovod, so the joined rank's zeros
@@ -557,7 +545,7 @@ def test_join_with_a_horovod_style_compressor_in_the_optimizer(h):
     model = torch.nn.Linear(4, 3)
     opt = h.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters(),
-                                 compression=_HalfCompressor)
+                                 compression=HalfCompressor)
     grads = []
     for _ in range(3 if RANK != 1 else 1):
         opt.zero_grad()

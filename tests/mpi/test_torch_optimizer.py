@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from mpi4py import MPI  # noqa: E402
 from torch_helpers import (  # noqa: E402
     DIGITS_BATCH,
+    HalfCompressor,
     digits_mlp,
     flat_params,
     gathered,
@@ -337,18 +338,6 @@ def test_more_passes_than_declared_are_refused(h):
     opt.step()
 
 
-class HalfCompressor:
-    """A Horovod-style compressor of a user's own: cast to float16 and back."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor.half(), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx)
-
-
 
 
 @pytest.mark.parametrize("follow", [True, False])
@@ -494,19 +483,7 @@ def lookup_indices(rank: int) -> torch.Tensor:
     return torch.tensor([[1, 2, 4, rank % 10], [4, (rank + 7) % 10, 2, 9]])
 
 
-class _ScriptHalf:
-    """Horovod's FP16Compressor as a script writes its own (compress/decompress)."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor.half(), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx)
-
-
-@pytest.mark.parametrize("compression", [None, _ScriptHalf], ids=["none", "script-fp16"])
+@pytest.mark.parametrize("compression", [None, HalfCompressor], ids=["none", "script-fp16"])
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_gradients_average_and_stay_sparse(h, sparse_as_dense, compression):
     """Both ways of reducing a sparse gradient give every rank the average of everyone's

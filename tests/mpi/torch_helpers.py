@@ -141,3 +141,16 @@ def train_digits(model: torch.nn.Module, opt: torch.optim.Optimizer,
 def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer of the digits runs."""
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+class HalfCompressor:
+    """A Horovod-style compressor of a user's own (Horovod's FP16Compressor, as scripts copy
+    it): cast floating tensors to float16 and back."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        return (tensor.half() if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+        return tensor.to(ctx) if ctx.is_floating_point else tensor
