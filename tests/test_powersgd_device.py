@@ -63,6 +63,23 @@ def test_device_results_identical_conserving_and_the_hosts(thread_device, rng, n
     np.testing.assert_allclose(results + held, inputs, atol=1e-4 * np.abs(inputs).max())
 
 
+def test_a_first_call_of_zeros_is_left_behind_as_on_the_host(thread_device, rng):
+    """A first call of zeros, then ordinary ones: the kept Q's dropped rows are drawn afresh
+    on the device path too (from the host copy it checks), the results the host's bit for
+    bit and not zero (they stayed zero for good)."""
+    n = 2
+    xs = [np.zeros((n, LENGTH), np.float32)]
+    xs += [rng.standard_normal((n, LENGTH)).astype(np.float32) for _ in range(2)]
+    comp = ringcomm.PowerSGD(rank=2, shapes=SHAPES)
+    on_device = _steps(n, xs, thread_device.put, thread_device.get, comp, "sum")
+    on_host = _steps(n, xs, np.asarray, np.asarray, comp, "sum")
+    first = int(np.prod(SHAPES[0]))
+    for step in range(1, len(xs)):
+        got, want = on_device[0][0][step], on_host[0][0][step]
+        assert got.tobytes() == want.tobytes(), step
+        assert np.abs(got[:first]).max() > 0.1 * np.abs(xs[step].sum(axis=0)[:first]).max()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_tensor_goes_dense_on_every_rank(thread_device, rng, bad):
     """One rank's NaN/Inf in the first matrix: that tensor is reduced dense (non-finite where

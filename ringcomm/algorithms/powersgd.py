@@ -83,7 +83,8 @@ from ringcomm import ops as _ops
 from ringcomm.codecs.base import Compressor
 from ringcomm.core.types import Array
 
-__all__ = ["LowRankMemory", "MemoryEntry", "Part", "PowerSGD", "orthonormalize", "start_q"]
+__all__ = ["LowRankMemory", "MemoryEntry", "Part", "PowerSGD", "orthonormalize", "start_q",
+           "with_dropped_rows_drawn"]
 
 _F32 = np.float32
 _SHOWN_SHAPES = 8  # longer shape lists appear in repr as a count and a checksum
@@ -368,6 +369,23 @@ def _draw_q(comp: PowerSGD, index: int, part: Part, draw: int) -> np.ndarray:
     key = zlib.crc32((comp.name or "").encode())
     rng = np.random.default_rng([comp.seed & 0xFFFFFFFF, key, index, draw])
     return rng.standard_normal((part.rank, part.cols), dtype=_F32)
+
+
+def with_dropped_rows_drawn(comp: PowerSGD, entry: MemoryEntry, index: int, part: Part,
+                            qt: np.ndarray) -> np.ndarray | None:
+    """The reduced Q^T ``qt`` (r x m, host) of tensor ``index`` to start the next call from,
+    its zero rows drawn afresh (the same on every rank); None where it has none.
+
+    A row of Q^T is zero where orthonormalize dropped P's column (the sum had rank below r,
+    or was zero): started from it, the next call's column is zero again, and warm start would
+    never find a direction the later sums have, sending only the rest for good (a tensor
+    first reduced all zeros was never sent again)."""
+    zero = ~qt.any(axis=1)
+    if not zero.any():
+        return None
+    fresh = qt.copy()
+    fresh[zero] = _draw_q(comp, index, part, entry.calls + 1)[zero]
+    return fresh
 
 
 def start_q(comp: PowerSGD, entry: MemoryEntry, index: int, part: Part) -> np.ndarray:

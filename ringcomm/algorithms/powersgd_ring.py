@@ -19,6 +19,7 @@ from ringcomm.algorithms.powersgd import (
     PowerSGD,
     orthonormalize,
     start_q,
+    with_dropped_rows_drawn,
 )
 from ringcomm.core import trace
 from ringcomm.core.types import Array, ReduceOp, Transport
@@ -151,9 +152,12 @@ class _Call:
         if self.comp.warm_start and qts:
             host = self.ops.to_host(buf)  # one copy from the device for every tensor's check
             for i, qt in qts.items():
+                kept = host[self.q_spans[i]].reshape(qt.shape)
                 # An overflowed Q would send the tensor dense for good.
-                if np.isfinite(host[self.q_spans[i]]).all():
-                    self.entry.qs[i] = qt.copy()
+                if np.isfinite(kept).all():
+                    fresh = with_dropped_rows_drawn(self.comp, self.entry, i, self.parts[i],
+                                                    kept)
+                    self.entry.qs[i] = qt.copy() if fresh is None else fresh
         self.entry.calls += 1
 
 
