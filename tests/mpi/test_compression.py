@@ -127,7 +127,7 @@ def test_non_finite_input_never_becomes_finite(comm, world, rng, name, bad):
 @pytest.mark.parametrize("name", ["topk-ring", "topk-ring-approx", "topk-allgather"])
 @pytest.mark.parametrize("where", ["last-rank", "every-rank"])
 def test_more_non_finite_entries_than_topk_sends_stay_non_finite(comm, world, rng, name, where):
-    """455 NaN and Inf in 5000 entries, more than any chunk's k: a selection that cannot carry
+    """454 NaN and Inf in 5000 entries, more than any chunk's k: a selection that cannot carry
     them all sends the overflow mark, so every one of them is non-finite in the result (its
     whole chunk is NaN), the same on every rank; the residuals stay finite."""
     comp = COMPRESSORS[name]
