@@ -20,7 +20,7 @@ from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
 from ringcomm.core.joined import mark_joined, refuse_inherited
 from ringcomm.core.launch import LaunchInfo
-from ringcomm.core.restarts import attempt_prefix
+from ringcomm.core.restarts import agent_store_shared, attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
 __all__ = ["REGISTRY", "Backend", "choose_auto", "communicator_options",
@@ -187,7 +187,7 @@ def _names_over_torch(backend: str, info: LaunchInfo, timeout: float) -> list[st
         return [backend]
     if info.size == 1:
         return [backend]
-    if not dist.is_initialized() and _agent_store_shared(info):
+    if not dist.is_initialized() and info.launcher == "torchrun" and agent_store_shared():
         store = _agent_store(info, timeout)
     elif backend == "nccl" and not dist.is_initialized():
         return [backend]
@@ -204,11 +204,6 @@ def _names_over_torch(backend: str, info: LaunchInfo, timeout: float) -> list[st
     everyone = allgather(store, f"ringcomm/backend{next(_AGREEMENTS)}/", info.rank, info.size,
                          str(backend).encode(), timeout, "init's agreement on the backend")
     return [name.decode() for name in everyone]
-
-
-def _agent_store_shared(info: LaunchInfo) -> bool:
-    """Whether torchrun's agent serves this worker's store (every worker is its client)."""
-    return info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _agent_store(info: LaunchInfo, timeout: float) -> Any:

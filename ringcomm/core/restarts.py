@@ -19,16 +19,23 @@ from collections.abc import Mapping
 
 from ringcomm.core.log import get_logger
 
-__all__ = ["attempt_prefix", "stale_keys_warning"]
+__all__ = ["agent_store_shared", "attempt_prefix", "stale_keys_warning"]
 
 _LOG = get_logger("init")
 _WARNED: list[str] = []  # the warning, once logged in this process
 
 
+def agent_store_shared(env: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun's agent serves this worker's store (every worker of the job, and of
+    its later attempts, is its client)."""
+    env = os.environ if env is None else env
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _restarted_on_shared_store(env: Mapping[str, str]) -> int:
     """The restart count where this worker's store is the agent's, shared with earlier
     attempts; 0 otherwise (not under torchrun, the first attempt, or a store per attempt)."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not agent_store_shared(env):
         return 0
     count = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
     return int(count) if count.isdigit() else 0

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ringcomm.comm._mismatch import ranks_text
 from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ArgumentMismatchError
 from ringcomm.torch._objects import allgather_objects
@@ -31,10 +32,6 @@ class StalledOperationError(HorovodInternalError):
     """An operation submitted by some ranks only was never matched within the stall limit."""
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def differs(field: str, values: list[Any], ranks: list[int] | None = None) -> str | None:
     """"<field> differs between ranks: <value> on ranks ...; ..." or None when all agree.
 
@@ -48,7 +45,7 @@ def differs(field: str, values: list[Any], ranks: list[int] | None = None) -> st
         groups.setdefault(v, []).append(r)
     if len(groups) < 2:
         return None
-    shown = "; ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items())
+    shown = "; ".join(f"{v} on {ranks_text(rs)}" for v, rs in groups.items())
     return f"{field} differs between ranks: {shown}"
 
 

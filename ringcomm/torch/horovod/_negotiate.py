@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from ringcomm.comm._mismatch import ranks_text
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.callers import ThreadNames
 from ringcomm.core.log import get_logger
@@ -77,7 +78,7 @@ from ringcomm.torch.horovod._control import (
 from ringcomm.torch.horovod._fusion import fusion_threshold, reduce_fused
 from ringcomm.torch.horovod._ops import Op
 from ringcomm.torch.horovod._runs import run_group
-from ringcomm.torch.horovod._table import Outcome, PendingTable, ranks_text
+from ringcomm.torch.horovod._table import Outcome, PendingTable
 
 __all__ = ["Coordinator", "coordinator_for", "enqueue", "execute", "forget", "reduce_fused"]
 

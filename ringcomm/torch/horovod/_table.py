@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ringcomm.comm._mismatch import ranks_text
 from ringcomm.core.log import get_logger
 from ringcomm.torch._errors import (
     HorovodArgumentError,
@@ -25,7 +26,7 @@ from ringcomm.torch._errors import (
 )
 from ringcomm.torch.horovod._control import Message, Request, ResponseCache
 
-__all__ = ["Entry", "Outcome", "PendingTable", "meta_dtype", "ranks_text"]
+__all__ = ["Entry", "Outcome", "PendingTable", "meta_dtype"]
 
 _LOG = get_logger("torch.negotiate")
 _MEMO_LIMIT = 4096  # fusion keys remembered before the memo starts over
@@ -263,11 +264,6 @@ _WITH_JOINED = ("allreduce", "grouped_allreduce")
 
 def _arrival(entry: Entry) -> tuple[int, int, int]:
     return entry.arrival
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """"rank 3" or "ranks 0, 2"."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def meta_dtype(name: str) -> torch.dtype:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ringcomm.comm._mismatch import ranks_text
 from ringcomm.torch import _objects
 from ringcomm.torch._errors import HorovodInternalError
 from ringcomm.torch.horovod._basics import (
@@ -18,7 +19,6 @@ from ringcomm.torch.horovod._basics import (
 )
 from ringcomm.torch.horovod._negotiate import execute
 from ringcomm.torch.horovod._ops import Op
-from ringcomm.torch.horovod._table import ranks_text
 from ringcomm.torch.horovod.functions import allreduce, broadcast_async_, synchronize
 from ringcomm.torch.horovod.optimizer import base_step
 
