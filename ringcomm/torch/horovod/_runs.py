@@ -25,7 +25,7 @@ from ringcomm.torch.horovod._fusion import reduce_fused
 from ringcomm.torch.horovod._ops import JOINED_RUNS, ReduceSpec, ring_from_spec
 from ringcomm.torch.horovod._table import Outcome, meta_dtype
 
-__all__ = ["run_group", "zeros_spec"]
+__all__ = ["joined_reduce", "run_group", "zeros_spec"]
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -81,7 +81,7 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
         if m is not None and m.op.run is not None:
             return [m.op.run(comm)]
         if m is None and meta.get("ring") is not None:  # compressed; no state to take part with
-            reduce_fused(comm, [zeros_spec(meta, ring_from_spec(meta["ring"]), meta["feedback"])])
+            joined_reduce(ring_from_spec(meta["ring"]), meta["feedback"], comm, meta)
             return [None]
         owner = meta.get("owner") if m is None else None
         joined = JOINED_RUNS.get((owner, entry.user_name)) if owner is not None else None
@@ -89,6 +89,13 @@ def _execute(comm: Communicator, group: list[Outcome], last_joined: int) -> list
             joined(comm, meta)
             return [None]
     return reduce_fused(comm, [_spec(o) for o in group])
+
+
+def joined_reduce(ring: Any, feedback_name: str | None, comm: Communicator,
+                  meta: dict[str, Any]) -> None:
+    """A joined rank's part in a compressed allreduce the others describe by ``meta``: zeros
+    through the same compression and error feedback (its residual goes out with them)."""
+    reduce_fused(comm, [zeros_spec(meta, ring, feedback_name)])
 
 
 def _joined_group(comm: Communicator, meta: dict[str, Any]) -> None:

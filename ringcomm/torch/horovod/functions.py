@@ -38,7 +38,7 @@ from ringcomm.torch.horovod._basics import (
 from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
 from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe, ring_spec
 from ringcomm.torch.horovod._reduce import parse_op
-from ringcomm.torch.horovod._runs import zeros_spec
+from ringcomm.torch.horovod._runs import joined_reduce
 
 __all__ = [
     "allgather",
@@ -82,7 +82,7 @@ def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None,
         meta.update(ring=ring_spec(ring), feedback=spec.feedback_name)
         if meta["ring"] is None and name is not None:
             meta["owner"] = "allreduce"
-            JOINED_RUNS["allreduce", name] = functools.partial(_joined_reduce, ring,
+            JOINED_RUNS["allreduce", name] = functools.partial(joined_reduce, ring,
                                                                spec.feedback_name)
     return Op("allreduce", name, meta, reduce=spec,
               nbytes=tensor.numel() * tensor.element_size(), process_set=process_set)
@@ -114,13 +114,6 @@ def _carrying(err: Exception, op: Op) -> Op:
     """``op`` with ``err`` in its request: the negotiation fails it on every rank."""
     op.meta["error"] = f"{type(err).__name__}: {err}"
     return op
-
-
-def _joined_reduce(ring: Any, feedback_name: str | None, comm: Any,
-                   meta: dict[str, Any]) -> None:
-    """A joined rank's part in a compressed allreduce: zeros through the same compression and
-    error feedback (its residual goes out with them)."""
-    reduce_fused(comm, [zeros_spec(meta, ring, feedback_name)])
 
 
 def _gather_op(tensor: torch.Tensor, name: str | None, process_set: Any) -> Op:
