@@ -24,11 +24,13 @@ STALL_S = 3.0
 pytestmark = pytest.mark.timeout(120)
 
 JOB = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
 import ringcomm.torch as hvd
 
 case = sys.argv[1]
+if case == "limits" and os.environ["PMI_RANK"] == "1":  # rank 1's own limit: 60 s
+    os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "60"
 hvd.init()
 rank = hvd.rank()
 
@@ -63,6 +65,21 @@ elif case == "idle":        # rank 1 submits nothing at all
         attempt("idle", lambda: hvd.allreduce(torch.ones(3), name="lonely"))
     else:
         time.sleep(2 * float(sys.argv[2]))
+elif case == "limits":      # stall limits that differ: rank 0's decides on every rank
+    stall = float(sys.argv[2])
+    first, later = {}, {}
+    if rank == 0:
+        first["b"] = hvd.allreduce_async(torch.full((1000,), 10.0), name="b", op=hvd.Sum)
+        time.sleep(stall + 1.5)
+    else:
+        first["c"] = hvd.allreduce_async(torch.full((1000,), 20.0), name="c", op=hvd.Sum)
+        time.sleep(stall + 2)
+        later["b"] = hvd.allreduce_async(torch.full((1000,), 20.0), name="b", op=hvd.Sum)
+    later["x"] = hvd.allreduce_async(torch.full((1000,), 1000.0 * (rank + 1)), name="x",
+                                     op=hvd.Sum)
+    for what, handle in [*first.items(), *later.items()]:
+        attempt(what, lambda: report(f"{what}.value",
+                                     value=sorted(set(hvd.synchronize(handle).tolist()))))
 elif case == "buckets":     # fusion thresholds that differ: the ranks cut other buckets
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -132,6 +149,27 @@ def test_a_rank_that_never_negotiates_is_reported_with_the_waiting_names(
     assert "while rank 0 waited to run 'lonely'" in d["message"]
     assert STALL_S <= d["elapsed"] < STALL_S + 10
     assert elapsed < 4 * STALL_S + 30
+
+
+def test_stall_limits_that_differ_between_ranks_fail_an_operation_on_every_rank(
+        mpiexec, subprocess_env, tmp_path):
+    """Rank 1 sets a 60 s limit, rank 0 3 s: rank 0's fails "b" (rank 0's) and "c" (rank 1's)
+    on both ranks at once. With each rank's own limit, rank 0 failed "b" and rank 1 kept it,
+    so rank 1's later "b" (20s) was summed into rank 0's "x" (1020, silently), and rank 1
+    waited out the timeout."""
+    lines, _, err = run_case(mpiexec, dict(subprocess_env, RINGCOMM_TIMEOUT="40"), tmp_path,
+                             "limits")
+    for what, submitted_by in (("b", 0), ("c", 1)):
+        d = by(lines, what)[submitted_by]
+        assert d["type"] == "StalledOperationError", (d, err)
+        assert f"'{what}' was submitted by rank {submitted_by} but not by rank " \
+            f"{1 - submitted_by} within {STALL_S:g} s" in d["message"]
+    late_b = by(lines, "b")
+    assert set(late_b) == {0, 1}  # rank 1's second "b", alone, stalls in turn
+    assert not late_b[1]["ok"] and late_b[1]["type"] == "StalledOperationError"
+    values = by(lines, "x.value")
+    assert set(values) == {0, 1}, err
+    assert all(d["value"] == [3000.0] for d in values.values()), values
 
 
 def test_differing_optimizer_buckets_are_reported_as_such(mpiexec, subprocess_env, tmp_path):

@@ -51,7 +51,6 @@ from ringcomm.comm.transport import (
     write_fatal,
 )
 from ringcomm.core import trace
-from ringcomm.core.env import env_flag
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
@@ -280,12 +279,14 @@ class MPITransport(TransportBase):
         #: Dense host allreduces up to this many bytes run as MPI's own (see
         #: _NATIVE_BYTES_PER_PEER); the same on every rank.
         try:
-            agreed = agree_env(self, {NATIVE_BYTES_ENV: (self.size - 1) * self._per_peer()},
+            agreed = agree_env(self, {NATIVE_BYTES_ENV: None},
                                {FUSED_ENV: True, SHARED_ENV: True})
         except ValueError:  # refused on every rank: nothing of this transport stays behind
             self.close()
             raise
-        self.native_allreduce_bytes = agreed[NATIVE_BYTES_ENV]
+        limit = agreed[NATIVE_BYTES_ENV]
+        self.native_allreduce_bytes = ((self.size - 1) * self._per_peer(agreed[SHARED_ENV])
+                                       if limit is None else limit)
         #: Whether repeated small allreduces may run as one compiled call (see FUSED_ENV).
         self.fused_calls = agreed[FUSED_ENV]
         # (A limit below the segment's least size, 0 for always the ring, makes none.)
@@ -293,14 +294,10 @@ class MPITransport(TransportBase):
                                 and self.native_allreduce_bytes >= _SHARED_MIN_BYTES)
         self._mpi_ops = {op: getattr(MPI, name) for op, name in _MPI_OPS.items()}
 
-    def _per_peer(self) -> int:
+    def _per_peer(self, shared: bool) -> int:
         """The default limit of the native allreduce per other rank: _SHARED_BYTES_PER_PEER
-        where a shared segment would run it (every rank on one node, SHARED_ENV not 0), else
-        _NATIVE_BYTES_PER_PEER."""
-        try:
-            shared = env_flag(SHARED_ENV, True)
-        except ValueError:  # refused on every rank by the agreement that follows
-            shared = True
+        where a shared segment would run it (every rank on one node, ``shared``: SHARED_ENV
+        as agreed), else _NATIVE_BYTES_PER_PEER."""
         one_node = self.local_size == self.size > 1
         return _SHARED_BYTES_PER_PEER if shared and one_node else _NATIVE_BYTES_PER_PEER
 

@@ -214,11 +214,16 @@ def agree_byte_limit(t: Transport, name: str, default: int) -> int:
     return agree_env(t, {name: default})[name]
 
 
-def agree_env(t: Transport, limits: dict[str, int],
+_UNSET = "unset"
+
+
+def agree_env(t: Transport, limits: dict[str, int | None],
               flags: dict[str, bool] | None = None) -> dict[str, Any]:
     """A transport's settings from the environment, checked to be the same on every rank in
     one exchange (collective over ``t``): each byte limit of ``limits`` and each yes/no
-    variable of ``flags``, their defaults where unset.
+    variable of ``flags``, their defaults where unset. A limit whose default is None is None
+    where unset (compared as "unset": a default that depends on the other settings is the
+    caller's to derive from the agreed ones).
 
     Raises:
         ArgumentMismatchError: a variable differs between ranks (on every rank).
@@ -229,7 +234,7 @@ def agree_env(t: Transport, limits: dict[str, int],
     for name, default in limits.items():
         try:
             found = env_bytes(name)
-            values[name] = default if found is None else found
+            values[name] = found if found is not None else _UNSET if default is None else default
         except ValueError as err:
             values[name], problem = 0, problem or err
     for name, default_flag in (flags or {}).items():
@@ -238,7 +243,7 @@ def agree_env(t: Transport, limits: dict[str, int],
         except ValueError as err:
             values[name], problem = default_flag, problem or err
     agree_at_start(t, values, problem)
-    return values
+    return {name: None if value == _UNSET else value for name, value in values.items()}
 
 
 def _raise_problems(problems: list[tuple[str, str] | None]) -> None:

@@ -214,6 +214,17 @@ def test_limit_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
     world.Barrier()
 
 
+def test_limit_set_on_some_ranks_only_fails_everywhere(monkeypatch, world):
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    value = "64K" if world.Get_rank() == 0 else None
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match=r"RINGCOMM_MPI_ALLREDUCE_BYTES differs between ranks: 65536 on "
+                       r"rank 0; unset on ranks? 1"):
+        _communicator(monkeypatch, value)
+    world.Barrier()
+
+
 def test_invalid_limit_fails_everywhere(monkeypatch, world):
     value = "lots" if world.Get_rank() == world.Get_size() - 1 else "64K"
     with pytest.raises(ValueError, match=r"RINGCOMM_MPI_ALLREDUCE_BYTES must be a byte count"):

@@ -224,8 +224,10 @@ def test_switch_that_differs_between_ranks_fails_everywhere(monkeypatch, world):
         pytest.skip("needs two ranks")
     value = "0" if world.Get_rank() == 0 else "1"
     with pytest.raises(ringcomm.ArgumentMismatchError,
-                       match=r"RINGCOMM_MPI_SHARED_ALLREDUCE differs between ranks"):
+                       match=r"RINGCOMM_MPI_SHARED_ALLREDUCE differs between ranks") as err:
         fresh_mpi_communicator(monkeypatch, **{mpi_backend.SHARED_ENV: value})
+    # Only the switch: the native limit's default follows from it, and nobody set the limit.
+    assert mpi_backend.NATIVE_BYTES_ENV not in str(err.value)
     world.Barrier()
 
 

@@ -20,8 +20,8 @@ A rank takes part in cycles while it or any rank has something pending, and rest
 so an idle job costs nothing; a rank with new work waits in the next cycle for the others to
 submit theirs. An operation pending on some ranks only is reported (a warning after
 HOROVOD_STALL_CHECK_TIME_SECONDS, 60 s) and failed on the ranks that submitted it after the
-stall limit (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, by default the communicator's timeout), with
-its name and the ranks that never submitted it: never a silent mismatch.
+stall limit (rank 0's HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, by default the communicator's
+timeout), with its name and the ranks that never submitted it: never a silent mismatch.
 
 Who runs a cycle: one thread at a time per process (the *turn*). A thread that waits for one
 of its operations (a synchronous call, ``synchronize``) runs the cycles itself while nobody
@@ -514,7 +514,11 @@ def _make(comm: Communicator) -> Coordinator:
     transport = comm.transport
     control = transport.split(0, comm.rank)
     control.abort_on_timeout = False  # a stall is reported with the operations' names
-    limit = env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or transport.timeout
+    # Rank 0's limit on every rank, as Horovod's coordinator alone decides stalls: the table
+    # must fail an operation on every rank alike, or a rank that kept it would pair it with
+    # another rank's next operation of the same shape.
+    own = env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) or transport.timeout
+    limit = control.allgather_object(own)[0]
     control.timeout = limit
     return Coordinator(comm, control, stall_limit=limit)
 
