@@ -127,3 +127,34 @@ def test_removed_sets_can_no_longer_be_used(h):
     assert ps.process_set_id is None and not h.remove_process_set(ps)
     with pytest.raises(ValueError, match="not registered"):
         h.allreduce(torch.ones(1), process_set=ps)
+
+
+def test_init_registers_its_sets_and_refuses_lists_that_differ_between_ranks(h):
+    """``init(process_sets=...)`` registers the sets in order; a list that differs between
+    ranks fails init on every rank at once (the ranks given no set left the others' first
+    registration waiting until the stall limit, 30 minutes by default)."""
+    import ringcomm
+
+    if SIZE < 2:
+        pytest.skip("needs at least 2 ranks")
+    h.shutdown()
+    comms = [ringcomm.init("mpi", abort_on_exception=False) for _ in range(2)]
+    try:
+        with pytest.raises(ringcomm.ArgumentMismatchError,
+                           match=r"process_sets differs between ranks: \(\(0, 1\),\) on rank 0; "
+                           r"\(\) on ranks? 1"):
+            h.init(comms[0], process_sets=[[0, 1]] if RANK == 0 else [])
+        assert not h.is_initialized()
+        evens, pair = h.ProcessSet(EVENS), h.ProcessSet([0, 1])
+        h.init(comms[1], process_sets=[evens, [0, 1]])
+        assert evens.process_set_id is not None
+        total = h.allreduce(torch.ones(2), op=h.Sum, process_set=evens) if RANK in EVENS \
+            else None
+        assert total is None or total.tolist() == [len(EVENS)] * 2
+        with pytest.raises(ValueError, match="duplicate process set"):
+            h.add_process_set(pair)  # [0, 1] is registered already
+    finally:
+        h.shutdown()
+        for c in comms:
+            c.close()
+        hvd()  # the module's communicator again, for the tests after this one

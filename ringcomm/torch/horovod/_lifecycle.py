@@ -15,7 +15,13 @@ from ringcomm.comm.settings import agree_at_start
 from ringcomm.core.env import env, env_flag
 from ringcomm.torch._engine import engine_for
 from ringcomm.torch.horovod import timeline
-from ringcomm.torch.horovod._basics import STATE, STATE_LOCK, registered_sets, unregister_set
+from ringcomm.torch.horovod._basics import (
+    STATE,
+    STATE_LOCK,
+    ProcessSet,
+    registered_sets,
+    unregister_set,
+)
 from ringcomm.torch.horovod._control import cache_capacity
 from ringcomm.torch.horovod._fusion import fusion_threshold
 from ringcomm.torch.horovod._negotiate import coordinator_for, env_float, forget
@@ -58,6 +64,8 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
         # Read without raising: a bad value on one rank is raised on every rank once the
         # communicator is up (raised here alone, it would leave the others waiting for it).
         settings, problem = _horovod_settings()
+        sets, settings["process_sets"], set_problem = _process_sets(process_sets)
+        problem = problem or set_problem
         if isinstance(comm, Communicator):
             STATE.comm, STATE.owned = comm, False
         else:
@@ -69,9 +77,23 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
                 STATE.comm.close()
             STATE.comm, STATE.engine = None, None  # not half started: init may run again
             raise
-    if process_sets is not None and process_sets != "dynamic":
-        for ps in process_sets:
-            add_process_set(ps)
+    for ps in sets:
+        add_process_set(ps)
+
+
+def _process_sets(process_sets: Any) -> tuple[list[Any], Any, Exception | None]:
+    """The sets ``init`` registers, their ranks (compared between ranks at start: a list
+    that differs would leave the first set that differs waiting until the stall limit on
+    the ranks that register it), and the error that makes them invalid, if any."""
+    if process_sets is None or (isinstance(process_sets, str) and process_sets == "dynamic"):
+        return [], (), None
+    try:
+        sets = list(process_sets)
+        ranks = tuple(tuple(ps.ranks or ()) if isinstance(ps, ProcessSet) else
+                      tuple(ProcessSet(ps).ranks or ()) for ps in sets)
+    except (TypeError, ValueError) as err:
+        return [], None, ValueError(f"init(process_sets=...): {err}")
+    return sets, ranks, None
 
 
 def _start(comm: Communicator, settings: dict[str, Any], problem: Exception | None) -> None:
