@@ -5,6 +5,7 @@ where they could map one file; both give the exact sum on every rank."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -40,3 +41,32 @@ def test_the_segment_only_where_mpi_sees_one_node(mpiexec, subprocess_env, noloc
     lines = dict(re.findall(r"^<(\d)\|(.*)>$", proc.stdout, re.MULTILINE))
     assert lines == {"0": f"{segment} True", "1": f"{segment} True"}, (
         proc.returncode, proc.stdout, proc.stderr)
+
+
+# Rank 1 stalls where it would open rank 0's new segment: rank 0's exchange times out and
+# ends the job (MPI_Abort, inside the wait, before any ``finally``).
+STALL = r"""
+import os, time, numpy as np, ringcomm
+import ringcomm.backends.mpi_shared as shared
+c = ringcomm.init("mpi")
+c.allreduce(np.ones(8, np.float32))
+if c.rank == 1:
+    def stall(path, nbytes, token):
+        os.write(1, f"<segment|{path}|{os.path.exists(path)}>\n".encode())
+        time.sleep(60)
+    shared._attach = stall
+c.allreduce(np.ones(1 << 16, np.float32))  # 256 KiB: the segment's first use
+"""
+
+
+def test_the_segment_is_removed_where_a_timeout_ends_the_job(mpiexec, subprocess_env):
+    """The segment's name goes with the job also where the job ends by a timeout while its
+    ranks open it (it stayed in /dev/shm: MPI_Abort skipped the unlink in ``finally``)."""
+    env = {k: v for k, v in subprocess_env.items() if not k.startswith("RINGCOMM_")}
+    env["RINGCOMM_TIMEOUT"] = "3"
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", STALL], capture_output=True,
+                          text=True, timeout=120, env=env)
+    found = re.findall(r"^<segment\|(.*)\|(\w+)>$", proc.stdout, re.MULTILINE)
+    assert len(found) == 1 and found[0][1] == "True", (proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode != 0 and "Ending the job (MPI_Abort)" in proc.stderr, proc.stderr
+    assert not os.path.exists(found[0][0])

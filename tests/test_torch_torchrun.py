@@ -533,6 +533,33 @@ def test_an_abort_ends_every_rank_as_mpiexec_would(tmp_path, subprocess_env):
                in line for line in ended), ended
 
 
+GLOO_RAISE_SCRIPT = r"""
+import sys
+import numpy as np
+import ringcomm
+
+comm = ringcomm.init("gloo")
+comm.allreduce(np.ones(8))
+print(f"rank {comm.rank}: mpi4py.MPI loaded: {'mpi4py.MPI' in sys.modules}", flush=True)
+if comm.rank == 1:
+    raise RuntimeError("rank 1 fails")
+comm.barrier()
+"""
+
+
+@pytest.mark.slow
+def test_an_uncaught_exception_on_gloo_starts_no_mpi(tmp_path, subprocess_env):
+    """The abort hook ends an MPI job on an uncaught exception; on a gloo communicator it
+    leaves MPI alone (it imported mpi4py.MPI, which started MPI as a world of one process
+    and aborted it, leaving MPICH's shared memory behind; an MPI that needs its launcher
+    would have ended the process)."""
+    proc, wall = _torchrun_failing(tmp_path, _on("gloo", subprocess_env), GLOO_RAISE_SCRIPT)
+    assert proc.returncode != 0 and wall < 100
+    assert "rank 1: mpi4py.MPI loaded: False" in proc.stdout, proc.stdout
+    assert "RuntimeError: rank 1 fails" in proc.stderr, proc.stderr[-3000:]
+    assert "MPI_Abort" not in proc.stderr, proc.stderr[-3000:]
+
+
 AUTO_SCRIPT = r"""
 import os
 import torch

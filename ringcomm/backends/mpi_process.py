@@ -4,11 +4,12 @@ job when one rank raises."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ringcomm.core import launch
@@ -85,10 +86,33 @@ def import_mpi() -> Any:
     return MPI
 
 
+#: Files this process made for others to open, until it removes them itself: abort()
+#: removes them first, since MPI_Abort ends the process before any ``finally`` runs.
+_REMOVED_AT_ABORT: set[str] = set()
+
+
+@contextlib.contextmanager
+def removed_at_abort(path: str | None) -> Iterator[None]:
+    """Within the block, :func:`abort` removes the file at ``path`` (None: nothing) before it
+    ends the job: for a name that other processes open before its maker unlinks it."""
+    if path is None:
+        yield
+        return
+    _REMOVED_AT_ABORT.add(path)
+    try:
+        yield
+    finally:
+        _REMOVED_AT_ABORT.discard(path)
+
+
 def abort(comm: Any, code: int) -> None:
     """``MPI_Abort`` on ``comm``, then the end of this process where MPI started over
     ringcomm's PMI server: MPICH's MPI_Abort returns there, leaving the launcher to end the job
-    (the server tells every other process to end; this one ends at once)."""
+    (the server tells every other process to end; this one ends at once). Files of
+    :func:`removed_at_abort` are removed first."""
+    for path in list(_REMOVED_AT_ABORT):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     comm.Abort(code)
     if world_joined():
         os._exit(code)
@@ -193,10 +217,11 @@ def install_abort_hook() -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(FORWARD_S)
+        # Only an MPI this process started: importing mpi4py.MPI here would start one (a
+        # world of one process under torchrun's gloo, aborted at once).
+        MPI = sys.modules.get("mpi4py.MPI")
         try:
-            from mpi4py import MPI
-
-            if MPI.Is_initialized() and not MPI.Is_finalized():
+            if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
                 abort(MPI.COMM_WORLD, 1)
         except Exception:
             pass

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.algorithms.ring import chunk_bounds
+from ringcomm.backends.mpi_process import removed_at_abort
 from ringcomm.core import trace
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import ReduceOp
@@ -107,14 +108,17 @@ class SharedAllreduce:
             slot, why = _fitting_slot(size, limit)
             if slot:
                 path, token, memory, why = _make((size + 1) * slot)
-        try:
-            slot, path, token = transport.allgather_object((slot, path, token))[0]
-            if memory is None and path is not None:
-                memory, why = _attach(path, (size + 1) * slot, token)
-            answers = transport.allgather_object(why)
-        finally:  # every rank has answered (or the job is failing): the name goes
-            if transport.rank == 0 and path is not None:
-                _unlink(path)
+        # A timeout in the exchanges below ends the job (MPI_Abort) inside the wait: the
+        # name goes then too.
+        with removed_at_abort(path):
+            try:
+                slot, path, token = transport.allgather_object((slot, path, token))[0]
+                if memory is None and path is not None:
+                    memory, why = _attach(path, (size + 1) * slot, token)
+                answers = transport.allgather_object(why)
+            finally:  # every rank has answered (or the job is failing): the name goes
+                if transport.rank == 0 and path is not None:
+                    _unlink(path)
         refused = [f"rank {r}: {w}" for r, w in enumerate(answers) if w]
         if refused or memory is None:
             if memory is not None:
