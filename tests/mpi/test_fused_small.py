@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -41,6 +42,8 @@ def expected(world, x: np.ndarray, op: str) -> np.ndarray:
     """The Python path's result: every rank's array, reduced in rank order by the ufunc."""
     rows = np.stack(world.allgather(x)).reshape(world.Get_size(), -1)
     acc = _UFUNC[op].reduce(rows, axis=0, dtype=rows.dtype)
+    if rows.dtype.kind == "f" and _UFUNC[op] is np.add:  # -0.0 + -0.0 is -0.0
+        acc[np.signbit(rows).all(axis=0) & (rows == 0).all(axis=0)] = -0.0
     if op == "avg":
         acc = np.divide(acc, rows.shape[0], out=acc)
     return acc.reshape(x.shape)
@@ -99,6 +102,23 @@ def test_every_supported_dtype_and_op_gives_the_python_paths_bits(comm, world, r
                 assert len({b.tobytes() for b in world.allgather(got)}) == 1
             if comm.size > 1:
                 assert fused_of(comm, x, op) is not None, (op, shape)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_a_sum_of_negative_zeros_is_negative_zero_on_every_path(comm, world, dtype):
+    """-0.0 on every rank sums (and averages) to -0.0, IEEE's sum, in every size's path and
+    before and after the call is compiled. The Python path's small sums started from NumPy's
+    +0.0 (at 3 ranks and more, and for 16-bit floats at any size), so a repeated call's
+    result changed sign where the compiled call took over."""
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    for n in (3, 500, 40_000, 600_000):  # inline, inline in chunks, segment, ring
+        x = np.full(n, -0.0, dt)
+        for op in ("sum", "avg"):
+            for _ in range(5):  # past the fixture's FUSE_AFTER
+                got = comm.allreduce(x, op=op)
+                assert np.signbit(got.astype(np.float32)).all(), (n, op)
+        part = comm.reduce_scatter(x)
+        assert np.signbit(part.astype(np.float32)).all(), n
 
 
 @pytest.mark.parametrize("dtype,op", [("float32", "min"), ("float64", "max"),
