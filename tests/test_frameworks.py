@@ -38,6 +38,10 @@ class Net(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):  # a "mean" over ranks: AVG but on gloo,
+        x, y = batch                              # of its int64 batch sizes too
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -99,12 +103,14 @@ def fit(tag, strategy, state=None):
                          deterministic=True, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader())
+    val_loss = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
     state = state or getattr(strategy, "ringcomm_state", None)
     comm = None if state is None else state.comm
     if tag == "backend":  # the process group's own communicator
         comm = torch.distributed.group.WORLD.communicator
     torch.save({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "metrics": synced_metrics(model, trainer.global_rank),
+                "val_loss": val_loss,
                 "calls": None if comm is None else comm.stats.calls,
                 "size": None if comm is None else comm.size,
                 "transport": None if comm is None else comm.backend,
@@ -273,6 +279,8 @@ def _check_backend_runs(out: Path, launcher: str, plain_in: Path | None = None) 
     # torchmetrics' sync (all_gather of tensors whose sizes differ between ranks)
     assert backend[0]["metrics"][1] == 37 + 48
     assert backend[0]["metrics"] == backend[1]["metrics"] == plain[0]["metrics"]
+    # self.log(sync_dist=True): the "ringcomm" backend averages the int64 batch sizes
+    assert backend[0]["val_loss"] == backend[1]["val_loss"] == plain[0]["val_loss"]
 
 
 @pytest.mark.slow

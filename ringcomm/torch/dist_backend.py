@@ -220,6 +220,27 @@ def _reduce_op(opts: Any) -> str:
     return _OPS.get(name, name.lower())
 
 
+def _integer_average(comm: Communicator, op: str, tensors: list[torch.Tensor],
+                     collective: str) -> bool:
+    """Whether ``op`` averages integer tensors here, which the backend runs as NCCL's
+    ncclAvg (and so torch's NCCL groups) does: a sum, then a division by the group's size
+    rounding toward zero (PyTorch Lightning's "mean" asks for it on every backend but gloo).
+    The communicator averages floats only, so such a call runs as "sum" after a checkpoint
+    that no plain sum on another rank passes (collective where True)."""
+    if op != "avg" or all(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool
+                          for t in tensors):
+        return False
+    comm.checkpoint(f"{collective} averaging integers")
+    return True
+
+
+def _divide_integers(t: torch.Tensor, size: int) -> None:
+    """``t`` (a sum over ``size`` ranks) divided by ``size`` where it is integral, rounding
+    toward zero, as NCCL's ncclAvg."""
+    if not (t.is_floating_point() or t.is_complex()):
+        t.div_(size, rounding_mode="trunc")
+
+
 @contextlib.contextmanager
 def _refusing_ops(collective: str) -> Iterator[None]:
     """Say which ops the backend has when the communicator refuses an unknown one (the same
@@ -682,11 +703,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
             # were: copies reduced, then written back. As many collectives either way, on
             # every rank.
             work = [t.clone() for t in tensors] if _overlapping(tensors) else tensors
+            summed = _integer_average(comm, op, work, "all_reduce")
             for t in work:
                 x = Operand(t)
                 with _refusing_ops("all_reduce"), in_torch_terms(comm, "all_reduce", t, x.array):
-                    comm.allreduce(x.array, out=x.array, op=op)
+                    comm.allreduce(x.array, out=x.array, op="sum" if summed else op)
                 x.write_back()
+                if summed:
+                    _divide_integers(t, comm.size)
             if work is not tensors:
                 for t, w in zip(tensors, work, strict=True):
                     t.copy_(w)
@@ -826,14 +850,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
         def run() -> list[torch.Tensor]:
             _refuse(comm, f"{what}: {wrong}" if wrong is not None else _fit_problem(
                 what, outputs, inputs, size, gathering=False))
+            summed = _integer_average(comm, op, inputs, what)
             for output, input in zip(outputs, _apart(outputs, inputs), strict=True):
                 direct = _direct(output, input)
                 with _refusing_ops("reduce_scatter"):
                     chunk = comm.reduce_scatter(
-                        as_array(input).reshape(-1), op=op,
+                        as_array(input).reshape(-1), op="sum" if summed else op,
                         out=as_array(output).reshape(-1) if direct else None)
                 if not direct:
                     output.copy_(torch.from_numpy(chunk).view(output.shape))
+                if summed:
+                    _divide_integers(output, comm.size)
             return outputs
         return self._submit(run, here=_here(opts))
 

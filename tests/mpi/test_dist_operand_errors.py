@@ -64,10 +64,40 @@ def test_all_reduce_refusals_name_the_tensors(group, case, make, error, words):
     _in_step(group)
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.bool, torch.int16])
-def test_an_average_of_integers_names_their_dtype(group, dtype):
-    with pytest.raises(InvalidTypeError, match=rf"op 'avg' needs a floating dtype, got {dtype}"):
-        dist.all_reduce(torch.ones(3, dtype=dtype), op=dist.ReduceOp.AVG, group=group)
+def test_an_average_of_bools_names_their_dtype(group):
+    with pytest.raises(InvalidTypeError, match=r"op 'avg' needs a floating dtype, got torch.bool"):
+        dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG, group=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32,
+                                   torch.int64])
+def test_integers_average_as_on_nccl(group, dtype):
+    """AVG of integers: the sum, divided by the group's size rounding toward zero (NCCL's
+    ncclAvg; PyTorch Lightning's "mean" of its int64 batch sizes asks for it on every backend
+    but gloo), in all_reduce, and in reduce_scatter_tensor where it takes the dtype."""
+    t = torch.tensor([3, -3, 7, 1 - 2 * (RANK % 2)], dtype=dtype) * (RANK + 1) \
+        if dtype is not torch.uint8 else torch.tensor([3, 7, 9, 1], dtype=dtype) * (RANK + 1)
+    rows = torch.stack([torch.tensor(r) for r in WORLD.allgather(t.tolist())]).to(torch.int64)
+    want = torch.div(rows.sum(0), SIZE, rounding_mode="trunc").to(dtype)
+    reduced = t.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=group)
+    assert torch.equal(reduced, want), (reduced, want)
+    if dtype not in (torch.int32, torch.int64):
+        return  # reduce_scatter_tensor takes int32 and int64 through the communicator only
+    chunks = torch.cat([t] * SIZE)
+    out = torch.empty_like(t)
+    dist.reduce_scatter_tensor(out, chunks, op=dist.ReduceOp.AVG, group=group)
+    assert torch.equal(out, want), (out, want)
+
+
+def test_an_average_of_integers_against_a_sum_elsewhere_fails_everywhere(group):
+    """The integer average runs as a sum after a checkpoint, which a plain sum of the same
+    tensor on another rank does not pass: the same error on every rank, no quotient on one
+    rank and a sum on the other."""
+    op = dist.ReduceOp.AVG if RANK == 0 else dist.ReduceOp.SUM
+    with pytest.raises(ArgumentMismatchError, match="all_reduce averaging integers on rank 0"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=op, group=group)
+    _in_step(group)
 
 
 def test_broadcast_refusals_name_the_tensors(group):
