@@ -5,7 +5,9 @@ order. Asynchronous operations (Horovod's ``*_async``, gradient hooks that overl
 queued here and run one at a time, in the order they were submitted, on a single worker thread.
 A synchronous call runs on the caller's thread when nothing is queued (no hand-off latency) and
 otherwise waits its turn behind the queue. Either way the communicator sees one caller (see
-:func:`ringcomm.comm.callers.calls_as`), the same on every rank.
+:func:`ringcomm.comm.callers.calls_as`), the same on every rank: the engine's name, or the
+one each submission names (each DDP hook state its own, so that two models' buckets that pair
+in different orders on different ranks raise instead of mixing their data).
 
 On the worker thread every task runs with the communicator's CUDA device current (not device
 0, where a new thread starts), after the stream of the thread that submitted it: a
@@ -112,19 +114,22 @@ class Engine:
                  device: Callable[[], int | None] | None = None) -> None:
         self._name = name
         self._device = device
-        self._queue: collections.deque[tuple[Callable[[], Any], Handle]] = collections.deque()
+        self._queue: collections.deque[tuple[Callable[[], Any], Handle, str]] = \
+            collections.deque()
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, fn: Callable[[], Any], handle: Handle | None = None) -> Handle:
-        """Queue ``fn`` to run after everything submitted before it; return its handle."""
+    def submit(self, fn: Callable[[], Any], handle: Handle | None = None,
+               caller: str | None = None) -> Handle:
+        """Queue ``fn`` to run after everything submitted before it, its collectives made as
+        ``caller`` (the engine's name by default); return its handle."""
         handle = Handle() if handle is None else handle
         with self._cv:
             if self._closed:
                 raise RuntimeError("ringcomm.torch has been shut down")
-            self._queue.append((fn, handle))
+            self._queue.append((fn, handle, caller or self._name))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -136,8 +141,9 @@ class Engine:
         """Whether ``close()`` has been called."""
         return self._closed
 
-    def run(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` after everything queued, and return its result (synchronous call)."""
+    def run(self, fn: Callable[[], Any], caller: str | None = None) -> Any:
+        """Run ``fn`` after everything queued, its collectives made as ``caller`` (the
+        engine's name by default), and return its result (synchronous call)."""
         if threading.current_thread() is self._thread:
             return fn()  # an operation that runs another: it is already its turn
         with self._cv:
@@ -145,9 +151,9 @@ class Engine:
             if inline:
                 self._busy = True
         if not inline:
-            return self.submit(fn).wait()
+            return self.submit(fn, caller=caller).wait()
         try:
-            with calls_as(self._name):
+            with calls_as(caller or self._name):
                 return fn()
         finally:
             with self._cv:
@@ -155,16 +161,17 @@ class Engine:
                 self._cv.notify_all()
 
     def execute(self, fn: Callable[[], Any], *, overlap: bool,
-                handle: Handle | None = None) -> Handle:
-        """Run ``fn`` in the background (``overlap``) or right here; return its handle.
+                handle: Handle | None = None, caller: str | None = None) -> Handle:
+        """Run ``fn`` in the background (``overlap``) or right here, its collectives made as
+        ``caller`` (the engine's name by default); return its handle.
 
         Either way an error is kept in the handle, raised by ``wait()``, not here.
         """
         if overlap:
-            return self.submit(fn, handle)
+            return self.submit(fn, handle, caller)
         handle = Handle() if handle is None else handle
         try:
-            result, error = self.run(fn), None
+            result, error = self.run(fn, caller), None
         except Exception as err:
             result, error = None, err
         handle.finish(result, error)
@@ -186,10 +193,10 @@ class Engine:
                                   (self._closed and not self._queue))
                 if not self._queue:
                     return
-                fn, handle = self._queue.popleft()
+                fn, handle, caller = self._queue.popleft()
                 self._busy = True
             try:
-                with calls_as(self._name), device_scope(self._device_of()):
+                with calls_as(caller), device_scope(self._device_of()):
                     if handle.fence is not None:
                         handle.fence.wait()
                     result, error = fn(), None

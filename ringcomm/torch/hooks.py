@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,25 @@ __all__ = ["RingcommState", "ringcomm_hook"]
 
 #: Dtypes of the buckets the backend's own allreduce takes as they are (gloo's native sums).
 _STARTED_DTYPES = frozenset({torch.float32, torch.float64})
+
+
+#: How many hook states each communicator has had: the k-th makes its collectives as
+#: "ringcomm-hook-k" (see _caller_for).
+_STATES: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _caller_for(comm: Communicator) -> str:
+    """The caller name of a new state's collectives on ``comm``: "ringcomm-hook-k" for the
+    k-th state made on it, the same on every rank that makes its states in one order. Two
+    models trained on two threads over one communicator, each with its state, then have
+    buckets of different callers: where they pair in different orders on different ranks
+    (each rank's engine runs them as they come), every rank raises ArgumentMismatchError
+    instead of averaging one model's gradients with the other's."""
+    with _STATES_LOCK:
+        k = _STATES.get(comm, 0)
+        _STATES[comm] = k + 1
+    return f"ringcomm-hook-{k}"
 
 
 class RingcommState:
@@ -134,7 +155,8 @@ class RingcommState:
         ddp_model.register_comm_hook(state, ringcomm_hook)
     """
 
-    __slots__ = ("_bound", "_bucket_params", "_engine", "_model", "_residuals", "_scale",
+    __slots__ = ("_bound", "_bucket_params", "_caller", "_engine", "_model", "_residuals",
+                 "_scale",
                  "_spans", "_staging", "_ticked", "_trials", "algorithm", "comm", "compression",
                  "error_feedback", "feedback", "grad_scaler", "host_staging", "iter",
                  "min_compress_bytes", "overlap", "start_iter")
@@ -167,6 +189,7 @@ class RingcommState:
         self._staging = HostStaging()
         self.iter = 0
         self._engine = engine_for(comm)
+        self._caller = _caller_for(comm)
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}
@@ -299,7 +322,7 @@ class RingcommState:
         now = time.perf_counter()
         self._ticked = it = self.iter
         trials = self._trials
-        self._engine.run(lambda: trials.iteration(it, self.comm, now))
+        self._engine.run(lambda: trials.iteration(it, self.comm, now), self._caller)
 
     def _follow_scale(self) -> None:
         """Rescale every residual by new scale / old where the grad scaler's scale changed
@@ -308,7 +331,7 @@ class RingcommState:
         scale = float(self.grad_scaler.get_scale())
         factor, self._scale = rescaling(self._scale, scale), scale
         if factor is not None:
-            self._engine.run(lambda: self._residuals.scale(factor))
+            self._engine.run(lambda: self._residuals.scale(factor), self._caller)
 
     def compressor(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> Compression:
         """The compressor for the bucket: ``compression`` told the shapes of its gradients, in
@@ -586,7 +609,7 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     # background thread waits for before it reads the bucket.
     handle = Handle(buffer.device)
     handle.callback = settle
-    state._engine.execute(task, overlap=overlap, handle=handle)
+    state._engine.execute(task, overlap=overlap, handle=handle, caller=state._caller)
     return failing_for_cpp(future)  # an error reaches backward() as itself
 
 
@@ -614,7 +637,7 @@ def _sparse_hook(state: RingcommState, bucket: dist.GradBucket,
     handle.callback = settle
     overlap = device.type == "cuda" if state.overlap is None else state.overlap  # as dense ones
     state._engine.execute(functools.partial(_sparse_average, state, host, device),
-                          overlap=overlap, handle=handle)
+                          overlap=overlap, handle=handle, caller=state._caller)
     return failing_for_cpp(future)
 
 

@@ -510,3 +510,65 @@ def test_hook_hierarchical_algorithm_trains_like_ddp():
         RingcommState(comm, compression=ringcomm.PowerSGD(), algorithm="flat")
     finally:
         comm.close()
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(500))
+
+    def forward(self, x):
+        return (self.w * x).sum()  # the gradient is the input
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_models_on_two_threads_over_one_communicator_never_mix(overlap):
+    """Two DDP models, each with its state (and its own gloo group for DDP's own
+    collectives), trained on two threads over one communicator: each rank's engine runs the
+    buckets as they come, in different orders on different ranks. Every gradient is its own
+    model's average, or the step raises on every rank naming the two states' calls. Both
+    states called as the engine before: 15-20 of 20 steps averaged one model's gradients with
+    the other's, differently on each rank, without a word."""
+    import threading
+
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    comm = ringcomm.init("mpi", abort_on_exception=False, timeout=20)
+    groups = [torch.distributed.new_group(backend="gloo") for _ in range(2)]
+    models = []
+    for group in groups:
+        model = DDP(_Scaled(), process_group=group)
+        model.register_comm_hook(RingcommState(comm=comm, overlap=overlap,
+                                               error_feedback=False), ringcomm_hook)
+        models.append(model)
+    wrong: list[tuple[int, int, float]] = []
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def train(k: int) -> None:
+        start.wait()
+        model = models[k]
+        for step in range(20):
+            model.zero_grad(set_to_none=True)
+            try:
+                model(torch.full((500,), float((k + 1) * 1000 + 10 * step + RANK))).backward()
+            except RuntimeError as err:
+                errors.append(str(err))
+                return
+            want = (k + 1) * 1000 + 10 * step + (SIZE - 1) / 2
+            if not torch.all(model.module.w.grad == want):
+                wrong.append((k, step, model.module.w.grad[0].item()))
+
+    threads = [threading.Thread(target=train, args=(k,), name=f"model-{k}") for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert not wrong, wrong
+        assert all("ringcomm-hook-" in e or "timed out" in e for e in errors), errors
+    finally:
+        comm.close()
+        for group in groups:
+            torch.distributed.destroy_process_group(group)
