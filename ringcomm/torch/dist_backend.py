@@ -220,24 +220,33 @@ def _reduce_op(opts: Any) -> str:
     return _OPS.get(name, name.lower())
 
 
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def _integer_average(comm: Communicator, op: str, tensors: list[torch.Tensor],
                      collective: str) -> bool:
     """Whether ``op`` averages integer tensors here, which the backend runs as NCCL's
     ncclAvg (and so torch's NCCL groups) does: a sum, then a division by the group's size
     rounding toward zero (PyTorch Lightning's "mean" asks for it on every backend but gloo).
-    The communicator averages floats only, so such a call runs as "sum" after a checkpoint
-    that no plain sum on another rank passes (collective where True)."""
-    if op != "avg" or all(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool
-                          for t in tensors):
+    The communicator averages floats only, so those tensors (see :func:`_op_of`) run as
+    "sum" after a checkpoint that no plain sum on another rank passes (collective where
+    True)."""
+    if op != "avg" or not any(_integral(t) for t in tensors):
         return False
     comm.checkpoint(f"{collective} averaging integers")
     return True
 
 
-def _divide_integers(t: torch.Tensor, size: int) -> None:
-    """``t`` (a sum over ``size`` ranks) divided by ``size`` where it is integral, rounding
-    toward zero, as NCCL's ncclAvg."""
-    if not (t.is_floating_point() or t.is_complex()):
+def _op_of(t: torch.Tensor, op: str, summed: bool) -> str:
+    """The communicator's op for ``t`` in a call whose integer averages run as sums."""
+    return "sum" if summed and _integral(t) else op
+
+
+def _divide_integers(t: torch.Tensor, size: int, summed: bool) -> None:
+    """``t`` (a sum over ``size`` ranks, where ``summed`` and it is integral) divided by
+    ``size``, rounding toward zero, as NCCL's ncclAvg."""
+    if summed and _integral(t):
         t.div_(size, rounding_mode="trunc")
 
 
@@ -707,10 +716,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
             for t in work:
                 x = Operand(t)
                 with _refusing_ops("all_reduce"), in_torch_terms(comm, "all_reduce", t, x.array):
-                    comm.allreduce(x.array, out=x.array, op="sum" if summed else op)
+                    comm.allreduce(x.array, out=x.array, op=_op_of(t, op, summed))
                 x.write_back()
-                if summed:
-                    _divide_integers(t, comm.size)
+                _divide_integers(t, comm.size, summed)
             if work is not tensors:
                 for t, w in zip(tensors, work, strict=True):
                     t.copy_(w)
@@ -855,12 +863,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 direct = _direct(output, input)
                 with _refusing_ops("reduce_scatter"):
                     chunk = comm.reduce_scatter(
-                        as_array(input).reshape(-1), op="sum" if summed else op,
+                        as_array(input).reshape(-1), op=_op_of(input, op, summed),
                         out=as_array(output).reshape(-1) if direct else None)
                 if not direct:
                     output.copy_(torch.from_numpy(chunk).view(output.shape))
-                if summed:
-                    _divide_integers(output, comm.size)
+                _divide_integers(output, comm.size, summed)
             return outputs
         return self._submit(run, here=_here(opts))
 
