@@ -156,10 +156,9 @@ class RingcommState:
     """
 
     __slots__ = ("_bound", "_bucket_params", "_caller", "_engine", "_model", "_residuals",
-                 "_scale",
-                 "_spans", "_staging", "_ticked", "_trials", "algorithm", "comm", "compression",
-                 "error_feedback", "feedback", "grad_scaler", "host_staging", "iter",
-                 "min_compress_bytes", "overlap", "start_iter")
+                 "_scale", "_spans", "_staging", "_ticked", "_trials", "algorithm", "comm",
+                 "compression", "error_feedback", "feedback", "grad_scaler", "host_staging",
+                 "iter", "min_compress_bytes", "overlap", "start_iter")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
