@@ -154,6 +154,21 @@ def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
     assert all(r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] for r in rows)
 
 
+def test_a_listed_dense_variant_leads_once_and_one_rank_has_no_bus(mpiexec, subprocess_env,
+                                                                    tmp_path):
+    """``--compression int8,none``: the dense ring is the ratios' reference, one row (it was
+    printed twice, from one timing); at one rank busbw is 0, as nccl-tests' 2(n-1)/n says."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [mpiexec, "-n", "1", sys.executable, "-m", "ringcomm.perf", "-b", "64K", "-e", "64K",
+         "-n", "2", "-w", "1", "--compression", "int8,none", "--json", str(out)],
+        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["compression"] for r in rows] == ["none", "int8"]
+    assert all(r["busbw"] == 0 and r["algbw"] > 0 for r in rows), rows
+
+
 PERF_SPY = """
 import sys
 import numpy as np

@@ -225,6 +225,7 @@ class Communicator:
 
     @segment_bytes.setter
     def segment_bytes(self, value: int) -> None:
+        self._ensure_open()
         self._agreement.segment_bytes = settings.check_bytes(
             int(value), "segment_bytes", 64, 1, settings.MAX_SEGMENT_BYTES)
         self._plans.clear()  # prepared small calls carry the old value in their headers

@@ -70,7 +70,7 @@ def run_size(args: argparse.Namespace, comm: Any, world: Any, nbytes: int, dtype
     samples = timing.time_variants(world, {**fns, **base}, args.iters, args.warmup_iters, sync,
                                    before)
     medians = {name: float(np.median(s)) for name, s in samples.items()}
-    busbw_factor = 2 * (n - 1) / n if n > 1 else 1.0
+    busbw_factor = 2 * (n - 1) / n  # nccl-tests' for allreduce: 0 at one rank, as there
     rows, dense_wire = [], None
     for v in runs:
         comm.stats.reset()
@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parsed
     dtype = options.dtype_of(args.datatype)
     variants = [(s.strip(), options.parse_compression(s)) for s in args.compression.split(",")]
-    if variants[0][1] is not None:
-        variants.insert(0, ("none", None))  # the dense ring is the ratio's reference
+    # The dense ring first, once: the ratios' reference (named or not in the list).
+    dense = [v for v in variants if v[1] is None]
+    variants = (dense or [("none", None)]) + [v for v in variants if v[1] is not None]
     baseline = args.baseline or ("nccl" if comm.backend == "nccl" else "mpi")
     baselines = [b.strip() for b in baseline.split(",") if b.strip() not in ("", "none")]
     table = report.Table(baselines, not args.no_inplace, not args.no_memcpy)

@@ -162,6 +162,8 @@ def test_closed_communicator():
                  lambda: c.allgather(np.ones(3)), c.barrier):
         with pytest.raises(RuntimeError, match="communicator is closed"):
             call()
+    with pytest.raises(RuntimeError, match="communicator is closed"):
+        c.segment_bytes = 1 << 20
 
 
 def test_consistency_check_can_be_switched_off(comm):
