@@ -141,15 +141,22 @@ def _check_output(text: str, sizes: int) -> None:
 
 
 @pytest.mark.slow
-def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
+def _perf(mpiexec: str, env: dict[str, str], tmp_path, ranks: int,
+          *args: str) -> tuple[str, list[dict]]:
+    """``python -m ringcomm.perf`` under mpiexec, which must end well: its output and rows."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, "-m", "ringcomm.perf", "-b", "8", "-e", "64K",
-         "-f", "8", "-n", "3", "-w", "1", "--json", str(out)],
-        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300)
+        [mpiexec, "-n", str(ranks), sys.executable, "-m", "ringcomm.perf", *args,
+         "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_output(proc.stdout, 5)
-    rows = json.loads(out.read_text())["rows"]
+    return proc.stdout, json.loads(out.read_text())["rows"]
+
+
+def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
+    stdout, rows = _perf(mpiexec, subprocess_env, tmp_path, 2, "-b", "8", "-e", "64K",
+                         "-f", "8", "-n", "3", "-w", "1")
+    _check_output(stdout, 5)
     assert [r["size"] for r in rows] == [8, 64, 512, 4096, 32768]
     assert all(r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] for r in rows)
 
@@ -158,13 +165,8 @@ def test_a_listed_dense_variant_leads_once_and_one_rank_has_no_bus(mpiexec, subp
                                                                     tmp_path):
     """``--compression int8,none``: the dense ring is the ratios' reference, one row (it was
     printed twice, from one timing); at one rank busbw is 0, as nccl-tests' 2(n-1)/n says."""
-    out = tmp_path / "run.json"
-    proc = subprocess.run(
-        [mpiexec, "-n", "1", sys.executable, "-m", "ringcomm.perf", "-b", "64K", "-e", "64K",
-         "-n", "2", "-w", "1", "--compression", "int8,none", "--json", str(out)],
-        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["rows"]
+    _, rows = _perf(mpiexec, subprocess_env, tmp_path, 1, "-b", "64K", "-e", "64K", "-n", "2",
+                    "-w", "1", "--compression", "int8,none")
     assert [r["compression"] for r in rows] == ["none", "int8"]
     assert all(r["busbw"] == 0 and r["algbw"] > 0 for r in rows), rows
 
