@@ -284,27 +284,31 @@ _fuse_failed = False  # a compiled call failed to build: none is asked for again
 
 def _reduce_rows(rows: np.ndarray, result: Array, op: ReduceOp) -> None:
     ufunc = _UFUNCS[op]
-    # Float sums start from -0.0, IEEE's identity of addition (-0.0 + x is x, bit for bit):
-    # NumPy's, +0.0, turns a sum of -0.0 into +0.0, where the ring, the shared segment and
-    # the compiled call keep -0.0.
-    start = _FLOAT_SUM_START if ufunc is np.add and rows.dtype.kind not in "iu" else _NO_START
     if rows.dtype.itemsize != 2 and type(result) is np.ndarray and result.flags.c_contiguous:
         acc = result.reshape(-1)
         if rows.shape[0] == 2:
             first, second = rows
             ufunc(first, second, out=acc)
         else:
-            ufunc.reduce(rows, axis=0, out=acc, **start)
+            ufunc.reduce(rows, axis=0, out=acc, **_start(ufunc, rows))
         if op == "avg":
             np.divide(acc, rows.shape[0], out=acc)
         return
     # 16-bit floats accumulate in float32 and round once; device or strided results are
     # written from a host buffer.
     acc = ufunc.reduce(rows, axis=0, dtype=np.float32 if rows.dtype.itemsize == 2 else None,
-                       **start)
+                       **_start(ufunc, rows))
     if op == "avg":
         np.divide(acc, rows.shape[0], out=acc)
     _ops.get(result).copy_from_host(result, acc.reshape(result.shape))
+
+
+def _start(ufunc: np.ufunc, rows: np.ndarray) -> dict[str, float]:
+    """``ufunc.reduce``'s start for ``rows``: float sums start from -0.0, IEEE's identity of
+    addition (-0.0 + x is x, bit for bit); NumPy's, +0.0, turns a sum of -0.0 into +0.0,
+    where two rows' single addition, the ring, the shared segment and the compiled call keep
+    -0.0."""
+    return _FLOAT_SUM_START if ufunc is np.add and rows.dtype.kind not in "iu" else _NO_START
 
 
 # Looked up once: this is the small-message path, where every attribute access shows.

@@ -120,6 +120,14 @@ class Engine:
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._callers = 0
+
+    def new_caller(self, prefix: str) -> str:
+        """A caller name of its own for a new submitter's collectives: ``prefix-k`` for the
+        k-th asked for on this engine (so on its communicator)."""
+        with self._cv:
+            k, self._callers = self._callers, self._callers + 1
+        return f"{prefix}-{k}"
 
     def submit(self, fn: Callable[[], Any], handle: Handle | None = None,
                caller: str | None = None) -> Handle:

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,25 +61,6 @@ __all__ = ["RingcommState", "ringcomm_hook"]
 
 #: Dtypes of the buckets the backend's own allreduce takes as they are (gloo's native sums).
 _STARTED_DTYPES = frozenset({torch.float32, torch.float64})
-
-
-#: How many hook states each communicator has had: the k-th makes its collectives as
-#: "ringcomm-hook-k" (see _caller_for).
-_STATES: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
-_STATES_LOCK = threading.Lock()
-
-
-def _caller_for(comm: Communicator) -> str:
-    """The caller name of a new state's collectives on ``comm``: "ringcomm-hook-k" for the
-    k-th state made on it, the same on every rank that makes its states in one order. Two
-    models trained on two threads over one communicator, each with its state, then have
-    buckets of different callers: where they pair in different orders on different ranks
-    (each rank's engine runs them as they come), every rank raises ArgumentMismatchError
-    instead of averaging one model's gradients with the other's."""
-    with _STATES_LOCK:
-        k = _STATES.get(comm, 0)
-        _STATES[comm] = k + 1
-    return f"ringcomm-hook-{k}"
 
 
 class RingcommState:
@@ -188,7 +167,12 @@ class RingcommState:
         self._staging = HostStaging()
         self.iter = 0
         self._engine = engine_for(comm)
-        self._caller = _caller_for(comm)
+        # Its own caller name, "ringcomm-hook-k" for the k-th state on the communicator (the
+        # same on every rank that makes its states in one order): two models trained on two
+        # threads over one communicator have buckets of different callers, so where they
+        # pair in different orders on different ranks every rank raises
+        # ArgumentMismatchError instead of averaging one model's gradients with the other's.
+        self._caller = self._engine.new_caller("ringcomm-hook")
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}
