@@ -140,7 +140,6 @@ def _check_output(text: str, sizes: int) -> None:
     assert re.search(r"^# Avg bus bandwidth    : [0-9.e+-]+ GB/s$", text, re.M), text
 
 
-@pytest.mark.slow
 def _perf(mpiexec: str, env: dict[str, str], tmp_path, ranks: int,
           *args: str) -> tuple[str, list[dict]]:
     """``python -m ringcomm.perf`` under mpiexec, which must end well: its output and rows."""
@@ -153,6 +152,7 @@ def _perf(mpiexec: str, env: dict[str, str], tmp_path, ranks: int,
     return proc.stdout, json.loads(out.read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
     stdout, rows = _perf(mpiexec, subprocess_env, tmp_path, 2, "-b", "8", "-e", "64K",
                          "-f", "8", "-n", "3", "-w", "1")
@@ -161,6 +161,7 @@ def test_module_runs_under_mpiexec(mpiexec, subprocess_env, tmp_path):
     assert all(r["time_q1_us"] <= r["time_us"] <= r["time_q3_us"] for r in rows)
 
 
+@pytest.mark.slow
 def test_a_listed_dense_variant_leads_once_and_one_rank_has_no_bus(mpiexec, subprocess_env,
                                                                     tmp_path):
     """``--compression int8,none``: the dense ring is the ratios' reference, one row (it was
@@ -169,6 +170,30 @@ def test_a_listed_dense_variant_leads_once_and_one_rank_has_no_bus(mpiexec, subp
                     "-w", "1", "--compression", "int8,none")
     assert [r["compression"] for r in rows] == ["none", "int8"]
     assert all(r["busbw"] == 0 and r["algbw"] > 0 for r in rows), rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, message", [
+    (["-d", "int32", "-o", "avg"], "-d int32 -o avg --compression none: op 'avg' needs a "
+                                   "floating dtype, got int32; use op='sum' and divide"),
+    (["-o", "max", "--compression", "none,int8"],
+     "-d float -o max --compression int8: compressed allreduce supports op 'sum' and 'avg', "
+     "got 'max'"),
+    (["--segment-bytes", "2G"], "--backend auto --segment-bytes 2147483648: segment_bytes must "
+                                "be from 64 B to 1 GiB, got 2147483648"),
+])
+def test_what_ringcomm_refuses_is_told_once_with_status_2(mpiexec, subprocess_env, tmp_path,
+                                                          argv, message):
+    """Options each fine alone that ringcomm refuses together, or a segment it refuses: one
+    line from rank 0 and exit status 2 on every rank, before any timing (each left a
+    traceback on every rank and an MPI abort)."""
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "ringcomm.perf", "-b", "1K", "-e", "1K",
+         "-n", "2", "-w", "1", *argv], cwd=tmp_path, env=subprocess_env, capture_output=True,
+        text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"ringcomm-perf: error: {message}", proc.stderr
+    assert "Traceback" not in proc.stdout and "size" not in proc.stdout, proc.stdout
 
 
 PERF_SPY = """

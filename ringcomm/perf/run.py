@@ -140,7 +140,7 @@ def _check(row: dict[str, Any], args: argparse.Namespace, comm: Any, world: Any,
 
 def _agreed_args(argv: list[str]) -> tuple[Any, Any, argparse.Namespace | None, str | None]:
     """Start ringcomm and agree on the options: (communicator, MPI world, options, the
-    problem every rank reports). A rank's bad option, or options that differ between ranks
+    problem every rank reports; no communicator where ringcomm refused to start). A rank's bad option, or options that differ between ranks
     (rank 0's output files aside), are told on every rank: a rank that left alone with its
     error left the others waiting in the start-up, and ranks of different sizes or counts
     waited for each other in mismatched calls."""
@@ -151,9 +151,13 @@ def _agreed_args(argv: list[str]) -> tuple[Any, Any, argparse.Namespace | None, 
         problem = str(err)
     backend, segment = ((args.backend, args.segment_bytes) if args is not None
                         else options.start_options(argv))
-    comm = ringcomm.init(backend, segment_bytes=segment)
     from mpi4py import MPI
 
+    try:
+        comm = ringcomm.init(backend, segment_bytes=segment)
+    except ringcomm.InvalidArgumentError as err:  # refused on every rank alike
+        return None, MPI.COMM_WORLD, args, (
+            f"--backend {backend} --segment-bytes {segment}: {err.reason or err}")
     world = MPI.COMM_WORLD.Dup()
     if args is not None and args.json and comm.rank == 0:
         folder = Path(args.json).resolve().parent
@@ -163,22 +167,53 @@ def _agreed_args(argv: list[str]) -> tuple[Any, Any, argparse.Namespace | None, 
     return comm, world, args, options.disagreement(everyone)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark (under the launcher, on every rank); 0 when every check passed, 2
-    where the options are bad on any rank or differ between ranks (said by rank 0)."""
-    comm, world, parsed, problem = _agreed_args(sys.argv[1:] if argv is None else list(argv))
-    if problem is not None or parsed is None:
-        if comm.rank == 0:
-            print(f"ringcomm-perf: error: {problem}", file=sys.stderr, flush=True)
+def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The ringcomm variants to time, (label, compressor): the dense ring first, once, the
+    ratios' reference (named or not in the list)."""
+    variants = [(s.strip(), options.parse_compression(s)) for s in args.compression.split(",")]
+    dense = [v for v in variants if v[1] is None]
+    return (dense or [("none", None)]) + [v for v in variants if v[1] is not None]
+
+
+def _refused(args: argparse.Namespace, comm: Any, variants: list[tuple[str, Any]]) -> str | None:
+    """What ringcomm refuses among the variants with these options (its own argument checks,
+    which fail on every rank alike), found by one call of each at the smallest size before any
+    timing; None where it takes them all. (``-d int32 -o avg``, or int8 with ``-o max``, left
+    a traceback on every rank and the job aborted.)"""
+    dtype = options.dtype_of(args.datatype)
+    x = _make_input(comm, options.sizes(args, dtype.itemsize)[0] // dtype.itemsize, dtype,
+                    comm.rank)
+    for label, comp in variants:
+        try:
+            comm.allreduce(x, op=args.op, compression=comp, **options.algorithm_kw(label))
+        except ringcomm.InvalidArgumentError as err:
+            return f"-d {args.datatype} -o {args.op} --compression {label}: {err.reason or err}"
+    return None
+
+
+def _stop(comm: Any, world: Any, problem: str) -> int:
+    """Say ``problem`` once (rank 0) and end with exit status 2 on every rank."""
+    if world.Get_rank() == 0:
+        print(f"ringcomm-perf: error: {problem}", file=sys.stderr, flush=True)
+    if comm is not None:
         world.Free()
         comm.close()
-        return 2
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (under the launcher, on every rank); 0 when every check passed, 2
+    where the options are bad on any rank, differ between ranks or ask for what ringcomm
+    refuses (said by rank 0)."""
+    comm, world, parsed, problem = _agreed_args(sys.argv[1:] if argv is None else list(argv))
+    if problem is not None or parsed is None:
+        return _stop(comm, world, str(problem))
     args = parsed
     dtype = options.dtype_of(args.datatype)
-    variants = [(s.strip(), options.parse_compression(s)) for s in args.compression.split(",")]
-    # The dense ring first, once: the ratios' reference (named or not in the list).
-    dense = [v for v in variants if v[1] is None]
-    variants = (dense or [("none", None)]) + [v for v in variants if v[1] is not None]
+    variants = _variants(args)
+    problem = _refused(args, comm, variants)
+    if problem is not None:
+        return _stop(comm, world, problem)
     baseline = args.baseline or ("nccl" if comm.backend == "nccl" else "mpi")
     baselines = [b.strip() for b in baseline.split(",") if b.strip() not in ("", "none")]
     table = report.Table(baselines, not args.no_inplace, not args.no_memcpy)
