@@ -140,10 +140,11 @@ def _check(row: dict[str, Any], args: argparse.Namespace, comm: Any, world: Any,
 
 def _agreed_args(argv: list[str]) -> tuple[Any, Any, argparse.Namespace | None, str | None]:
     """Start ringcomm and agree on the options: (communicator, MPI world, options, the
-    problem every rank reports; no communicator where ringcomm refused to start). A rank's bad option, or options that differ between ranks
-    (rank 0's output files aside), are told on every rank: a rank that left alone with its
-    error left the others waiting in the start-up, and ranks of different sizes or counts
-    waited for each other in mismatched calls."""
+    problem every rank reports; no communicator where ringcomm refused to start). A rank's
+    bad option, or options that differ between ranks (rank 0's output files aside), are told
+    on every rank: a rank that left alone with its error left the others waiting in the
+    start-up, and ranks of different sizes or counts waited for each other in mismatched
+    calls."""
     args, problem = None, None
     try:
         args = options.parse_args(argv)
