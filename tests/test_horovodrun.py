@@ -216,7 +216,7 @@ def test_store_speaks_horovodrun_rendezvous_protocol():
         assert store.get("a/b") == b"\x00\xff"
         with pytest.raises(KeyError):
             other.get("a/b")  # scopes apart
-        store.wait(["a/b", "ringcomm-mpi-join/status/0"], datetime.timedelta(seconds=5))
+        store.wait(["a/b", "ringcomm-mpi-join/status/0"], datetime.timedelta(seconds=120))
         with pytest.raises(TimeoutError, match=r"timeout after 0.2 s waiting for late"):
             store.wait(["a/b", "late"], datetime.timedelta(seconds=0.2))
     finally:
