@@ -176,14 +176,18 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return (dense or [("none", None)]) + [v for v in variants if v[1] is not None]
 
 
+#: Elements of the call that tries each variant before the timing.
+_PROBE_ELEMENTS = 16
+
+
 def _refused(args: argparse.Namespace, comm: Any, variants: list[tuple[str, Any]]) -> str | None:
     """What ringcomm refuses among the variants with these options (its own argument checks,
-    which fail on every rank alike), found by one call of each at the smallest size before any
-    timing; None where it takes them all. (``-d int32 -o avg``, or int8 with ``-o max``, left
-    a traceback on every rank and the job aborted.)"""
+    which fail on every rank alike), found by one call of each on a few elements before any
+    timing (its bytes are no part of the job's traffic checks); None where it takes them all.
+    (``-d int32 -o avg``, or int8 with ``-o max``, left a traceback on every rank and the job
+    aborted.)"""
     dtype = options.dtype_of(args.datatype)
-    x = _make_input(comm, options.sizes(args, dtype.itemsize)[0] // dtype.itemsize, dtype,
-                    comm.rank)
+    x = _make_input(comm, _PROBE_ELEMENTS, dtype, comm.rank)
     for label, comp in variants:
         try:
             comm.allreduce(x, op=args.op, compression=comp, **options.algorithm_kw(label))
