@@ -19,9 +19,12 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from ringcomm.algorithms.ring import chunk_bounds
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.torch._tensors import Operand, as_array
 
-__all__ = ["Layout", "ResidualLayouts", "check_grad_scaler", "rescaling"]
+__all__ = ["Layout", "ResidualLayouts", "check_grad_scaler", "keep_write_back_rounding",
+           "rescaling"]
 
 #: (tensor key, offset in the buffer, number of elements) per tensor of a buffer.
 Layout = tuple[tuple[Hashable, int, int], ...]
@@ -153,6 +156,25 @@ class ResidualLayouts:
     def pending(self) -> int:
         """Number of tensors whose residual waits for a buffer to hold them again."""
         return len(self._stash)
+
+
+def keep_write_back_rounding(feedback: ErrorFeedback | None, name: str | None,
+                             operand: Operand, op: str, rank: int, size: int) -> None:
+    """Add to the residual of ``name`` what writing a compressed call's float32 result back
+    into a bfloat16 tensor rounded away (``operand.rounding_lost()``, times ``size`` for
+    "avg": the residual's units), this rank the elements of its own chunk of the ring's
+    split, so that the ranks' residuals hold it once, as the communicator keeps the rounding of
+    a float16 result. Nothing where no residual is kept under ``name``: a dense call (never
+    compressed, or "auto" choosing dense with nothing held) rounds as DDP's own does."""
+    if feedback is None or name is None or not feedback.holds(name):
+        return
+    lost = operand.rounding_lost()
+    if lost is None:
+        return
+    lo, hi = chunk_bounds(lost.numel(), size)[rank: rank + 2]
+    piece = lost[lo:hi] * size if op == "avg" else lost[lo:hi]
+    residual = feedback.take(name, as_array(lost))
+    residual[lo:hi] += as_array(piece)
 
 
 def check_grad_scaler(grad_scaler: Any) -> None:

@@ -51,7 +51,13 @@ from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._futures import failing_for_cpp
 from ringcomm.torch._iteration_trials import IterationTrials
-from ringcomm.torch._residuals import Layout, ResidualLayouts, check_grad_scaler, rescaling
+from ringcomm.torch._residuals import (
+    Layout,
+    ResidualLayouts,
+    check_grad_scaler,
+    keep_write_back_rounding,
+    rescaling,
+)
 from ringcomm.torch._staging import STAGED_DTYPES, HostStaging
 from ringcomm.torch._tensors import Operand, from_array
 from ringcomm.torch.compression import ring_of
@@ -425,6 +431,9 @@ def _reduce(state: RingcommState, buffer: torch.Tensor, compression: Compression
     operand = Operand(buffer)  # a view; a widened copy for bfloat16 buckets
     _allreduce(state, operand.array, buffer, compression, layout, name)
     operand.write_back()
+    if layout is not None:  # error feedback kept
+        keep_write_back_rounding(state.feedback, name, operand, "avg", state.comm.rank,
+                                 state.comm.size)
     return buffer
 
 

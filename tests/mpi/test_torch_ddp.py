@@ -306,6 +306,45 @@ def test_error_feedback_kept_for_parameters_a_step_leaves_unused(fresh_comm, com
                                    atol=1e-5 * np.abs(total_in).max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("compression", ["topk", "int8", "powersgd", "fp16", "bf16"])
+def test_error_feedback_of_16_bit_buckets_keeps_the_result_rounding(fresh_comm, compression,
+                                                                   dtype):
+    """A model in float16 or bfloat16: every rank's gradients add up to size x the averages
+    DDP applied plus every rank's residual, to float32 rounding. A bfloat16 bucket travels as
+    float32; rounding its average back into the bucket was kept nowhere (1.7e-3 of the mass
+    lost in 10 steps with Int8, 2.1e-3 with TopK)."""
+    if SIZE < 2:
+        pytest.skip("one rank compresses nothing")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64).to(dtype)
+    model = DDP(net)
+    comp = {"topk": ringcomm.TopK(0.1), "int8": ringcomm.Int8(),
+            "powersgd": ringcomm.PowerSGD(rank=1), "fp16": ringcomm.FP16(),
+            "bf16": ringcomm.BF16()}[compression]
+    state = RingcommState(fresh_comm, compression=comp, start_iter=0, min_compress_bytes=0)
+    sent = collections.defaultdict(float)
+    applied = collections.defaultdict(float)
+
+    def recording(state, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            sent[id(p)] = sent[id(p)] + g.double().reshape(-1)
+        return ringcomm_hook(state, bucket)
+
+    model.register_comm_hook(state, recording)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(6):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(8, 64, generator=gen).to(dtype)).float().pow(2).sum().backward()
+        for p in net.parameters():
+            applied[id(p)] = applied[id(p)] + p.grad.double().reshape(-1)
+    for p in net.parameters():
+        total_in = MPI.COMM_WORLD.allreduce(sent[id(p)].numpy())
+        total_held = MPI.COMM_WORLD.allreduce(state.residual(p).double().numpy())
+        np.testing.assert_allclose(SIZE * applied[id(p)].numpy() + total_held, total_in,
+                                   atol=1e-6 * np.abs(total_in).max())
+
+
 def test_powersgd_given_to_two_states_keeps_each_models_q(fresh_comm):
     """One PowerSGD object given to the states of two models (create the compressor once, as
     its docs advise): each state keeps its own Q, so model A's averaged gradients are the same

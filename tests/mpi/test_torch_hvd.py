@@ -13,6 +13,7 @@ from mpi4py import MPI  # noqa: E402
 from torch_helpers import gathered, hvd, same_on_all_ranks  # noqa: E402
 
 import ringcomm  # noqa: E402
+from ringcomm.torch.horovod._reduce import feedback_of  # noqa: E402
 
 SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 
@@ -221,6 +222,29 @@ def test_named_compressed_allreduce_keeps_error_feedback(h, compression):
     # The name for a tensor of another size (a last, partial batch): it starts afresh.
     out = h.allreduce(torch.ones(1000), name=f"grad.{compression}", compression=comp)
     assert out.shape == (1000,) and same_on_all_ranks(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("compression", ["int8", "topk"])
+def test_error_feedback_of_16_bit_tensors_keeps_the_result_rounding(h, compression, dtype):
+    """hvd.allreduce of float16 and bfloat16 tensors under one name with error feedback: every
+    rank's inputs add up to size x the results plus the residuals, to float32 rounding (a
+    bfloat16 tensor travels as float32, and the rounding of its result back into bfloat16 was
+    kept nowhere)."""
+    comp = {"int8": h.Compression.int8, "topk": h.Compression.topk(0.05)}[compression]
+    name = f"grad16.{compression}.{dtype}"
+    gen = torch.Generator().manual_seed(RANK)
+    sent = np.zeros(5000)
+    got = np.zeros(5000)
+    for _ in range(6):
+        x = torch.randn(5000, generator=gen).to(dtype)
+        out = h.allreduce(x, name=name, compression=comp)
+        assert out.dtype == dtype and same_on_all_ranks(out.float())
+        sent += all_values(x.double()).sum(0)
+        got += out.double().numpy()
+    residual = feedback_of(h.communicator()).residual(f"allreduce.{name}")
+    held = sum(MPI.COMM_WORLD.allgather(residual.astype(np.float64)))
+    np.testing.assert_allclose(SIZE * got + held, sent, atol=1e-6 * np.abs(sent).max())
 
 
 CASES = {

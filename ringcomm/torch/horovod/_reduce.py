@@ -18,6 +18,7 @@ import torch
 from ringcomm.codecs.feedback import ErrorFeedback
 from ringcomm.comm.base import Communicator
 from ringcomm.torch._errors import collective_error
+from ringcomm.torch._residuals import keep_write_back_rounding
 from ringcomm.torch._tensors import Operand, host_view
 from ringcomm.torch.horovod._basics import ReduceOp
 from ringcomm.torch.horovod.unsupported import refusal
@@ -155,4 +156,6 @@ def allreduce_tensor(comm: Communicator, src: torch.Tensor, dst: torch.Tensor, *
     except (ValueError, TypeError) as err:
         raise collective_error(comm, err, "allreduce", src) from err
     out.write_back()
+    if lossy:
+        keep_write_back_rounding(feedback, name, out, ring_op, comm.rank, comm.size)
     return scale_(dst, after)
