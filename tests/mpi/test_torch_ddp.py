@@ -238,6 +238,27 @@ def test_error_feedback_follows_the_bucket_rebuild(fresh_comm):
         np.testing.assert_allclose(total_out + total_held, total_in, rtol=1e-5, atol=1e-5)
 
 
+COMPRESSORS = {"topk": lambda: ringcomm.TopK(0.1), "int8": ringcomm.Int8,
+               "powersgd": lambda: ringcomm.PowerSGD(rank=1), "fp16": ringcomm.FP16,
+               "bf16": ringcomm.BF16}
+
+
+def _recorded(model, comm, compression: str):
+    """Register ringcomm's hook with ``compression`` (compressing from the first step) on
+    ``model``, recording the gradients handed to it: (state, parameter id -> their sum)."""
+    state = RingcommState(comm, compression=COMPRESSORS[compression](), start_iter=0,
+                          min_compress_bytes=0)
+    sent = collections.defaultdict(float)
+
+    def recording(state, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            sent[id(p)] = sent[id(p)] + g.double().reshape(-1)
+        return ringcomm_hook(state, bucket)
+
+    model.register_comm_hook(state, recording)
+    return state, sent
+
+
 class SometimesUsed(torch.nn.Module):
     """``b`` takes part in forward on even steps only (on rank 0 also on odd steps when
     ``rank0_always``), so DDP (``find_unused_parameters=True``) zero-fills its gradient where a
@@ -269,18 +290,8 @@ def test_error_feedback_kept_for_parameters_a_step_leaves_unused(fresh_comm, com
         pytest.skip("one rank compresses nothing")
     net = SometimesUsed(rank0_always)
     model = DDP(net, find_unused_parameters=True)
-    comp = {"topk": ringcomm.TopK(0.1), "int8": ringcomm.Int8(),
-            "powersgd": ringcomm.PowerSGD(rank=1)}[compression]
-    state = RingcommState(fresh_comm, compression=comp, start_iter=0, min_compress_bytes=0)
-    sent = collections.defaultdict(float)
+    state, sent = _recorded(model, fresh_comm, compression)
     applied = collections.defaultdict(float)
-
-    def recording(state, bucket):
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            sent[id(p)] = sent[id(p)] + g.double().reshape(-1)
-        return ringcomm_hook(state, bucket)
-
-    model.register_comm_hook(state, recording)
     gen = torch.Generator().manual_seed(100 + RANK)
     held_b = []
     for step in range(7):
@@ -319,19 +330,8 @@ def test_error_feedback_of_16_bit_buckets_keeps_the_result_rounding(fresh_comm, 
     torch.manual_seed(0)
     net = torch.nn.Linear(64, 64).to(dtype)
     model = DDP(net)
-    comp = {"topk": ringcomm.TopK(0.1), "int8": ringcomm.Int8(),
-            "powersgd": ringcomm.PowerSGD(rank=1), "fp16": ringcomm.FP16(),
-            "bf16": ringcomm.BF16()}[compression]
-    state = RingcommState(fresh_comm, compression=comp, start_iter=0, min_compress_bytes=0)
-    sent = collections.defaultdict(float)
+    state, sent = _recorded(model, fresh_comm, compression)
     applied = collections.defaultdict(float)
-
-    def recording(state, bucket):
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            sent[id(p)] = sent[id(p)] + g.double().reshape(-1)
-        return ringcomm_hook(state, bucket)
-
-    model.register_comm_hook(state, recording)
     gen = torch.Generator().manual_seed(100 + RANK)
     for _ in range(6):
         model.zero_grad(set_to_none=True)
