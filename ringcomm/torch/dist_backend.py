@@ -81,6 +81,7 @@ from ringcomm.core.types import InvalidArgumentError
 from ringcomm.registry import communicator_options
 from ringcomm.torch import _all_to_all
 from ringcomm.torch._futures import failing_for_cpp
+from ringcomm.torch._gloo_views import Views, WrittenBack
 from ringcomm.torch._operand_errors import in_torch_terms
 from ringcomm.torch._tensors import Operand, as_array, resolved, travels_widened
 
@@ -336,6 +337,9 @@ _disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disa
 
 # The underscored methods of a Python group that c10d's trampoline calls.
 _CALLED_FROM_CPP = frozenset({"_allgather_base", "_reduce_scatter_base"})
+
+
+_eager(WrittenBack)  # a fallback's work, which DDP's reducer may wait on from C++
 
 
 @_eager
@@ -703,7 +707,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         comm = self._communicator()
         if comm is None or not all(_carried(t) for t in tensors):
-            return self._fallback("all_reduce", tensors).allreduce(tensors, opts)
+            views = Views()
+            staged = views.writes(tensors)
+            return views.work(self._fallback("all_reduce", staged).allreduce(staged, opts),
+                              tensors)
         op = _reduce_op(opts)
 
         def run() -> list[torch.Tensor]:
@@ -731,7 +738,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             opts = dist.BroadcastOptions()
         comm = self._communicator()
         if comm is None or not all(_carried(t) for t in tensors):
-            return self._fallback("broadcast", tensors).broadcast(tensors, opts)
+            views = Views()
+            staged = views.writes(tensors)
+            return views.work(self._fallback("broadcast", staged).broadcast(staged, opts),
+                              tensors)
         root = opts.rootRank
 
         def run() -> list[torch.Tensor]:
@@ -749,9 +759,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            fallback = self._fallback("all_gather", inputs,
-                                      held=[t for outs in output_lists for t in outs])
-            return fallback.allgather(output_lists, inputs, opts)
+            views = Views()
+            ins, outs = views.reads(inputs), [views.writes(ts) for ts in output_lists]
+            fallback = self._fallback("all_gather", ins, held=[t for ts in outs for t in ts])
+            return views.work(fallback.allgather(outs, ins, opts), output_lists)
 
         size = self.size()
 
@@ -777,8 +788,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _AllgatherOptions()
         if comm is None or not all(_plain(t) for t in inputs):
-            fallback = self._fallback("all_gather_into_tensor", inputs, held=outputs)
-            return _pairwise(fallback._allgather_base, outputs, inputs, opts)
+            views = Views()
+            ins, outs = views.reads(inputs), views.writes(outputs)
+            fallback = self._fallback("all_gather_into_tensor", ins, held=outs)
+            return views.work(_pairwise(fallback._allgather_base, outs, ins, opts), outputs)
 
         size = self.size()
 
@@ -825,9 +838,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
         input_lists = [_read(ts) for ts in input_lists]
         pieces = [t for ts in input_lists for t in ts]
         if self._communicator() is None or not all(_reducible(t) for t in (*outputs, *pieces)):
-            fallback = self._fallback("reduce_scatter", outputs, held=pieces)
-            return fallback.reduce_scatter(outputs, input_lists, opts if opts is not None
-                                           else dist.ReduceScatterOptions())
+            views = Views()
+            outs, ins = views.writes(outputs), [views.reads(ts) for ts in input_lists]
+            fallback = self._fallback("reduce_scatter", outs, held=[t for ts in ins for t in ts])
+            return views.work(fallback.reduce_scatter(outs, ins, opts if opts is not None
+                                                      else dist.ReduceScatterOptions()),
+                              outputs)
         # One input per rank, each of its output's size and dtype (refused on every rank).
         wrong = [f"input list {i}'s tensor for rank {r} is {t.numel()} elements of "
                  f"{_torch_name(t.dtype)}, its output {o.numel()} of "
@@ -850,8 +866,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if comm is None or not all(_reducible(t) for t in inputs):
-            fallback = self._fallback(what, inputs, held=outputs)
-            return _pairwise(fallback._reduce_scatter_base, outputs, inputs, opts)
+            views = Views()
+            ins, outs = views.reads(inputs), views.writes(outputs)
+            fallback = self._fallback(what, ins, held=outs)
+            return views.work(_pairwise(fallback._reduce_scatter_base, outs, ins, opts),
+                              outputs)
         op = _reduce_op(opts)
         size = self.size()
 
@@ -903,6 +922,37 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if not cuda:
             hold(*tensors, *(held or ()))
         return fallback
+
+    # reduce, gather and scatter run on gloo (NCCL for CUDA tensors, where the group has it),
+    # after the agreement of the fallback (the root included; the communicator made first, as
+    # by any collective), views as contiguous copies.
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        self._communicator()
+        views = Views()
+        staged = views.writes(tensors)
+        fallback = self._fallback(f"reduce to rank {opts.rootRank}", staged)
+        return views.work(fallback.reduce(staged, opts), tensors)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.GatherOptions()
+        self._communicator()
+        views = Views()
+        ins, outs = views.reads(inputs), [views.writes(ts) for ts in output_lists]
+        fallback = self._fallback(f"gather to rank {opts.rootRank}", ins,
+                                  held=[t for ts in outs for t in ts])
+        return views.work(fallback.gather(outs, ins, opts), output_lists)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        self._communicator()
+        views = Views()
+        outs, ins = views.writes(outputs), [views.reads(ts) for ts in input_lists]
+        fallback = self._fallback(f"scatter from rank {opts.rootRank}", outs,
+                                  held=[t for ts in ins for t in ts])
+        return views.work(fallback.scatter(outs, ins, opts), outputs)
 
     def barrier(self, opts: Any = None) -> Any:
         comm = self._communicator()

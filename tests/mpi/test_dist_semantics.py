@@ -156,3 +156,52 @@ def test_views_are_read_and_written_where_they_point(group, numel):
     dist.reduce_scatter_tensor(inp[mine_part], inp, group=group)
     assert torch.equal(inp[mine_part], SIZE * torch.arange(float(SIZE * numel))[mine_part]
                        + SIZE * (SIZE - 1) / 2)
+
+
+def test_views_given_to_the_gloo_fallback_are_read_and_written_where_they_point(group):
+    """reduce, gather and scatter (run on the group's gloo) and reduce-scatters of 8-bit
+    integers (gloo's too) of views that are not contiguous: each element read and written
+    where the view points. gloo (torch 2.13) took ``x[::2]`` for ``x[:n]``: a scatter from
+    every other element sent the first ones, a reduce wrote the wrong elements of the base, a
+    gather of such a view gave zeros."""
+    n = 5
+    base = torch.arange(2.0 * n) + RANK
+    dist.reduce(base[::2], dst=0, group=group)
+    if RANK == 0:  # (gloo leaves partial sums in the other ranks' tensors)
+        assert torch.equal(base[::2], SIZE * torch.arange(0.0, 2.0 * n, 2) + SIZE * (SIZE - 1) / 2)
+    assert torch.equal(base[1::2], torch.arange(1.0, 2.0 * n, 2) + RANK)
+
+    sources = [(torch.arange(2 * n) + 100 * r)[::2] for r in range(SIZE)]
+    out = torch.full((2 * n,), -1)
+    dist.scatter(out[1::2], sources if RANK == 0 else None, src=0, group=group)
+    assert torch.equal(out[1::2], torch.arange(0, 2 * n, 2) + 100 * RANK)
+    assert torch.equal(out[::2], torch.full((n,), -1))
+
+    mine = (torch.arange(2 * n) + 100 * RANK)[::2]
+    rows = torch.zeros(SIZE, n, 2, dtype=torch.int64)
+    dist.gather(mine, [rows[r, :, 1] for r in range(SIZE)] if RANK == 0 else None, dst=0,
+                group=group)
+    if RANK == 0:
+        for r in range(SIZE):
+            assert torch.equal(rows[r, :, 1], torch.arange(0, 2 * n, 2) + 100 * r)
+    assert not rows[:, :, 0].any()
+
+    base = torch.zeros(2 * n, dtype=torch.uint8)
+    pieces = [(torch.arange(n) + 10 * r + RANK).to(torch.uint8) for r in range(SIZE)]
+    dist.reduce_scatter(base[::2], pieces, group=group)
+    assert torch.equal(base[::2], (SIZE * (torch.arange(n) + 10 * RANK)
+                                   + SIZE * (SIZE - 1) // 2).to(torch.uint8))
+    assert not base[1::2].any()
+
+
+def test_roots_that_differ_between_ranks_are_refused_on_every_rank(group):
+    """A reduce whose root differs between ranks raises the same error on every rank, naming
+    each rank's call, and the group goes on (on gloo each rank waits for another exchange)."""
+    import ringcomm
+
+    t = torch.ones(3)
+    with pytest.raises(ringcomm.ArgumentMismatchError,
+                       match=r"reduce to rank 0 .* reduce to rank 1"):
+        dist.reduce(t, dst=min(RANK, 1), group=group)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((3,), float(SIZE)))
