@@ -18,7 +18,8 @@ from ringcomm.algorithms import ring
 from ringcomm.codecs.base import DenseCompressor
 from ringcomm.core.types import Array, ReduceOp, Transport
 
-__all__ = ["CompressedCodec", "allreduce", "keep_chunk_rounding", "keep_rounding", "mix_seed"]
+__all__ = ["CompressedCodec", "add_rounding", "allreduce", "keep_chunk_rounding", "keep_rounding",
+           "mix_seed"]
 
 
 def mix_seed(*values: int) -> int:
@@ -130,8 +131,15 @@ def keep_rounding(ops: Any, residual: Array | None, exact: Any, out: Array, op: 
     in the residual's units: times n for "avg"). Only a chunk's owner calls this, once."""
     if residual is None or out.dtype.itemsize >= 4:
         return
+    add_rounding(ops, residual, exact, out.astype(np.float32), op, n)
+
+
+def add_rounding(ops: Any, residual: Array, exact: Any, rounded: Any, op: ReduceOp,
+                 n: int) -> None:
+    """Add to ``residual`` float32 ``exact`` less ``rounded`` (what rounding it lost, as float32
+    values; times n for "avg"), 0 where either is not finite (the result carries those)."""
     with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf: zeroed just below
-        lost = exact - out.astype(np.float32)
+        lost = exact - rounded
         if op is ReduceOp.AVG:
             lost *= n
     ops.zero_nonfinite(lost)  # NaN/Inf are in the result already

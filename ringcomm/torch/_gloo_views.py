@@ -20,11 +20,10 @@ from ringcomm.torch._tensors import resolved
 __all__ = ["Views", "WrittenBack"]
 
 
-def _as_it_is(t: torch.Tensor) -> bool:
-    """Whether gloo may take ``t`` itself: not a dense tensor (sparse ones are gloo's own), or
-    a contiguous one that is no conjugate or negative view."""
-    return t.layout != torch.strided or (t.is_contiguous() and not t.is_conj()
-                                         and not t.is_neg())
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """What gloo may take for ``t``: ``t`` itself where it is sparse (gloo's own) or
+    contiguous and no conjugate or negative view, else a contiguous copy of its values."""
+    return t if t.layout != torch.strided else resolved(t).contiguous()
 
 
 class Views:
@@ -39,17 +38,17 @@ class Views:
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """An input as gloo may take it."""
-        return t if _as_it_is(t) else resolved(t).contiguous()
+        return _stand_in(t)
 
     def reads(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self.read(t) for t in ts]
 
     def write(self, t: torch.Tensor) -> torch.Tensor:
-        """An output as gloo may take it: its copy, written back into it by the work."""
-        if _as_it_is(t):
-            return t
-        copy = resolved(t).contiguous()
-        self._back.append((t, copy))
+        """An output as gloo may take it: where that is a copy, written back into it by the
+        work."""
+        copy = _stand_in(t)
+        if copy is not t:
+            self._back.append((t, copy))
         return copy
 
     def writes(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -19,8 +19,11 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from ringcomm import ops as _ops
+from ringcomm.algorithms.compressed_ring import add_rounding
 from ringcomm.algorithms.ring import chunk_bounds
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.core.types import ReduceOp
 from ringcomm.torch._tensors import Operand, as_array
 
 __all__ = ["Layout", "ResidualLayouts", "check_grad_scaler", "keep_write_back_rounding",
@@ -161,20 +164,21 @@ class ResidualLayouts:
 def keep_write_back_rounding(feedback: ErrorFeedback | None, name: str | None,
                              operand: Operand, op: str, rank: int, size: int) -> None:
     """Add to the residual of ``name`` what writing a compressed call's float32 result back
-    into a bfloat16 tensor rounded away (``operand.rounding_lost()``, times ``size`` for
-    "avg": the residual's units), this rank the elements of its own chunk of the ring's
-    split, so that the ranks' residuals hold it once, as the communicator keeps the rounding of
-    a float16 result. Nothing where no residual is kept under ``name``: a dense call (never
-    compressed, or "auto" choosing dense with nothing held) rounds as DDP's own does."""
-    if feedback is None or name is None or not feedback.holds(name):
+    into a bfloat16 tensor (``operand``, written back) rounded away (``add_rounding``: times
+    ``size`` for "avg", the residual's units), this rank the elements of its own chunk of the
+    ring's split, so that the ranks' residuals hold it once, as the communicator keeps the
+    rounding of a float16 result. Nothing where no residual is kept under ``name``: a dense
+    call (never compressed, or "auto" choosing dense with nothing held) rounds as DDP's own
+    does."""
+    if (feedback is None or name is None or not feedback.holds(name) or not operand.widened
+            or not operand.tensor.is_floating_point()):
         return
-    lost = operand.rounding_lost()
-    if lost is None:
-        return
-    lo, hi = chunk_bounds(lost.numel(), size)[rank: rank + 2]
-    piece = lost[lo:hi] * size if op == "avg" else lost[lo:hi]
-    residual = feedback.take(name, as_array(lost))
-    residual[lo:hi] += as_array(piece)
+    exact = operand.array.reshape(-1)  # the float32 copy the result was written into
+    rounded = as_array(operand.tensor.detach().reshape(-1).float())
+    lo, hi = chunk_bounds(exact.size, size)[rank: rank + 2]
+    residual = feedback.take(name, exact)
+    add_rounding(_ops.get(exact), residual[lo:hi], exact[lo:hi], rounded[lo:hi],
+                 ReduceOp.parse(op), size)
 
 
 def check_grad_scaler(grad_scaler: Any) -> None:

@@ -271,13 +271,3 @@ class Operand:
         if self._staged is not None:
             with torch.no_grad():
                 self.tensor.copy_(self._staged)
-
-    def rounding_lost(self) -> torch.Tensor | None:
-        """After ``write_back``: what writing the float32 result into a bfloat16 tensor rounded
-        away, flat float32 (the result less the tensor, 0 where either is not finite: the
-        tensor carries those already); None for an operand that is no widened floating copy."""
-        if self._staged is None or not self.widened or not self.tensor.is_floating_point():
-            return None
-        with torch.no_grad():
-            lost = self._staged.reshape(-1) - self.tensor.reshape(-1).float()
-            return lost.masked_fill_(~torch.isfinite(lost), 0.0)
