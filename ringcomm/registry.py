@@ -96,7 +96,10 @@ def _numbered_as_torch(info: LaunchInfo, timeout: float) -> Any:
     root 0 sends what torch calls rank 0's data."""
     from ringcomm.backends.mpi_process import import_mpi, world_numbers_alike
 
-    if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size, timeout):
+    # Ranks that give one number alike (torchrun's variables left in an mpiexec job's
+    # environment) keep MPI's order: no group of torch's numbers them.
+    if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size, timeout,
+                                                             refuse_duplicates=False):
         return None
     return import_mpi().COMM_WORLD.Split(0, info.rank)
 

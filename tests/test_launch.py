@@ -164,6 +164,38 @@ def test_torchrun_size_under_mpiexec_n1_raises(mpiexec, subprocess_env):
                                   "launch with mpiexec -n 2"), proc.stdout
 
 
+def test_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env, tmp_path):
+    """torchrun's RANK=0 and WORLD_SIZE=2 (with MASTER_ADDR and MASTER_PORT) left in the
+    environment of mpiexec -n 2, which both processes inherit alike: backend "auto" says so on
+    both ranks at once (it waited 30 minutes for a torch.distributed rank 1 that never came,
+    both processes claiming rank 0), and "mpi", which needs no torch.distributed, runs on
+    MPI's own numbering."""
+    code = ("import numpy as np, os, ringcomm, sys\n"
+            "try:\n"
+            "    c = ringcomm.init(sys.argv[1], abort_on_exception=False)\n"
+            "    out = f'rank {c.rank} size {c.size} {c.allreduce(np.full(2, c.rank + 1.0))}'\n"
+            "except RuntimeError as err:\n    out = f'error: {err}'\n"
+            "with open(f\"{sys.argv[2]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(out)\n")
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+    def run(backend: str) -> list[str]:
+        out = tmp_path / backend
+        proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, backend, str(out)],
+                           timeout=90, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return [Path(f"{out}.{rank}").read_text() for rank in range(2)]
+
+    auto = run("auto")
+    assert auto[0] == auto[1], auto
+    assert auto[0].startswith("error: RANK and WORLD_SIZE=2 (torchrun's variables) do not "
+                              "number the 2 processes of this MPI job: MPI ranks 0 to 1 have "
+                              "RANK [0, 0]."), auto
+    assert "unset RANK, WORLD_SIZE" in auto[0], auto
+    assert run("mpi") == ["rank 0 size 2 [3. 3.]", "rank 1 size 2 [3. 3.]"]
+
+
 @pytest.mark.parametrize("env, launched", [
     ({}, False),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # torchrun alone

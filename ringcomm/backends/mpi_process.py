@@ -118,14 +118,23 @@ def abort(comm: Any, code: int) -> None:
         os._exit(code)
 
 
-def world_numbers_alike(rank: int, size: int, timeout: float) -> bool:
+def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicates: bool = True
+                        ) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
     rank; one that waits ``timeout`` seconds at most for the others, then ends the job, as
     :func:`gather_names`), False without mpi4py, and False for a job of several processes that
     no MPI launcher started (MPI is not even started then) and that did not join over
     ringcomm's PMI server. For a job whose torch.distributed group is up: its ranks may be
-    numbered otherwise than MPI's, and then MPI cannot stand in for it."""
+    numbered otherwise than MPI's, and then MPI cannot stand in for it.
+
+    Raises:
+        RuntimeError: with ``refuse_duplicates``, the ranks given are no numbering of MPI's
+            processes (two of them give the same rank), on every rank: torchrun's ``RANK`` and
+            ``WORLD_SIZE`` left in the environment of an mpiexec job, which every process
+            inherits alike. Started from them, torch.distributed would wait its whole timeout
+            for a rank that never comes. (Without it: False.)
+    """
     import numpy as np
 
     if size > 1 and not mpi_world_is_job():
@@ -137,12 +146,25 @@ def world_numbers_alike(rank: int, size: int, timeout: float) -> bool:
     world = MPI.COMM_WORLD
     if world.Get_size() != size:
         return False
-    alike = np.array([world.Get_rank() == rank], np.int32)
-    everywhere = np.empty(1, np.int32)
-    wait_or_abort(world, world.Iallreduce(alike, everywhere, op=MPI.MIN), timeout,
+    mine = np.array([rank], np.int64)
+    ranks = np.empty(size, np.int64)
+    wait_or_abort(world, world.Iallgather(mine, ranks), timeout,
                   lambda: _start_timeout(world, timeout, "init", "whether MPI numbers the "
                                          "processes as torch.distributed does"))
-    return bool(everywhere[0])
+    if refuse_duplicates and sorted(ranks.tolist()) != list(range(size)):
+        raise RuntimeError(_no_numbering(ranks.tolist()))
+    return bool((ranks == np.arange(size)).all())
+
+
+def _no_numbering(ranks: list[int]) -> str:
+    """Why ``ranks`` (each MPI rank's, in MPI's order) number no job of their size."""
+    size = len(ranks)
+    return (f"RANK and WORLD_SIZE={size} (torchrun's variables) do not number the {size} "
+            f"processes of this MPI job: MPI ranks 0 to {size - 1} have RANK {ranks}. They "
+            "were left in the environment by an earlier launch (torchrun sets them in each "
+            "process it starts, and every process of an mpiexec job inherits the same ones): "
+            "unset RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT before mpiexec, or launch with torchrun")
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
