@@ -96,8 +96,8 @@ def _numbered_as_torch(info: LaunchInfo, timeout: float) -> Any:
     root 0 sends what torch calls rank 0's data."""
     from ringcomm.backends.mpi_process import import_mpi, world_numbers_alike
 
-    # Ranks that give one number alike (torchrun's variables left in an mpiexec job's
-    # environment) keep MPI's order: no group of torch's numbers them.
+    # Processes that all give one rank (torchrun's variables left in an mpiexec job's
+    # environment, inherited alike) keep MPI's order: Split orders equal keys by MPI rank.
     if _mpi_world_size() != info.size or world_numbers_alike(info.rank, info.size, timeout,
                                                              refuse_duplicates=False):
         return None
