@@ -192,6 +192,40 @@ def test_auto_without_the_cuda_driver_never_imports_cupy(mpiexec, subprocess_env
         assert lines == [f"RESULT {n} mpi False False"] * n, run.stdout + run.stderr
 
 
+def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env,
+                                                                       tmp_path):
+    """torchrun's RANK=0 and WORLD_SIZE=2 left in the environment of mpiexec -n 2: the NCCL
+    rendezvous (which needs no GPU) raises at once on both ranks, where both processes went to
+    host torch.distributed's store as rank 0 (one failed to listen, the other waited its whole
+    timeout)."""
+    code = ("import os, sys\n"
+            "from ringcomm.backends import _nccl_setup\n"
+            "try:\n"
+            "    _nccl_setup.connect(timeout=60)\n"
+            "    out = 'connected'\n"
+            "except RuntimeError as err:\n"
+            "    out = f'error: {err}'\n"
+            "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(out)\n")
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    out = tmp_path / "rank"
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], env=env,
+                         capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stdout + run.stderr
+    texts = [(tmp_path / f"rank.{rank}").read_text() for rank in range(2)]
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("error: RANK and WORLD_SIZE=2 (torchrun's variables) do not "
+                               "number the 2 processes of this MPI job: MPI ranks 0 to 1 "
+                               "have RANK [0, 0]."), texts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.mark.parametrize("visible", ["", "-1"])
 def test_usable_is_false_when_devices_are_hidden(monkeypatch, visible):
     monkeypatch.setattr(nccl, "_usable", [])

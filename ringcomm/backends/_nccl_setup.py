@@ -227,7 +227,8 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
 
     Raises:
         RuntimeError: the launcher's channel is unavailable (mpi4py or PyTorch missing, the
-            store unreachable); the message says what to install.
+            store unreachable); the message says what to install. Or torchrun's ``RANK`` and
+            ``WORLD_SIZE`` in an mpiexec job give two processes one rank (on every rank).
         TypeError: ``mpi_comm`` is not an mpi4py communicator.
     """
     if mpi_comm is not None:
@@ -235,6 +236,12 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
     from ringcomm.backends.mpi_process import world_numbers_alike
 
     info = launch.detect()
+    if info.launcher == "torchrun" and launch.mpi_launched():
+        # torchrun's variables in an MPI job that no torchrun agent started: refused where
+        # they number no process (left in its environment, the same in every process), whose
+        # store would wait the whole timeout for a rank that never comes; collective over
+        # MPI's world where it holds the job's processes, else nothing.
+        world_numbers_alike(info.rank, info.size, check_timeout(timeout))
     # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec
     # job does (collective over MPI's world).
     if info.launcher == "torchrun" or (info.launcher == "torch.distributed" and not
