@@ -288,8 +288,45 @@ def failed_in_backward():
         Communicator.allreduce = real
 
 
+def zero(overlap_hook=None):
+    """The sha256 after DDP training with ZeroRedundancyOptimizer (Adam's state and the step
+    sharded between the ranks, the parameters broadcast from each shard's owner); with
+    ``overlap_hook`` ("torch": PyTorch's allreduce_hook, "ringcomm": ringcomm's hook), each
+    shard's step runs inside the bucket's hook (overlap_with_ddp, which PyTorch refuses
+    on gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    optimizer = torch.optim.SGD if overlap_hook else torch.optim.Adam
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer, lr=0.02,
+                                  overlap_with_ddp=overlap_hook is not None)
+    if overlap_hook == "ringcomm":
+        ddp.register_comm_hook(ringcomm.torch.RingcommState(),
+                               hook_with_zero_step(ringcomm.torch.ringcomm_hook, ddp, opt))
+    elif overlap_hook == "torch":
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, opt))
+    def digest():
+        return hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    start, gen = digest(), torch.Generator().manual_seed(500 + r)
+    for _ in range(6):  # overlapped: the first two or three iterations make no step
+        opt.zero_grad()
+        ddp(torch.randn(8, 8, generator=gen)).pow(2).mean().backward()
+        if overlap_hook is None:
+            opt.step()
+    assert digest() != start, "ZeroRedundancyOptimizer made no step"
+    return digest()
+
+
 report["joined"] = joined()
 report["sparse"] = sparse_gradients()
+report["zero"] = zero()
+if backend == "ringcomm":
+    report["zero_overlap"] = [zero("torch"), zero("ringcomm")]
 if backend == "ringcomm":
     report["failed_in_backward"] = failed_in_backward()
     dist.barrier()
@@ -386,6 +423,10 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     assert len(digests) == 1, (ours, theirs)
     assert len({row["joined"] for row in ours + theirs}) == 1, (ours, theirs)
     assert len({row["sparse"] for row in ours + theirs}) == 1, (ours, theirs)
+    assert len({row["zero"] for row in ours + theirs}) == 1, (ours, theirs)
+    # ZeRO's step inside the hook: ringcomm's hook gives PyTorch's allreduce_hook's bits.
+    overlapped = {digest for row in ours for digest in row["zero_overlap"]}
+    assert len(overlapped) == 1, ours
     assert len({row["float8"] for row in ours}) == 1 and ours[0]["float8"], ours
     # A collective that fails in DDP's backward: its error reaches backward() on every rank
     # (the failed future read as done by DDP's C++ crashed both ranks, the error lost).

@@ -22,7 +22,6 @@ import atexit
 import contextlib
 import datetime
 import functools
-import inspect
 import math
 import os
 import pickle
@@ -57,9 +56,9 @@ _RING_TAG = 7
 _P2P_TAG = 11
 # torch renamed all_gather_into_tensor (deprecated in newer releases) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# torch 2.12 added new_group(sort_ranks=False); before it a group numbers its members in the
-# order of their global ranks, whatever order they are given in (see TorchDistTransport._setup).
-_KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+# The key in torch.distributed's store from which each split of a TorchDistTransport draws the
+# serial number that names its groups' prefix.
+_SPLIT_SERIAL_KEY = "ringcomm-split-serial"
 # torch.distributed exports the other options types, but not this one.
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 # What "forever" is for gloo, which takes a finite duration (ten years).
@@ -181,19 +180,6 @@ def _staged(recv: Array) -> tuple[np.ndarray, Any]:
     return host, functools.partial(_ops.get(recv).copy_from_host, recv, host)
 
 
-def _torch_group_count() -> int | None:
-    """How many process groups torch.distributed has registered in this process (None when
-    this torch does not say).
-
-    A group made with ``use_local_synchronization`` is named after its ranks and this count,
-    and ``new_group`` counts a group only on its members, so the count can differ between
-    processes; members whose counts differ would rendezvous under different names and wait
-    for each other until the timeout.
-    """
-    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
-    return None if names is None else len(names)
-
-
 def _new_job_group(seconds: float) -> Any:
     """A gloo group of every rank of torch.distributed's default group, made within
     ``seconds`` (its creation waits for every rank over the group's store)."""
@@ -252,43 +238,27 @@ class TorchDistTransport(TransportBase):
         self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
 
     def _setup(self, group: Any, local_rank: int, local_size: int,
-               timeout: float, abort_on_timeout: bool, members: list[int] | None = None, *,
-               made_here: bool) -> None:
-        """Adopt ``group``, whose ``members`` (global ranks, in this transport's rank order;
-        the group's own order when None) may be numbered otherwise by the group itself;
+               timeout: float, abort_on_timeout: bool, *, made_here: bool) -> None:
+        """Adopt torch.distributed's ``group``, ranked as the group ranks its members;
         ``made_here``: whether it is destroyed at exit (a group the caller gave stays theirs).
-
         Messages name their peers by global rank (``src``/``dst``, which every supported torch
-        takes); what a collective returns in the group's order is put back in this
-        transport's (``_seat``).
-        """
-        size = dist.get_world_size(group)
-        if members is None:
-            members = [dist.get_global_rank(group, g) for g in range(size)]
-        seat_of = {dist.get_global_rank(group, g): g for g in range(size)}
+        takes)."""
+        members = [dist.get_global_rank(group, g) for g in range(dist.get_world_size(group))]
         if made_here:
             _MADE.append(group)
-        self._adopt(group, members.index(dist.get_rank()), members,
-                    [seat_of[m] for m in members], local_rank, local_size, timeout,
+        self._adopt(group, dist.get_rank(group), members, local_rank, local_size, timeout,
                     abort_on_timeout)
 
-    def _adopt(self, group: Any, rank: int, peers: list[int], seat: list[int],
-               local_rank: int, local_size: int, timeout: float,
-               abort_on_timeout: bool) -> None:
-        """Run on ``group`` as ``rank`` of ``len(peers)``: ``peers`` name each rank of this
-        transport as the group's messages do, ``seat`` is its place in the group's
-        collectives."""
+    def _adopt(self, group: Any, rank: int, peers: list[int], local_rank: int,
+               local_size: int, timeout: float, abort_on_timeout: bool) -> None:
+        """Run on ``group`` as ``rank`` of ``len(peers)``: ``peers`` name each rank as the
+        group's messages do."""
         self._group = group
         self.native_allreduce_bytes = -1
         pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
-        self._peers, self._seat = peers, seat
-        self._in_order = seat == list(range(len(seat)))
+        self._peers = peers
         self.timeout, self.abort_on_timeout = timeout, abort_on_timeout
         super().__init__(rank, len(peers), local_rank=local_rank, local_size=local_size)
-
-    def _in_rank_order(self, rows: list[Any]) -> list[Any]:
-        """``rows`` of a collective, from the group's order into this transport's."""
-        return rows if self._in_order else [rows[s] for s in self._seat]
 
     def bounded(self, what: str, peer: int | None, fn: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
@@ -468,20 +438,14 @@ class TorchDistTransport(TransportBase):
         return _Pair(self, [], self.rank, "", after)
 
     def allgather_fixed(self, send: np.ndarray, recv: np.ndarray) -> None:
-        if self._in_order:
-            self.bounded("allgather", None, self._gather, _bytes(recv), _bytes(send))
-            return
-        rows = np.empty((self.size, send.nbytes), dtype=np.uint8)
-        self.bounded("allgather", None, self._gather, _bytes(rows), _bytes(send))
-        _flat_bytes(recv)[:] = np.concatenate(self._in_rank_order(list(rows)))
+        self.bounded("allgather", None, self._gather, _bytes(recv), _bytes(send))
 
     def allgatherv(self, x: Array, counts: list[int], out: Array) -> None:
         # Rows padded to the longest, then the padding dropped.
         item = x.dtype.itemsize
         rows = self.bounded("allgatherv", None, _gather_rows, self._gather, self.size,
                             _flat_bytes(_host(x)), max(counts) * item)
-        ordered = self._in_rank_order(list(rows))
-        flat = np.concatenate([ordered[r][: counts[r] * item] for r in range(self.size)])
+        flat = np.concatenate([rows[r][: counts[r] * item] for r in range(self.size)])
         _ops.get(out).copy_from_host(out, flat.view(out.dtype))
 
     def broadcast(self, x: Array, root: int) -> None:
@@ -491,9 +455,8 @@ class TorchDistTransport(TransportBase):
             _ops.get(x).copy_from_host(x, host)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        out = self.bounded("allgather of objects", None, _gather_objects, self._gather,
-                           self.size, obj)
-        return self._in_rank_order(out)
+        return self.bounded("allgather of objects", None, _gather_objects, self._gather,
+                            self.size, obj)
 
     def barrier(self) -> None:
         self.bounded("barrier", None, self._barrier)
@@ -521,33 +484,26 @@ class TorchDistTransport(TransportBase):
         dist.barrier(group=self._group)
 
     def split(self, color: int, key: int) -> TorchDistTransport:
-        """A transport over the ranks that pass the same ``color``, ordered by (key, rank).
+        """A transport over the ranks that pass the same ``color``, ordered by (key, rank):
+        a gloo group of theirs made over torch.distributed's store, under a prefix that no
+        other split of the job takes (a serial number that this transport's rank 0 draws from
+        the store), so whatever groups torch holds on each rank.
 
         Collective over this transport; each new gloo group is made by its members only.
+        torch's ``new_group(use_local_synchronization=True)`` would name the group after the
+        number of groups each process holds, which differs between ranks where an earlier
+        group left some of them out (``new_group([0])`` counts on rank 0 only), and its
+        members would then wait for each other under different names until the timeout.
 
         Raises:
             InvalidTypeError, InvalidArgumentError: color or key is invalid on some rank (as
                 ``check_split`` says; raised on every rank).
-            RuntimeError: torch.distributed has registered a different number of process
-                groups on ranks that would share a group, so they could not find each other
-                (raised on every rank, before any group is made).
         """
-        everyone = agree_split(self, color, key, (socket.gethostname(), _torch_group_count()))
-        _check_group_counts(everyone)
-        mine = everyone[self.rank]
-        ranked = sorted((k, r) for r, (c, k, *_) in enumerate(everyone) if c == mine[0])
-        order = [r for _, r in ranked]
-        members = [self._peers[r] for r in order]
-        keep_order: dict[str, Any] = {"sort_ranks": False} if _KEEPS_ORDER else {}
-        group = dist.new_group(ranks=members, backend="gloo", use_local_synchronization=True,
-                               timeout=_duration(self.timeout), **keep_order)
-        # The launcher's local rank describes the whole job; a sub-group counts its own.
-        hosts = [everyone[r][2] for r in order]
-        sub = TorchDistTransport.__new__(TorchDistTransport)
-        sub._setup(group, *_place(hosts, order.index(self.rank)), self.timeout,
-                   self.abort_on_timeout, members, made_here=True)
-        sub.native_allreduce_bytes = self.native_allreduce_bytes  # agreed by every member
-        return adopt_ranks(sub, self, order)
+        store = dist.distributed_c10d._get_default_store()
+        serial = store.add(_SPLIT_SERIAL_KEY, 1) if self.rank == 0 else 0
+        everyone = agree_split(self, color, key, (serial,))
+        return _split_over(self, dist.PrefixStore(f"ringcomm-split-{everyone[0][2]}", store),
+                           everyone)
 
     def close(self) -> None:
         """Release the scratch buffers; a gloo group made here is destroyed at exit (or with
@@ -583,8 +539,8 @@ class ProcessGroupTransport(TorchDistTransport):
         self._pg, self._store, self._splits = group, store, 0
         rank, size = group.rank(), group.size()
         hosts = _gather_objects(self._gather, size, socket.gethostname())
-        # Named by the group's own ranks: peers and seats are this transport's ranks.
-        self._adopt(None, rank, list(range(size)), list(range(size)), *_place(hosts, rank),
+        # Named by the group's own ranks: peers are this transport's ranks.
+        self._adopt(None, rank, list(range(size)), *_place(hosts, rank),
                     check_timeout(timeout), bool(abort_on_timeout))
         self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
 
@@ -620,32 +576,27 @@ class ProcessGroupTransport(TorchDistTransport):
             InvalidTypeError, InvalidArgumentError: color or key is invalid on some rank (as
                 ``check_split`` says; raised on every rank).
         """
-        everyone = agree_split(self, color, key, (socket.gethostname(),))
+        everyone = agree_split(self, color, key)
         self._splits += 1
-        mine = everyone[self.rank]
-        order = [r for _, r in sorted((k, r) for r, (c, k, _) in enumerate(everyone)
-                                      if c == mine[0])]
-        store = dist.PrefixStore(f"ringcomm-split-{self._splits}-{mine[0]}", self._store)
-        group = dist.ProcessGroupGloo(store, order.index(self.rank), len(order),
-                                      _duration(self.timeout))
-        sub = ProcessGroupTransport(group, store, timeout=self.timeout,
-                                    abort_on_timeout=self.abort_on_timeout)
-        return adopt_ranks(sub, self, order)
+        return _split_over(self, dist.PrefixStore(f"ringcomm-split-{self._splits}", self._store),
+                           everyone)
 
 
-def _check_group_counts(everyone: list[tuple[Any, ...]]) -> None:
-    """Raise, on every rank alike, if ranks that would share a group hold different numbers
-    of torch.distributed groups (their new group would get a different name on each)."""
-    counts: dict[int, set[Any]] = {}
-    for color, _, _, count in everyone:
-        counts.setdefault(color, set()).add(count)
-    uneven = sorted(c for c, seen in counts.items() if len(seen) > 1)
-    if uneven:
-        raise RuntimeError(
-            f"split: torch.distributed holds a different number of process groups on the "
-            f"ranks of color {uneven[0]} ({[v[3] for v in everyone]} in rank order), so their "
-            "new group would get a different name on each; make the same torch.distributed "
-            "groups on every rank (new_group counts a group on its members only)")
+def _split_over(parent: TorchDistTransport, store: Any,
+                everyone: list[tuple[Any, ...]]) -> ProcessGroupTransport:
+    """The transport over the ranks of ``parent`` that gave this rank's color in
+    ``everyone`` (agree_split's rows), ordered by (key, rank): a gloo group of theirs over
+    ``store`` (a prefix of it named after the color), which no other split may use."""
+    color = everyone[parent.rank][0]
+    order = [r for _, r in sorted((k, r) for r, (c, k, *_) in enumerate(everyone)
+                                  if c == color)]
+    prefixed = dist.PrefixStore(f"{color}", store)
+    group = dist.ProcessGroupGloo(prefixed, order.index(parent.rank), len(order),
+                                  _duration(parent.timeout))
+    sub = ProcessGroupTransport(group, prefixed, timeout=parent.timeout,
+                                abort_on_timeout=parent.abort_on_timeout)
+    sub.native_allreduce_bytes = parent.native_allreduce_bytes  # agreed by every member
+    return adopt_ranks(sub, parent, order)
 
 
 class TorchDistCommunicator(Communicator):
