@@ -507,14 +507,8 @@ class TorchDistTransport(TransportBase):
 
     def close(self) -> None:
         """Release the scratch buffers; a gloo group made here is destroyed at exit (or with
-        torch.distributed's default group), not now.
-
-        torch names a group made by its members alone after its ranks (and, from 2.5 on, the
-        number of groups it holds) and keeps its rendezvous under that name in the job's
-        store: destroying a group frees its name, so a later group of the same ranks could get
-        it, and read the addresses the earlier one left in the store (a refused connection, or
-        one to the wrong group). Groups kept until exit keep every name new.
-        """
+        torch.distributed's default group), not now; the groups that splits make go with
+        their transports."""
         self.release_scratch()
 
 
