@@ -12,7 +12,11 @@ from ringcomm.core.types import (
     InvalidTypeError,
 )
 
-__all__ = ["build_error", "rank_groups", "ranks_text"]
+__all__ = ["HOOK_CALLER", "build_error", "rank_groups", "ranks_text"]
+
+#: The caller name of a DDP hook's collectives, "ringcomm-hook-k" for the k-th RingcommState
+#: made on a communicator (ringcomm.torch.hooks).
+HOOK_CALLER = "ringcomm-hook"
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -37,11 +41,14 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
     called = "/".join(dict.fromkeys(kinds))
     callers = [d["caller"] for d in descriptions]
     if len(set(callers)) > 1:
+        hooks = any(str(c).startswith(HOOK_CALLER) for c in callers)
         return ArgumentMismatchError(
             f"{called}: the calls that met come from different threads:"
             f" {rank_groups([repr(c) for c in callers])}. Calls from several threads are "
             "matched by thread name: make each collective from the same-named thread on every "
-            "rank",
+            "rank" + (f" ('{HOOK_CALLER}-k' is the DDP hook of the k-th RingcommState made on "
+                      "this communicator: make the same states, in the same order, on every "
+                      "rank)" if hooks else ""),
             kind=called, ranks=everyone, differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
         calls = [f"a change of {d['setting']}" if d["kind"] == "configure" else

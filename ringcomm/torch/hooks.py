@@ -44,6 +44,7 @@ from ringcomm.algorithms.auto import Auto, Compression
 from ringcomm.algorithms.hierarchical import check_compressor
 from ringcomm.algorithms.powersgd import LowRankMemory, PowerSGD
 from ringcomm.codecs.feedback import ErrorFeedback
+from ringcomm.comm._mismatch import HOOK_CALLER
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
@@ -178,7 +179,7 @@ class RingcommState:
         # threads over one communicator have buckets of different callers, so where they
         # pair in different orders on different ranks every rank raises
         # ArgumentMismatchError instead of averaging one model's gradients with the other's.
-        self._caller = self._engine.new_caller("ringcomm-hook")
+        self._caller = self._engine.new_caller(HOOK_CALLER)
         self._residuals = ResidualLayouts(self.feedback)
         self._bucket_params: dict[int, tuple[tuple[int, ...], Layout]] = {}
         self._bound: dict[int, tuple[tuple[Any, ...], Compression]] = {}

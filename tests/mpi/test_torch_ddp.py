@@ -611,3 +611,26 @@ def test_two_models_on_two_threads_over_one_communicator_never_mix(overlap):
         comm.close()
         for group in groups:
             torch.distributed.destroy_process_group(group)
+
+
+def test_a_state_made_on_one_rank_only_is_named_in_the_error():
+    """A RingcommState made on rank 0 alone (never used) numbers the next state's calls
+    otherwise there: the model's first bucket raises on every rank, saying that the states
+    must be made alike on every rank, not only that threads differ."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    comm = ringcomm.init("mpi", abort_on_exception=False, timeout=20)
+    try:
+        if RANK == 0:
+            RingcommState(comm=comm)
+        model = DDP(_Scaled())
+        model.register_comm_hook(RingcommState(comm=comm, overlap=False), ringcomm_hook)
+        with pytest.raises(RuntimeError) as info:
+            model(torch.full((500,), 1.0)).backward()
+        message = str(info.value)
+        assert "ArgumentMismatchError" in message, message
+        assert ("'ringcomm-hook-1' on rank 0; 'ringcomm-hook-0' on ranks 1" in message
+                or "'ringcomm-hook-1' on rank 0; 'ringcomm-hook-0' on rank 1" in message), message
+        assert "the k-th RingcommState made on this communicator" in message, message
+    finally:
+        comm.close()
