@@ -205,6 +205,31 @@ ignored = Accelerator(cpu=True, kwargs_handlers=[
     DistributedDataParallelKwargs(comm_hook=ringcomm_hook)])
 net = ignored.prepare(torch.nn.Linear(3, 3))
 ignored.backward(net(torch.ones(2, 3)).sum())
+
+
+# Parameters after 9 micro-batches under accumulate() (DDP's no_sync() on two of every three:
+# the hook runs on every third), and the state. Last in the script: the accumulation steps
+# are Accelerate's, process-wide, from here on.
+def accumulated(hooked):
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register_ddp_hook(model) if hooked else None
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(9):
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state
+
+
+plain_accumulated, _ = accumulated(False)
+hooked_accumulated, state = accumulated(True)
+assert torch.equal(hooked_accumulated, plain_accumulated)
+assert state.comm.stats.calls == 3, state.comm.stats  # one bucket, on the 3 synced steps
 print(f"rank {rank} ok", flush=True)
 """
 
@@ -419,7 +444,8 @@ def _accelerate(script: Path, args: list[str], subprocess_env: dict[str, str],
 def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
     """``accelerate launch --multi_gpu`` starts two processes with torchrun (``--cpu
     --num_processes 2`` starts one: two CPU processes need mpirun there), and
-    ``Accelerator(cpu=True)`` runs DDP over gloo: the hook as with Lightning; and Accelerate's
+    ``Accelerator(cpu=True)`` runs DDP over gloo: the hook as with Lightning (also under
+    ``accumulate()``, which skips the hook on the steps between); and Accelerate's
     DDP on torch.distributed's "ringcomm" backend (the group made before the Accelerator)
     trains to the parameters of the plain gloo run, bit for bit."""
     pytest.importorskip("accelerate")
