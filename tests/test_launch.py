@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -194,6 +198,65 @@ def test_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env, tmp_
                               "RANK [0, 0]."), auto
     assert "unset RANK, WORLD_SIZE" in auto[0], auto
     assert run("mpi") == ["rank 0 size 2 [3. 3.]", "rank 1 size 2 [3. 3.]"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_variables_of_a_larger_job_left_in_an_mpiexec_job(mpiexec, subprocess_env,
+                                                                   tmp_path):
+    """RANK=0 and WORLD_SIZE=4 left in the environment of mpiexec -n 2: backend "auto" refuses
+    them at once, the same on both ranks (rank 0 waited its whole timeout, 30 minutes by
+    default, for torch.distributed ranks that never came, while rank 1 failed at once)."""
+    code = ("import os, ringcomm, sys\n"
+            "try:\n"
+            "    c = ringcomm.init(abort_on_exception=False)\n"
+            "    out = f'rank {c.rank} size {c.size}'\n"
+            "except RuntimeError as err:\n    out = f'error: {err}'\n"
+            "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(out)\n")
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    out = tmp_path / "auto"
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], timeout=90,
+                       env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
+    assert got[0] == got[1], got
+    assert got[0].startswith("error: RANK and WORLD_SIZE=4 (torchrun's variables) do not give "
+                             "the 2 processes of this MPI job 2 distinct ranks below 4: MPI "
+                             "ranks 0 to 1 have RANK [0, 0]."), got
+
+
+def test_one_mpiexec_per_part_of_a_torchrun_style_job(mpiexec, subprocess_env, tmp_path):
+    """Two mpiexec -n 2 jobs whose processes are ranks 0-1 and 2-3 of one job of 4 (RANK
+    and WORLD_SIZE set for each process, as a script per node would): MPI's world is part of
+    the job, and the check above, a collective over each part, lets them meet as one job of 4
+    over torch.distributed."""
+    code = ("import os, numpy as np, ringcomm, sys\n"
+            "os.environ['RANK'] = str(int(sys.argv[2]) + int(os.environ['PMI_RANK']))\n"
+            "c = ringcomm.init(abort_on_exception=False)\n"
+            "out = f'rank {c.rank} size {c.size} {c.allreduce(np.full(2, c.rank + 1.0))}'\n"
+            "with open(f\"{sys.argv[1]}.{c.rank}\", 'w') as f:\n"
+            "    f.write(out)\n")
+    env = {**subprocess_env, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "RINGCOMM_TIMEOUT": "60"}
+    out = tmp_path / "part"
+    jobs = [subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-c", code, str(out), base],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for base in ("0", "2")]
+    try:
+        ends = [job.communicate(timeout=120) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert [job.returncode for job in jobs] == [0, 0], ends
+    got = [Path(f"{out}.{rank}").read_text() for rank in range(4)]
+    assert got == [f"rank {r} size 4 [10. 10.]" for r in range(4)], got
 
 
 @pytest.mark.parametrize("env, launched", [

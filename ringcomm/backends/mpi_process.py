@@ -128,15 +128,17 @@ def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicat
     ringcomm's PMI server. For a job whose torch.distributed group is up: its ranks may be
     numbered otherwise than MPI's, and then MPI cannot stand in for it.
 
+    With ``refuse_duplicates``, where an MPI launcher started fewer processes than ``size``
+    (a part of the job, say one mpiexec per node), the ranks are gathered over MPI's world
+    too (collective), to refuse the same rank given twice; False then.
+
     Raises:
-        RuntimeError: with ``refuse_duplicates``, the ranks given are no numbering of MPI's
-            processes (two of them give the same rank), on every rank: torchrun's ``RANK`` and
+        RuntimeError: with ``refuse_duplicates``, two of MPI's processes give the same rank
+            (or one no rank of the job), on every rank: torchrun's ``RANK`` and
             ``WORLD_SIZE`` left in the environment of an mpiexec job, which every process
             inherits alike. Started from them, torch.distributed would wait its whole timeout
-            for a rank that never comes. (Without it: False.)
+            for ranks that never come. (Without it: False.)
     """
-    import numpy as np
-
     if size > 1 and not mpi_world_is_job():
         return False
     try:
@@ -144,27 +146,41 @@ def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicat
     except RuntimeError:
         return False
     world = MPI.COMM_WORLD
-    if world.Get_size() != size:
+    processes = world.Get_size()
+    part = refuse_duplicates and processes < size and launch.mpi_launched()
+    if processes != size and not part:
         return False
+    ranks = _gather_ranks(world, rank, timeout)
+    if refuse_duplicates and (len(set(ranks)) < processes
+                              or not all(0 <= r < size for r in ranks)):
+        raise RuntimeError(_no_numbering(ranks, size))
+    return ranks == list(range(size))
+
+
+def _gather_ranks(world: Any, rank: int, timeout: float) -> list[int]:
+    """Every MPI rank's ``rank``, in MPI's order (collective over ``world``, bounded)."""
+    import numpy as np
+
     mine = np.array([rank], np.int64)
-    ranks = np.empty(size, np.int64)
+    ranks = np.empty(world.Get_size(), np.int64)
     wait_or_abort(world, world.Iallgather(mine, ranks), timeout,
                   lambda: _start_timeout(world, timeout, "init", "whether MPI numbers the "
                                          "processes as torch.distributed does"))
-    if refuse_duplicates and sorted(ranks.tolist()) != list(range(size)):
-        raise RuntimeError(_no_numbering(ranks.tolist()))
-    return bool((ranks == np.arange(size)).all())
+    return [int(r) for r in ranks]
 
 
-def _no_numbering(ranks: list[int]) -> str:
-    """Why ``ranks`` (each MPI rank's, in MPI's order) number no job of their size."""
-    size = len(ranks)
-    return (f"RANK and WORLD_SIZE={size} (torchrun's variables) do not number the {size} "
-            f"processes of this MPI job: MPI ranks 0 to {size - 1} have RANK {ranks}. They "
-            "were left in the environment by an earlier launch (torchrun sets them in each "
-            "process it starts, and every process of an mpiexec job inherits the same ones): "
-            "unset RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
-            "MASTER_PORT before mpiexec, or launch with torchrun")
+def _no_numbering(ranks: list[int], size: int) -> str:
+    """Why ``ranks`` (each MPI rank's, in MPI's order) number no ``size`` processes."""
+    n = len(ranks)
+    which = (f"do not number the {n} processes of this MPI job" if n == size else
+             f"do not give the {n} processes of this MPI job {n} distinct ranks below "
+             f"{size}")
+    return (f"RANK and WORLD_SIZE={size} (torchrun's variables) {which}: MPI ranks 0 to "
+            f"{n - 1} have RANK {ranks}. They were left in the environment by an earlier launch "
+            "(torchrun sets them in each process it starts, and every process of an mpiexec "
+            "job inherits the same ones): unset RANK, WORLD_SIZE, LOCAL_RANK, "
+            "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT before mpiexec, or launch with "
+            "torchrun")
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
