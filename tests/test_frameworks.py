@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from exit_checks import check_exit, run_job
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -234,11 +234,6 @@ print(f"rank {rank} ok", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """The children's environment: no launcher variables of an enclosing job, one thread,
@@ -266,7 +261,7 @@ def train_plain(out: Path, subprocess_env: dict[str, str]) -> None:
     ``out`` (the ``lightning_plain`` fixture's, shared by the tests)."""
     script = out / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    env = {**_env(subprocess_env, out), "MASTER_PORT": str(_free_port())}
+    env = {**_env(subprocess_env, out), "MASTER_PORT": str(free_port())}
     _run([sys.executable, str(script), str(out), str(STEPS), "plain"], env, out,
          gloo_baseline=True)
 
@@ -320,7 +315,7 @@ def test_lightning_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
     for mode in ((), ("backend",)):
-        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(free_port())}
         _run([sys.executable, str(script), str(tmp_path), str(STEPS), *mode], env, tmp_path)
     _check_runs(tmp_path)
     ignored = _ranks(tmp_path, "ignored")
@@ -344,7 +339,7 @@ def test_lightning_on_the_ringcomm_backend(tmp_path, subprocess_env, launcher, r
                  "--nproc-per-node", "2"]
     else:
         start = [request.getfixturevalue("mpiexec"), "-n", "2", sys.executable]
-    env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(_free_port())}
+    env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(free_port())}
     _run([*start, str(script), str(tmp_path), str(STEPS), "backend"], env, tmp_path)
     _check_backend_runs(tmp_path, launcher, lightning_plain)
 
@@ -433,7 +428,7 @@ def _accelerate(script: Path, args: list[str], subprocess_env: dict[str, str],
     """``accelerate launch --multi_gpu --num_processes 2 script args`` (torchrun underneath)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            str(script), *args]
     proc = _run(cmd, _env(subprocess_env, out), out)
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

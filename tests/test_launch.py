@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from exit_checks import run_bounded
+from ports import free_port
 
 from ringcomm.core import launch
 from ringcomm.core.launch import LaunchInfo, detect
@@ -200,11 +200,6 @@ def test_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env, tmp_
     assert run("mpi") == ["rank 0 size 2 [3. 3.]", "rank 1 size 2 [3. 3.]"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_torchrun_variables_of_a_larger_job_left_in_an_mpiexec_job(mpiexec, subprocess_env,
                                                                    tmp_path):
@@ -219,7 +214,7 @@ def test_torchrun_variables_of_a_larger_job_left_in_an_mpiexec_job(mpiexec, subp
             "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
             "    f.write(out)\n")
     env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = tmp_path / "auto"
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], timeout=90,
                        env=env)
@@ -243,7 +238,7 @@ def test_one_mpiexec_per_part_of_a_torchrun_style_job(mpiexec, subprocess_env, t
             "with open(f\"{sys.argv[1]}.{c.rank}\", 'w') as f:\n"
             "    f.write(out)\n")
     env = {**subprocess_env, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "RINGCOMM_TIMEOUT": "60"}
+           "MASTER_PORT": str(free_port()), "RINGCOMM_TIMEOUT": "60"}
     out = tmp_path / "part"
     jobs = [subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-c", code, str(out), base],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -10,12 +10,12 @@ import importlib.metadata
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from ports import free_port
 
 import ringcomm
 from ringcomm.backends import _nccl_lib, _nccl_setup, nccl
@@ -208,7 +208,7 @@ def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, s
             "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
             "    f.write(out)\n")
     env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = tmp_path / "rank"
     run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], env=env,
                          capture_output=True, text=True, timeout=90)
@@ -219,11 +219,6 @@ def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, s
                                "number the 2 processes of this MPI job: MPI ranks 0 to 1 "
                                "have RANK [0, 0]."), texts
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("visible", ["", "-1"])
@@ -313,11 +308,6 @@ def test_startup_exchange_fails_on_every_rank():
 
 
 # -------------------------------------------------------------------- torchrun rendezvous
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun_env(monkeypatch, rank: int, size: int, port: int) -> None:
     for key, value in {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": rank,
@@ -328,7 +318,7 @@ def _torchrun_env(monkeypatch, rank: int, size: int, port: int) -> None:
 
 def test_store_rendezvous_in_one_process(monkeypatch):
     pytest.importorskip("torch.distributed")
-    _torchrun_env(monkeypatch, 0, 1, _free_port())
+    _torchrun_env(monkeypatch, 0, 1, free_port())
     rdv = _nccl_setup.connect()
     assert (rdv.kind, rdv.rank, rdv.size, rdv.local_rank, rdv.local_size) == ("store", 0, 1, 0, 1)
     assert rdv.allgather_object({"a": 1}) == [{"a": 1}]
@@ -364,7 +354,7 @@ def test_store_rendezvous_splits_like_mpi(subprocess_env):
     """Three torchrun-style processes split by rank parity with descending keys: each group
     orders its ranks by (key, rank), gets its own key space, and the parent goes on."""
     pytest.importorskip("torch.distributed")
-    port, size = _free_port(), 3
+    port, size = free_port(), 3
     procs = []
     for rank in range(size):
         env = dict(subprocess_env, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
@@ -399,7 +389,7 @@ _CHILD = textwrap.dedent("""
 def test_torchrun_ranks_without_gpu_fail_together(no_gpu, subprocess_env):
     """Under torchrun (no MPI), both ranks meet in the store and raise the clear error."""
     pytest.importorskip("torch.distributed")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(subprocess_env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),

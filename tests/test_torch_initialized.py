@@ -11,13 +11,13 @@ torch.distributed is up, never size 1.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from exit_checks import run_bounded
+from ports import free_port
 
 pytest.importorskip("torch")
 
@@ -78,11 +78,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _lines(text: str) -> dict[int, str]:
     return {int(r): line for r, line in re.findall(r"<(\d)\|(.*?)>", text)}
@@ -95,7 +90,7 @@ def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_e
     env = {k: v for k, v in subprocess_env.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", SPAWNED, str(r), port], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -121,7 +116,7 @@ def test_init_follows_torch_numbering_under_mpiexec(mpiexec, subprocess_env, bac
     runs over torch.distributed (gloo), "mpi" over MPI's world renumbered as the group, so
     ringcomm's ranks are the group's and a broadcast from root 0 sends torch's rank 0's data
     ("mpi" kept MPI's numbering before: root 0 sent torch's rank 1's data, without a word)."""
-    env = {**subprocess_env, "PORT": str(_free_port()), "BACKEND": backend}
+    env = {**subprocess_env, "PORT": str(free_port()), "BACKEND": backend}
     proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", REVERSED],
                        timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -180,7 +175,7 @@ def test_init_on_one_rank_under_torchrun_ends_at_its_timeout(tmp_path, subproces
     job = tmp_path / "one_rank.py"
     job.write_text(ONE_RANK_INIT_TORCHRUN)
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    proc = run_bounded([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    proc = run_bounded([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
                         str(job)], timeout=120, env={**subprocess_env, "BACKEND": backend})
     line = _lines(proc.stdout).get(0, proc.stdout[-2000:] + proc.stderr[-2000:])
     kind, seconds, _ = line.split(" ", 2)
@@ -198,7 +193,7 @@ def test_lightning_launcher_without_a_group_raises(subprocess_env, backend):
     """A child of Lightning's launcher (WORLD_SIZE, LOCAL_RANK, NODE_RANK; no RANK) before
     torch.distributed is up: a clear error on every backend (it used to be size 1)."""
     env = {**subprocess_env, "WORLD_SIZE": "2", "LOCAL_RANK": "1", "NODE_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop("RANK", None)
     code = LIGHTNING_CHILD.replace("ringcomm.init()", f"ringcomm.init({backend!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -225,7 +220,7 @@ def test_a_group_of_one_in_a_launch_of_two_raises(subprocess_env):
     """torch.distributed initialized with one process where the launcher says two: neither
     size is taken silently."""
     env = {**subprocess_env, "PMI_RANK": "0", "PMI_SIZE": "2"}
-    code = CONTRADICTED.replace("{port}", str(_free_port()))
+    code = CONTRADICTED.replace("{port}", str(free_port()))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.stdout.startswith("torch.distributed's default group has 1 process but "

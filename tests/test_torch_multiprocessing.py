@@ -18,12 +18,12 @@ one store.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 from exit_checks import run_job
+from ports import free_port
 
 pytest.importorskip("torch")
 
@@ -154,7 +154,7 @@ def test_init_where_rank_0_hosts_the_store(tmp_path, subprocess_env, method):
     3 runs in 5, a rank reaching the first as rank 0 closed it)."""
     script = tmp_path / "init_job.py"
     script.write_text(INIT_SCRIPT)
-    port = _free_port()
+    port = free_port()
     proc = run_job([sys.executable, str(script), method, str(tmp_path), str(RANKS), str(port)],
                    timeout=150, env=subprocess_env, cwd=tmp_path)
     output = proc.stdout + proc.stderr
@@ -162,9 +162,4 @@ def test_init_where_rank_0_hosts_the_store(tmp_path, subprocess_env, method):
     for row in _rows(tmp_path):
         assert row == {"rank": row["rank"], "size": RANKS, "sum": 6.0, "group": RANKS}, row
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
