@@ -192,12 +192,16 @@ def test_auto_without_the_cuda_driver_never_imports_cupy(mpiexec, subprocess_env
         assert lines == [f"RESULT {n} mpi False False"] * n, run.stdout + run.stderr
 
 
+@pytest.mark.parametrize("world_size, refusal", [
+    ("2", "do not number the 2 processes of this MPI job"),
+    ("4", "do not give the 2 processes of this MPI job 2 distinct ranks below 4")])
 def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env,
-                                                                       tmp_path):
-    """torchrun's RANK=0 and WORLD_SIZE=2 left in the environment of mpiexec -n 2: the NCCL
-    rendezvous (which needs no GPU) raises at once on both ranks, where both processes went to
-    host torch.distributed's store as rank 0 (one failed to listen, the other waited its whole
-    timeout)."""
+                                                                       tmp_path, world_size,
+                                                                       refusal):
+    """torchrun's RANK=0 and WORLD_SIZE=2 (or 4) left in the environment of mpiexec -n 2: the
+    NCCL rendezvous (which needs no GPU) raises at once on both ranks, where both processes
+    went to host torch.distributed's store as rank 0 (one failed to listen, the other waited
+    its whole timeout)."""
     code = ("import os, sys\n"
             "from ringcomm.backends import _nccl_setup\n"
             "try:\n"
@@ -207,7 +211,7 @@ def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, s
             "    out = f'error: {err}'\n"
             "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
             "    f.write(out)\n")
-    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": world_size, "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = tmp_path / "rank"
     run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], env=env,
@@ -215,9 +219,8 @@ def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, s
     assert run.returncode == 0, run.stdout + run.stderr
     texts = [(tmp_path / f"rank.{rank}").read_text() for rank in range(2)]
     assert texts[0] == texts[1], texts
-    assert texts[0].startswith("error: RANK and WORLD_SIZE=2 (torchrun's variables) do not "
-                               "number the 2 processes of this MPI job: MPI ranks 0 to 1 "
-                               "have RANK [0, 0]."), texts
+    assert texts[0].startswith(f"error: RANK and WORLD_SIZE={world_size} (torchrun's "
+                               f"variables) {refusal}: MPI ranks 0 to 1 have RANK [0, 0]."), texts
 
 
 
