@@ -501,8 +501,8 @@ class TorchDistTransport(TransportBase):
         """
         store = dist.distributed_c10d._get_default_store()
         serial = store.add(_SPLIT_SERIAL_KEY, 1) if self.rank == 0 else 0
-        everyone = agree_split(self, color, key, (serial,))
-        return _split_over(self, dist.PrefixStore(f"ringcomm-split-{everyone[0][2]}", store),
+        everyone = agree_split(self, color, key, (socket.gethostname(), serial))
+        return _split_over(self, dist.PrefixStore(f"ringcomm-split-{everyone[0][3]}", store),
                            everyone)
 
     def close(self) -> None:
@@ -526,17 +526,25 @@ class ProcessGroupTransport(TorchDistTransport):
             ``split`` makes its groups, under prefixes of their own.
         timeout, abort_on_timeout: as for TorchDistTransport (``timeout``: what a timeout's
             message says; ``group``'s own timeout ends the wait).
+        hosts: every rank's host name, in the group's order, where the caller has them (a
+            split's agreement); gathered over the group when None.
+        native_allreduce_bytes: the limit of gloo's own allreduce, agreed already (by the
+            transport a split came from); agreed over the group when None.
     """
 
     def __init__(self, group: Any, store: Any, *, timeout: float | None = None,
-                 abort_on_timeout: bool = True) -> None:
+                 abort_on_timeout: bool = True, hosts: list[str] | None = None,
+                 native_allreduce_bytes: int | None = None) -> None:
         self._pg, self._store, self._splits = group, store, 0
         rank, size = group.rank(), group.size()
-        hosts = _gather_objects(self._gather, size, socket.gethostname())
+        if hosts is None:
+            hosts = _gather_objects(self._gather, size, socket.gethostname())
         # Named by the group's own ranks: peers are this transport's ranks.
         self._adopt(None, rank, list(range(size)), *_place(hosts, rank),
                     check_timeout(timeout), bool(abort_on_timeout))
-        self.native_allreduce_bytes = agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
+        self.native_allreduce_bytes = (agree_byte_limit(self, NATIVE_BYTES_ENV, -1)
+                                       if native_allreduce_bytes is None
+                                       else native_allreduce_bytes)
 
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> Any:
         return self._pg.send([t], peer, tag)
@@ -570,7 +578,7 @@ class ProcessGroupTransport(TorchDistTransport):
             InvalidTypeError, InvalidArgumentError: color or key is invalid on some rank (as
                 ``check_split`` says; raised on every rank).
         """
-        everyone = agree_split(self, color, key)
+        everyone = agree_split(self, color, key, (socket.gethostname(),))
         self._splits += 1
         return _split_over(self, dist.PrefixStore(f"ringcomm-split-{self._splits}", self._store),
                            everyone)
@@ -579,8 +587,9 @@ class ProcessGroupTransport(TorchDistTransport):
 def _split_over(parent: TorchDistTransport, store: Any,
                 everyone: list[tuple[Any, ...]]) -> ProcessGroupTransport:
     """The transport over the ranks of ``parent`` that gave this rank's color in
-    ``everyone`` (agree_split's rows), ordered by (key, rank): a gloo group of theirs over
-    ``store`` (a prefix of it named after the color), which no other split may use."""
+    ``everyone`` (agree_split's rows: color, key, host name, ...), ordered by (key, rank): a
+    gloo group of theirs over ``store`` (a prefix of it named after the color), which no other
+    split may use. Their host names and ``parent``'s agreed limits come with it."""
     color = everyone[parent.rank][0]
     order = [r for _, r in sorted((k, r) for r, (c, k, *_) in enumerate(everyone)
                                   if c == color)]
@@ -588,8 +597,9 @@ def _split_over(parent: TorchDistTransport, store: Any,
     group = dist.ProcessGroupGloo(prefixed, order.index(parent.rank), len(order),
                                   _duration(parent.timeout))
     sub = ProcessGroupTransport(group, prefixed, timeout=parent.timeout,
-                                abort_on_timeout=parent.abort_on_timeout)
-    sub.native_allreduce_bytes = parent.native_allreduce_bytes  # agreed by every member
+                                abort_on_timeout=parent.abort_on_timeout,
+                                hosts=[everyone[r][2] for r in order],
+                                native_allreduce_bytes=parent.native_allreduce_bytes)
     return adopt_ranks(sub, parent, order)
 
 
