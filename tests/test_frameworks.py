@@ -55,17 +55,19 @@ def loader():
 # The Accelerate scripts' model, data and steps (after their imports; ``hook(model)``, if
 # given, registers a hook on the prepared model and returns its state).
 _ACCELERATE_FIT = r"""
-def fit(accelerator, rank, hook=None):
+def fit(accelerator, rank, hook=None, batches=None):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     state = None if hook is None else hook(model)
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
+    for _ in range(STEPS if batches is None else batches):
         x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        opt.zero_grad()
-        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-        opt.step()
+        # A step a batch, or one every gradient_accumulation_steps (DDP's no_sync() between).
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
     return model, state
 """
 
@@ -207,22 +209,12 @@ net = ignored.prepare(torch.nn.Linear(3, 3))
 ignored.backward(net(torch.ones(2, 3)).sum())
 
 
-# Parameters after 9 micro-batches under accumulate() (DDP's no_sync() on two of every three:
-# the hook runs on every third), and the state. Last in the script: the accumulation steps
-# are Accelerate's, process-wide, from here on.
+# Parameters after 9 batches under accumulate() (DDP's no_sync() on two of every three: the
+# hook runs on every third), and the state. Last in the script: the accumulation steps are
+# Accelerate's, process-wide, from here on.
 def accumulated(hooked):
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=3)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    state = register_ddp_hook(model) if hooked else None
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(9):
-        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-        with acc.accumulate(model):
-            acc.backward(torch.nn.functional.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
+    accumulating = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    model, state = fit(accumulating, rank, register_ddp_hook if hooked else None, batches=9)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state
 
 
