@@ -1,5 +1,5 @@
-"""ringcomm's DDP hook under PyTorch Lightning and Hugging Face Accelerate, each run for real:
-two CPU processes over gloo, started by the framework's own launcher.
+"""ringcomm's DDP hook under PyTorch Lightning, Lightning Fabric and Hugging Face Accelerate,
+each run for real: two CPU processes over gloo, started by the framework's own launcher.
 
 Each job trains a small model three times (DDP's own allreduce, ringcomm's hook, ringcomm's
 hook with int8), and every rank saves its final parameters and the hook's call count; the tests
@@ -388,6 +388,93 @@ def test_lightning_ddp_fork_on_the_ringcomm_backend(tmp_path, subprocess_env):
     assert [row["backend"] for row in rows["ringcomm"]] == ["ringcomm"] * 2, rows
     assert [row["size"] for row in rows["ringcomm"]] == [2, 2], rows
     assert len({row["params"] for runs in rows.values() for row in runs}) == 1, rows
+
+FABRIC_SCRIPT = r"""
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import lightning as L
+import torch
+import ringcomm
+from ringcomm.torch import register_ddp_hook
+from ringcomm.torch.fabric import RingcommDDPStrategy
+
+torch.set_num_threads(1)
+OUT, STEPS, MODE = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+kwargs = ({"compression": ringcomm.Int8(), "start_iter": 1, "min_compress_bytes": 0}
+          if MODE == "int8" else {})
+strategy = RingcommDDPStrategy(state_kwargs=kwargs)
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()  # the main process starts the other, which runs this script again
+rank = fabric.global_rank
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def fit(model, opt, quiet, backward):
+    # Two micro-batches a step, the first under DDP's no_sync(): one hook call a step.
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(2 * STEPS):
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        with quiet(i % 2 == 0):
+            backward(torch.nn.functional.cross_entropy(model(x), y))
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+model, opt = fabric.setup(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1)))(net()))
+hooked = fit(model, opt, lambda on: fabric.no_backward_sync(model, enabled=on), fabric.backward)
+state = strategy.ringcomm_state
+# Plain DDP over the same gloo group: the baseline.
+plain_model = torch.nn.parallel.DistributedDataParallel(net())
+plain = fit(plain_model, torch.optim.SGD(plain_model.parameters(), lr=0.1),
+            lambda on: plain_model.no_sync() if on else nullcontext(),
+            lambda loss: loss.backward())
+# A second model set up gets a state of its own.
+second, _ = fabric.setup(net(), torch.optim.SGD(net().parameters(), lr=0.1))
+assert len(strategy.ringcomm_states) == 2 and strategy.ringcomm_state is not state
+try:
+    register_ddp_hook(second)
+    raise AssertionError("no TypeError")
+except TypeError as err:
+    assert "pass strategy=ringcomm.torch.fabric.RingcommDDPStrategy" in str(err), err
+torch.save({"hooked": hooked, "plain": plain, "calls": state.comm.stats.calls,
+            "size": state.comm.size}, OUT / f"fabric_{MODE}_{rank}.pt")
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fabric_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
+    """``python train.py`` with ``Fabric(devices=2, strategy=RingcommDDPStrategy(...))`` and
+    ``fabric.launch()``, two micro-batches a step under ``fabric.no_backward_sync``:
+    uncompressed, plain DDP's parameters bit for bit with one hook call a step; with int8,
+    identical on both ranks; a second model set up gets a state of its own, and
+    register_ddp_hook given Fabric's wrapper says to use the strategy."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(FABRIC_SCRIPT)
+    for mode in ("ringcomm", "int8"):
+        env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(free_port())}
+        _run([sys.executable, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path)
+    runs = {mode: [torch.load(tmp_path / f"fabric_{mode}_{rank}.pt") for rank in (0, 1)]
+            for mode in ("ringcomm", "int8")}
+    for run in runs["ringcomm"] + runs["int8"]:
+        assert (run["calls"], run["size"]) == (STEPS, 2), (run["calls"], run["size"])
+        assert torch.equal(run["plain"], runs["ringcomm"][0]["plain"])
+    for mode in ("ringcomm", "int8"):
+        assert torch.equal(runs[mode][0]["hooked"], runs[mode][1]["hooked"])
+    assert torch.equal(runs["ringcomm"][0]["hooked"], runs["ringcomm"][0]["plain"])
+    int8 = runs["int8"][0]["hooked"]
+    assert not torch.equal(int8, runs["ringcomm"][0]["plain"]) and torch.isfinite(int8).all()
+
 
 ACCELERATE_BACKEND_SCRIPT = r"""
 import sys

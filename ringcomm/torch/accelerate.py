@@ -60,6 +60,14 @@ def _new_state(state_kwargs: dict[str, Any]) -> RingcommState:
 def _check_model(model: Any) -> None:
     """Raise TypeError unless ``model`` is a DistributedDataParallel."""
     if not isinstance(model, DistributedDataParallel):
+        kind = type(model).__module__
+        if kind.startswith(("lightning.fabric", "lightning_fabric")):
+            raise TypeError(
+                "register_ddp_hook expects a torch.nn.parallel.DistributedDataParallel, got "
+                f"Lightning Fabric's {type(model).__qualname__} (what fabric.setup returns, "
+                "with the DDP model inside): pass strategy=ringcomm.torch.fabric."
+                "RingcommDDPStrategy(state_kwargs=...) to Fabric instead, which registers the "
+                "hook as Fabric wraps the model")
         raise TypeError(
             "register_ddp_hook expects a torch.nn.parallel.DistributedDataParallel (what "
             "accelerator.prepare(model) returns when the job has several processes), got "
@@ -134,3 +142,31 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
     model.register_comm_hook(state, ringcomm_hook)
     state._model = weakref.ref(model)
     return state
+
+
+def check_strategy_state(strategy: str, state: Any, state_kwargs: Any) -> None:
+    """Check a framework strategy's ``state`` and ``state_kwargs`` arguments (Lightning's and
+    Fabric's ``RingcommDDPStrategy``).
+
+    Raises:
+        TypeError: both are given, or ``state`` is not a RingcommState.
+    """
+    if state is not None and state_kwargs:
+        raise TypeError(f"{strategy} takes state or state_kwargs, not both")
+    if state is not None and not isinstance(state, RingcommState):
+        raise TypeError(f"state must be a ringcomm.torch.RingcommState, got "
+                        f"{type(state).__qualname__}")
+
+
+def hook_strategy_model(model: DistributedDataParallel, state: RingcommState | None,
+                        state_kwargs: dict[str, Any], scaler: Any) -> RingcommState:
+    """:func:`register_ddp_hook` on a model a framework's strategy has just wrapped in DDP:
+    with ``state``, else with a state made from ``state_kwargs``, whose ``grad_scaler`` is
+    the precision plugin's loss ``scaler`` (``precision="16-mixed"``) unless they name one."""
+    if state is not None:
+        return register_ddp_hook(model, state)
+    kwargs = dict(state_kwargs)
+    if scaler is not None:  # the residuals follow its loss scale
+        kwargs.setdefault("grad_scaler", scaler)
+    return register_ddp_hook(model, **kwargs)
+

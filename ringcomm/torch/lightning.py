@@ -34,7 +34,7 @@ except ImportError as _err:
     raise ImportError("ringcomm.torch.lightning needs PyTorch Lightning 2.x: pip install "
                       f"lightning ({_err})") from _err
 
-from ringcomm.torch.accelerate import register_ddp_hook
+from ringcomm.torch.accelerate import check_strategy_state, hook_strategy_model
 from ringcomm.torch.hooks import RingcommState
 
 __all__ = ["RingcommDDPStrategy"]
@@ -90,11 +90,7 @@ class RingcommDDPStrategy(DDPStrategy):
         if given:
             raise ValueError(f"RingcommDDPStrategy registers ringcomm_hook itself; got "
                              f"{', '.join(given)}: pass state= or state_kwargs= instead")
-        if state is not None and state_kwargs:
-            raise TypeError("RingcommDDPStrategy takes state or state_kwargs, not both")
-        if state is not None and not isinstance(state, RingcommState):
-            raise TypeError(f"state must be a ringcomm.torch.RingcommState, got "
-                            f"{type(state).__qualname__}")
+        check_strategy_state("RingcommDDPStrategy", state, state_kwargs)
         super().__init__(**kwargs)
         self._ringcomm_state = state
         self._ringcomm_kwargs = dict(state_kwargs or {})
@@ -109,11 +105,6 @@ class RingcommDDPStrategy(DDPStrategy):
         super().configure_ddp()
         # configure_ddp wrapped it in DistributedDataParallel (register_ddp_hook checks that).
         model = cast(DistributedDataParallel, self.model)
-        if self._ringcomm_state is None:
-            kwargs = dict(self._ringcomm_kwargs)
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            if scaler is not None:  # "16-mixed": the residuals follow its loss scale
-                kwargs.setdefault("grad_scaler", scaler)
-            self._ringcomm_state = register_ddp_hook(model, **kwargs)
-        else:
-            register_ddp_hook(model, self._ringcomm_state)
+        self._ringcomm_state = hook_strategy_model(
+            model, self._ringcomm_state, self._ringcomm_kwargs,
+            getattr(self.precision_plugin, "scaler", None))
