@@ -276,7 +276,8 @@ def choose_auto(mpi_comm: Any, info: LaunchInfo, timeout: float = DEFAULT_TIMEOU
 
         world = _mpi_world_size()
         # Collective over MPI's world where it holds the job, or part of it (see there).
-        if not world_numbers_alike(info.rank, info.size, timeout):
+        if not world_numbers_alike(info.rank, info.size, timeout,
+                                   from_variables=info.launcher == "torchrun"):
             _require_torch(info, world)
             # Every question below goes over torch.distributed's store: one store, the default
             # group's. Where rank 0 hosts it (no torchrun agent: torch.multiprocessing.spawn

@@ -201,11 +201,24 @@ def test_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env, tmp_
 
 
 
-def test_torchrun_variables_of_a_larger_job_left_in_an_mpiexec_job(mpiexec, subprocess_env,
-                                                                   tmp_path):
-    """RANK=0 and WORLD_SIZE=4 left in the environment of mpiexec -n 2: backend "auto" refuses
-    them at once, the same on both ranks (rank 0 waited its whole timeout, 30 minutes by
-    default, for torch.distributed ranks that never came, while rank 1 failed at once)."""
+@pytest.mark.parametrize("world_size, processes, expected", [
+    (4, 2, "RANK and WORLD_SIZE=4 (torchrun's variables) do not give the 2 processes of this "
+           "MPI job 2 distinct ranks below 4: MPI ranks 0 to 1 have RANK [0, 0]."),
+    (2, 4, "RANK=0 and WORLD_SIZE=2 (torchrun's variables) describe a job of 2 processes, but "
+           "an MPI launcher started 4 processes in this one: some would share a rank. They "
+           "were left"),
+    (1, 2, "RANK=0 and WORLD_SIZE=1 (torchrun's variables) describe a job of 1 process, but "
+           "an MPI launcher started 2 processes in this one: some would share a rank (each "
+           "would run as a job of its own). They were left"),
+], ids=["larger", "smaller", "one"])
+def test_torchrun_variables_of_another_size_left_in_an_mpiexec_job(
+        mpiexec, subprocess_env, tmp_path, world_size, processes, expected):
+    """RANK=0 and a WORLD_SIZE other than the job's left in the environment of an mpiexec job:
+    backend "auto" refuses them at once, the same on every rank. Before, with WORLD_SIZE=4 in
+    mpiexec -n 2, and with WORLD_SIZE=2 in mpiexec -n 4, one process waited its whole timeout
+    (30 minutes by default) for torch.distributed ranks that never came while the others
+    failed at once (EADDRINUSE); with WORLD_SIZE=1 in mpiexec -n 2 one process went on alone,
+    a communicator of 1 process in a job of 2."""
     code = ("import os, ringcomm, sys\n"
             "try:\n"
             "    c = ringcomm.init(abort_on_exception=False)\n"
@@ -213,17 +226,17 @@ def test_torchrun_variables_of_a_larger_job_left_in_an_mpiexec_job(mpiexec, subp
             "except RuntimeError as err:\n    out = f'error: {err}'\n"
             "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
             "    f.write(out)\n")
-    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RINGCOMM_TIMEOUT": "60"}
     out = tmp_path / "auto"
-    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], timeout=90,
-                       env=env)
+    proc = run_bounded([mpiexec, "-n", str(processes), sys.executable, "-c", code, str(out)],
+                       timeout=90, env=env)
     assert proc.returncode == 0, proc.stderr
-    got = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
-    assert got[0] == got[1], got
-    assert got[0].startswith("error: RANK and WORLD_SIZE=4 (torchrun's variables) do not give "
-                             "the 2 processes of this MPI job 2 distinct ranks below 4: MPI "
-                             "ranks 0 to 1 have RANK [0, 0]."), got
+    got = [Path(f"{out}.{rank}").read_text() for rank in range(processes)]
+    assert len(set(got)) == 1, got
+    assert got[0].startswith(f"error: {expected}"), got
+    assert "unset RANK, WORLD_SIZE" in got[0], got
 
 
 def test_one_mpiexec_per_part_of_a_torchrun_style_job(mpiexec, subprocess_env, tmp_path):

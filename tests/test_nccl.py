@@ -193,15 +193,19 @@ def test_auto_without_the_cuda_driver_never_imports_cupy(mpiexec, subprocess_env
 
 
 @pytest.mark.parametrize("world_size, refusal", [
-    ("2", "do not number the 2 processes of this MPI job"),
-    ("4", "do not give the 2 processes of this MPI job 2 distinct ranks below 4")])
+    ("2", "RANK and WORLD_SIZE=2 (torchrun's variables) do not number the 2 processes of "
+          "this MPI job: MPI ranks 0 to 1 have RANK [0, 0]."),
+    ("4", "RANK and WORLD_SIZE=4 (torchrun's variables) do not give the 2 processes of this "
+          "MPI job 2 distinct ranks below 4: MPI ranks 0 to 1 have RANK [0, 0]."),
+    ("1", "RANK=0 and WORLD_SIZE=1 (torchrun's variables) describe a job of 1 process, but an "
+          "MPI launcher started 2 processes in this one")])
 def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, subprocess_env,
                                                                        tmp_path, world_size,
                                                                        refusal):
-    """torchrun's RANK=0 and WORLD_SIZE=2 (or 4) left in the environment of mpiexec -n 2: the
-    NCCL rendezvous (which needs no GPU) raises at once on both ranks, where both processes
-    went to host torch.distributed's store as rank 0 (one failed to listen, the other waited
-    its whole timeout)."""
+    """torchrun's RANK=0 and WORLD_SIZE=2 (or 4, or 1) left in the environment of mpiexec -n 2:
+    the NCCL rendezvous (which needs no GPU) raises at once on both ranks, where both
+    processes went to host torch.distributed's store as rank 0 (one failed to listen, the
+    other waited its whole timeout, or with WORLD_SIZE=1 went on as a job of one)."""
     code = ("import os, sys\n"
             "from ringcomm.backends import _nccl_setup\n"
             "try:\n"
@@ -219,8 +223,7 @@ def test_rendezvous_refuses_torchrun_variables_left_in_an_mpiexec_job(mpiexec, s
     assert run.returncode == 0, run.stdout + run.stderr
     texts = [(tmp_path / f"rank.{rank}").read_text() for rank in range(2)]
     assert texts[0] == texts[1], texts
-    assert texts[0].startswith(f"error: RANK and WORLD_SIZE={world_size} (torchrun's "
-                               f"variables) {refusal}: MPI ranks 0 to 1 have RANK [0, 0]."), texts
+    assert texts[0].startswith(f"error: {refusal}"), texts
 
 
 

@@ -241,7 +241,7 @@ def connect(mpi_comm: Any = None, timeout: float | None = None) -> Rendezvous:
         # they number no process (left in its environment, the same in every process), whose
         # store would wait the whole timeout for a rank that never comes; collective over
         # MPI's world where it holds the job's processes or part of them, else nothing.
-        world_numbers_alike(info.rank, info.size, check_timeout(timeout))
+        world_numbers_alike(info.rank, info.size, check_timeout(timeout), from_variables=True)
     # A torch.distributed group that MPI's world numbers alike meets over MPI, as any mpiexec
     # job does (collective over MPI's world).
     if info.launcher == "torchrun" or (info.launcher == "torch.distributed" and not

@@ -118,8 +118,8 @@ def abort(comm: Any, code: int) -> None:
         os._exit(code)
 
 
-def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicates: bool = True
-                        ) -> bool:
+def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicates: bool = True,
+                        from_variables: bool = False) -> bool:
     """Whether MPI.COMM_WORLD holds ``size`` processes and numbers this one ``rank``, as on
     every rank: a collective over MPI's world where its size is ``size`` (call it on every
     rank; one that waits ``timeout`` seconds at most for the others, then ends the job, as
@@ -130,14 +130,20 @@ def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicat
 
     With ``refuse_duplicates``, where an MPI launcher started fewer processes than ``size``
     (a part of the job, say one mpiexec per node), the ranks are gathered over MPI's world
-    too (collective), to refuse the same rank given twice; False then.
+    too (collective), to refuse the same rank given twice; False then. Where it started more
+    processes than ``size`` and ``from_variables`` (``rank`` and ``size`` are torchrun's
+    variables, not a torch.distributed group already up), refused on each rank without a
+    collective: two of them would have one rank (with ``WORLD_SIZE=1`` each would run alone
+    as a job of one), and processes of the MPI job that never call init (only some of its
+    programs forming the torch.distributed job) would leave a collective waiting.
 
     Raises:
         RuntimeError: with ``refuse_duplicates``, two of MPI's processes give the same rank
             (or one no rank of the job), on every rank: torchrun's ``RANK`` and
             ``WORLD_SIZE`` left in the environment of an mpiexec job, which every process
             inherits alike. Started from them, torch.distributed would wait its whole timeout
-            for ranks that never come. (Without it: False.)
+            for ranks that never come. (Without it: False.) With ``from_variables`` too,
+            on every rank: an MPI launcher started more processes than ``size``.
     """
     if size > 1 and not mpi_world_is_job():
         return False
@@ -147,6 +153,8 @@ def world_numbers_alike(rank: int, size: int, timeout: float, *, refuse_duplicat
         return False
     world = MPI.COMM_WORLD
     processes = world.Get_size()
+    if refuse_duplicates and from_variables and processes > size and launch.mpi_launched():
+        raise RuntimeError(_too_many_processes(rank, size, processes))
     part = refuse_duplicates and processes < size and launch.mpi_launched()
     if processes != size and not part:
         return False
@@ -169,6 +177,14 @@ def _gather_ranks(world: Any, rank: int, timeout: float) -> list[int]:
     return [int(r) for r in ranks]
 
 
+#: What to do about torchrun's variables left in an MPI job's environment.
+_STALE_TORCHRUN = (
+    "They were left in the environment by an earlier launch (torchrun sets them in each process "
+    "it starts, and every process of an mpiexec job inherits the same ones): unset RANK, "
+    "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT before mpiexec, or "
+    "launch with torchrun")
+
+
 def _no_numbering(ranks: list[int], size: int) -> str:
     """Why ``ranks`` (each MPI rank's, in MPI's order) number no ``size`` processes."""
     n = len(ranks)
@@ -176,11 +192,17 @@ def _no_numbering(ranks: list[int], size: int) -> str:
              f"do not give the {n} processes of this MPI job {n} distinct ranks below "
              f"{size}")
     return (f"RANK and WORLD_SIZE={size} (torchrun's variables) {which}: MPI ranks 0 to "
-            f"{n - 1} have RANK {ranks}. They were left in the environment by an earlier launch "
-            "(torchrun sets them in each process it starts, and every process of an mpiexec "
-            "job inherits the same ones): unset RANK, WORLD_SIZE, LOCAL_RANK, "
-            "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT before mpiexec, or launch with "
-            "torchrun")
+            f"{n - 1} have RANK {ranks}. {_STALE_TORCHRUN}")
+
+
+def _too_many_processes(rank: int, size: int, processes: int) -> str:
+    """Why torchrun's ``rank`` and ``size`` cannot number an MPI job of ``processes`` > size."""
+    return (f"RANK={rank} and WORLD_SIZE={size} (torchrun's variables) describe a job of "
+            f"{size} process{'es' if size != 1 else ''}, but an MPI launcher started "
+            f"{processes} processes in this one: some would share a rank"
+            f"{' (each would run as a job of its own)' if size == 1 else ''}. {_STALE_TORCHRUN}. Where "
+            "only some of this MPI job's programs form the torch.distributed job, ask for "
+            "ringcomm.init('gloo') there")
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
