@@ -200,9 +200,9 @@ def _too_many_processes(rank: int, size: int, processes: int) -> str:
     return (f"RANK={rank} and WORLD_SIZE={size} (torchrun's variables) describe a job of "
             f"{size} process{'es' if size != 1 else ''}, but an MPI launcher started "
             f"{processes} processes in this one: some would share a rank"
-            f"{' (each would run as a job of its own)' if size == 1 else ''}. {_STALE_TORCHRUN}. Where "
-            "only some of this MPI job's programs form the torch.distributed job, ask for "
-            "ringcomm.init('gloo') there")
+            f"{' (each would run as a job of its own)' if size == 1 else ''}. "
+            f"{_STALE_TORCHRUN}. Where only some of this MPI job's programs form the "
+            "torch.distributed job, ask for ringcomm.init('gloo') there")
 
 
 #: Seconds the abort hook leaves the launcher to forward the traceback before MPI_Abort.
