@@ -380,7 +380,7 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
         ConnectionError: the rendezvous server does not answer.
     """
     from ringcomm.backends.mpi_process import world_joined
-    from ringcomm.core.launch import horovodrun_rendezvous
+    from ringcomm.core.launch import horovodrun_rendezvous, mpi_launcher_variables
 
     where = horovodrun_rendezvous()
     if info.launcher != "horovodrun" or where is None or info.size == 1 or world_joined():
@@ -396,8 +396,18 @@ def join_mpi_over_horovodrun(info: LaunchInfo, timeout: float) -> None:
     from ringcomm.backends.rendezvous_http import RendezvousStore
 
     host, port = where
-    why = join(RendezvousStore(host, port), info.rank, info.size, timeout, always=True,
-               toward=host)
+    try:
+        why = join(RendezvousStore(host, port), info.rank, info.size, timeout, always=True,
+                   toward=host)
+    except ConnectionError as err:
+        also = mpi_launcher_variables()
+        if also is None:
+            raise
+        raise ConnectionError(
+            f"{err}. This process also has an MPI launcher's variables ({also}): horovodrun's "
+            "(HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR and _PORT) may have been "
+            "left in the environment by an earlier launch, which every process of an mpiexec "
+            "job inherits alike; unset them before mpiexec, or launch with horovodrun") from err
     if why is None:
         mark_joined(info)
         return

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from exit_checks import run_bounded
+from ports import free_port
 
 from ringcomm import registry
 from ringcomm.backends.rendezvous_http import RendezvousStore
@@ -238,6 +239,32 @@ def test_horovod_variables_without_its_server_raise_naming_them(subprocess_env):
             "horovodrun's variables are set but not the address of its rendezvous server"
             in proc.stderr), proc.stderr[-2000:]
 
+
+
+def test_horovodrun_variables_left_in_an_mpiexec_job_are_named(subprocess_env, mpiexec):
+    """horovodrun's variables, its rendezvous server's address included, left in the
+    environment of an mpiexec job: every rank fails at once on the server that is gone, and
+    the error says the process is an MPI launcher's too and which variables to unset (it
+    named the server alone)."""
+    code = ("import ringcomm\n"
+            "try:\n"
+            "    ringcomm.init(abort_on_exception=False)\n"
+            "    print('RESULT joined', flush=True)\n"
+            "except ConnectionError as err:\n"
+            "    print(f'RESULT {err}', flush=True)\n")
+    env = {**subprocess_env, "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2",
+           "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
+           "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+           "HOROVOD_GLOO_RENDEZVOUS_PORT": str(free_port()), "RINGCOMM_TIMEOUT": "30"}
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=90, env=env)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert any(f"MPI launcher's variables (PMI_RANK={rank}, PMI_SIZE=2)" in line
+                   for line in results), results
+    for line in results:
+        assert "rendezvous server at 127.0.0.1:" in line, line
+        assert "unset them before mpiexec" in line, line
 
 CHILD = textwrap.dedent(r"""
     import subprocess, sys

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["HOROVODRUN_RENDEZVOUS", "MPI_LAUNCHER_VARIABLES", "TORCHRUN_WORKER", "LaunchInfo",
-           "detect", "horovodrun_rendezvous", "mpi_launched"]
+           "detect", "horovodrun_rendezvous", "mpi_launched", "mpi_launcher_variables"]
 
 #: Set by torchrun's agent in each worker it starts (and by nothing else).
 TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
@@ -200,12 +200,20 @@ def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
         return False
     if horovodrun_rendezvous(env) is not None:
         return False
+    return mpi_launcher_variables(env) is not None
+
+
+def mpi_launcher_variables(env: Mapping[str, str] | None = None) -> str | None:
+    """The rank and size variables of an MPI launcher (mpiexec, srun, ...) in ``env``, as
+    ``"PMI_RANK=0, PMI_SIZE=2"``, whatever torchrun's or horovodrun's say; None without
+    them."""
+    env = os.environ if env is None else env
     for launcher, rank_var, size_var, *_ in _SCHEMES[2:]:
         if launcher == "slurm" and not any(env.get(name) for name in _SLURM_STEP):
             continue
         if rank_var in env and size_var in env:
-            return True
-    return False
+            return f"{rank_var}={env[rank_var]}, {size_var}={env[size_var]}"
+    return None
 
 
 def horovodrun_rendezvous(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
