@@ -536,6 +536,131 @@ def test_accelerate_launch_on_cpu(tmp_path, subprocess_env):
         assert torch.equal(run["params"], plain[0]["params"])
 
 
+HF_TRAINER_SCRIPT = r"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import ringcomm
+from ringcomm.torch.hf_trainer import register_trainer_hook
+
+torch.set_num_threads(1)
+OUT, STEPS, MODE = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if MODE == "backend":  # the Trainer keeps a group made before its TrainingArguments
+    dist.init_process_group("ringcomm")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 4))
+
+    def forward(self, x, labels=None):
+        return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 32, generator=gen)
+        self.y = torch.randint(0, 4, (64,), generator=gen)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train(hooked=False, **state_kwargs):
+    # Two micro-batches a step (Accelerate's accumulate(): DDP's no_sync() on the first).
+    args = TrainingArguments(output_dir=str(OUT / "hf"), per_device_train_batch_size=8,
+                             gradient_accumulation_steps=2, max_steps=STEPS, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, seed=0)
+    trainer = Trainer(model=Net(), args=args, train_dataset=Data())
+    hook = register_trainer_hook(trainer, **state_kwargs) if hooked else None
+    trainer.train()
+    return trainer, hook
+
+
+if MODE == "alone":  # one process: no DDP model, nothing to hook
+    trainer, hook = train(hooked=True)
+    assert hook.state is None
+    try:
+        register_trainer_hook(trainer.model)
+        raise AssertionError("no TypeError")
+    except TypeError as err:
+        assert "expects a transformers.Trainer" in str(err), err
+    torch.save({"params": params(trainer.model)}, OUT / "hf_alone.pt")
+    sys.exit(0)
+if MODE == "backend":
+    trainer, _ = train()
+    comm = dist.group.WORLD.communicator
+    torch.save({"params": params(trainer.model), "backend": dist.get_backend(),
+                "calls": comm.stats.calls}, OUT / f"hf_backend_{dist.get_rank()}.pt")
+    sys.exit(0)
+plain, _ = train()
+rank = dist.get_rank()
+hooked, hook = train(hooked=True)
+first = params(hooked.model)
+hooked.train()  # a second train() of the same DDP model keeps its hook and state
+int8, int8_hook = train(hooked=True, compression=ringcomm.Int8(), start_iter=1,
+                        min_compress_bytes=0)
+try:
+    register_trainer_hook(plain, state=hook.state, start_iter=1)
+    raise AssertionError("no TypeError")
+except TypeError as err:
+    assert "takes state or state_kwargs, not both" in str(err), err
+torch.save({"plain": params(plain.model), "hooked": first, "again": params(hooked.model),
+            "int8": params(int8.model), "calls": hook.state.comm.stats.calls,
+            "size": hook.state.comm.size, "int8_calls": int8_hook.state.comm.stats.calls},
+           OUT / f"hf_{rank}.pt")
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hugging_face_trainer_under_torchrun(tmp_path, subprocess_env):
+    """transformers' Trainer (two micro-batches a step) under torchrun on CPU:
+    register_trainer_hook's hook ends with the plain Trainer's parameters bit for bit, one
+    hook call a step, and keeps its state over a second train(); with int8, identical on both
+    ranks; and on torch.distributed's "ringcomm" backend the plain Trainer trains to the
+    same parameters as on gloo. In one process (no DDP model) the hook does nothing."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "train.py"
+    script.write_text(HF_TRAINER_SCRIPT)
+    start = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(script), str(tmp_path), str(STEPS)]
+    env = {**_env(subprocess_env, tmp_path), "TRANSFORMERS_VERBOSITY": "error"}
+    _run([*start, "hooks"], env, tmp_path)
+    _run([*start, "backend"], env, tmp_path)
+    _run([sys.executable, str(script), str(tmp_path), str(STEPS), "alone"], env, tmp_path)
+    runs = [torch.load(tmp_path / f"hf_{rank}.pt") for rank in (0, 1)]
+    for key in ("plain", "hooked", "again", "int8"):
+        assert torch.equal(runs[0][key], runs[1][key]), key
+    for run in runs:
+        assert (run["calls"], run["size"], run["int8_calls"]) == (2 * STEPS, 2, STEPS), run
+    assert torch.equal(runs[0]["hooked"], runs[0]["plain"])
+    assert not torch.equal(runs[0]["again"], runs[0]["hooked"])  # trained on
+    assert not torch.equal(runs[0]["int8"], runs[0]["plain"])
+    assert torch.isfinite(runs[0]["int8"]).all()
+    for rank in (0, 1):
+        backend = torch.load(tmp_path / f"hf_backend_{rank}.pt")
+        assert backend["backend"] == "ringcomm" and backend["calls"] >= STEPS, backend
+        assert torch.equal(backend["params"], runs[0]["plain"])
+    assert torch.isfinite(torch.load(tmp_path / "hf_alone.pt")["params"]).all()
+
+
 NOTEBOOK_SCRIPT = r"""
 import sys
 from pathlib import Path
