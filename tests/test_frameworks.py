@@ -719,16 +719,25 @@ def test_register_ddp_hook_refuses_a_module():
 
 def test_importing_ringcomm_torch_imports_no_framework(subprocess_env):
     code = ("import sys, ringcomm.torch, ringcomm.torch.accelerate; "
-            "assert not {'lightning', 'pytorch_lightning', 'accelerate'} & set(sys.modules)")
+            "assert not {'lightning', 'pytorch_lightning', 'accelerate', 'transformers'} "
+            "& set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], env=subprocess_env, check=True, timeout=60)
 
 
-def test_lightning_module_without_lightning_says_what_to_install(monkeypatch):
-    monkeypatch.delitem(sys.modules, "ringcomm.torch.lightning", raising=False)
-    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.strategies"):
+@pytest.mark.parametrize(("module", "missing", "install"), [
+    ("ringcomm.torch.lightning", ("lightning", "lightning.pytorch",
+                                  "lightning.pytorch.strategies"), "pip install lightning"),
+    ("ringcomm.torch.fabric", ("lightning", "lightning.fabric", "lightning.fabric.strategies"),
+     "pip install lightning"),
+    ("ringcomm.torch.hf_trainer", ("transformers",), "pip install transformers"),
+])
+def test_framework_module_without_its_framework_says_what_to_install(monkeypatch, module,
+                                                                     missing, install):
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    for name in missing:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    with pytest.raises(ImportError, match="pip install lightning"):
-        importlib.import_module("ringcomm.torch.lightning")
+    with pytest.raises(ImportError, match=install):
+        importlib.import_module(module)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
@@ -749,3 +758,21 @@ def test_lightning_strategy_takes_state_or_kwargs():
         lightning.RingcommDDPStrategy(state=object(), state_kwargs={"start_iter": 3})
     strategy = lightning.RingcommDDPStrategy(state_kwargs={"start_iter": 3}, bucket_cap_mb=1)
     assert strategy.ringcomm_state is None  # made when DDP wraps the model
+
+
+def test_fabric_strategy_takes_state_or_kwargs():
+    fabric = pytest.importorskip("ringcomm.torch.fabric", exc_type=ImportError)
+    with pytest.raises(TypeError, match="state or state_kwargs, not both"):
+        fabric.RingcommDDPStrategy(state=object(), state_kwargs={"start_iter": 3})
+    with pytest.raises(TypeError, match="state must be a ringcomm.torch.RingcommState"):
+        fabric.RingcommDDPStrategy(state=object())
+    strategy = fabric.RingcommDDPStrategy(state_kwargs={"start_iter": 3}, bucket_cap_mb=1)
+    assert strategy.ringcomm_state is None and strategy.ringcomm_states == ()
+
+
+def test_trainer_hook_refuses_what_is_no_trainer():
+    hf_trainer = pytest.importorskip("ringcomm.torch.hf_trainer", exc_type=ImportError)
+    with pytest.raises(TypeError, match="expects a transformers.Trainer, got builtins.object"):
+        hf_trainer.register_trainer_hook(object())
+    with pytest.raises(TypeError, match="state must be a ringcomm.torch.RingcommState"):
+        hf_trainer.register_trainer_hook(object(), state=object())
