@@ -764,7 +764,7 @@ def test_fabric_strategy_takes_state_or_kwargs():
     fabric = pytest.importorskip("ringcomm.torch.fabric", exc_type=ImportError)
     with pytest.raises(TypeError, match="state or state_kwargs, not both"):
         fabric.RingcommDDPStrategy(state=object(), state_kwargs={"start_iter": 3})
-    with pytest.raises(TypeError, match="state must be a ringcomm.torch.RingcommState"):
+    with pytest.raises(TypeError, match=r"state must be a ringcomm\.torch\.RingcommState"):
         fabric.RingcommDDPStrategy(state=object())
     strategy = fabric.RingcommDDPStrategy(state_kwargs={"start_iter": 3}, bucket_cap_mb=1)
     assert strategy.ringcomm_state is None and strategy.ringcomm_states == ()
@@ -772,7 +772,7 @@ def test_fabric_strategy_takes_state_or_kwargs():
 
 def test_trainer_hook_refuses_what_is_no_trainer():
     hf_trainer = pytest.importorskip("ringcomm.torch.hf_trainer", exc_type=ImportError)
-    with pytest.raises(TypeError, match="expects a transformers.Trainer, got builtins.object"):
+    with pytest.raises(TypeError, match=r"expects a transformers\.Trainer, got builtins\.object"):
         hf_trainer.register_trainer_hook(object())
-    with pytest.raises(TypeError, match="state must be a ringcomm.torch.RingcommState"):
+    with pytest.raises(TypeError, match=r"state must be a ringcomm\.torch\.RingcommState"):
         hf_trainer.register_trainer_hook(object(), state=object())
