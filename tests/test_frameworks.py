@@ -615,6 +615,17 @@ first = params(hooked.model)
 hooked.train()  # a second train() of the same DDP model keeps its hook and state
 int8, int8_hook = train(hooked=True, compression=ringcomm.Int8(), start_iter=1,
                         min_compress_bytes=0)
+# model_init: each train() makes a model, and each DDP model gets a state of its own.
+args = TrainingArguments(output_dir=str(OUT / "hf"), per_device_train_batch_size=8,
+                         max_steps=STEPS, use_cpu=True, report_to=[], save_strategy="no",
+                         logging_strategy="no", disable_tqdm=True, seed=0)
+remade = Trainer(model_init=Net, args=args, train_dataset=Data())
+remade_hook = register_trainer_hook(remade)
+remade.train()
+first_state = remade_hook.state
+remade.train()
+assert remade_hook.state is not first_state
+assert first_state.comm.stats.calls == remade_hook.state.comm.stats.calls == STEPS
 try:
     register_trainer_hook(plain, state=hook.state, start_iter=1)
     raise AssertionError("no TypeError")

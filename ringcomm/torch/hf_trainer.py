@@ -48,9 +48,10 @@ class RingcommCallback(TrainerCallback):
     training starts. Made and added by :func:`register_trainer_hook`.
 
     The state is made at the first ``train()`` (from ``state_kwargs``, with the Accelerator's
-    loss scaler as its ``grad_scaler`` unless given) and kept for later ones, which train the
-    same DDP model. In a job of one process the Trainer wraps no DDP model and the callback
-    does nothing (``state`` stays None).
+    loss scaler as its ``grad_scaler`` unless given) and kept for later ones that train the
+    same DDP model; a ``train()`` of another model (a Trainer with ``model_init``, which makes
+    one each time) gets a state of its own. In a job of one process the Trainer wraps no DDP
+    model and the callback does nothing (``state`` stays None).
 
     Raises (at ``trainer.train()``):
         TypeError: the job has several processes and the Trainer trains its model otherwise
@@ -88,8 +89,7 @@ class RingcommCallback(TrainerCallback):
                       "nothing to average")
             return
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
-        self.state = hook_strategy_model(model, self.state or self._given, self._kwargs,
-                                         scaler)
+        self.state = hook_strategy_model(model, self._given, self._kwargs, scaler)
         self._model = weakref.ref(model)
 
 
