@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ from ringcomm.comm._mismatch import HOOK_CALLER
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
+from ringcomm.core.types import ArgumentMismatchError
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._futures import failing_for_cpp
@@ -65,6 +67,12 @@ from ringcomm.torch.compression import ring_of
 from ringcomm.torch.horovod import _basics, _lifecycle
 
 __all__ = ["RingcommState", "ringcomm_hook"]
+
+#: What a bucket's compression differing between ranks says of their RingcommStates.
+_STATES_DIFFER = (
+    "ringcomm's DDP hook sends a bucket as the rank's RingcommState says (its compression, "
+    "start_iter, min_compress_bytes, error_feedback and algorithm), so the states differ "
+    "between the ranks: make them with the same arguments on every rank")
 
 #: Dtypes of the buckets the backend's own allreduce takes as they are (gloo's native sums).
 _STARTED_DTYPES = frozenset({torch.float32, torch.float64})
@@ -376,12 +384,24 @@ def _allreduce(state: RingcommState, array: Any, buffer: torch.Tensor,
         state.comm.allreduce(array, out=array, op="avg", compression=compression,
                              feedback=feedback, name=name, algorithm=state.algorithm)
     except (ValueError, TypeError) as err:
-        raise collective_error(state.comm, err, "allreduce", buffer) from err
+        error = collective_error(state.comm, err, "allreduce", buffer)
+        if _compressions_differ(err):
+            error = type(error)(f"{error}. {_STATES_DIFFER}")
+        raise error from err
     finally:
         if held:
             residual = state.feedback.take(name, array.reshape(-1))  # type: ignore[arg-type]
             for off, piece in held:
                 residual[off: off + piece.size] += piece
+
+
+def _compressions_differ(err: Exception) -> bool:
+    """Whether ``err`` says that the ranks sent a bucket with different compressions (not
+    only under different bucket names: buckets handed over in different orders)."""
+    if not isinstance(err, ArgumentMismatchError):
+        return False
+    values = err.differences.get("compression/name", ())
+    return len({re.sub(r"\|ddp\.bucket\d+", "", str(v)) for v in values}) > 1
 
 
 def _hold_idle(feedback: ErrorFeedback, array: Any, layout: Layout | None,

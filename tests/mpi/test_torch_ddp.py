@@ -613,6 +613,34 @@ def test_two_models_on_two_threads_over_one_communicator_never_mix(overlap):
             torch.distributed.destroy_process_group(group)
 
 
+@pytest.mark.parametrize("differing", ["start_iter", "compression", "error_feedback"])
+def test_states_made_otherwise_on_each_rank_are_named_in_the_error(differing):
+    """RingcommStates whose arguments differ between the ranks send a bucket compressed
+    otherwise (or not at all) at some iteration: every rank raises, saying that the states
+    differ and must be made with the same arguments, not only what the call's compression
+    was on each rank."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    comm = ringcomm.init("mpi", abort_on_exception=False, timeout=20)
+    kwargs = {"comm": comm, "overlap": False, "start_iter": 0, "min_compress_bytes": 0,
+              "compression": ringcomm.Int8()}
+    kwargs[differing] = {"start_iter": 1 + RANK, "compression": [ringcomm.Int8(),
+                                                                 ringcomm.FP16()][RANK % 2],
+                         "error_feedback": RANK == 0}[differing]
+    try:
+        model = DDP(_Scaled())
+        model.register_comm_hook(RingcommState(**kwargs), ringcomm_hook)
+        with pytest.raises(RuntimeError) as info:
+            for _ in range(2):
+                model(torch.full((500,), 1.0)).backward()
+        message = str(info.value)
+        assert "compression/name differs between ranks" in message, message
+        assert ("so the states differ between the ranks: make them with the same arguments "
+                "on every rank") in message, message
+    finally:
+        comm.close()
+
+
 def test_a_state_made_on_one_rank_only_is_named_in_the_error():
     """A RingcommState made on rank 0 alone (never used) numbers the next state's calls
     otherwise there: the model's first bucket raises on every rank, saying that the states
