@@ -201,6 +201,12 @@ try:
 except ValueError as err:
     assert "already runs the hook of another DDP model" in str(err), err
 
+# A DDP model compiled after prepare(): the hook goes on the DDP model inside, which runs it.
+compiled = torch.compile(accelerator.prepare(torch.nn.Linear(3, 3)), backend="eager")
+compiled_state = register_ddp_hook(compiled)
+compiled(torch.ones(2, 3)).sum().backward()
+assert compiled_state.comm.stats.calls == 1, compiled_state.comm.stats
+
 # Accelerate's own way: a callable comm_hook is ignored (registered, it would run with state
 # None and fail in backward).
 ignored = Accelerator(cpu=True, kwargs_handlers=[

@@ -25,6 +25,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ringcomm.comm.base import Communicator
@@ -57,8 +58,13 @@ def _new_state(state_kwargs: dict[str, Any]) -> RingcommState:
         raise
 
 
-def _check_model(model: Any) -> None:
-    """Raise TypeError unless ``model`` is a DistributedDataParallel."""
+def _ddp_model(model: Any) -> DistributedDataParallel:
+    """``model``, or the DistributedDataParallel that ``torch.compile`` wrapped in it (its
+    ``_orig_mod``: the hook goes on the DDP model the compiled one runs); TypeError unless it
+    is either."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
+        return inner
     if not isinstance(model, DistributedDataParallel):
         kind = type(model).__module__
         if kind.startswith(("lightning.fabric", "lightning_fabric")):
@@ -73,6 +79,7 @@ def _check_model(model: Any) -> None:
             "accelerator.prepare(model) returns when the job has several processes), got "
             f"{type(model).__module__}.{type(model).__qualname__}; a job of one process has "
             "no DDP model and no gradients to average")
+    return model
 
 
 def _check_state(state: RingcommState, model: DistributedDataParallel) -> None:
@@ -108,7 +115,7 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
 
     Args:
         model: the ``DistributedDataParallel`` model, as ``accelerator.prepare(model)``
-            returns it (not the unwrapped module).
+            returns it (not the unwrapped module), or ``torch.compile`` of it.
         state: the hook's state; made here when None, from ``state_kwargs`` (the arguments of
             :class:`~ringcomm.torch.RingcommState`), with a communicator over
             torch.distributed's default group unless ``comm`` is among them.
@@ -119,8 +126,9 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
         The state the hook runs with (``state.comm.stats`` counts its calls and bytes).
 
     Raises:
-        TypeError: ``model`` is not a DistributedDataParallel, ``state`` is not a
-            RingcommState, or both ``state`` and ``state_kwargs`` are given.
+        TypeError: ``model`` is not a DistributedDataParallel (nor a compiled one),
+            ``state`` is not a RingcommState, or both ``state`` and ``state_kwargs`` are
+            given.
         ValueError: the communicator's size differs from ``model.process_group.size()`` (a
             communicator made before torch.distributed was up, say), or a bad state argument.
         RuntimeError: the state's communicator is closed, or DDP already has a hook.
@@ -132,7 +140,7 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
         ...
         print(state.comm.stats)
     """
-    _check_model(model)
+    model = _ddp_model(model)
     if state is not None and state_kwargs:
         raise TypeError("register_ddp_hook takes a state or state keyword arguments, not both; "
                         f"got a state and {sorted(state_kwargs)}")
