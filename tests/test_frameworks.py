@@ -586,12 +586,14 @@ def params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def train(hooked=False, **state_kwargs):
+def train(hooked=False, compiled=False, **state_kwargs):
     # Two micro-batches a step (Accelerate's accumulate(): DDP's no_sync() on the first).
+    # compiled: the Trainer trains torch.compile of its DDP model.
     args = TrainingArguments(output_dir=str(OUT / "hf"), per_device_train_batch_size=8,
                              gradient_accumulation_steps=2, max_steps=STEPS, use_cpu=True,
                              report_to=[], save_strategy="no", logging_strategy="no",
-                             disable_tqdm=True, seed=0)
+                             disable_tqdm=True, seed=0, torch_compile=compiled,
+                             torch_compile_backend="eager" if compiled else None)
     trainer = Trainer(model=Net(), args=args, train_dataset=Data())
     hook = register_trainer_hook(trainer, **state_kwargs) if hooked else None
     trainer.train()
@@ -621,6 +623,8 @@ first = params(hooked.model)
 hooked.train()  # a second train() of the same DDP model keeps its hook and state
 int8, int8_hook = train(hooked=True, compression=ringcomm.Int8(), start_iter=1,
                         min_compress_bytes=0)
+compiled, compiled_hook = train(hooked=True, compiled=True)
+assert type(compiled.model_wrapped).__name__ == "OptimizedModule", type(compiled.model_wrapped)
 # model_init: each train() makes a model, and each DDP model gets a state of its own.
 args = TrainingArguments(output_dir=str(OUT / "hf"), per_device_train_batch_size=8,
                          max_steps=STEPS, use_cpu=True, report_to=[], save_strategy="no",
@@ -638,7 +642,9 @@ try:
 except TypeError as err:
     assert "takes state or state_kwargs, not both" in str(err), err
 torch.save({"plain": params(plain.model), "hooked": first, "again": params(hooked.model),
-            "int8": params(int8.model), "calls": hook.state.comm.stats.calls,
+            "int8": params(int8.model), "compiled": params(compiled.model),
+            "compiled_calls": compiled_hook.state.comm.stats.calls,
+            "calls": hook.state.comm.stats.calls,
             "size": hook.state.comm.size, "int8_calls": int8_hook.state.comm.stats.calls},
            OUT / f"hf_{rank}.pt")
 print(f"rank {rank} ok", flush=True)
@@ -650,7 +656,8 @@ print(f"rank {rank} ok", flush=True)
 def test_hugging_face_trainer_under_torchrun(tmp_path, subprocess_env):
     """transformers' Trainer (two micro-batches a step) under torchrun on CPU:
     register_trainer_hook's hook ends with the plain Trainer's parameters bit for bit, one
-    hook call a step, and keeps its state over a second train(); with int8, identical on both
+    hook call a step, also with ``torch_compile=True`` (the DDP model inside the compiled one
+    hooked), and keeps its state over a second train(); with int8, identical on both
     ranks; and on torch.distributed's "ringcomm" backend the plain Trainer trains to the
     same parameters as on gloo. In one process (no DDP model) the hook does nothing."""
     pytest.importorskip("transformers")
@@ -663,11 +670,13 @@ def test_hugging_face_trainer_under_torchrun(tmp_path, subprocess_env):
     _run([*start, "backend"], env, tmp_path)
     _run([sys.executable, str(script), str(tmp_path), str(STEPS), "alone"], env, tmp_path)
     runs = [torch.load(tmp_path / f"hf_{rank}.pt") for rank in (0, 1)]
-    for key in ("plain", "hooked", "again", "int8"):
+    for key in ("plain", "hooked", "again", "int8", "compiled"):
         assert torch.equal(runs[0][key], runs[1][key]), key
     for run in runs:
-        assert (run["calls"], run["size"], run["int8_calls"]) == (2 * STEPS, 2, STEPS), run
+        assert (run["calls"], run["size"], run["int8_calls"], run["compiled_calls"]) == (
+            2 * STEPS, 2, STEPS, STEPS), run
     assert torch.equal(runs[0]["hooked"], runs[0]["plain"])
+    assert torch.equal(runs[0]["compiled"], runs[0]["plain"])
     assert not torch.equal(runs[0]["again"], runs[0]["hooked"])  # trained on
     assert not torch.equal(runs[0]["int8"], runs[0]["plain"])
     assert torch.isfinite(runs[0]["int8"]).all()

@@ -75,6 +75,7 @@ class RingcommCallback(TrainerCallback):
         if trainer is None:
             return
         model = trainer.model_wrapped
+        model = getattr(model, "_orig_mod", model)  # the DDP model inside a compiled one
         if self._model is not None and self._model() is model:
             return
         if not isinstance(model, DistributedDataParallel):
