@@ -6,8 +6,9 @@ Accelerate takes ``DistributedDataParallelKwargs(comm_hook=...)`` but registers 
 gradients itself. :func:`register_ddp_hook` registers the hook on the model that
 ``accelerator.prepare(model)`` returned, after checking that it is a DDP model and that the
 communicator spans the same processes as the model's process group. It needs no Accelerate (any
-``DistributedDataParallel`` will do); the Lightning strategy (:mod:`ringcomm.torch.lightning`)
-calls it too.
+``DistributedDataParallel`` will do); the Lightning and Fabric strategies
+(:mod:`ringcomm.torch.lightning`, :mod:`ringcomm.torch.fabric`) and the Trainer's callback
+(:mod:`ringcomm.torch.hf_trainer`) call it too.
 
 Example (``accelerate launch --multi_gpu --num_processes 2 train.py``, CPU or GPU)::
 
@@ -153,8 +154,8 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
 
 
 def check_strategy_state(strategy: str, state: Any, state_kwargs: Any) -> None:
-    """Check a framework strategy's ``state`` and ``state_kwargs`` arguments (Lightning's and
-    Fabric's ``RingcommDDPStrategy``).
+    """Check a framework adapter's ``state`` and ``state_kwargs`` arguments (Lightning's and
+    Fabric's ``RingcommDDPStrategy``, the Trainer's ``register_trainer_hook``).
 
     Raises:
         TypeError: both are given, or ``state`` is not a RingcommState.
@@ -168,7 +169,7 @@ def check_strategy_state(strategy: str, state: Any, state_kwargs: Any) -> None:
 
 def hook_strategy_model(model: DistributedDataParallel, state: RingcommState | None,
                         state_kwargs: dict[str, Any], scaler: Any) -> RingcommState:
-    """:func:`register_ddp_hook` on a model a framework's strategy has just wrapped in DDP:
+    """:func:`register_ddp_hook` on a model a framework has just wrapped in DDP:
     with ``state``, else with a state made from ``state_kwargs``, whose ``grad_scaler`` is
     the precision plugin's loss ``scaler`` (``precision="16-mixed"``) unless they name one."""
     if state is not None:
