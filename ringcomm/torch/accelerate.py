@@ -178,4 +178,3 @@ def hook_strategy_model(model: DistributedDataParallel, state: RingcommState | N
     if scaler is not None:  # the residuals follow its loss scale
         kwargs.setdefault("grad_scaler", scaler)
     return register_ddp_hook(model, **kwargs)
-
