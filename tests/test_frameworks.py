@@ -410,7 +410,10 @@ torch.set_num_threads(1)
 OUT, STEPS, MODE = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kwargs = ({"compression": ringcomm.Int8(), "start_iter": 1, "min_compress_bytes": 0}
           if MODE == "int8" else {})
-strategy = RingcommDDPStrategy(state_kwargs=kwargs)
+if MODE == "backend":  # Fabric's own DDP on torch.distributed's "ringcomm" backend
+    strategy = L.fabric.strategies.DDPStrategy(process_group_backend="ringcomm")
+else:
+    strategy = RingcommDDPStrategy(state_kwargs=kwargs)
 fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
 fabric.launch()  # the main process starts the other, which runs this script again
 rank = fabric.global_rank
@@ -436,6 +439,11 @@ def fit(model, opt, quiet, backward):
 
 model, opt = fabric.setup(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1)))(net()))
 hooked = fit(model, opt, lambda on: fabric.no_backward_sync(model, enabled=on), fabric.backward)
+if MODE == "backend":
+    comm = torch.distributed.group.WORLD.communicator
+    torch.save({"params": hooked, "backend": torch.distributed.get_backend(),
+                "calls": comm.stats.calls}, OUT / f"fabric_backend_{rank}.pt")
+    sys.exit(0)
 state = strategy.ringcomm_state
 # Plain DDP over the same gloo group: the baseline.
 plain_model = torch.nn.parallel.DistributedDataParallel(net())
@@ -463,11 +471,12 @@ def test_fabric_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
     ``fabric.launch()``, two micro-batches a step under ``fabric.no_backward_sync``:
     uncompressed, plain DDP's parameters bit for bit with one hook call a step; with int8,
     identical on both ranks; a second model set up gets a state of its own, and
-    register_ddp_hook given Fabric's wrapper says to use the strategy."""
+    register_ddp_hook given Fabric's wrapper says to use the strategy. And Fabric's own
+    DDPStrategy on torch.distributed's "ringcomm" backend gives plain DDP's parameters."""
     pytest.importorskip("lightning")
     script = tmp_path / "train.py"
     script.write_text(FABRIC_SCRIPT)
-    for mode in ("ringcomm", "int8"):
+    for mode in ("ringcomm", "int8", "backend"):
         env = {**_env(subprocess_env, tmp_path), "MASTER_PORT": str(free_port())}
         _run([sys.executable, str(script), str(tmp_path), str(STEPS), mode], env, tmp_path)
     runs = {mode: [torch.load(tmp_path / f"fabric_{mode}_{rank}.pt") for rank in (0, 1)]
@@ -480,6 +489,10 @@ def test_fabric_on_cpu_with_its_own_launcher(tmp_path, subprocess_env):
     assert torch.equal(runs["ringcomm"][0]["hooked"], runs["ringcomm"][0]["plain"])
     int8 = runs["int8"][0]["hooked"]
     assert not torch.equal(int8, runs["ringcomm"][0]["plain"]) and torch.isfinite(int8).all()
+    for rank in (0, 1):
+        backend = torch.load(tmp_path / f"fabric_backend_{rank}.pt")
+        assert backend["backend"] == "ringcomm" and backend["calls"] >= STEPS, backend
+        assert torch.equal(backend["params"], runs["ringcomm"][0]["plain"])
 
 
 ACCELERATE_BACKEND_SCRIPT = r"""
