@@ -29,7 +29,7 @@ $(VENV)/.demo: pyproject.toml | $(BIN)/python
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	@echo "== installing torch $(TORCH_VERSION) first (the largest download)"
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	@echo "== installing ringcomm with its test and docs extras (CuPy, NVRTC, Lightning, Accelerate, Transformers, MkDocs, ...)"
+	@echo "== installing ringcomm with its test and docs extras (CuPy, NVRTC, Lightning, Accelerate, Transformers, Ray, MkDocs, ...)"
 	$(BIN)/python -m pip install -q -e '.[mpi,examples,torch,test,docs]'
 	@echo "== unpacking horovodrun (Horovod's source release, Python only) for tests/test_horovodrun.py"
 	$(BIN)/python tests/upstream/horovodrun.py --fetch $(VENV)/horovod-src
