@@ -1212,10 +1212,27 @@ r = dist.get_rank()
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 params = sharded(mesh)
 comms = [getattr(mesh.get_group(d), "communicator", None) for d in ("replicate", "shard")]
+report = {"rank": r, "params": params,
+          "comms": [None if c is None else [c.backend, c.rank, c.size, c.stats.calls]
+                    for c in comms]}
+if backend == "ringcomm":
+    from ringcomm.torch import register_ddp_hook
+
+    def hooked_over(group, comm):
+        # DDP over the replicate group {r, r +- 2}, the hook on ``comm``.
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Linear(4, 1, bias=False), process_group=group)
+        try:
+            register_ddp_hook(model, comm=comm)
+        except ValueError as err:
+            return f"ValueError: {err}"
+        model(torch.full((1, 4), float(r))).sum().backward()
+        return model.module.weight.grad.reshape(-1).tolist()
+
+    # The replicate group's own communicator, then the shard group's: as many ranks, others.
+    report["hooked"] = [hooked_over(mesh.get_group("replicate"), c) for c in comms]
 with open(f"report_{r}.json", "w") as f:
-    json.dump({"rank": r, "params": params,
-               "comms": [None if c is None else [c.backend, c.rank, c.size, c.stats.calls]
-                         for c in comms]}, f)
+    json.dump(report, f)
 dist.destroy_process_group()
 '''
 
@@ -1226,7 +1243,10 @@ def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, tmp_path_factory, sub
                                                  mpiexec, launcher, underneath):
     """FSDP2 over a 2 x 2 device mesh (HSDP), 4 processes: its replicate and shard groups are
     sub-groups of two ranks, each with a ringcomm communicator of its members; the parameters
-    end bit-identical to the same training on gloo, on every rank."""
+    end bit-identical to the same training on gloo, on every rank. ringcomm's hook on DDP
+    over the replicate group averages over it with that group's communicator, and
+    register_ddp_hook refuses the shard group's (as many ranks, but others: each rank's
+    gradients were averaged with the wrong rank), the same error on both of its ranks."""
 
     def hsdp(where: Path, launcher: str, backend: str) -> list[dict]:
         job = where / "hsdp.py"
@@ -1246,6 +1266,15 @@ def test_hybrid_sharding_on_the_ringcomm_backend(tmp_path, tmp_path_factory, sub
         (rb, rr, rn, rcalls), (sb, sr, sn, scalls) = row["comms"]
         assert (rb, rr, rn, sb, sr, sn) == (underneath, r // 2, 2, underneath, r % 2, 2), row
         assert rcalls > 0 and scalls > 0, row
+        right, wrong = row["hooked"]
+        assert right == [float(1 + r % 2)] * 4, row  # (r + the other replica's r) / 2
+        assert wrong.startswith("ValueError: the state's communicator spans other processes "
+                                "than the DDP model's process group"), wrong
+        assert ("a DDP model over ranks 0, 2 on rank 0; register_ddp_hook, a DDP model over "
+                "ranks 1, 3 on rank 1") in wrong, wrong
+    for pair in ((0, 1), (2, 3)):  # each shard group's two ranks: the same error
+        errors = {reports["ringcomm"][r]["hooked"][1] for r in pair}
+        assert len(errors) == 1, errors
     digests = {row["params"] for rows in reports.values() for row in rows}
     assert len(digests) == 1, reports
 

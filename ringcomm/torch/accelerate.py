@@ -27,9 +27,11 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ringcomm.comm.base import Communicator
+from ringcomm.core.types import ArgumentMismatchError
 from ringcomm.torch.hooks import RingcommState, ringcomm_hook
 
 __all__ = ["register_ddp_hook"]
@@ -105,6 +107,31 @@ def _check_state(state: RingcommState, model: DistributedDataParallel) -> None:
             f"process group has {expected}: make the communicator after torch.distributed is "
             "initialized and over the same processes (pass state keyword arguments and let "
             "register_ddp_hook make it, or RingcommState(comm=ringcomm.init()))")
+    _check_members(state.comm, model)
+
+
+def _check_members(comm: Communicator, model: DistributedDataParallel) -> None:
+    """Raise the same ValueError on every rank of ``comm`` unless its processes are those of
+    the model's process group, whose size it has: a communicator of as many processes but
+    others (another sub-group's, say a replica group where the shard group was meant) would
+    average each rank's gradients with the wrong peers, without an error.
+
+    Every rank of ``comm`` names the job's ranks of its model's group in one checkpoint: where
+    they all name the same ranks, those are ``comm``'s (each rank is in its own model's group,
+    and the sizes are equal)."""
+    if comm.size == 1:
+        return
+    ranks = ", ".join(map(str, sorted(dist.get_process_group_ranks(model.process_group))))
+    try:
+        comm.checkpoint(f"register_ddp_hook, a DDP model over ranks {ranks}")
+    except ArgumentMismatchError as err:
+        raise ValueError(
+            "the state's communicator spans other processes than the DDP model's process "
+            "group, so the hook would average each rank's gradients with the wrong ranks. The "
+            "job's ranks of each one's model group, by the communicator's rank: "
+            f"{err}. Give each model a communicator over its own group's processes (on the "
+            "\"ringcomm\" backend, the group's communicator), and register the hook on every "
+            "rank at once") from err
 
 
 def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | None = None,
@@ -131,7 +158,9 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
             ``state`` is not a RingcommState, or both ``state`` and ``state_kwargs`` are
             given.
         ValueError: the communicator's size differs from ``model.process_group.size()`` (a
-            communicator made before torch.distributed was up, say), or a bad state argument.
+            communicator made before torch.distributed was up, say), its processes are not
+            the group's (the same error on every rank of the communicator), or a bad state
+            argument.
         RuntimeError: the state's communicator is closed, or DDP already has a hook.
 
     Example::

@@ -90,7 +90,7 @@ class RingcommState:
             that group's ranks (its ``communicator`` on the "ringcomm" backend): the hook
             averages over ``comm``'s ranks, as PyTorch's ``allreduce_hook`` over the group
             its state names (WORLD for None). ``register_ddp_hook`` refuses a communicator
-            whose size differs from the model's group.
+            whose size differs from the model's group, or whose processes are others.
         compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: whichever of
             none, fp16 and int8 makes the training iteration shortest, each tried on every
             compressed bucket of whole iterations from ``start_iter`` on, one untimed and 3
