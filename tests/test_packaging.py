@@ -156,3 +156,20 @@ def test_wheel_carries_the_licence_metadata_and_command(wheel):
     scripts = archive.read(f"{info}/entry_points.txt").decode()
     assert "ringcomm-perf = ringcomm.perf.run:main" in scripts
     assert "ringcomm/py.typed" in names and "ringcomm/perf/__main__.py" in names
+
+
+def test_the_kernels_folder_never_hides_an_installed_kernels_package(tmp_path):
+    """The checkout's root on sys.path (the tests' PYTHONPATH, a script run from the root)
+    must not make ``kernels/`` the ``kernels`` every module imports: Transformers 5.25 imports
+    Hugging Face's ``kernels`` package, and found the CUDA sources' folder instead (ImportError
+    at ``import transformers.Trainer``). Without an ``__init__.py`` the folder is a namespace
+    portion, which a package installed later on the path takes precedence over."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("INSTALLED = True\n")
+    code = "import kernels; print(getattr(kernels, 'INSTALLED', kernels.__path__))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=60)
+    assert found.stdout.strip() == "True", found.stdout + found.stderr
+    assert not (ROOT / "kernels" / "__init__.py").exists()

@@ -2,9 +2,9 @@
 
 Nothing here needs CuPy or a GPU: the test suite compiles exactly these sources and name
 expressions with NVRTC on machines without one. Sources live in ``kernels/`` at the repository
-root and ship as the package ``ringcomm._kernels``; they are read through importlib.resources,
-which works from a source checkout, an editable install and a wheel alike. Local headers
-(``#include "x.cuh"``) are inlined, so NVRTC needs no include path.
+root and ship as the package ``ringcomm._kernels``; they are read through importlib.resources
+from an installed wheel, and from the folder itself in a checkout or an editable install.
+Local headers (``#include "x.cuh"``) are inlined, so NVRTC needs no include path.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def _kernel_dir() -> Traversable | Path:
     """Where the kernel sources are: the installed ``ringcomm._kernels``, else ``kernels/``.
 
     A checkout put on ``sys.path`` without being installed (a copy of the working tree, as the
-    GPU check runs) has no ``ringcomm._kernels`` package; its sources sit at the root.
+    GPU check runs), or installed in editable mode, has no ``ringcomm._kernels`` package (the
+    folder has no ``__init__.py``, so that it never hides an installed ``kernels`` package);
+    its sources sit at the root.
     """
     try:
         return importlib.resources.files("ringcomm._kernels")

@@ -1,1 +1,0 @@
-"""CUDA C++ sources of ringcomm's GPU kernels, shipped as package data (ringcomm._kernels)."""
