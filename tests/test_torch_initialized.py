@@ -83,15 +83,10 @@ def _lines(text: str) -> dict[int, str]:
     return {int(r): line for r, line in re.findall(r"<(\d)\|(.*?)>", text)}
 
 
-@pytest.mark.parametrize("transport", ["mpi", "gloo"])
-def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env, transport):
-    """The group is the job: its processes join one MPI world over its store (or, told,
-    stay on gloo), never a communicator of one."""
-    env = {k: v for k, v in subprocess_env.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", SPAWNED, str(r), port], env=env,
+def _run_pair(script: str, env: dict[str, str], *args: str) -> dict[int, str]:
+    """Run ``script`` in two processes (argv: the rank, then ``args``), each within 120 s;
+    the lines they printed, by the number each line names."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     outs = []
@@ -103,11 +98,66 @@ def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_e
     finally:
         for p in procs:
             p.kill()
-    lines = _lines("".join(outs))
+    return _lines("".join(outs))
+
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env, transport):
+    """The group is the job: its processes join one MPI world over its store (or, told,
+    stay on gloo), never a communicator of one."""
+    env = {k: v for k, v in subprocess_env.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
+    lines = _run_pair(SPAWNED, env, str(free_port()))
     hook = "refused" if transport == "gloo" else "joined"
     assert lines == {0: f"{transport} 0 2 torch.distributed 3.0 3.0 3.0",
                      1: f"{transport} 1 2 torch.distributed 3.0 3.0 3.0",
                      2: hook, 3: hook}, lines
+
+
+# Two runs in one process: the group destroyed after the first and made again, its ranks
+# numbered the other way round (as a script making its group per run may). hvd.init() again
+# starts over the new group; a communicator made over the old one still works over MPI and,
+# over gloo, says that torch.distributed let its group go.
+REMADE = r"""
+import sys, numpy as np, torch, torch.distributed as dist, ringcomm, ringcomm.torch as hvd
+rank, port, port2 = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+hvd.init()
+old = ringcomm.init()
+print(f"<{rank}|{hvd.rank()} {hvd.size()} {old.rank}>", flush=True)
+dist.destroy_process_group()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port2}", rank=1 - rank,
+                        world_size=2)
+hvd.init()
+root = hvd.broadcast(torch.tensor([float(dist.get_rank())]), root_rank=0).item()
+total = hvd.allreduce(torch.tensor([dist.get_rank() + 1.0]), op=hvd.Sum).item()
+print(f"<{rank + 2}|{dist.get_rank()} {hvd.rank()} {hvd.size()} {root} {total}>", flush=True)
+try:
+    said = old.broadcast(np.array([float(rank)]), root=0)[0]
+except RuntimeError as err:
+    said = "let go" if "torch.distributed no longer holds" in str(err) else err
+print(f"<{rank + 4}|{said}>", flush=True)
+hvd.shutdown()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_hvd_init_starts_again_over_a_group_made_again(subprocess_env, transport):
+    """hvd.init() after destroy_process_group() and init_process_group() with the ranks
+    renumbered: hvd's ranks are the new group's (they stayed the old group's before, without
+    a word: hvd.rank() 0 was torch's rank 1, and a broadcast from root 0 sent its data)."""
+    env = {k: v for k, v in subprocess_env.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
+    lines = _run_pair(REMADE, env, str(free_port()), str(free_port()))
+    # Over MPI the old communicator keeps its numbering (root 0 is the first process).
+    old = ["0.0", "0.0"] if transport == "mpi" else ["let go", "let go"]
+    assert lines == {0: "0 2 0", 1: "1 2 1",
+                     2: "1 1 2 0.0 3.0", 3: "0 0 2 0.0 3.0",
+                     4: old[0], 5: old[1]}, lines
 
 
 @pytest.mark.parametrize("backend", ["auto", "mpi"])

@@ -270,8 +270,32 @@ class TorchDistTransport(TransportBase):
         except RuntimeError as err:
             error = self._timeout(err, what, peer, start)
             if error is None:
+                self._check_group(what, err)
                 raise
+        except ValueError as err:  # torch's refusal of a group it no longer holds
+            self._check_group(what, err)
+            raise
         raise error
+
+    def _check_group(self, what: str, err: Exception) -> None:
+        """Raise a RuntimeError that says so where ``err`` came of torch.distributed no
+        longer holding this transport's group (``destroy_process_group()`` destroyed it with
+        the default group); return otherwise. Some of torch's calls still run on such a group
+        (the object lives on here), others refuse it with a message naming neither ringcomm
+        nor what to do."""
+        if self._group is None:  # a group of ringcomm's own (ProcessGroupTransport)
+            return
+        try:
+            dist.get_process_group_ranks(self._group)
+            return
+        except (KeyError, ValueError, RuntimeError):
+            pass
+        raise RuntimeError(
+            f"{what} on rank {self.rank} of {self.size}: this communicator ran over a gloo "
+            "group of torch.distributed's, which torch.distributed no longer holds "
+            "(destroy_process_group() destroyed it with the default group). Make a new "
+            "communicator once the group is up again: ringcomm.init(), or hvd.init() (which "
+            f"starts again over a new default group); torch said: {err}") from err
 
     def _timeout(self, err: RuntimeError, what: str, peer: int | None, start: float,
                  kind: str | None = None) -> CollectiveTimeoutError | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ringcomm.comm.base import Communicator
@@ -58,7 +59,7 @@ _NOT_INITIALIZED = "ringcomm.torch has not been initialized; use hvd.init()"
 
 
 class _State:
-    __slots__ = ("comm", "engine", "next_set", "owned", "sets")
+    __slots__ = ("comm", "engine", "next_set", "owned", "sets", "torch_group")
 
     def __init__(self) -> None:
         self.comm: Communicator | None = None
@@ -66,6 +67,9 @@ class _State:
         self.owned = False
         self.sets: dict[int, tuple[ProcessSet, Communicator | None]] = {}
         self.next_set = 0
+        #: torch.distributed's default group when init made ``comm`` (a weak reference),
+        #: None where init was given its communicator or torch.distributed was not up.
+        self.torch_group: Callable[[], Any] | None = None
 
 
 #: The process's Horovod-style state (started and ended by :mod:`._lifecycle`).

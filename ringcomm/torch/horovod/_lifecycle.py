@@ -8,11 +8,16 @@ sets, the timeline), so that those modules import only downwards.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_at_start
 from ringcomm.core.env import env, env_flag
+from ringcomm.core.log import get_logger
 from ringcomm.torch._engine import engine_for
 from ringcomm.torch.horovod import timeline
 from ringcomm.torch.horovod._basics import (
@@ -31,12 +36,19 @@ from ringcomm.torch.process_group import new_communicator
 
 __all__ = ["init", "shutdown"]
 
+_LOG = get_logger("torch.horovod")
+
 
 def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -> None:
     """Start ringcomm for this process (``hvd.init()``); a second call does nothing.
 
     Under ``mpiexec`` the communicator spans MPI's processes; under ``torchrun`` it runs over a
     gloo group of torch.distributed (initialized from torchrun's environment if need be).
+
+    But where torch.distributed's default group was destroyed and made again since the
+    communicator was made (``destroy_process_group()`` and ``init_process_group()`` between
+    two runs in one process), a second call shuts down and starts again over the new group,
+    whose ranks may be numbered otherwise: ``rank()`` is then the new group's.
 
     Args:
         comm: an mpi4py communicator to run on, or a ringcomm Communicator; the whole job
@@ -58,6 +70,13 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
     if isinstance(comm, (list, tuple)):
         raise refusal("init(comm=<list of ranks>): start the job with those ranks, or use "
                       "hvd.add_process_set for collectives among some of them")
+    if _default_group_replaced():
+        # Every rank destroyed the group and made a new one (both are collective), so every
+        # rank starts again here: the old communicator's ranks may be numbered otherwise
+        # than the new group's, or run over a gloo group torch.distributed let go.
+        _LOG.info("hvd.init(): torch.distributed's default group is another than at the "
+                  "first hvd.init(); shutting down and starting over the new one")
+        shutdown()
     with STATE_LOCK:
         if STATE.comm is not None and not STATE.comm.closed:
             return
@@ -77,8 +96,29 @@ def init(comm: Any = None, process_sets: Any = None, *, backend: str = "auto") -
                 STATE.comm.close()
             STATE.comm, STATE.engine = None, None  # not half started: init may run again
             raise
+        STATE.torch_group = _default_group() if STATE.owned else None
     for ps in sets:
         add_process_set(ps)
+
+
+def _default_group() -> Callable[[], Any] | None:
+    """A weak reference to torch.distributed's default group; None where it is not up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return weakref.ref(dist.group.WORLD)
+
+
+def _default_group_replaced() -> bool:
+    """Whether init made the running communicator while torch.distributed's default group
+    was another one than the group up now (destroyed and made again since, as a script
+    that calls ``destroy_process_group()`` between two runs in one process does). False
+    where none is up now: the communicator stands (over MPI it still works; over a gloo
+    group let go, its calls say so)."""
+    held = STATE.torch_group
+    if held is None or STATE.comm is None or STATE.comm.closed:
+        return False
+    now = _default_group()
+    return now is not None and now() is not held()
 
 
 def _process_sets(process_sets: Any) -> tuple[list[Any], Any, Exception | None]:
@@ -163,3 +203,4 @@ def shutdown() -> None:
         if STATE.comm is not None and STATE.owned:
             STATE.comm.close()
         STATE.comm, STATE.engine, STATE.owned = None, None, False
+        STATE.torch_group = None
