@@ -543,6 +543,25 @@ for layer in model:
 fully_shard(model)
 report["fsdp"] = fit(model, compiled(model))  # FSDP2, compiled
 
+# FSDP1 (FullyShardedDataParallel, what Accelerate's and Lightning's "fsdp" wrap with), each
+# sharding strategy, its full parameters gathered on every rank (its BatchNorm buffers stay
+# each rank's own: FSDP does not broadcast them).
+from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+report["fsdp1"] = []
+names = [name for name, _ in bn_model().named_parameters()]
+for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
+                 ShardingStrategy.NO_SHARD):
+    wrapped = FSDP(bn_model(), sharding_strategy=strategy, device_id=torch.device("cpu"),
+                   use_orig_params=True)
+    fit(wrapped, wrapped)
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(rank0_only=False)):
+        full = wrapped.state_dict()
+    report["fsdp1"].append(hashlib.sha256(
+        b"".join(full[name].detach().numpy().tobytes() for name in names)).hexdigest())
+
 
 def digest(model):
     full = [p.full_tensor() for p in model.parameters()]
@@ -582,7 +601,9 @@ def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_e
     collectives from C++ inside the compiled forward (DDP rebuilding its buckets), where
     TorchDynamo traced them and stopped at the group's attributes (UnsafeScriptObjectError;
     gloo's C++ has nothing to trace). Now the same parameters as on gloo, bit for bit, with
-    and without ringcomm's DDP hook. Then torch.distributed.checkpoint saves the FSDP2
+    and without ringcomm's DDP hook. FSDP1 (FullyShardedDataParallel), fully sharded,
+    gradients and optimizer state sharded, and not sharded: gloo's full state dicts, bit for
+    bit. Then torch.distributed.checkpoint saves the FSDP2
     model and its optimizer, and loads them back after the parameters were spoiled: the
     saved state returns, and it is gloo's."""
     pytest.importorskip("torch.distributed.fsdp")
@@ -594,8 +615,9 @@ def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_e
                        env=subprocess_env, cwd=tmp_path)
         runs[backend] = _reports(tmp_path)
         _check_exit(proc, runs[backend], f"FSDP, {backend}", gloo_baseline=backend == "gloo")
-    for name in ("params", "ddp", "fsdp", "dcp_saved"):
-        assert len({row[name] for rows in runs.values() for row in rows}) == 1, (name, runs)
+    for name in ("params", "ddp", "fsdp", "fsdp1", "dcp_saved"):
+        assert len({str(row[name]) for rows in runs.values() for row in rows}) == 1, (name,
+                                                                                       runs)
     for row in runs["ringcomm"] + runs["gloo"]:  # the checkpoint gave the saved state back
         assert row["dcp_loaded"] == row["dcp_saved"], row
     for row in runs["ringcomm"]:
