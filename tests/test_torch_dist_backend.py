@@ -602,8 +602,8 @@ def test_fsdp_and_compiled_models_on_the_ringcomm_backend(tmp_path, subprocess_e
     TorchDynamo traced them and stopped at the group's attributes (UnsafeScriptObjectError;
     gloo's C++ has nothing to trace). Now the same parameters as on gloo, bit for bit, with
     and without ringcomm's DDP hook. FSDP1 (FullyShardedDataParallel), fully sharded,
-    gradients and optimizer state sharded, and not sharded: gloo's full state dicts, bit for
-    bit. Then torch.distributed.checkpoint saves the FSDP2
+    gradients and optimizer state sharded, and not sharded: gloo's full parameters, bit
+    for bit. Then torch.distributed.checkpoint saves the FSDP2
     model and its optimizer, and loads them back after the parameters were spoiled: the
     saved state returns, and it is gloo's."""
     pytest.importorskip("torch.distributed.fsdp")

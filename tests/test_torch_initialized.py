@@ -83,9 +83,14 @@ def _lines(text: str) -> dict[int, str]:
     return {int(r): line for r, line in re.findall(r"<(\d)\|(.*?)>", text)}
 
 
-def _run_pair(script: str, env: dict[str, str], *args: str) -> dict[int, str]:
-    """Run ``script`` in two processes (argv: the rank, then ``args``), each within 120 s;
-    the lines they printed, by the number each line names."""
+def _run_pair(script: str, subprocess_env: dict[str, str], transport: str,
+              *args: str) -> dict[int, str]:
+    """Run ``script`` in two processes without launcher variables (argv: the rank, then
+    ``args``), their processes joined over MPI or left on gloo (``transport``), each within
+    120 s; the lines they printed, by the number each line names."""
+    env = {k: v for k, v in subprocess_env.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -105,10 +110,7 @@ def _run_pair(script: str, env: dict[str, str], *args: str) -> dict[int, str]:
 def test_init_spans_an_initialized_group_without_launcher_variables(subprocess_env, transport):
     """The group is the job: its processes join one MPI world over its store (or, told,
     stay on gloo), never a communicator of one."""
-    env = {k: v for k, v in subprocess_env.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
-    lines = _run_pair(SPAWNED, env, str(free_port()))
+    lines = _run_pair(SPAWNED, subprocess_env, transport, str(free_port()))
     hook = "refused" if transport == "gloo" else "joined"
     assert lines == {0: f"{transport} 0 2 torch.distributed 3.0 3.0 3.0",
                      1: f"{transport} 1 2 torch.distributed 3.0 3.0 3.0",
@@ -149,10 +151,8 @@ def test_hvd_init_starts_again_over_a_group_made_again(subprocess_env, transport
     """hvd.init() after destroy_process_group() and init_process_group() with the ranks
     renumbered: hvd's ranks are the new group's (they stayed the old group's before, without
     a word: hvd.rank() 0 was torch's rank 1, and a broadcast from root 0 sent its data)."""
-    env = {k: v for k, v in subprocess_env.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["RINGCOMM_TORCHRUN_MPI"] = "1" if transport == "mpi" else "0"
-    lines = _run_pair(REMADE, env, str(free_port()), str(free_port()))
+    lines = _run_pair(REMADE, subprocess_env, transport, str(free_port()),
+                      str(free_port()))
     # Over MPI the old communicator keeps its numbering (root 0 is the first process).
     old = ["0.0", "0.0"] if transport == "mpi" else ["let go", "let go"]
     assert lines == {0: "0 2 0", 1: "1 2 1",
