@@ -182,22 +182,36 @@ class _Pair:
         self._t, self._reqs, self._peer, self._what, self._room = t, reqs, peer, what, room
 
     def wait(self) -> None:
-        if not self._room:
-            self._t.wait_all(self._reqs, self._peer, self._what)
-            return
-        MPI = self._t._MPI
-        statuses = [MPI.Status() for _ in self._reqs]
+        statuses = [self._t._MPI.Status() for _ in self._reqs] if self._room else None
         try:
             self._t.wait_all(self._reqs, self._peer, self._what, statuses)
-        except MPI.Exception:
-            codes = [MPI.Get_error_class(st.Get_error()) for st in statuses]
-            if MPI.ERR_TRUNCATE not in codes:
-                raise
+        except self._t._MPI.Exception as err:
+            self._failed(err, statuses)
+
+    def _failed(self, err: Exception, statuses: list[Any] | None) -> NoReturn:
+        """A receive into a user's buffer too small raises InvalidArgumentError (this rank
+        only; the transport stays usable); any other MPI error fails the transport."""
+        MPI = self._t._MPI
+        if MPI.ERR_TRUNCATE in [MPI.Get_error_class(st.Get_error()) for st in statuses or ()]:
             raise InvalidArgumentError(
                 f"{self._what} on rank {self._t.rank}: the message from rank {self._peer} is "
                 f"longer than the receive buffer ({self._room} bytes); the receive buffer must "
                 f"be at least as large as what rank {self._peer} sends",
                 kind=self._what, ranks=(self._t.rank,), reason="message truncated") from None
+        failure = RuntimeError(_mpi_failure(self._t, self._what, self._peer, err))
+        self._t.strand(self._reqs, failure)
+        raise failure from err
+
+
+def _mpi_failure(t: MPITransport, what: str, peer: int, err: Exception) -> str:
+    """The message of an MPI error in a point-to-point exchange: which step, which peer, MPI's
+    own words, and the likely cause (calls the consistency check, when off, did not compare)."""
+    return (f"{t.operation or what} failed on rank {t.rank} of {t.size} in the {what} with "
+            f"rank {peer}: MPI reports an error in the send or the receive ({err!s}). With "
+            "the consistency check off, ranks calling with another size, dtype, segment_bytes "
+            "or algorithm fail this way: turn it on "
+            "(consistency_check=True, RINGCOMM_CONSISTENCY_CHECK=1) to find which argument "
+            "differs. The communicator cannot be used after this: close it and end the job")
 
 
 class MPITransport(TransportBase):
@@ -700,15 +714,20 @@ class MPITransport(TransportBase):
     def _expired(self, reqs: list[Any], peer: int | None, what: str,
                  elapsed: float) -> NoReturn:
         """Log the timeout, then end the job (MPI_Abort) or raise CollectiveTimeoutError."""
-        self._stranded.extend(reqs)  # MPI may still write into their buffers: keep them
         error = timeout_error(self, what, peer, elapsed, self.timeout)
         _LOG.error("%s", error)
         if self.abort_on_timeout:
             write_fatal(error, "Ending the job (MPI_Abort).")
             time.sleep(FORWARD_S)  # for the launcher to forward it before the job ends
             abort(self._ctl, 1)
-        self.fail(error)  # the stranded requests would match a later call's messages
+        self.strand(reqs, error)
         raise error
+
+    def strand(self, reqs: list[Any], error: Exception) -> None:
+        """Keep the requests of a failed wait (MPI may still write into their buffers) and
+        fail the transport: they would match a later call's messages."""
+        self._stranded.extend(reqs)
+        self.fail(error)
 
     # --------------------------------------------------------------------------- staging
     def scratch(self, key: str, like: Array, n: int, dtype: Any) -> Array:

@@ -181,6 +181,35 @@ def test_consistency_check_can_be_switched_off(comm):
         c.close()
 
 
+def test_an_unchecked_mismatch_that_mpi_catches_says_so_and_fails_the_communicator(world):
+    """With the consistency check off, a rank whose segments are larger sends ring messages its
+    neighbour's receives cannot hold: MPI's bare "See the MPI_ERROR field" becomes an error
+    naming the step, the peer and the check to turn on, and the communicator refuses every
+    later call (the failed exchange's messages would match them); the other rank times out."""
+    from ringcomm.backends.mpi import MPICommunicator
+    if world.Get_size() != 2:
+        pytest.skip("two ranks: one receives too much, the other waits")
+    c = MPICommunicator(world, consistency_check=False, abort_on_timeout=False, timeout=2)
+    c.segment_bytes = 4096 if c.rank == 0 else 65536
+    x = np.ones(300_000, np.float32)
+    try:
+        if c.rank == 0:
+            with pytest.raises(RuntimeError) as err:
+                c.allreduce(x)
+            message = str(err.value)
+            assert message.startswith("allreduce failed on rank 0 of 2 in the ring exchange "
+                                      "with rank 1: MPI reports an error")
+            assert "RINGCOMM_CONSISTENCY_CHECK=1" in message
+            with pytest.raises(RuntimeError, match="aborted after an earlier failure"):
+                c.allreduce(np.ones(4, np.float32))
+        else:
+            with pytest.raises(ringcomm.CollectiveTimeoutError):
+                c.allreduce(x)
+        world.Barrier()
+    finally:
+        c.close()
+
+
 def test_repeated_small_call_still_checked(comm):
     """A small allreduce seen before takes a prepared path; a rank that changes its arguments
     is still caught on every rank."""
