@@ -633,3 +633,50 @@ def test_ranks_asking_for_different_backends_are_told(tmp_path, subprocess_env, 
                            f"{backends[0]} on rank 0; {backends[1]} on rank 1. Every rank must "
                            "ask for the same backend"), text
         assert float(seconds) < 30, text
+
+
+ORDERS_SCRIPT = r"""
+import sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import ringcomm
+from ringcomm.torch import RingcommState, register_ddp_hook
+
+dist.init_process_group("gloo")
+r = dist.get_rank()
+torch.manual_seed(0)
+a, b = DDP(torch.nn.Linear(4, 4)), DDP(torch.nn.Linear(4, 4))
+if sys.argv[1] == "shared":
+    comm = ringcomm.init()
+    register_ddp_hook(a, RingcommState(comm=comm))
+    register_ddp_hook(b, RingcommState(comm=comm))
+else:  # a communicator each
+    register_ddp_hook(a)
+    register_ddp_hook(b)
+first, second = (a, b) if r == 0 else (b, a)  # a rank-dependent order: a bug of the script
+try:
+    first(torch.ones(2, 4)).sum().backward()
+    second(torch.ones(2, 4)).sum().backward()
+except RuntimeError as err:
+    assert "the calls that met come from different threads" in str(err), err
+    print(f"rank {r} ok", flush=True)
+"""
+
+
+@_TRANSPORTS
+def test_two_hooked_models_in_different_orders_are_told(tmp_path, subprocess_env, transport):
+    """Two DDP models whose backward passes run in different orders on the two ranks: hooked
+    by register_ddp_hook (a communicator each) the ranks wait on each other's communicator,
+    and the timeout says why a DDP hook's call may wait so (the hook's states, the order, a
+    shared communicator); on one communicator the mismatch raises at once on both ranks."""
+    env = {**_on(transport, subprocess_env), "RINGCOMM_TIMEOUT": "5"}
+    path = tmp_path / "orders"
+    path.mkdir()
+    _torchrun(path, env, ORDERS_SCRIPT, args=("shared",))
+    proc, seconds = _torchrun_failing(tmp_path, env, ORDERS_SCRIPT.replace(
+        "sys.argv[1]", '"own"'))
+    assert proc.returncode != 0 and seconds < 60, (seconds, proc.stdout + proc.stderr)
+    told = [line for line in proc.stderr.splitlines()
+            if "CollectiveTimeoutError" in line and "This call is the DDP hook's of a "
+            "RingcommState ('ringcomm-hook-0'): where several DDP models are hooked" in line]
+    assert told, proc.stderr[-3000:]

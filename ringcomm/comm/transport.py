@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
+from ringcomm.comm._mismatch import HOOK_CALLER
+from ringcomm.comm.callers import caller
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -82,9 +84,22 @@ def timeout_error(t: Any, what: str, peer: int | None, elapsed: float,
     message = (f"{kind} timed out on rank {ranks[t.rank]} of {world}{within} after "
                f"{elapsed:.1f} s waiting for {waited}{step}: {culprit} may have exited, "
                f"stopped, or be in another call. The timeout is {timeout:g} s: change it with "
-               f"{getattr(t, 'timeout_source', TIMEOUT_SOURCE)}")
+               f"{getattr(t, 'timeout_source', TIMEOUT_SOURCE)}{_in_a_hook()}")
     return CollectiveTimeoutError(message, kind=kind, peer=peer, elapsed=elapsed,
                                   timeout=timeout)
+
+
+def _in_a_hook() -> str:
+    """What a timeout inside a DDP hook's call adds: the likeliest "other call" there is
+    another model's bucket, on a communicator of its own."""
+    who = caller()
+    if not who.startswith(HOOK_CALLER):
+        return ""
+    return (f". This call is the DDP hook's of a RingcommState ({who!r}): where several DDP "
+            "models are hooked, each on a communicator of its own (as register_ddp_hook makes "
+            "them), their backward passes must run in the same order on every rank; states "
+            "given one communicator (RingcommState(comm=...)) raise at once on a different "
+            "order instead of waiting")
 
 
 def _listed(ranks: Any) -> str:
