@@ -257,17 +257,19 @@ def _torchrun(tmp_path: Path, env: dict[str, str], script: str,
     return proc
 
 
-def _torchrun_failing(tmp_path: Path, env: dict[str, str], script: str
+def _torchrun_failing(tmp_path: Path, env: dict[str, str], script: str,
+                      args: tuple[str, ...] = ()
                       ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``script`` in 2 processes under torchrun, which may fail; the run and its time."""
+    """Run ``script`` (with ``args``) in 2 processes under torchrun, which may fail; the run
+    and its time."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(script)
     start = time.monotonic()
-    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)],
-                       timeout=110, env=env)
+    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path),
+                        *args], timeout=110, env=env)
     return proc, time.monotonic() - start
 
 
@@ -673,8 +675,7 @@ def test_two_hooked_models_in_different_orders_are_told(tmp_path, subprocess_env
     path = tmp_path / "orders"
     path.mkdir()
     _torchrun(path, env, ORDERS_SCRIPT, args=("shared",))
-    proc, seconds = _torchrun_failing(tmp_path, env, ORDERS_SCRIPT.replace(
-        "sys.argv[1]", '"own"'))
+    proc, seconds = _torchrun_failing(tmp_path, env, ORDERS_SCRIPT, args=("own",))
     assert proc.returncode != 0 and seconds < 60, (seconds, proc.stdout + proc.stderr)
     told = [line for line in proc.stderr.splitlines()
             if "CollectiveTimeoutError" in line and "This call is the DDP hook's of a "
