@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digits MLP, DDP + ringcomm_hook over {size} ranks ({state.comm.backend}), "
               f"compression {args.compression}, {args.epochs} epochs")
     for epoch in range(args.epochs):
-        state.comm.stats.reset()
+        state.stats.reset()
         losses, times = train_epoch(model, opt, x, y, args, epoch, rank, size)
         mean_loss = hvd.allreduce(torch.tensor(statistics.fmean(losses))).item()
         if rank == 0:
             print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  "
                   f"test acc {test_accuracy(model, x_test, y_test):.4f}  "
-                  f"wire {state.comm.stats.bytes_sent / steps / 1024:8.1f} KiB/step  "
+                  f"wire {state.stats.bytes_sent / steps / 1024:8.1f} KiB/step  "
                   f"step {1e3 * statistics.median(times):.2f} ms", flush=True)
     hvd.shutdown()
     dist.destroy_process_group()

@@ -72,7 +72,7 @@ def loop(config):
                 (out / "failed_once").touch()
                 raise RuntimeError("this attempt fails on rank 1")
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return params, (0 if state is None else state.comm.stats.calls)
+        return params, (0 if state is None else state.stats.calls)
 
     plain, _ = train(False)
     hooked, calls = train(True)

@@ -648,13 +648,11 @@ dist.init_process_group("gloo")
 r = dist.get_rank()
 torch.manual_seed(0)
 a, b = DDP(torch.nn.Linear(4, 4)), DDP(torch.nn.Linear(4, 4))
-if sys.argv[1] == "shared":
-    comm = ringcomm.init()
-    register_ddp_hook(a, RingcommState(comm=comm))
-    register_ddp_hook(b, RingcommState(comm=comm))
+if sys.argv[1] == "hooked":  # the states register_ddp_hook makes share a communicator
+    assert register_ddp_hook(a).comm is register_ddp_hook(b).comm
 else:  # a communicator each
-    register_ddp_hook(a)
-    register_ddp_hook(b)
+    register_ddp_hook(a, RingcommState(comm=ringcomm.init()))
+    register_ddp_hook(b, RingcommState(comm=ringcomm.init()))
 first, second = (a, b) if r == 0 else (b, a)  # a rank-dependent order: a bug of the script
 try:
     first(torch.ones(2, 4)).sum().backward()
@@ -668,16 +666,89 @@ except RuntimeError as err:
 @_TRANSPORTS
 def test_two_hooked_models_in_different_orders_are_told(tmp_path, subprocess_env, transport):
     """Two DDP models whose backward passes run in different orders on the two ranks: hooked
-    by register_ddp_hook (a communicator each) the ranks wait on each other's communicator,
-    and the timeout says why a DDP hook's call may wait so (the hook's states, the order, a
-    shared communicator); on one communicator the mismatch raises at once on both ranks."""
+    by register_ddp_hook (one communicator) the mismatch raises at once on both ranks; on a
+    communicator each the ranks wait on each other's communicator, and the timeout says why a
+    DDP hook's call may wait so (the hook's states, the order, a shared communicator)."""
     env = {**_on(transport, subprocess_env), "RINGCOMM_TIMEOUT": "5"}
     path = tmp_path / "orders"
     path.mkdir()
-    _torchrun(path, env, ORDERS_SCRIPT, args=("shared",))
+    _torchrun(path, env, ORDERS_SCRIPT, args=("hooked",))
     proc, seconds = _torchrun_failing(tmp_path, env, ORDERS_SCRIPT, args=("own",))
     assert proc.returncode != 0 and seconds < 60, (seconds, proc.stdout + proc.stderr)
     told = [line for line in proc.stderr.splitlines()
             if "CollectiveTimeoutError" in line and "This call is the DDP hook's of a "
             "RingcommState ('ringcomm-hook-0'): where several DDP models are hooked" in line]
     assert told, proc.stderr[-3000:]
+
+
+SHARED_SCRIPT = r"""
+import os, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import ringcomm
+from ringcomm.torch import register_ddp_hook
+
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+def train(model, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 64, generator=gen)).pow(2).sum().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+def averaged(steps, **kwargs):
+    # The hooked model's parameters: DDP's own uncompressed, identical on both ranks always.
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(64, 64))
+    state = register_ddp_hook(model, **kwargs)
+    got = train(model, steps)
+    every = [torch.empty_like(got) for _ in range(2)]
+    dist.all_gather(every, got)
+    assert torch.equal(every[0], every[1])
+    if state.compression is None:
+        torch.manual_seed(0)
+        want = train(DDP(torch.nn.Linear(64, 64)), steps)
+        assert torch.equal(got, want), (got - want).abs().max()
+    return state
+
+dist.init_process_group("gloo")
+a = averaged(2)
+comm, calls, sent = a.comm, a.comm.stats.calls, a.comm.stats.bytes_sent
+b, c = averaged(3), averaged(1, compression=ringcomm.Int8(), start_iter=0, min_compress_bytes=0)
+assert b.comm is comm and c.comm is comm
+# Each state counts its own calls (one bucket a step); the communicator counts them all.
+assert (a.stats.calls, b.stats.calls, c.stats.calls) == (2, 3, 1), (a.stats, b.stats, c.stats)
+assert comm.stats.calls - calls == 4, comm.stats
+assert 2 * b.stats.bytes_sent == 3 * a.stats.bytes_sent > 0  # a's 2 steps, b's 3, alike
+assert b.stats.bytes_sent + c.stats.bytes_sent <= comm.stats.bytes_sent - sent
+assert c.stats.bytes_sent < b.stats.bytes_sent / 3  # int8 moves a quarter of float32's bytes
+# Models hooked one after another open nothing new (a gloo group is 5 file descriptors).
+before = fds()
+for _ in range(12):
+    assert averaged(1).comm is comm
+assert fds() <= before + 2, (before, fds())
+# A default group destroyed and made again: a communicator over the new one. (Over a store
+# of its own: torchrun's keeps the keys of the groups destroyed, whose names torch gives the
+# new groups again, and a gloo group made then may wait on the old ones' addresses.)
+rank = dist.get_rank()
+dist.destroy_process_group()
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+again = averaged(2)
+assert again.comm is not comm and again.stats.calls == 2
+print(f"rank {dist.get_rank()} ok", flush=True)
+"""
+
+
+@_TRANSPORTS
+def test_states_register_ddp_hook_makes_share_one_communicator(tmp_path, subprocess_env,
+                                                              transport):
+    """register_ddp_hook's states share one communicator over the default group: each
+    state's ``stats`` counts its own calls and bytes, models hooked one after another open no
+    file descriptors (over gloo each communicator was a group of 5), and a default group made
+    again gets a communicator of its own; every model's parameters are DDP's own."""
+    _torchrun(tmp_path, _on(transport, subprocess_env), SHARED_SCRIPT,
+              args=(str(tmp_path / "store"),))

@@ -96,10 +96,10 @@ def _in_a_hook() -> str:
     if not who.startswith(HOOK_CALLER):
         return ""
     return (f". This call is the DDP hook's of a RingcommState ({who!r}): where several DDP "
-            "models are hooked, each on a communicator of its own (as register_ddp_hook makes "
-            "them), their backward passes must run in the same order on every rank; states "
-            "given one communicator (RingcommState(comm=...)) raise at once on a different "
-            "order instead of waiting")
+            "models are hooked, each on a communicator of its own (RingcommState(comm=...) "
+            "with communicators of their own), their backward passes must run in the same "
+            "order on every rank; states on one communicator (as register_ddp_hook makes "
+            "them) raise at once on a different order instead of waiting")
 
 
 def _listed(ranks: Any) -> str:

@@ -23,6 +23,7 @@ Example (``accelerate launch --multi_gpu --num_processes 2 train.py``, CPU or GP
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -37,28 +38,41 @@ from ringcomm.torch.hooks import RingcommState, ringcomm_hook
 __all__ = ["register_ddp_hook"]
 
 
+# The communicator of the states register_ddp_hook makes, and the default group it spans.
+_SHARED: list[tuple[Any, Communicator]] = []
+_SHARED_LOCK = threading.Lock()
+
+
 def _communicator() -> Communicator:
-    """A communicator over torch.distributed's default group, which is up (DDP needs it).
+    """The communicator over torch.distributed's default group, which is up (DDP needs it),
+    that every state register_ddp_hook makes shares: made at the first, again only where the
+    default group is another (destroyed and initialized again) or the communicator closed.
 
     ``ringcomm.init()`` spans an initialized torch.distributed group whatever launched the job
     (torchrun, Accelerate, Lightning's launcher, which sets no RANK): NCCL where every rank has
-    a GPU of its own and NCCL, else gloo.
+    a GPU of its own and NCCL, else gloo. Shared, as DDP's models share the default group:
+    a model hooked after another (a run of trials in one process, each ``Trainer.fit``) costs
+    no new group (over gloo, 5 file descriptors and its threads, kept to exit), and two models
+    whose buckets meet in different orders on different ranks raise ArgumentMismatchError at
+    once on every rank instead of waiting on each other's communicator to the timeout.
     """
     import ringcomm
 
-    return ringcomm.init()
+    group = dist.group.WORLD
+    with _SHARED_LOCK:
+        if _SHARED and _SHARED[0][0] is group and not _SHARED[0][1].closed:
+            return _SHARED[0][1]
+        comm = ringcomm.init()
+        _SHARED[:] = [(group, comm)]
+        return comm
 
 
 def _new_state(state_kwargs: dict[str, Any]) -> RingcommState:
-    """A RingcommState from ``state_kwargs``, on a new communicator unless they name one."""
+    """A RingcommState from ``state_kwargs``, on the shared communicator unless they name
+    one."""
     if "comm" in state_kwargs:
         return RingcommState(**state_kwargs)
-    comm = _communicator()
-    try:
-        return RingcommState(comm=comm, **state_kwargs)
-    except Exception:
-        comm.close()  # a bad argument: the group made for it is not left behind
-        raise
+    return RingcommState(comm=_communicator(), **state_kwargs)
 
 
 def _ddp_model(model: Any) -> DistributedDataParallel:
@@ -145,13 +159,18 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
         model: the ``DistributedDataParallel`` model, as ``accelerator.prepare(model)``
             returns it (not the unwrapped module), or ``torch.compile`` of it.
         state: the hook's state; made here when None, from ``state_kwargs`` (the arguments of
-            :class:`~ringcomm.torch.RingcommState`), with a communicator over
-            torch.distributed's default group unless ``comm`` is among them.
+            :class:`~ringcomm.torch.RingcommState`), on a communicator over
+            torch.distributed's default group unless ``comm`` is among them: the same one
+            for every state made here while that group lasts (as DDP's models share the
+            group), so models hooked one after another open no new connections, and two
+            whose backward passes run in different orders on different ranks raise
+            ArgumentMismatchError at once on every rank.
         **state_kwargs: ``compression``, ``start_iter``, ``min_compress_bytes``, ... for the
             state made here.
 
     Returns:
-        The state the hook runs with (``state.comm.stats`` counts its calls and bytes).
+        The state the hook runs with (``state.stats`` counts its calls and bytes,
+        ``state.comm.stats`` those of every state on its communicator).
 
     Raises:
         TypeError: ``model`` is not a DistributedDataParallel (nor a compiled one),
@@ -168,7 +187,7 @@ def register_ddp_hook(model: DistributedDataParallel, state: RingcommState | Non
         model = accelerator.prepare(net)
         state = register_ddp_hook(model, compression=ringcomm.Int8(), start_iter=10)
         ...
-        print(state.comm.stats)
+        print(state.stats)
     """
     model = _ddp_model(model)
     if state is not None and state_kwargs:

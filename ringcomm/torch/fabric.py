@@ -20,7 +20,7 @@ Example (``python train.py``; ``fabric.launch()`` starts the other processes)::
     fabric.launch()
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     ...
-    print(strategy.ringcomm_state.comm.stats)
+    print(strategy.ringcomm_state.stats)
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Example (``torchrun --nproc-per-node 2 train.py``)::
     trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=data)
     hook = register_trainer_hook(trainer, compression=ringcomm.Int8())
     trainer.train()
-    print(hook.state.comm.stats)
+    print(hook.state.stats)
 """
 
 from __future__ import annotations

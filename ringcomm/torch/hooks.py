@@ -49,7 +49,7 @@ from ringcomm.comm._mismatch import HOOK_CALLER
 from ringcomm.comm._twolevel import check_algorithm
 from ringcomm.comm.base import Communicator
 from ringcomm.core import trace
-from ringcomm.core.types import ArgumentMismatchError
+from ringcomm.core.types import ArgumentMismatchError, CommStats
 from ringcomm.torch._engine import Handle, engine_for
 from ringcomm.torch._errors import collective_error
 from ringcomm.torch._futures import failing_for_cpp
@@ -136,6 +136,9 @@ class RingcommState:
     compressor's own state (PowerSGD's Q) by bucket index, so that two models sharing one
     would count each other's iterations and warm-start from each other's Q
     (:func:`~ringcomm.torch.register_ddp_hook` refuses a state it gave another model).
+    Several states may share one communicator (the states that ``register_ddp_hook`` makes
+    do): ``stats`` counts this state's calls and bytes, ``comm.stats`` the communicator's
+    (every state's on it, and any other call).
 
     Raises:
         ValueError: ``start_iter`` or ``min_compress_bytes`` negative, an unknown
@@ -152,7 +155,7 @@ class RingcommState:
     __slots__ = ("_bound", "_bucket_params", "_caller", "_engine", "_model", "_residuals",
                  "_scale", "_spans", "_staging", "_ticked", "_trials", "algorithm", "comm",
                  "compression", "error_feedback", "feedback", "grad_scaler", "host_staging",
-                 "iter", "min_compress_bytes", "overlap", "start_iter")
+                 "iter", "min_compress_bytes", "overlap", "start_iter", "stats")
 
     def __init__(self, comm: Communicator | None = None, compression: Any = None,
                  error_feedback: bool = True, start_iter: int = 2,
@@ -182,6 +185,9 @@ class RingcommState:
         self._staging = HostStaging()
         self.iter = 0
         self._engine = engine_for(comm)
+        #: What this state's hook put on the wire: its calls and bytes (the communicator's
+        #: ``stats`` counts every call on it, other states' too).
+        self.stats = CommStats()
         # Its own caller name, "ringcomm-hook-k" for the k-th state on the communicator (the
         # same on every rank that makes its states in one order): two models trained on two
         # threads over one communicator have buckets of different callers, so where they
@@ -298,6 +304,19 @@ class RingcommState:
         self._bucket_params[bucket.index()] = (ids, layout)
         return layout
 
+    def _counted(self, task: Callable[[], Any]) -> Callable[[], Any]:
+        """``task``, counting in ``stats`` what the communicator counts while it runs (the
+        engine runs one communicator's tasks one at a time, so that is the task's own)."""
+        def run() -> Any:
+            stats = self.comm.stats
+            calls, sent, received = stats.calls, stats.bytes_sent, stats.bytes_received
+            try:
+                return task()
+            finally:
+                self.stats.calls += stats.calls - calls
+                self.stats.add(stats.bytes_sent - sent, stats.bytes_received - received)
+        return run
+
     @property
     def auto_choice(self) -> str | None:
         """What ``compression="auto"`` chose for the buckets it compresses (a candidate's
@@ -320,7 +339,8 @@ class RingcommState:
         now = time.perf_counter()
         self._ticked = it = self.iter
         trials = self._trials
-        self._engine.run(lambda: trials.iteration(it, self.comm, now), self._caller)
+        self._engine.run(self._counted(lambda: trials.iteration(it, self.comm, now)),
+                         self._caller)
 
     def _follow_scale(self) -> None:
         """Rescale every residual by new scale / old where the grad scaler's scale changed
@@ -622,7 +642,8 @@ def ringcomm_hook(state: RingcommState, bucket: dist.GradBucket) -> torch.future
     # background thread waits for before it reads the bucket.
     handle = Handle(buffer.device)
     handle.callback = settle
-    state._engine.execute(task, overlap=overlap, handle=handle, caller=state._caller)
+    state._engine.execute(state._counted(task), overlap=overlap, handle=handle,
+                          caller=state._caller)
     return failing_for_cpp(future)  # an error reaches backward() as itself
 
 
@@ -649,8 +670,8 @@ def _sparse_hook(state: RingcommState, bucket: dist.GradBucket,
     handle = Handle(torch.device("cpu"))
     handle.callback = settle
     overlap = device.type == "cuda" if state.overlap is None else state.overlap  # as dense ones
-    state._engine.execute(functools.partial(_sparse_average, state, host, device),
-                          overlap=overlap, handle=handle, caller=state._caller)
+    task = state._counted(functools.partial(_sparse_average, state, host, device))
+    state._engine.execute(task, overlap=overlap, handle=handle, caller=state._caller)
     return failing_for_cpp(future)
 
 

@@ -18,7 +18,7 @@ Example (``python train.py``; Lightning starts the other processes)::
     strategy = RingcommDDPStrategy(state_kwargs={"compression": ringcomm.Int8()})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1)
     trainer.fit(model, loader)
-    print(strategy.ringcomm_state.comm.stats)
+    print(strategy.ringcomm_state.stats)
 """
 
 from __future__ import annotations

@@ -470,7 +470,7 @@ def test_a_model_over_a_one_process_group_takes_a_one_process_communicator():
         reference.load_state_dict(model.module.state_dict())
         reference(x).sum().backward()
         assert torch.equal(model.module.weight.grad, reference.weight.grad)
-        assert state.comm.stats.calls == 1
+        assert state.stats.calls == 1
         with pytest.raises(ValueError, match="the DDP model's process group has"):
             register_ddp_hook(DDP(torch.nn.Linear(4, 2)), comm=comm)
     finally:
