@@ -659,6 +659,7 @@ try:
     second(torch.ones(2, 4)).sum().backward()
 except RuntimeError as err:
     assert "the calls that met come from different threads" in str(err), err
+    assert "run the hooked models' backward passes one at a time, in the same order" in str(err)
     print(f"rank {r} ok", flush=True)
 """
 

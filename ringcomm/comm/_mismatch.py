@@ -48,7 +48,8 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
             "matched by thread name: make each collective from the same-named thread on every "
             "rank" + (f" ('{HOOK_CALLER}-k' is the DDP hook of the k-th RingcommState made on "
                       "this communicator: make the same states, in the same order, on every "
-                      "rank)" if hooks else ""),
+                      "rank, and run the hooked models' backward passes one at a time, in the "
+                      "same order on every rank)" if hooks else ""),
             kind=called, ranks=everyone, differences={"caller": tuple(callers)})
     if len(set(kinds)) > 1:
         calls = [f"a change of {d['setting']}" if d["kind"] == "configure" else
