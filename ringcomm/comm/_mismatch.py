@@ -12,11 +12,16 @@ from ringcomm.core.types import (
     InvalidTypeError,
 )
 
-__all__ = ["HOOK_CALLER", "build_error", "rank_groups", "ranks_text"]
+__all__ = ["HOOK_CALLER", "build_error", "is_hook_caller", "rank_groups", "ranks_text"]
 
 #: The caller name of a DDP hook's collectives, "ringcomm-hook-k" for the k-th RingcommState
 #: made on a communicator (ringcomm.torch.hooks).
 HOOK_CALLER = "ringcomm-hook"
+
+
+def is_hook_caller(name: object) -> bool:
+    """Whether ``name`` is a caller name of a DDP hook's collectives."""
+    return str(name).startswith(HOOK_CALLER)
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -41,7 +46,7 @@ def build_error(descriptions: list[dict[str, Any]]) -> Exception:
     called = "/".join(dict.fromkeys(kinds))
     callers = [d["caller"] for d in descriptions]
     if len(set(callers)) > 1:
-        hooks = any(str(c).startswith(HOOK_CALLER) for c in callers)
+        hooks = any(map(is_hook_caller, callers))
         return ArgumentMismatchError(
             f"{called}: the calls that met come from different threads:"
             f" {rank_groups([repr(c) for c in callers])}. Calls from several threads are "

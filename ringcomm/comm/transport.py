@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm import ops as _ops
-from ringcomm.comm._mismatch import HOOK_CALLER
+from ringcomm.comm._mismatch import is_hook_caller
 from ringcomm.comm.callers import caller
 from ringcomm.core.types import (
     DEFAULT_INLINE_BYTES,
@@ -93,7 +93,7 @@ def _in_a_hook() -> str:
     """What a timeout inside a DDP hook's call adds: the likeliest "other call" there is
     another model's bucket, on a communicator of its own."""
     who = caller()
-    if not who.startswith(HOOK_CALLER):
+    if not is_hook_caller(who):
         return ""
     return (f". This call is the DDP hook's of a RingcommState ({who!r}): where several DDP "
             "models are hooked, each on a communicator of its own (RingcommState(comm=...) "
