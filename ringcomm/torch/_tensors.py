@@ -261,8 +261,9 @@ class Operand:
         """
         sync_device(array)
         t = from_array(array)
-        if self.widened:
-            t = t.reshape(-1, *self.tensor.shape[1:]).to(self.tensor.dtype)
+        if self.widened:  # the leading dimension from the array: -1 is ambiguous at 0 elements
+            shape = (t.shape[0], *self.tensor.shape[1:]) if self.tensor.dim() else ()
+            t = t.reshape(shape).to(self.tensor.dtype)
         return t
 
     def write_back(self) -> None:

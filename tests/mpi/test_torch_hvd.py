@@ -120,6 +120,25 @@ def test_allgather_first_dimension_may_differ(h):
     assert bf.dtype == torch.bfloat16 and bf.tolist() == [r + 0.5 for r in range(SIZE)]
 
 
+WIDENED = (torch.bool, torch.int8, torch.uint8, torch.int16, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", WIDENED, ids=str)
+def test_allgather_of_a_dtype_that_travels_widened_keeps_every_shape(h, dtype):
+    """A dtype that travels as a wider one keeps the gathered shape where a dimension after
+    the first is 0 (no elements: the rows cannot be inferred from them), and its 0-d
+    tensors stay 0-d through allreduce and broadcast."""
+    for shape_of in (lambda r: (1, 0), lambda r: (r + 1, 0, 3), lambda r: (0, 0),
+                     lambda r: (r, 2)):
+        out = h.allgather(torch.full(shape_of(RANK), RANK + 1).to(dtype))
+        expected = torch.cat([torch.full(shape_of(r), r + 1).to(dtype) for r in range(SIZE)])
+        assert out.dtype == dtype and out.shape == expected.shape, (out.shape, expected.shape)
+        assert torch.equal(out, expected)
+    op = h.Max if dtype == torch.bool else h.Sum
+    assert h.allreduce(torch.ones((), dtype=dtype), op=op).shape == ()
+    assert h.broadcast(torch.ones((), dtype=dtype), root_rank=0).shape == ()
+
+
 def test_broadcast_in_place_and_objects(h):
     mask = torch.tensor([RANK == 0, RANK != 0, True])
     h.broadcast_(mask, root_rank=0)
