@@ -87,6 +87,14 @@ elif case == "buckets":     # fusion thresholds that differ: the ranks cut other
                                    fusion_threshold_bytes=64 if rank else 1 << 20)
     model(torch.ones(2, 4)).sum().backward()
     attempt("buckets", opt.synchronize)
+elif case == "sparse":      # an embedding used on rank 0 only: a sparse gradient there, none on 1
+    emb, lin = torch.nn.Embedding(10, 2, sparse=True), torch.nn.Linear(2, 1)
+    named = [*emb.named_parameters(prefix="emb"), *lin.named_parameters(prefix="lin")]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0),
+                                   named_parameters=named)
+    h = emb(torch.tensor([[1, 2]])).mean(1) if rank == 0 else torch.ones(1, 2)
+    lin(h).sum().backward()
+    attempt("sparse", opt.synchronize)
 report("end")
 """
 
@@ -183,6 +191,25 @@ def test_differing_optimizer_buckets_are_reported_as_such(mpiexec, subprocess_en
         assert "it is a DistributedOptimizer bucket, and the ranks cut different ones where " \
             "their parameters' names, which of them require a gradient, " \
             "fusion_threshold_bytes or the compression differ" in d["message"]
+
+
+def test_a_sparse_gradient_missing_on_a_rank_is_reported_on_every_rank(mpiexec, subprocess_env,
+                                                                       tmp_path):
+    """An embedding with sparse gradients used by rank 0 only: rank 0 reduces each parameter
+    apart (the sparse one by allgather), rank 1 the zeros it puts in for the missing gradient
+    fused with the others. That stalls, as in Horovod; every rank's error (rank 0's named a
+    plain allreduce of "lin.weight") says what makes the buckets differ and that
+    sparse_as_dense=True reduces the embedding as the others' zeros."""
+    lines, _, err = run_case(mpiexec, subprocess_env, tmp_path, "sparse")
+    seen = by(lines, "sparse")
+    assert set(seen) == {0, 1}, err
+    names = {0: "'lin.weight'", 1: "'lin.weight..emb.weight'"}
+    for rank, d in seen.items():
+        assert d["type"] == "StalledOperationError", d
+        assert f"allreduce {names[rank]} was submitted by rank {rank}" in d["message"], d
+        assert "a gradient is sparse on some ranks and missing on others (an embedding used " \
+            "by some ranks only: sparse_as_dense=True reduces it as the others' zeros)" \
+            in d["message"], d
 
 
 def test_a_stall_counts_from_after_every_rank_submitted():

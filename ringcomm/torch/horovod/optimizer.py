@@ -7,7 +7,10 @@ are matched across ranks by name, so the order in which backward reaches them ma
 rank to rank (dynamic graphs). ``step()`` (or ``synchronize()``) submits whatever is left,
 including parameters for which this rank computed no gradient (as zeros, so other ranks do not
 wait), and waits for everything. Sparse gradients are reduced by allgather of their entries,
-unless ``sparse_as_dense``.
+unless ``sparse_as_dense``; a sparse gradient that some ranks have and others lack (an
+embedding used by some ranks only) is the exception to those zeros, as in Horovod: the ranks'
+buckets then differ and stall, every rank's error saying so (``sparse_as_dense=True`` reduces
+it as the others' zeros).
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ from ringcomm.torch.horovod._fusion import Bucket, Reduction, fusion_threshold, 
 from ringcomm.torch.horovod._negotiate import enqueue
 from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe
 from ringcomm.torch.horovod._reduce import parse_op
-from ringcomm.torch.horovod.functions import allreduce_async_, sparse_allreduce_async, synchronize
+from ringcomm.torch.horovod.functions import (
+    _reduce_op,
+    sparse_allreduce_async,
+    synchronize,
+)
 
 __all__ = ["DistributedOptimizer", "base_step"]
 
@@ -277,10 +284,11 @@ class _DistributedOptimizer(_OptimizerMixin):
             if grad.is_sparse:
                 self._handles.append((p, sparse_allreduce_async(
                     grad, name, self.op, process_set=self._process_set)))
-            else:
-                self._handles.append((None, allreduce_async_(
-                    grad, name=name, op=self.op, prescale_factor=red.prescale,
-                    postscale_factor=red.postscale, process_set=self._process_set)))
+            else:  # marked as the optimizer's, so that a stall says why buckets differ
+                op = _reduce_op(grad, grad, name, self.op, red.prescale, red.postscale, None,
+                                self._process_set)
+                op.meta["bucket"] = True
+                self._handles.append((None, enqueue(op)))
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet); wait for them.
