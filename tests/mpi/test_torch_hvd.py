@@ -13,6 +13,7 @@ from mpi4py import MPI  # noqa: E402
 from torch_helpers import gathered, hvd, same_on_all_ranks  # noqa: E402
 
 import ringcomm  # noqa: E402
+from ringcomm.comm._mismatch import ranks_text  # noqa: E402
 from ringcomm.torch.horovod._reduce import feedback_of  # noqa: E402
 
 SIZE, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
@@ -288,6 +289,38 @@ def test_mismatch_raises_runtime_error_on_every_rank(h, case):
     with pytest.raises(RuntimeError, match=message) as info:
         call(h)
     assert isinstance(info.value, h.HorovodInternalError)
+    usable(h)
+
+
+SPARSE_CALLS = {
+    "allreduce": lambda h, t: h.allreduce(t),
+    "allreduce_": lambda h, t: h.allreduce_(t),
+    "allreduce_async": lambda h, t: h.synchronize(h.allreduce_async(t, name="sparse")),
+    "grouped_allreduce": lambda h, t: h.grouped_allreduce([torch.ones(2), t]),
+    "allgather": lambda h, t: h.allgather(t),
+    "grouped_allgather": lambda h, t: h.grouped_allgather([t]),
+    "broadcast": lambda h, t: h.broadcast(t, root_rank=0),
+    "broadcast_": lambda h, t: h.broadcast_(t, root_rank=0),
+    "alltoall": lambda h, t: h.alltoall(t),
+    "reducescatter": lambda h, t: h.reducescatter(t),
+}
+
+
+@pytest.mark.parametrize("on", ["every rank", "rank 0"])
+@pytest.mark.parametrize("call", sorted(SPARSE_CALLS))
+def test_a_sparse_tensor_is_refused_on_every_rank(h, call, on):
+    """A sparse tensor given to a collective of dense tensors, by every rank or by rank 0
+    alone: the same error on every rank at once, saying what to do (rank 0 raised alone, and
+    the others waited to the stall limit)."""
+    sparse = on == "every rank" or RANK == 0
+    t = (torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)) if sparse
+         else torch.ones(4))
+    ranks = ranks_text(list(range(SIZE)) if on == "every rank" else [0])
+    with pytest.raises(h.HorovodInternalError, match=(
+            f"invalid arguments on {ranks}: "
+            r"TypeError: expected a dense \(strided\) tensor, got one of layout torch.sparse_coo: "
+            r"reduce a sparse gradient with hvd.sparse_allreduce_async")):
+        SPARSE_CALLS[call](h, t)
     usable(h)
 
 

@@ -49,6 +49,8 @@ def describe_each(tensors: list[torch.Tensor], *, trailing: bool) -> dict[str, A
         fields = describe(t, trailing=trailing)
         if trailing:
             fields["dim"] = t.dim()
+        if "error" in fields:  # refused: the operation fails on every rank
+            meta.setdefault("error", fields.pop("error"))
         meta.update({f"{field} of tensor {i}": value for field, value in fields.items()})
     return meta
 

@@ -107,11 +107,24 @@ class Op:
 def describe(t: torch.Tensor, *, trailing: bool = False) -> dict[str, Any]:
     """The ``meta`` of a tensor: dtype, device type and shape (after dim 0 if ``trailing``).
 
+    A sparse (or other non-strided) tensor's meta carries its refusal (``"error"``), so that
+    the operation fails on every rank, whichever ranks passed one.
+
     Raises:
         TypeError: ``t`` is not a torch tensor (what was given is named).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     shape = tuple(t.shape[1:]) if trailing else tuple(t.shape)
-    return {"dtype": str(t.dtype), "device": t.device.type,
-            "shape after the first dimension" if trailing else "shape": shape}
+    meta: dict[str, Any] = {"dtype": str(t.dtype), "device": t.device.type,
+                            "shape after the first dimension" if trailing else "shape": shape}
+    if t.layout != torch.strided:
+        meta["error"] = layout_error(t)
+    return meta
+
+
+def layout_error(t: torch.Tensor) -> str:
+    """What a collective of dense tensors says of the non-strided tensor ``t``."""
+    return (f"TypeError: expected a dense (strided) tensor, got one of layout {t.layout}: "
+            "reduce a sparse gradient with hvd.sparse_allreduce_async (what "
+            "DistributedOptimizer does with sparse gradients), or pass t.to_dense()")

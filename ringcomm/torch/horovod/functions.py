@@ -36,7 +36,14 @@ from ringcomm.torch.horovod._basics import (
     root_in_set,
 )
 from ringcomm.torch.horovod._negotiate import enqueue, execute, reduce_fused
-from ringcomm.torch.horovod._ops import JOINED_RUNS, Op, ReduceSpec, describe, ring_spec
+from ringcomm.torch.horovod._ops import (
+    JOINED_RUNS,
+    Op,
+    ReduceSpec,
+    describe,
+    layout_error,
+    ring_spec,
+)
 from ringcomm.torch.horovod._reduce import parse_op
 from ringcomm.torch.horovod._runs import joined_reduce
 
@@ -67,13 +74,22 @@ _WARNED: list[Any] = []  # compressors whose unnamed calls were said to keep no 
 
 
 # ----------------------------------------------------------------------------- the operations
+def _output_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor for the result of a collective of ``tensor``; ``tensor``
+    itself where it is not strided (sparse): its operation is refused on every rank and
+    writes nothing (``describe``)."""
+    if tensor.layout != torch.strided:
+        return tensor
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 def _reduce_op(tensor: torch.Tensor, out: torch.Tensor | None, name: str | None, op: ReduceOp,
                pre: float, post: float, ring: Any, process_set: Any,
                feedback: bool = False) -> Op:
     meta = describe(tensor)
     meta.update(op=op.name, prescale=float(pre), postscale=float(post),
                 compression=None if ring is None else type(ring).__name__)
-    dst = torch.empty_like(tensor, memory_format=torch.contiguous_format) if out is None else out
+    dst = _output_like(tensor) if out is None else out
     spec = ReduceSpec(tensor, dst, op, pre, post, ring,
                       f"allreduce.{name}" if feedback and ring is not None and name else None)
     if ring is not None:
@@ -339,6 +355,9 @@ def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | Non
                                       for t in tensors])
     meta = {"tensors": tuple((str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors),
             "op": op.name, "prescale": float(pre), "postscale": float(post)}
+    refused = [t for t in tensors if t.layout != torch.strided]
+    if refused:
+        meta["error"] = layout_error(refused[0])
     return Op("grouped_allreduce", name, meta, lambda comm: reduce_fused(comm, specs),
               nbytes=sum(t.numel() * t.element_size() for t in tensors),
               process_set=process_set)
@@ -480,7 +499,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: Any = global_process_set) -> Handle:
     """Start broadcasting root's ``tensor`` into a new tensor on every rank."""
     _check_tensor(tensor)
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _output_like(tensor)
     return enqueue(_broadcast_op(tensor, out, root_rank, name, process_set))
 
 
@@ -506,7 +525,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None,
                 process_set: Any) -> torch.Tensor:
         ctx.root, ctx.process_set = root, process_set
-        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        out = _output_like(tensor)
         return execute(_broadcast_op(tensor, out, root, name, process_set))
 
     @staticmethod
