@@ -322,6 +322,36 @@ def zero(overlap_hook=None):
     return digest()
 
 
+def torch_hook(kind):
+    """The sha256 after DDP training with one of PyTorch's own Python hooks: its PowerSGD
+    hook calls collectives in a future's callback and waits for them (run by the thread that
+    completes the bucket's allreduce), fp16's chains one without, in tiny buckets. (PowerSGD
+    in tiny buckets waits forever on gloo itself, whose two threads all wait in callbacks;
+    torch 2.13's batched_powerSGD_hook fails its own assertion on both backends.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    if kind == "fp16":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5,
+                                            random_seed=0)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(600 + r)
+    for _ in range(6):
+        opt.zero_grad()
+        ddp(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+report["torch_hooks"] = [torch_hook(kind) for kind in ("powersgd", "fp16")]
 report["joined"] = joined()
 report["sparse"] = sparse_gradients()
 report["zero"] = zero()
@@ -424,6 +454,9 @@ def test_ringcomm_backend_trains_ddp_as_gloo_does(tmp_path, tmp_path_factory, su
     assert len({row["joined"] for row in ours + theirs}) == 1, (ours, theirs)
     assert len({row["sparse"] for row in ours + theirs}) == 1, (ours, theirs)
     assert len({row["zero"] for row in ours + theirs}) == 1, (ours, theirs)
+    # PyTorch's PowerSGD hook, whose future callbacks call collectives and wait (they waited
+    # for themselves on this backend), and its fp16 hook: gloo's parameters.
+    assert len({tuple(row["torch_hooks"]) for row in ours + theirs}) == 1, (ours, theirs)
     # ZeRO's step inside the hook: ringcomm's hook gives PyTorch's allreduce_hook's bits.
     overlapped = {digest for row in ours for digest in row["zero_overlap"]}
     assert len(overlapped) == 1, ours

@@ -430,7 +430,13 @@ class _Worker:
     an 8-byte all_reduce), the others on a thread of the group's own, behind what is
     pending, so that the caller (DDP's autograd thread, say) goes on meanwhile, as with
     torch's own backends. Either way the calls are made under the worker's name
-    (``calls_as``), which the agreement matches across ranks."""
+    (``calls_as``), which the agreement matches across ranks.
+
+    Completing a collective's future runs the callbacks chained to it (``.then``) on the
+    thread that completes it. A collective such a callback calls (torch's PowerSGD hook
+    allreduces its P matrices in one and waits) runs there and then, right after the one
+    whose callback it is, as on every rank: queued, it would wait for the thread that waits
+    for it."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -440,10 +446,22 @@ class _Worker:
         self._pending = 0  # submitted and not finished
         self._running = threading.Lock()  # held by whichever thread runs a collective
         self._thread: threading.Thread | None = None
+        self._completing = threading.local()  # .depth > 0: running a future's callbacks
 
     def submit(self, run: Callable[[], Any], future: Future[Any], may_run_here: bool) -> None:
         """Run ``run`` and complete ``future`` with its result or error: here and now where
-        ``may_run_here`` and nothing is pending, else on the group's thread after what is."""
+        ``may_run_here`` and nothing is pending, or where this thread is completing another
+        collective's future (a callback's collective: this thread holds the group), else on
+        the group's thread after what is pending."""
+        if getattr(self._completing, "depth", 0):
+            with self._state:
+                self._pending += 1
+            try:
+                with calls_as(self.name):
+                    self._settle(run, future)
+            finally:
+                self._finished()
+            return
         with self._state:
             here = may_run_here and self._pending == 0
             self._pending += 1
@@ -458,7 +476,7 @@ class _Worker:
             return
         try:
             with calls_as(self.name):
-                _settle(run, future)
+                self._settle(run, future)
         finally:
             self._running.release()
             self._finished()
@@ -481,18 +499,27 @@ class _Worker:
             if item is None:
                 return
             with self._running:
-                _settle(*item)
+                self._settle(*item)
             self._finished()
 
-
-def _settle(run: Callable[[], Any], future: Future[Any]) -> None:
-    """Complete ``future`` with ``run()``'s result, or its error (raised by whoever waits)."""
-    try:
-        result = run()
-    except BaseException as err:  # handed to whoever waits for the work
-        future.set_exception(err)
-    else:
-        future.set_result(result)
+    def _settle(self, run: Callable[[], Any], future: Future[Any]) -> None:
+        """Complete ``future`` with ``run()``'s result, or its error (raised by whoever
+        waits), running its callbacks as this thread's (see :meth:`submit`)."""
+        try:
+            result = run()
+        except BaseException as err:  # handed to whoever waits for the work
+            error: BaseException | None = err
+        else:
+            error = None
+        local = self._completing
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        finally:
+            local.depth -= 1
 
 
 def _nccl_backend(store: Any, rank: int, size: int,
