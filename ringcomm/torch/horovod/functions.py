@@ -41,7 +41,6 @@ from ringcomm.torch.horovod._ops import (
     Op,
     ReduceSpec,
     describe,
-    layout_error,
     ring_spec,
 )
 from ringcomm.torch.horovod._reduce import parse_op
@@ -349,15 +348,14 @@ def _check_tensors(tensors: Any) -> None:
 def _grouped_op(tensors: Sequence[torch.Tensor], in_place: bool, name: str | None,
                 op: ReduceOp, pre: float, post: float, process_set: Any) -> Op:
     _check_tensors(tensors)
-    # _reduce_op's Op always carries its ReduceSpec.
-    specs = cast("list[ReduceSpec]", [_reduce_op(t, t if in_place else None, None, op, pre,
-                                                 post, None, process_set).reduce
-                                      for t in tensors])
+    ops = [_reduce_op(t, t if in_place else None, None, op, pre, post, None, process_set)
+           for t in tensors]
+    specs = cast("list[ReduceSpec]", [o.reduce for o in ops])  # _reduce_op's always has one
     meta = {"tensors": tuple((str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors),
             "op": op.name, "prescale": float(pre), "postscale": float(post)}
-    refused = [t for t in tensors if t.layout != torch.strided]
+    refused = [o.meta["error"] for o in ops if "error" in o.meta]  # a sparse tensor's
     if refused:
-        meta["error"] = layout_error(refused[0])
+        meta["error"] = refused[0]
     return Op("grouped_allreduce", name, meta, lambda comm: reduce_fused(comm, specs),
               nbytes=sum(t.numel() * t.element_size() for t in tensors),
               process_set=process_set)
