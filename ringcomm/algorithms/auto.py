@@ -39,7 +39,7 @@ from ringcomm.codecs.cast import FP16
 from ringcomm.codecs.int8 import Int8
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
-from ringcomm.core.types import Array, ReduceOp, Transport, check_dtype
+from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype, check_dtype
 
 __all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "Compression", "Decision", "LinkModel", "Trial",
            "measure_link", "measure_throughput", "predict", "wire_bytes"]
@@ -304,8 +304,9 @@ class Auto:
         the agreement (``decide``: the first call measures, together).
 
         None also where a dense choice meets a pending residual (the compressed path then
-        sends it in full), and for invalid arguments (the checked path raises their error on
-        every rank). Never raises.
+        sends it in full) or, with error feedback, a 16-bit float array (the compressed path
+        then keeps the rounding of its result, as every compressor does), and for invalid
+        arguments (the checked path raises their error on every rank). Never raises.
         """
         try:
             check_compressed_args(x, ReduceOp.parse(op), feedback, name)
@@ -316,7 +317,7 @@ class Auto:
         except (AttributeError, TypeError, ValueError):
             return None
         if decision.choice is None and feedback is not None and name is not None and (
-                feedback.holds(name)):
+                feedback.holds(name) or accumulation_dtype(np.dtype(x.dtype)) != x.dtype):
             return None
         return decision
 

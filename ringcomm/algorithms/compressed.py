@@ -17,7 +17,7 @@ from ringcomm.algorithms import powersgd_ring, sparse
 from ringcomm.algorithms import ring as dense_ring
 from ringcomm.codecs.base import Compressor
 from ringcomm.codecs.feedback import ErrorFeedback
-from ringcomm.core.types import Array, ReduceOp, Transport
+from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype
 
 __all__ = ["ALGORITHMS", "AllreduceAlgorithm", "algorithm_of", "allreduce"]
 
@@ -59,7 +59,8 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor
 
     The input plus this rank's residual is what gets compressed; the residual is then
     overwritten with everything this rank did not send. ``comp`` None (what "auto" may pick)
-    sends input plus residual dense, spending the residual. ``seed`` keys the random numbers
+    sends input plus residual dense, spending the residual (a 16-bit float result's rounding
+    then goes into it, as a compressor's does). ``seed`` keys the random numbers
     of stochastic rounding and sampling; it differs per call and rank.
     """
     ops = _ops.get(x)
@@ -69,14 +70,7 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor
             raise ValueError("feedback needs name=... to key the residual of this tensor")
         residual = feedback.take(name, x)
     if comp is None:
-        # Dense: the input plus the pending residual, in the input's own dtype; the residual
-        # is spent.
-        work = x
-        if feedback is not None:
-            work = ops.empty((x.size,), x.dtype)
-            ops.reduce(ReduceOp.SUM, x, residual, work)
-            feedback.reset(name)  # later dense calls need not add zeros
-        dense_ring.allreduce(t, work, out, op, segment_bytes=segment_bytes)
+        _dense(t, x, out, op, feedback, name, residual, segment_bytes)
         return
     if t.size == 1:
         # Nothing travels, so nothing is lost: the residual is spent.
@@ -90,3 +84,29 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: Compressor
     # The algorithms add the residual to the input chunk by chunk, as they first read it, and
     # overwrite it there with what they did not send.
     algorithm(t, x, out, op, comp, residual, seed, segment_bytes=segment_bytes)
+
+
+def _dense(t: Transport, x: Array, out: Array, op: ReduceOp, feedback: ErrorFeedback | None,
+           name: str | None, residual: Array | None, segment_bytes: int) -> None:
+    """The dense choice of "auto": flat ``x`` plus the pending ``residual``, which is spent.
+
+    16-bit floats are summed in float32 and rounded once, and what that rounding lost goes
+    into the residual, each rank keeping its own chunk of the elements (counted once), as
+    every compressor keeps its final rounding: the results plus the residuals still equal
+    the inputs to float32 rounding. Other dtypes reduce in their own.
+    """
+    if feedback is None or residual is None or name is None:
+        dense_ring.allreduce(t, x, out, op, segment_bytes=segment_bytes)
+        return
+    ops = _ops.get(x)
+    wide = accumulation_dtype(np.dtype(x.dtype))
+    work = ops.empty((x.size,), wide)
+    ops.reduce(ReduceOp.SUM, x, residual, work)
+    if wide == x.dtype:
+        feedback.reset(name)  # spent: later dense calls need not add zeros
+        dense_ring.allreduce(t, work, out, op, segment_bytes=segment_bytes)
+        return
+    dense_ring.allreduce(t, work, work, op, segment_bytes=segment_bytes)
+    ops.copy(out, work)
+    residual[...] = 0
+    ring.keep_chunk_rounding(ops, t, residual, work, out, op, t.size)

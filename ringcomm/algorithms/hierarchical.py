@@ -85,7 +85,8 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
         op: the reduction; "avg" divides by ``local.size * cross.size``.
         comp: the compressor of the cross-node phase, or None (dense everywhere).
         residual: this rank's float32 error-feedback residual of ``x``'s length, or None. It is
-            added to the input, then overwritten with what the cross-node phase did not send.
+            added to the input, then overwritten with what the cross-node phase did not send
+            and what rounding a 16-bit result lost.
         seed: keys the random numbers of the compressor (stochastic rounding, sampling); it
             should differ per call and per rank.
         segment_bytes: the rings' segment size.
@@ -126,7 +127,7 @@ def allreduce(local: Transport, cross: Transport, x: Array, out: Array, op: Redu
         if op is ReduceOp.AVG:
             ops.divide(shard, whole, shard)
         ops.copy(out[lo:hi], shard)  # onto itself where the ring reduced into out already
-        if comp is not None and residual is not None:
+        if residual is not None:  # a 16-bit result's rounding (dense too: spent input)
             keep_chunk_rounding(ops, cross, residual[lo:hi], shard, out[lo:hi], op, whole)
     with trace.span("LOCAL_ALLGATHER"):
         ring.allgather_parts(local, out, bounds)
@@ -137,7 +138,8 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: A
                             name: str | None, seed: int, *,
                             segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """:func:`allreduce` with the residual kept by ``feedback`` under ``name`` (created as zeros
-    on first use); ``comp`` None sends input plus residual dense, spending the residual."""
+    on first use); ``comp`` None sends input plus residual dense, spending the residual (a
+    16-bit float result's rounding then goes into it, this rank's chunk of its shard)."""
     if feedback is None:
         allreduce(local, cross, x, out, op, comp, None, seed, segment_bytes=segment_bytes)
         return
@@ -147,10 +149,10 @@ def allreduce_with_feedback(local: Transport, cross: Transport, x: Array, out: A
     residual = feedback.take(name, x)
     allreduce(local, cross, x, out, op, comp, residual, seed, segment_bytes=segment_bytes,
               residual_within=within)
-    if comp is None:
+    if comp is None and accumulation_dtype(np.dtype(x.dtype)) == x.dtype:
         feedback.reset(name)  # spent: later dense calls need not add zeros
         return
-    if sparse_hierarchical.applies(local, cross, x.size, comp):
+    if comp is not None and sparse_hierarchical.applies(local, cross, x.size, comp):
         return  # its residual is nonzero anywhere
     # What this call left: zero outside this rank's shard (the node-local phase spent the
     # rest, the cross-node phase wrote only the shard).

@@ -112,6 +112,19 @@ class ErrorFeedback:
         if _ops.is_device_array(res) != _ops.is_device_array(like):
             raise ValueError(f"residual {name!r} lives on another device than the tensor")
 
+    def check_apart(self, name: str, **arrays: Array | None) -> None:
+        """Raise ValueError if one of ``arrays`` (by their argument names) shares memory with
+        the residual kept under ``name``: a call writes that residual while it reads its
+        input and writes its result, so neither may be the residual (``residual(name)``)."""
+        res = self._residuals.get(name)
+        if res is None:
+            return
+        for label, a in arrays.items():
+            if a is not None and _may_share_memory(res, a):
+                raise ValueError(
+                    f"{label} shares memory with the residual kept under {name!r} "
+                    f"(feedback.residual({name!r})), which the call overwrites; pass a copy")
+
     def take(self, name: str, like: Array) -> Array:
         """The residual of ``name`` for a tensor like flat ``like``, created as zeros.
 
@@ -124,3 +137,14 @@ class ErrorFeedback:
         if res is None:
             res = self._residuals[name] = _ops.get(like).zeros((like.size,), np.float32)
         return res
+
+
+def _may_share_memory(a: Array, b: Array) -> bool:
+    """Whether ``a`` and ``b`` may share memory (bounds only), host or device alike."""
+    if _ops.is_device_array(a) != _ops.is_device_array(b):
+        return False
+    if type(a) is np.ndarray:
+        return bool(np.may_share_memory(a, b))
+    import cupy  # a device array: CuPy is there
+
+    return bool(cupy.may_share_memory(a, b))

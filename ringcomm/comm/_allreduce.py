@@ -116,9 +116,11 @@ class Allreduce:
             _check_out(x, out)
         if not decided:
             check_compressed_args(x, rop, feedback, name)
+            _check_apart(feedback, name, x, out)
             return rop, None
         if compression is not None:
             bound = check_compressed_call(compression, x, rop, feedback, name)
+            _check_apart(feedback, name, x, out)
             algorithms.algorithm_of(compression)
             spec.extra = _compressed_text(compression, name, feedback)
             return rop, bound
@@ -236,6 +238,12 @@ def _compressed_text(compression: Compressor | Auto, name: Any, feedback: Any) -
     the name, and whether feedback is kept (on some ranks only, residuals would stay there
     alone)."""
     return f"{compression!r}|{name}|feedback={feedback is not None}"
+
+
+def _check_apart(feedback: Any, name: Any, x: Array, out: Array | None) -> None:
+    """Refuse an input or output that is (part of) the residual this call overwrites."""
+    if feedback is not None:
+        feedback.check_apart(name, x=x, out=out)
 
 
 def _check_out(x: Array, out: Array) -> None:

@@ -87,3 +87,32 @@ def test_auto_trials_differing_between_ranks_raise_on_every_rank(comm, world, rn
     for _ in range(8):
         y = comm.allreduce(g, compression=same, feedback=ringcomm.ErrorFeedback(), name="h")
         assert same_on_all_ranks(world, y)
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_auto_dense_choice_keeps_a_16_bit_results_rounding(world, rng, dtype, op, algorithm):
+    """A dense choice with error feedback keeps what rounding the 16-bit result lost, as
+    every compressor does: results plus residuals equal the inputs to float32 rounding."""
+    dt = np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16" else (
+        np.dtype(dtype))
+    size = world.Get_size()
+    comm = ringcomm.init("mpi", abort_on_exception=False, algorithm=algorithm,
+                         topology=2 if size % 2 == 0 and size > 2 else 1)
+    try:
+        dense = ringcomm.Auto((None,))  # its only candidate: send uncompressed
+        ef = ringcomm.ErrorFeedback()
+        sent = results = 0.0
+        for _ in range(4):
+            g = (rng.standard_normal(10_007) * 3).astype(dt)
+            y = comm.allreduce(g, op=op, compression=dense, feedback=ef, name="g")
+            assert y.dtype == dt and same_on_all_ranks(world, y)
+            sent = sent + gather_inputs(world, g).astype(np.float64).sum(axis=0)
+            results = results + y.astype(np.float64) * (size if op == "avg" else 1)
+        kept = gather_inputs(world, ef.residual("g").astype(np.float64)).sum(axis=0)
+        scale = np.abs(sent).max()
+        assert np.abs(sent - results).max() > 1e-4 * scale  # rounding 16-bit results loses
+        assert np.abs(sent - results - kept).max() <= 1e-6 * scale
+    finally:
+        comm.close()

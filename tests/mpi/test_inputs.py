@@ -128,3 +128,23 @@ def test_sendrecv_into_a_short_buffer_says_so(comm):
             comm.sendrecv(send, peer, recv, peer)
             np.testing.assert_array_equal(recv[:10], 1)
     usable(comm)
+
+
+@pytest.mark.parametrize("which", ["x", "out"])
+def test_the_residual_itself_as_x_or_out_is_refused(comm, which):
+    """The call overwrites the residual it adds: an input or result in its memory would be
+    read after it was overwritten (or overwrite it), on every rank alike."""
+    ef, c = ringcomm.ErrorFeedback(), ringcomm.Int8()
+    x = np.random.default_rng(comm.rank).standard_normal(5000).astype(np.float32)
+    comm.allreduce(x, compression=c, feedback=ef, name="w")
+    res = ef.residual("w")
+    held = res.copy()
+    args = (res, None) if which == "x" else (x, res[:])
+    with pytest.raises(ringcomm.InvalidArgumentError,
+                       match=f"{which} shares memory with the residual kept under 'w'"):
+        comm.allreduce(args[0], out=args[1], compression=c, feedback=ef, name="w")
+    np.testing.assert_array_equal(ef.residual("w"), held)  # nothing ran
+    with pytest.raises(ringcomm.InvalidArgumentError, match="shares memory with the residual"):
+        comm.allreduce(res, compression="auto", feedback=ef, name="w")
+    comm.allreduce(res.copy(), compression=c, feedback=ef, name="w")  # a copy is fine
+    usable(comm)
