@@ -15,8 +15,8 @@ from ringcomm.codecs.base import Compressor, check_compressed_call
 from ringcomm.comm.base import Communicator
 from ringcomm.core.types import ReduceOp
 
-INT8, FP16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.TopK(0.01)
-CPU = {"none": 10e9, repr(FP16): 0.7e9, repr(INT8): 2.5e9, repr(TOPK): 1.0e9}
+INT8, FP16, BF16, TOPK = ringcomm.Int8(), ringcomm.FP16(), ringcomm.BF16(), ringcomm.TopK(0.01)
+CPU = {"none": 10e9, repr(FP16): 0.7e9, repr(BF16): 0.7e9, repr(INT8): 2.5e9, repr(TOPK): 1.0e9}
 GBIT = LinkModel(latency=50e-6, bandwidth=125e6)          # 1 Gbit/s Ethernet
 FAST = LinkModel(latency=2e-6, bandwidth=40e9)           # shared memory
 

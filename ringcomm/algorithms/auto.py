@@ -35,7 +35,7 @@ from ringcomm.algorithms.cost_model import (
     wire_bytes,
 )
 from ringcomm.codecs.base import Compressor, check_compressed_args
-from ringcomm.codecs.cast import FP16
+from ringcomm.codecs.cast import BF16
 from ringcomm.codecs.int8 import Int8
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
@@ -127,8 +127,11 @@ class Auto:
 
     Args:
         candidates: what the user allows; None stands for no compression. The default allows
-            no compression, FP16 and Int8 (errors of at most about 1% per step, made up by
-            error feedback); add ``TopK(...)`` to allow sparsification.
+            no compression, BF16 and Int8 (errors of at most about 1% per step, made up by
+            error feedback); add ``TopK(...)`` to allow sparsification. Its 16-bit cast is
+            BF16, not FP16: bfloat16 keeps float32's range, where FP16 turns a gradient above
+            65504 into Inf (in every call that tries it, too), which training without a loss
+            scaler would apply.
         link: fixed link figures (for tests or a known network) instead of measuring.
         throughput: fixed per-candidate throughputs (bytes/s, keyed by ``repr`` of the
             candidate, "none" for None) instead of measuring.
@@ -139,7 +142,7 @@ class Auto:
     Every rank must pass an equal Auto; the choice is the same on every rank.
     """
 
-    def __init__(self, candidates: tuple[Compressor | None, ...] = (None, FP16(), Int8()), *,
+    def __init__(self, candidates: tuple[Compressor | None, ...] = (None, BF16(), Int8()), *,
                  link: LinkModel | None = None,
                  throughput: dict[str, float] | None = None, trials: int | None = None) -> None:
         if not candidates:

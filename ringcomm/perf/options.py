@@ -203,9 +203,9 @@ def parse_compression(spec: str) -> Any:
     if name == "none":
         return None
     if name == "auto":
-        # auto:topk allows top-k at 1% besides fp16 and int8
+        # auto:topk allows top-k at 1% besides bf16 and int8 (the default candidates)
         extra = (ringcomm.TopK(0.01),) if params else ()
-        return ringcomm.Auto((None, ringcomm.FP16(), ringcomm.Int8(), *extra))
+        return ringcomm.Auto((*ringcomm.Auto().candidates, *extra))
     if name == "fp16":
         return ringcomm.FP16()
     if name == "bf16":

@@ -92,7 +92,7 @@ class RingcommState:
             its state names (WORLD for None). ``register_ddp_hook`` refuses a communicator
             whose size differs from the model's group, or whose processes are others.
         compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: whichever of
-            none, fp16 and int8 makes the training iteration shortest, each tried on every
+            none, bf16 and int8 makes the training iteration shortest, each tried on every
             compressed bucket of whole iterations from ``start_iter`` on, one untimed and 3
             timed iterations each, then chosen for all of them by every rank alike; see
             :mod:`ringcomm.torch._iteration_trials`; an ``Auto`` with fixed figures and no
@@ -130,7 +130,9 @@ class RingcommState:
             between iterations, the residuals are rescaled by the same factor at the next
             iteration's first bucket (one ``get_scale()`` an iteration, which waits for the
             GPU), so that they add to the gradients in the units they are in. Without it, a
-            scale that doubles turns what was held back into half its mass.
+            scale that doubles turns what was held back into half its mass. A scale that
+            fell (after a step the scaler skipped) drops them: that step's gradients are not
+            applied later.
 
     One state per DDP model: the state counts its model's iterations and keeps the
     compressor's own state (PowerSGD's Q) by bucket index, so that two models sharing one
