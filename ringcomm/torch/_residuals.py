@@ -191,9 +191,18 @@ def check_grad_scaler(grad_scaler: Any) -> None:
 def rescaling(before: float | None, scale: float) -> float | None:
     """The factor that takes residuals kept at loss scale ``before`` to ``scale``; None where
     there is nothing to do (the first scale seen, the same one, or one not finite and
-    positive)."""
+    positive).
+
+    0 where the scale fell: a GradScaler backs off only after a step it skipped (a gradient
+    not finite on some rank), and that step's calls have already moved every residual, the
+    finite buckets' too (top-k's took in nearly all of the step's gradient): kept, they would
+    apply the skipped step's gradients in the steps after it. Dropped, the skipped step adds
+    nothing later; what the residuals held before it is lost with it.
+    """
     if before is None or scale == before or not (0 < scale < math.inf and before > 0):
         return None
+    if scale < before:
+        return 0.0
     return scale / before
 
 

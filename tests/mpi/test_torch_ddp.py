@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import pickle
 
 import numpy as np
@@ -407,6 +408,71 @@ def test_residuals_follow_the_loss_scale_of_a_grad_scaler(fresh_comm):
         held = state.residual(p).double().numpy() / last_scale
         total_in = MPI.COMM_WORLD.allreduce(sent[id(p)].numpy())
         total_held = MPI.COMM_WORLD.allreduce(held)
+        np.testing.assert_allclose(SIZE * applied[id(p)].numpy() + total_held, total_in,
+                                   atol=1e-5 * np.abs(total_in).max())
+
+
+class _Poisoned(torch.nn.Module):
+    """A small net and a parameter of its own bucket whose gradient is Inf on rank 0 at the
+    step ``poison`` says (``extra``: no other gradient depends on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 8))
+        self.extra = torch.nn.Parameter(torch.ones(4))
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bad = math.inf if self.poison and RANK == 0 else 1.0
+        return self.net(x).pow(2).sum() + (self.extra * bad).sum()
+
+
+def test_a_step_the_grad_scaler_skips_adds_nothing_to_later_steps(fresh_comm):
+    """A step the GradScaler skips (Inf in one bucket, on one rank) has moved every bucket's
+    residual: top-k's took in nearly all of the step's gradient, which the steps after it
+    would apply. Its scale backing off drops them: in true units the other steps' gradients
+    add up to the averaged gradients applied, the residuals kept and those held before the
+    skipped step (lost with it), and nothing of the skipped step's."""
+    torch.manual_seed(0)
+    module = _Poisoned()
+    model = DDP(module, bucket_cap_mb=0.001)  # Inf in extra's bucket alone
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    state = RingcommState(fresh_comm, compression=ringcomm.TopK(0.05), start_iter=0,
+                          min_compress_bytes=0, grad_scaler=scaler)
+    params = list(module.net.parameters())
+    sent = collections.defaultdict(float)
+    applied = collections.defaultdict(float)
+    skipped = 3
+
+    def recording(state, bucket):
+        if not module.poison:
+            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                sent[id(p)] = sent[id(p)] + g.double().reshape(-1) / scaler.get_scale()
+        return ringcomm_hook(state, bucket)
+
+    model.register_comm_hook(state, recording)
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    dropped = {}
+    for step in range(7):
+        module.poison = step == skipped
+        if module.poison:
+            dropped = {id(p): state.residual(p).double().numpy() / scaler.get_scale()
+                       for p in params}
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(torch.randn(8, 32, generator=gen))).backward()
+        scaler.unscale_(opt)
+        if not module.poison:
+            for p in params:
+                applied[id(p)] = applied[id(p)] + p.grad.double().reshape(-1)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == (512.0 if step >= skipped else 1024.0)
+    for p in params:
+        held = state.residual(p).double().numpy() / scaler.get_scale()
+        total_in = MPI.COMM_WORLD.allreduce(sent[id(p)].numpy())
+        total_held = MPI.COMM_WORLD.allreduce(held + dropped[id(p)])
         np.testing.assert_allclose(SIZE * applied[id(p)].numpy() + total_held, total_in,
                                    atol=1e-5 * np.abs(total_in).max())
 

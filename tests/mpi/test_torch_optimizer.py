@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -387,6 +388,65 @@ def test_residuals_follow_the_loss_scale_of_a_grad_scaler(h, follow):
         error = np.abs(SIZE * applied[n] + total_held - total_in).max()
         worst = max(worst, error / np.abs(total_in).max())
     assert (worst < 1e-5) == follow, worst
+
+
+def test_a_step_the_grad_scaler_skips_adds_nothing_to_later_steps(h):
+    """A step the GradScaler skips (Inf in one gradient, on rank 0) has moved the residuals
+    of every tensor; its scale backing off drops them, so that in true units the other
+    steps' gradients add up to the averaged gradients applied, the residuals kept and those
+    held before the skipped step (lost with it), and nothing of the skipped step's."""
+    import numpy as np
+
+    if SIZE < 2:
+        pytest.skip("one rank compresses nothing")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    extra = torch.nn.Parameter(torch.ones(4))
+    named = [*net.named_parameters(), ("extra", extra)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    opt = h.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0),
+                                 named_parameters=named, compression=h.Compression.topk(0.05),
+                                 overlap=False, grad_scaler=scaler)
+    sent = {n: np.zeros(p.numel()) for n, p in net.named_parameters()}
+    applied = {n: np.zeros(p.numel()) for n, p in net.named_parameters()}
+    dropped = {}
+    skipped, poisoned = 3, [False]
+
+    def record(n):
+        def hook(t):
+            if not poisoned[0]:
+                sent[n] += t.grad.double().reshape(-1).numpy() / scaler.get_scale()
+        return hook
+
+    def residual(n, numel):
+        held = opt._residuals.piece(n)
+        return np.zeros(numel) if held is None else held.astype(np.float64) / scaler.get_scale()
+
+    for n, p in net.named_parameters():  # after the optimizer's: sees the local gradient
+        p.register_post_accumulate_grad_hook(record(n))
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for step in range(7):
+        poisoned[0] = step == skipped
+        if poisoned[0]:
+            dropped = {n: residual(n, p.numel()) for n, p in net.named_parameters()}
+        bad = math.inf if poisoned[0] and RANK == 0 else 1.0
+        opt.zero_grad(set_to_none=True)
+        loss = net(torch.randn(8, 32, generator=gen)).pow(2).sum() + (extra * bad).sum()
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        if not poisoned[0]:
+            for n, p in net.named_parameters():
+                applied[n] += p.grad.double().reshape(-1).numpy()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == (512.0 if step >= skipped else 1024.0)
+    for n, p in net.named_parameters():
+        total_in = MPI.COMM_WORLD.allreduce(sent[n])
+        total_held = MPI.COMM_WORLD.allreduce(residual(n, p.numel()) + dropped[n])
+        np.testing.assert_allclose(SIZE * applied[n] + total_held, total_in,
+                                   atol=1e-5 * np.abs(total_in).max())
 
 
 @pytest.mark.parametrize("compression", ["fp16", "custom"])

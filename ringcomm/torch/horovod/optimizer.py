@@ -460,8 +460,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         grad_scaler: the ``torch.amp.GradScaler`` the loss is scaled with (ringcomm's, not
             Horovod's): the gradients reduced are in the loss scale's units, and so are the
             residuals of error feedback; where the scale changes between steps they are
-            rescaled with it at the next step's first gradient. Without it a scale that grows
-            or backs off mis-weights what compression held back.
+            rescaled with it at the next step's first gradient, and dropped where it fell
+            (after a step the scaler skipped, whose gradients they would apply later). Without
+            it a scale that grows or backs off mis-weights what compression held back.
 
     Raises:
         ValueError: duplicate or missing names, named_parameters not (name, tensor) pairs,
