@@ -107,3 +107,36 @@ def test_a_rank_that_raises_under_torchrun_ends_the_job(subprocess_env, tmp_path
     assert proc.returncode != 0 and "unreachable" not in output, output[-4000:]
     assert "rank 1 fails mid-job" in output, output[-4000:]
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+PG_SCRIPT = r"""
+import torch.distributed as dist
+from ringcomm.torch.process_group import init_process_group
+
+init_process_group()                        # over MPI's world; torch wraps sys.excepthook
+if dist.get_rank() == 0:
+    raise RuntimeError("rank 0 fails after init_process_group")
+dist.barrier()                              # the others wait for rank 0 here
+print("unreachable", flush=True)
+"""
+
+
+def test_a_rank_that_raises_after_init_process_group_prints_its_traceback(mpiexec,
+                                                                          subprocess_env,
+                                                                          tmp_path):
+    """A job set up with ringcomm.torch.process_group.init_process_group under mpiexec, one
+    rank raising: the job ends at once with that rank's traceback. torch's excepthook, which
+    wraps ringcomm's abort hook, captured the traceback to print it after the hook returned,
+    and the abort ended the job first: no error message at all."""
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(PG_SCRIPT)
+    start = time.monotonic()
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, str(script)], timeout=90,
+                       env=subprocess_env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "unreachable" not in proc.stdout
+    assert "RuntimeError: rank 0 fails after init_process_group" in proc.stderr, (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

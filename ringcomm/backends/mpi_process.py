@@ -5,6 +5,7 @@ job when one rank raises."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import sys
@@ -274,17 +275,34 @@ def install_abort_hook() -> None:
 
     def hook(etype: Any, value: Any, tb: Any) -> None:
         previous(etype, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(FORWARD_S)
         # Only an MPI this process started: importing mpi4py.MPI here would start one (a
         # world of one process under torchrun's gloo, aborted at once).
         MPI = sys.modules.get("mpi4py.MPI")
         try:
-            if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-                abort(MPI.COMM_WORLD, 1)
+            aborting = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
         except Exception:
-            pass
+            aborting = False
+        if aborting:
+            _write_captured_stderr()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(FORWARD_S)
+        if aborting:
+            with contextlib.suppress(Exception):
+                abort(MPI.COMM_WORLD, 1)
 
     hook._ringcomm_abort = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _write_captured_stderr() -> None:
+    """Write to the process's own stderr what an excepthook wrapping this one has captured of
+    the traceback: torch.distributed's (``init_process_group`` installs one over the hook it
+    finds) sends stderr to a StringIO while it calls the hook it wraps, to print it with the
+    rank after it returns, which the abort would prevent: the job ended with no traceback."""
+    captured, real = sys.stderr, sys.__stderr__
+    if isinstance(captured, io.StringIO) and real is not None and captured is not real:
+        real.write(captured.getvalue())
+        real.flush()
+        captured.seek(0)
+        captured.truncate()
