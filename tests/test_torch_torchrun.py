@@ -317,6 +317,50 @@ def test_torchrun_under_an_mpi_launcher(tmp_path, subprocess_env, mpiexec):
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
 
+SUM_SCRIPT = r"""
+import numpy as np, ringcomm
+comm = ringcomm.init(abort_on_exception=False)
+total = int(comm.allreduce(np.array([comm.rank], np.int64))[0])
+print(f"backend {comm.backend} rank {comm.rank} of {comm.size} sum {total}", flush=True)
+"""
+
+
+def test_one_torchrun_worker_under_an_mpi_launcher(tmp_path, subprocess_env, mpiexec):
+    """mpiexec -n 1 torchrun with one worker: a job of one process whose MPI starts as a world
+    of its own, the launcher's variables it inherited from the agent hidden from MPI's start
+    (on them, MPICH's start ended the worker with "PMIU_write error ... Bad file
+    descriptor")."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(SUM_SCRIPT)
+    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
+                        "1", str(path)], timeout=110, env=subprocess_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "backend mpi rank 0 of 1 sum 0" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_an_mpiexec_that_a_torchrun_worker_runs_is_no_job_of_one(tmp_path, subprocess_env,
+                                                                   mpiexec):
+    """torchrun --no-python mpiexec -n 2: the two processes mpiexec starts inherit torchrun's
+    RANK=0 and WORLD_SIZE=1 (and TORCHELASTIC_RUN_ID) with mpiexec's variables; each ran alone
+    as rank 0 of 1, every allreduce its own input, exit status 0. They hold mpiexec's
+    connection, so mpiexec started them: both raise, saying what the variables are."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(SUM_SCRIPT)
+    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "1", "--no-python",
+                        mpiexec, "-n", "2", sys.executable, str(path)], timeout=110,
+                       env=subprocess_env)
+    assert proc.returncode != 0 and "of 1 sum" not in proc.stdout, proc.stdout[-3000:]
+    output = proc.stdout + proc.stderr
+    assert output.count("RANK=0 and WORLD_SIZE=1 (torchrun's variables) describe a job of 1 "
+                        "process, but an MPI launcher started 2 processes") >= 2, output[-3000:]
+
+
 @pytest.mark.slow
 @_TRANSPORTS
 def test_hook_and_hvd_under_torchrun(tmp_path, subprocess_env, transport):

@@ -75,16 +75,37 @@ def import_mpi() -> Any:
     process inherited an MPI launcher's variables from a process of the job
     (``ringcomm.core.joined``)."""
     if "mpi4py.MPI" not in sys.modules:
+        launch.process_manager_connected()  # asked before MPI takes the connection over
         refuse_inherited(launch.detect())
     yield_when_oversubscribed()
     try:
-        from mpi4py import MPI
+        with _inherited_launcher_variables_hidden():
+            from mpi4py import MPI
     except ImportError as err:
         raise RuntimeError(
             "the MPI backend needs mpi4py and an MPI library: pip install 'ringcomm[mpi]' "
             f"(mpi4py + the mpich wheel), or mpi4py built against your site MPI ({err})"
         ) from err
     return MPI
+
+
+@contextlib.contextmanager
+def _inherited_launcher_variables_hidden() -> Iterator[None]:
+    """Within the block (MPI's start), no MPI launcher's variables where this process has
+    them but no launcher started it (``launch.mpi_launched``): a torchrun worker under
+    mpiexec inherits them from the agent, and MPICH's start on them failed with its own error
+    stack ("PMIU_write error ... Bad file descriptor") where MPI starts as a world of one (a
+    torchrun job of one process; a job of several joins over ringcomm's PMI server, which
+    sets its own)."""
+    hidden = {}
+    if ("mpi4py.MPI" not in sys.modules and launch.mpi_launcher_variables() is not None
+            and not launch.mpi_launched()):
+        hidden = {name: os.environ.pop(name) for name in launch.MPI_LAUNCHER_VARIABLES
+                  if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 #: Files this process made for others to open, until it removes them itself: abort()
@@ -180,10 +201,10 @@ def _gather_ranks(world: Any, rank: int, timeout: float) -> list[int]:
 
 #: What to do about torchrun's variables left in an MPI job's environment.
 _STALE_TORCHRUN = (
-    "They were left in the environment by an earlier launch (torchrun sets them in each process "
-    "it starts, and every process of an mpiexec job inherits the same ones): unset RANK, "
-    "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT before mpiexec, or "
-    "launch with torchrun")
+    "They were left in the environment by an earlier launch, or by a torchrun that started this "
+    "mpiexec (torchrun sets them in each process it starts, and every process of an mpiexec "
+    "job inherits the same ones): unset RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT before mpiexec, or launch with torchrun alone")
 
 
 def _no_numbering(ranks: list[int], size: int) -> str:

@@ -19,12 +19,14 @@ the script itself), that group is the job: its rank and size win over every vari
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["HOROVODRUN_RENDEZVOUS", "MPI_LAUNCHER_VARIABLES", "TORCHRUN_WORKER", "LaunchInfo",
-           "detect", "horovodrun_rendezvous", "mpi_launched", "mpi_launcher_variables"]
+           "detect", "horovodrun_rendezvous", "mpi_launched", "mpi_launcher_variables",
+           "process_manager_connected"]
 
 #: Set by torchrun's agent in each worker it starts (and by nothing else).
 TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
@@ -188,19 +190,50 @@ def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
     """Whether an MPI launcher (MPICH's or Open MPI's mpiexec, MVAPICH, a PMIx launcher, srun)
     started this process: its rank and size variables are set, whatever torchrun's say,
     unless torchrun's agent started it (``TORCHELASTIC_RUN_ID``, which the agent gives its
-    workers alone) or horovodrun's own launcher did (its rendezvous variables): torchrun run by
-    mpiexec or srun hands its workers the launcher's variables, which describe the agent, and an
-    MPI started on them fails (MPICH: "PMIU_write error ... Bad file descriptor").
+    workers alone, and no connection of mpiexec's open here: ``process_manager_connected``,
+    for this process's own environment only) or horovodrun's own launcher did (its
+    rendezvous variables): torchrun run by mpiexec or srun hands its workers the launcher's
+    variables, which describe the agent, and an MPI started on them fails (MPICH: "PMIU_write
+    error ... Bad file descriptor").
 
     Without one, MPI's world is this process alone, and asking MPI costs more than the answer:
     an MPI whose lone start needs a launcher's daemon (Open MPI's) ends the process instead.
     """
+    own = env is None
     env = os.environ if env is None else env
-    if env.get(TORCHRUN_WORKER) and "RANK" in env and "WORLD_SIZE" in env:
+    if (env.get(TORCHRUN_WORKER) and "RANK" in env and "WORLD_SIZE" in env
+            and not (own and process_manager_connected())):
         return False
     if horovodrun_rendezvous(env) is not None:
         return False
     return mpi_launcher_variables(env) is not None
+
+
+def process_manager_connected() -> bool:
+    """Whether this process holds the connection MPICH's mpiexec gives each process it
+    starts (``PMI_FD``: one end of a Unix socket pair, open in that process alone), before
+    MPI started: mpiexec started this process, whatever else its environment holds (an
+    mpiexec run by a torchrun worker hands its processes torchrun's variables, which describe
+    that worker, not them). A process that torchrun started under mpiexec inherits the
+    variable, not the connection. Once MPI has started, the answer found before it (MPI
+    takes the connection over); False where nothing asked before."""
+    if _CONNECTED:
+        return _CONNECTED[0]
+    fd = os.environ.get("PMI_FD", "")
+    if "mpi4py.MPI" in sys.modules:
+        return False
+    connected = False
+    if fd.isdigit():
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                connected = sock.family == socket.AF_UNIX
+        except OSError:
+            connected = False
+    _CONNECTED.append(connected)
+    return connected
+
+
+_CONNECTED: list[bool] = []  # process_manager_connected's answer, found before MPI started
 
 
 def mpi_launcher_variables(env: Mapping[str, str] | None = None) -> str | None:
