@@ -19,7 +19,7 @@ from typing import Any
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
 from ringcomm.core.joined import mark_joined, refuse_inherited
-from ringcomm.core.launch import LaunchInfo
+from ringcomm.core.launch import LaunchInfo, mpi_launched
 from ringcomm.core.restarts import agent_store_shared, attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
@@ -147,7 +147,11 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
     """
     from ringcomm.backends.mpi_process import gather_names, import_mpi, mpi_world_is_job
 
-    if mpi_comm is None and info.over_torch:
+    # torchrun's variables in an MPI launch (left in the environment) are agreed on over MPI
+    # below, with the launcher each rank read: where only some ranks have them, the ranks'
+    # start-ups part (one numbers MPI's ranks by RANK, another gathers the backend's name).
+    stale = mpi_comm is None and info.launcher == "torchrun" and mpi_launched()
+    if mpi_comm is None and info.over_torch and not stale:
         if mpi_world_is_job():  # an MPI launch (or an earlier join): as it always was
             return
         names = _names_over_torch(backend, info, timeout)
@@ -161,7 +165,11 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
             return
         if comm.Get_size() == 1:
             return
-        names = gather_names(comm, str(backend), timeout, "init")
+        which = info.launcher if mpi_comm is None else "mpi_comm"
+        both = [name.partition("|") for name in gather_names(comm, f"{which}|{backend}",
+                                                               timeout, "init")]
+        _refuse_launchers_differing([launcher for launcher, _, _ in both])
+        names = [name for _, _, name in both]
     if len(set(names)) > 1:
         from ringcomm.comm._mismatch import rank_groups
         from ringcomm.core.types import ArgumentMismatchError
@@ -170,6 +178,22 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
             f"init: backend differs between ranks: {rank_groups(names)}. Every rank must ask "
             "for the same backend", kind="init", ranks=tuple(range(len(names))),
             differences={"backend": tuple(names)})
+
+
+def _refuse_launchers_differing(launchers: list[str]) -> None:
+    """Raise where the ranks of an MPI job read different launchers' variables (``launchers``,
+    by MPI rank): some ranks have variables the others lack, and their start-ups would part."""
+    if len(set(launchers)) < 2:
+        return
+    from ringcomm.comm._mismatch import rank_groups
+    from ringcomm.core.types import ArgumentMismatchError
+
+    raise ArgumentMismatchError(
+        f"init: the ranks of this MPI job read different launchers' variables: "
+        f"{rank_groups(launchers)}. Some processes have variables the others lack (RANK and "
+        "WORLD_SIZE, HOROVOD_RANK and HOROVOD_SIZE, OMPI_COMM_WORLD_*, ... left in their "
+        "environment, or set for some ranks alone): unset them, or give every rank the same",
+        kind="init", ranks=tuple(range(len(launchers))), differences={"launcher": tuple(launchers)})
 
 
 def _names_over_torch(backend: str, info: LaunchInfo, timeout: float) -> list[str]:

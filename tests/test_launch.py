@@ -314,3 +314,39 @@ def test_a_process_started_by_a_rank_is_not_one_of_the_job(mpiexec, subprocess_e
         child = (tmp_path / f"job.py.{rank}").read_text()
         assert child.startswith("0 RuntimeError: PMI_SIZE=2 (mpich), but PMI_FD="), child
         assert "is not one of the job's" in child, child
+
+
+@pytest.mark.parametrize("variables", [
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"},
+], ids=["torchrun", "horovodrun"])
+@pytest.mark.parametrize("on_rank", [0, 1])
+def test_launcher_variables_on_some_ranks_only(mpiexec, subprocess_env, tmp_path, variables,
+                                               on_rank):
+    """A launcher's variables in some processes of an mpiexec job only: every rank raises
+    the same ArgumentMismatchError naming what each read. The ranks' start-ups parted: with
+    torchrun's, each read the other's message as its own (an error of garbage bytes, a
+    different one per rank); with Horovod's, one rank raised TypeError and the other waited
+    the whole timeout."""
+    code = ("import os, sys, ringcomm\n"
+            "try:\n"
+            "    ringcomm.init(abort_on_exception=False)\n"
+            "    out = 'no error'\n"
+            "except Exception as err:\n    out = f'{type(err).__name__}: {err}'\n"
+            "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(out)\n")
+    out = tmp_path / "out"
+    plain = [sys.executable, "-c", code, str(out)]
+    tagged = ["env", *(f"{k}={v}" for k, v in variables.items()), *plain]
+    first, second = (tagged, plain) if on_rank == 0 else (plain, tagged)
+    env = {**subprocess_env, "RINGCOMM_TIMEOUT": "60"}
+    proc = run_bounded([mpiexec, "-n", "1", *first, ":", "-n", "1", *second], timeout=90,
+                       env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
+    assert errors[0] == errors[1], errors
+    launcher = "torchrun" if "RANK" in variables else "horovodrun"
+    read = [launcher if rank == on_rank else "mpich" for rank in range(2)]
+    assert errors[0].startswith(
+        "ArgumentMismatchError: init: the ranks of this MPI job read different launchers' "
+        f"variables: {read[0]} on rank 0; {read[1]} on rank 1."), errors
