@@ -12,6 +12,8 @@ import datetime
 import importlib.util
 import itertools
 import os
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import Settings
 from ringcomm.core.joined import mark_joined, refuse_inherited
-from ringcomm.core.launch import LaunchInfo, mpi_launched
+from ringcomm.core.launch import TORCHRUN_WORKER, LaunchInfo, mpi_launched
 from ringcomm.core.restarts import agent_store_shared, attempt_prefix
 from ringcomm.core.types import DEFAULT_TIMEOUT_S
 
@@ -350,12 +352,36 @@ def _start_torch_distributed(info: LaunchInfo, timeout: float) -> None:
             f"found {info.describe()}): launch with torchrun, or call "
             "torch.distributed.init_process_group() first (under mpiexec or horovodrun: "
             "ringcomm.torch.process_group.init_process_group_from_mpi())")
+    where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
+    after = min(SLOW_START_S, timeout / 2)
+    # A warning, not a log record (silent unless asked): nothing else says why it waits.
+    waiting = threading.Timer(after, warnings.warn, (
+        f"{info.describe()}: torch.distributed has waited {after:.0f} s for the job's other "
+        f"processes at {where} (up to the timeout, {timeout:.0f} s){_stale_hint()}",
+        RuntimeWarning))
+    waiting.daemon = True
+    waiting.start()
     try:
         _init_default_group(info, datetime.timedelta(seconds=timeout))
     except (ValueError, RuntimeError) as err:
-        where = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("MASTER_ADDR", "MASTER_PORT"))
         raise RuntimeError(f"{info.describe()}, but torch.distributed could not start from "
-                           f"torchrun's environment ({where}): {err}") from err
+                           f"torchrun's environment ({where}){_stale_hint()}: {err}") from err
+    finally:
+        waiting.cancel()
+
+
+#: Seconds torch.distributed's start from torchrun's environment waits before a warning says
+#: so (half the timeout where that is shorter).
+SLOW_START_S = 60.0
+
+
+def _stale_hint() -> str:
+    """Where no torchrun agent started this process: that its variables may be stale."""
+    if os.environ.get(TORCHRUN_WORKER):
+        return ""
+    return ("; no torchrun agent started this process (no TORCHELASTIC_RUN_ID), so RANK, "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT may be left in its environment by an "
+            "earlier launch")
 
 
 def _init_default_group(info: LaunchInfo, timeout: datetime.timedelta) -> None:

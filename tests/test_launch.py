@@ -350,3 +350,26 @@ def test_launcher_variables_on_some_ranks_only(mpiexec, subprocess_env, tmp_path
     assert errors[0].startswith(
         "ArgumentMismatchError: init: the ranks of this MPI job read different launchers' "
         f"variables: {read[0]} on rank 0; {read[1]} on rank 1."), errors
+
+
+def test_a_torchrun_world_that_never_comes_is_said_while_waiting(subprocess_env):
+    """RANK=0 and WORLD_SIZE=2 left in the shell of a plain process: torch.distributed waits
+    for a rank that never comes, up to the timeout (30 minutes by default), and said nothing
+    until then. A warning at half the timeout (at most a minute) and the error say that no
+    torchrun agent started the process and that the variables may be stale."""
+    env = {**subprocess_env, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "RINGCOMM_TIMEOUT": "6"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = run_bounded([sys.executable, "-c",
+                        "import ringcomm; ringcomm.init(abort_on_exception=False)"],
+                       timeout=60, env=env)
+    assert proc.returncode != 0
+    stale = ("no torchrun agent started this process (no TORCHELASTIC_RUN_ID), so RANK, "
+             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT may be left in its environment by an "
+             "earlier launch")
+    assert "RuntimeWarning: WORLD_SIZE=2 (torchrun): torch.distributed has waited 3 s for the " in (
+        proc.stderr)
+    assert f"(up to the timeout, 6 s); {stale}" in proc.stderr, proc.stderr[-3000:]
+    assert "RuntimeError: WORLD_SIZE=2 (torchrun), but torch.distributed could not start " in (
+        proc.stderr)
+    assert f"MASTER_PORT='{env['MASTER_PORT']}'); {stale}: " in proc.stderr, proc.stderr[-3000:]
