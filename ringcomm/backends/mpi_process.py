@@ -308,7 +308,7 @@ def install_abort_hook() -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(FORWARD_S)
-        if aborting:
+        if aborting and MPI is not None:
             with contextlib.suppress(Exception):
                 abort(MPI.COMM_WORLD, 1)
 
@@ -322,7 +322,7 @@ def _write_captured_stderr() -> None:
     finds) sends stderr to a StringIO while it calls the hook it wraps, to print it with the
     rank after it returns, which the abort would prevent: the job ended with no traceback."""
     captured, real = sys.stderr, sys.__stderr__
-    if isinstance(captured, io.StringIO) and real is not None and captured is not real:
+    if isinstance(captured, io.StringIO) and real is not None:
         real.write(captured.getvalue())
         real.flush()
         captured.seek(0)
