@@ -373,3 +373,21 @@ def test_a_torchrun_world_that_never_comes_is_said_while_waiting(subprocess_env)
     assert "RuntimeError: WORLD_SIZE=2 (torchrun), but torch.distributed could not start " in (
         proc.stderr)
     assert f"MASTER_PORT='{env['MASTER_PORT']}'); {stale}: " in proc.stderr, proc.stderr[-3000:]
+
+
+def test_open_mpi_variables_left_in_an_mpich_job(mpiexec, subprocess_env, tmp_path):
+    """Open MPI's OMPI_COMM_WORLD_RANK=0 and OMPI_COMM_WORLD_SIZE=1 left in the environment of
+    MPICH's mpiexec -n 2: the processes hold mpiexec's connection, so MPICH's variables are
+    theirs; the job of 2 runs (both ranks raised, blaming an mpiexec of another MPI)."""
+    code = ("import numpy as np, os, ringcomm, sys\n"
+            "c = ringcomm.init(abort_on_exception=False)\n"
+            "total = int(c.allreduce(np.array([c.rank], np.int64))[0])\n"
+            "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(f'rank {c.rank} of {c.size}, sum {total}')\n")
+    out = tmp_path / "out"
+    env = {**subprocess_env, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], timeout=90,
+                       env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [Path(f"{out}.{r}").read_text() for r in range(2)] == [
+        "rank 0 of 2, sum 1", "rank 1 of 2, sum 1"]

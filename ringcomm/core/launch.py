@@ -169,8 +169,9 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
             (rank outside [0, size), local rank outside [0, local size)).
     """
     group = _torch_group(env)
+    hydra = env is None and process_manager_connected()
     env = os.environ if env is None else env
-    found = _from_launcher(env)
+    found = _from_launcher(env, hydra)
     if group is None:
         return found
     rank, size = group
@@ -215,13 +216,11 @@ def process_manager_connected() -> bool:
     MPI started: mpiexec started this process, whatever else its environment holds (an
     mpiexec run by a torchrun worker hands its processes torchrun's variables, which describe
     that worker, not them). A process that torchrun started under mpiexec inherits the
-    variable, not the connection. Once MPI has started, the answer found before it (MPI
-    takes the connection over); False where nothing asked before."""
+    variable, not the connection (MPI's start under mpiexec keeps it open: the answer is the
+    same after it). Found once, kept."""
     if _CONNECTED:
         return _CONNECTED[0]
     fd = os.environ.get("PMI_FD", "")
-    if "mpi4py.MPI" in sys.modules:
-        return False
     connected = False
     if fd.isdigit():
         try:
@@ -233,7 +232,7 @@ def process_manager_connected() -> bool:
     return connected
 
 
-_CONNECTED: list[bool] = []  # process_manager_connected's answer, found before MPI started
+_CONNECTED: list[bool] = []  # process_manager_connected's answer
 
 
 def mpi_launcher_variables(env: Mapping[str, str] | None = None) -> str | None:
@@ -280,9 +279,15 @@ def _torch_group(env: Mapping[str, str] | None) -> tuple[int, int] | None:
         return None
 
 
-def _from_launcher(env: Mapping[str, str]) -> LaunchInfo:
-    """What the launcher's variables in ``env`` say."""
-    for launcher, rank_var, size_var, lrank_var, lsize_var in _SCHEMES:
+def _from_launcher(env: Mapping[str, str], hydra: bool = False) -> LaunchInfo:
+    """What the launcher's variables in ``env`` say; with ``hydra`` (MPICH's mpiexec started
+    this process: ``process_manager_connected``), its variables before other MPI launchers'
+    (Open MPI's ``OMPI_COMM_WORLD_*`` left in the environment describe no process here)."""
+    schemes = _SCHEMES
+    if hydra:
+        mpich = [s for s in _SCHEMES if s[0] == "mpich"]
+        schemes = (*_SCHEMES[:2], *mpich, *(s for s in _SCHEMES[2:] if s[0] != "mpich"))
+    for launcher, rank_var, size_var, lrank_var, lsize_var in schemes:
         if launcher == "slurm":
             if not any(env.get(name) for name in _SLURM_STEP):
                 continue  # the batch script, not a task that srun started
