@@ -12,6 +12,7 @@ import datetime
 import importlib.util
 import itertools
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -152,7 +153,10 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
     # torchrun's variables in an MPI launch (left in the environment) are agreed on over MPI
     # below, with the launcher each rank read: where only some ranks have them, the ranks'
     # start-ups part (one numbers MPI's ranks by RANK, another gathers the backend's name).
-    stale = mpi_comm is None and info.launcher == "torchrun" and mpi_launched()
+    # (Not with torch.distributed's group up: whether its ranks read torchrun's variables as
+    # describing it may differ between them; they all return below, as they always did.)
+    stale = (mpi_comm is None and info.launcher == "torchrun" and mpi_launched()
+             and not _torch_group_up())
     if mpi_comm is None and info.over_torch and not stale:
         if mpi_world_is_job():  # an MPI launch (or an earlier join): as it always was
             return
@@ -180,6 +184,15 @@ def agree_backend(backend: str, mpi_comm: Any, info: LaunchInfo, timeout: float)
             f"init: backend differs between ranks: {rank_groups(names)}. Every rank must ask "
             "for the same backend", kind="init", ranks=tuple(range(len(names))),
             differences={"backend": tuple(names)})
+
+
+def _torch_group_up() -> bool:
+    """Whether torch.distributed's default group is initialized (PyTorch not imported: no)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _refuse_launchers_differing(launchers: list[str]) -> None:

@@ -317,6 +317,38 @@ def test_torchrun_under_an_mpi_launcher(tmp_path, subprocess_env, mpiexec):
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
 
+PIPES_FIRST = r"""
+import multiprocessing
+pipes = [multiprocessing.Pipe() for _ in range(4)]  # Unix socket pairs, numbered as PMI_FD may be
+""" + INIT_SCRIPT
+
+
+def test_torchrun_under_an_mpi_launcher_with_sockets_of_its_own(tmp_path, subprocess_env,
+                                                                  mpiexec):
+    """As above, the workers making Unix socket pairs (multiprocessing.Pipe) before init: one
+    may take the number of the PMI_FD they inherited, whose other end is then the worker, not
+    mpiexec's proxy, and they are no processes of mpiexec's (taken for them, MPI's start
+    waited for ever on the socket)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to the interpreter")
+    path = tmp_path / "job.py"
+    path.write_text(PIPES_FIRST)
+    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
+                        "2", str(path)], timeout=110, env=_on("mpi", subprocess_env))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+def test_torchrun_workers_with_srun_variables_join_one_mpi_world(tmp_path, subprocess_env):
+    """torchrun run by srun (one task): its workers inherit srun's variables, which describe
+    the agent; they join one MPI world over ringcomm's PMI server, whose PMI_PORT and PMI_ID
+    MPI's start must see."""
+    env = {**_on("mpi", subprocess_env), "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0"}
+    _torchrun(tmp_path, env, INIT_SCRIPT)
+
+
 SUM_SCRIPT = r"""
 import numpy as np, ringcomm
 comm = ringcomm.init(abort_on_exception=False)

@@ -98,8 +98,10 @@ def _inherited_launcher_variables_hidden() -> Iterator[None]:
     torchrun job of one process; a job of several joins over ringcomm's PMI server, which
     sets its own)."""
     hidden = {}
-    if ("mpi4py.MPI" not in sys.modules and launch.mpi_launcher_variables() is not None
-            and not launch.mpi_launched()):
+    # MPICH's own rank variables (not srun's or Open MPI's, nor the PMI_PORT and PMI_ID that
+    # ringcomm's join sets after it removed them): a process manager MPICH would talk to.
+    if ("mpi4py.MPI" not in sys.modules and "PMI_RANK" in os.environ
+            and "PMI_SIZE" in os.environ and not launch.mpi_launched()):
         hidden = {name: os.environ.pop(name) for name in launch.MPI_LAUNCHER_VARIABLES
                   if name in os.environ}
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -216,20 +217,42 @@ def process_manager_connected() -> bool:
     MPI started: mpiexec started this process, whatever else its environment holds (an
     mpiexec run by a torchrun worker hands its processes torchrun's variables, which describe
     that worker, not them). A process that torchrun started under mpiexec inherits the
-    variable, not the connection (MPI's start under mpiexec keeps it open: the answer is the
+    variable, not the connection; its number may name a socket of the process's own, whose
+    other end is no ancestor of it (MPI's start under mpiexec keeps it open: the answer is the
     same after it). Found once, kept."""
     if _CONNECTED:
         return _CONNECTED[0]
     fd = os.environ.get("PMI_FD", "")
     connected = False
-    if fd.isdigit():
+    if fd.isdigit() and hasattr(socket, "SO_PEERCRED"):
         try:
             with socket.socket(fileno=os.dup(int(fd))) as sock:
-                connected = sock.family == socket.AF_UNIX
+                if sock.family == socket.AF_UNIX:
+                    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("3i"))
+                    connected = struct.unpack("3i", creds)[0] in _ancestors()
         except OSError:
             connected = False
     _CONNECTED.append(connected)
     return connected
+
+
+def _ancestors(levels: int = 8) -> set[int]:
+    """This process's parent, its parent, ... (``levels`` at most; Linux's /proc): the
+    process at the other end of mpiexec's connection (its proxy) is one of them, and not
+    that of a socket pair this process made itself, whose number a stale ``PMI_FD`` may
+    name."""
+    found, pid = set(), os.getppid()
+    for _ in range(levels):
+        if pid <= 1:
+            break
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
 
 
 _CONNECTED: list[bool] = []  # process_manager_connected's answer
