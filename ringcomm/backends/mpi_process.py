@@ -75,7 +75,6 @@ def import_mpi() -> Any:
     process inherited an MPI launcher's variables from a process of the job
     (``ringcomm.core.joined``)."""
     if "mpi4py.MPI" not in sys.modules:
-        launch.process_manager_connected()  # asked before MPI takes the connection over
         refuse_inherited(launch.detect())
     yield_when_oversubscribed()
     try:

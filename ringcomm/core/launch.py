@@ -219,9 +219,7 @@ def process_manager_connected() -> bool:
     that worker, not them). A process that torchrun started under mpiexec inherits the
     variable, not the connection; its number may name a socket of the process's own, whose
     other end is no ancestor of it (MPI's start under mpiexec keeps it open: the answer is the
-    same after it). Found once, kept."""
-    if _CONNECTED:
-        return _CONNECTED[0]
+    same after it)."""
     fd = os.environ.get("PMI_FD", "")
     connected = False
     if fd.isdigit() and hasattr(socket, "SO_PEERCRED"):
@@ -233,7 +231,6 @@ def process_manager_connected() -> bool:
                     connected = struct.unpack("3i", creds)[0] in _ancestors()
         except OSError:
             connected = False
-    _CONNECTED.append(connected)
     return connected
 
 
@@ -254,8 +251,6 @@ def _ancestors(levels: int = 8) -> set[int]:
             break
     return found
 
-
-_CONNECTED: list[bool] = []  # process_manager_connected's answer
 
 
 def mpi_launcher_variables(env: Mapping[str, str] | None = None) -> str | None:
