@@ -140,11 +140,21 @@ class ErrorFeedback:
 
 
 def _may_share_memory(a: Array, b: Array) -> bool:
-    """Whether ``a`` and ``b`` may share memory (bounds only), host or device alike."""
+    """Whether ``a`` and ``b`` may share memory (their bytes' bounds meet), host or device
+    alike."""
     if _ops.is_device_array(a) != _ops.is_device_array(b):
         return False
-    if type(a) is np.ndarray:
+    if not _ops.is_device_array(a):
         return bool(np.may_share_memory(a, b))
-    import cupy  # a device array: CuPy is there
+    (lo_a, hi_a), (lo_b, hi_b) = _device_bounds(a), _device_bounds(b)
+    return lo_a < hi_b and lo_b < hi_a
 
-    return bool(cupy.may_share_memory(a, b))
+
+def _device_bounds(a: Array) -> tuple[int, int]:
+    """First byte and one past the last byte a device array's elements span."""
+    start = int(a.data.ptr)
+    if a.size == 0:
+        return start, start
+    low = sum(min(0, (n - 1) * s) for n, s in zip(a.shape, a.strides, strict=True))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(a.shape, a.strides, strict=True))
+    return start + low, start + high + a.itemsize
