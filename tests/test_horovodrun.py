@@ -241,24 +241,31 @@ def test_horovod_variables_without_its_server_raise_naming_them(subprocess_env):
 
 
 
-def test_horovodrun_variables_left_in_an_mpiexec_job_are_named(subprocess_env, mpiexec):
+def test_horovodrun_variables_left_in_an_mpiexec_job_are_named(subprocess_env, mpiexec,
+                                                              tmp_path):
     """horovodrun's variables, its rendezvous server's address included, left in the
     environment of an mpiexec job: every rank fails at once on the server that is gone, and
     the error says the process is an MPI launcher's too and which variables to unset (it
     named the server alone)."""
-    code = ("import ringcomm\n"
+    # Each rank writes its result to a file of its own: printed at the same moment, the two
+    # lines could reach mpiexec's output as one.
+    code = ("import os, sys, ringcomm\n"
             "try:\n"
             "    ringcomm.init(abort_on_exception=False)\n"
-            "    print('RESULT joined', flush=True)\n"
+            "    out = 'RESULT joined'\n"
             "except ConnectionError as err:\n"
-            "    print(f'RESULT {err}', flush=True)\n")
+            "    out = f'RESULT {err}'\n"
+            "with open(f\"{sys.argv[1]}.{os.environ['PMI_RANK']}\", 'w') as f:\n"
+            "    f.write(out)\n")
     env = {**subprocess_env, "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2",
            "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(free_port()), "RINGCOMM_TIMEOUT": "30"}
-    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=90, env=env)
-    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(results) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "result"
+    proc = run_bounded([mpiexec, "-n", "2", sys.executable, "-c", code, str(out)], timeout=90,
+                       env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
     for rank in (0, 1):
         assert any(f"MPI launcher's variables (PMI_RANK={rank}, PMI_SIZE=2)" in line
                    for line in results), results
