@@ -95,7 +95,7 @@ def _dense(t: Transport, x: Array, out: Array, op: ReduceOp, feedback: ErrorFeed
     every compressor keeps its final rounding: the results plus the residuals still equal
     the inputs to float32 rounding. Other dtypes reduce in their own.
     """
-    if feedback is None or residual is None or name is None:
+    if feedback is None or residual is None:  # (feedback given: the residual taken)
         dense_ring.allreduce(t, x, out, op, segment_bytes=segment_bytes)
         return
     ops = _ops.get(x)

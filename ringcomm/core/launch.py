@@ -130,6 +130,10 @@ _SCHEMES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
 
+# _SCHEMES with MPICH's Hydra right after torchrun's and horovodrun's (``_from_launcher``).
+_HYDRA_SCHEMES = (*_SCHEMES[:2], *(s for s in _SCHEMES[2:] if s[0] == "mpich"),
+                  *(s for s in _SCHEMES[2:] if s[0] != "mpich"))
+
 # Set by srun for each task of a job step, and not in the batch script itself: there
 # SLURM_PROCID is 0 and SLURM_NTASKS counts the tasks that srun *would* start.
 _SLURM_STEP = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
@@ -221,17 +225,16 @@ def process_manager_connected() -> bool:
     other end is no ancestor of it (MPI's start under mpiexec keeps it open: the answer is the
     same after it)."""
     fd = os.environ.get("PMI_FD", "")
-    connected = False
-    if fd.isdigit() and hasattr(socket, "SO_PEERCRED"):
-        try:
-            with socket.socket(fileno=os.dup(int(fd))) as sock:
-                if sock.family == socket.AF_UNIX:
-                    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                            struct.calcsize("3i"))
-                    connected = struct.unpack("3i", creds)[0] in _ancestors()
-        except OSError:
-            connected = False
-    return connected
+    if not fd.isdigit() or not hasattr(socket, "SO_PEERCRED"):
+        return False
+    try:
+        with socket.socket(fileno=os.dup(int(fd))) as sock:
+            if sock.family != socket.AF_UNIX:
+                return False
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return False
+    return struct.unpack("3i", creds)[0] in _ancestors()
 
 
 def _ancestors(levels: int = 8) -> set[int]:
@@ -250,7 +253,6 @@ def _ancestors(levels: int = 8) -> set[int]:
         except (OSError, ValueError, IndexError):
             break
     return found
-
 
 
 def mpi_launcher_variables(env: Mapping[str, str] | None = None) -> str | None:
@@ -301,11 +303,8 @@ def _from_launcher(env: Mapping[str, str], hydra: bool = False) -> LaunchInfo:
     """What the launcher's variables in ``env`` say; with ``hydra`` (MPICH's mpiexec started
     this process: ``process_manager_connected``), its variables before other MPI launchers'
     (Open MPI's ``OMPI_COMM_WORLD_*`` left in the environment describe no process here)."""
-    schemes = _SCHEMES
-    if hydra:
-        mpich = [s for s in _SCHEMES if s[0] == "mpich"]
-        schemes = (*_SCHEMES[:2], *mpich, *(s for s in _SCHEMES[2:] if s[0] != "mpich"))
-    for launcher, rank_var, size_var, lrank_var, lsize_var in schemes:
+    for launcher, rank_var, size_var, lrank_var, lsize_var in (
+            _HYDRA_SCHEMES if hydra else _SCHEMES):
         if launcher == "slurm":
             if not any(env.get(name) for name in _SLURM_STEP):
                 continue  # the batch script, not a task that srun started
