@@ -262,13 +262,10 @@ def _torchrun_failing(tmp_path: Path, env: dict[str, str], script: str,
                       ) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``script`` (with ``args``) in 2 processes under torchrun, which may fail; the run
     and its time."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(script)
     start = time.monotonic()
-    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path),
+    proc = run_bounded([str(_torchrun_path()), "--standalone", "--nproc-per-node", "2", str(path),
                         *args], timeout=110, env=env)
     return proc, time.monotonic() - start
 
@@ -306,15 +303,27 @@ def test_torchrun_under_an_mpi_launcher(tmp_path, subprocess_env, mpiexec):
     variables, which describe the agent; ringcomm no longer takes them for its own launch
     (MPI_Init on them ended every worker: "PMIU_write error ... Bad file descriptor") and
     joins the workers into one MPI world as under torchrun alone."""
+    proc = _torchrun_under_mpiexec(tmp_path, _on("mpi", subprocess_env), mpiexec,
+                                   INIT_SCRIPT, workers=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+def _torchrun_path() -> Path:
+    """The torchrun next to the interpreter (the test skipped without it)."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("no torchrun next to the interpreter")
+    return torchrun
+
+
+def _torchrun_under_mpiexec(tmp_path: Path, env: dict[str, str], mpiexec: str, script: str,
+                            workers: int) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under one torchrun agent of ``workers`` that mpiexec -n 1 starts."""
     path = tmp_path / "job.py"
-    path.write_text(INIT_SCRIPT)
-    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
-                        "2", str(path)], timeout=110, env=_on("mpi", subprocess_env))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    path.write_text(script)
+    return run_bounded([mpiexec, "-n", "1", str(_torchrun_path()), "--standalone",
+                        "--nproc-per-node", str(workers), str(path)], timeout=110, env=env)
 
 
 PIPES_FIRST = r"""
@@ -329,13 +338,8 @@ def test_torchrun_under_an_mpi_launcher_with_sockets_of_its_own(tmp_path, subpro
     may take the number of the PMI_FD they inherited, whose other end is then the worker, not
     mpiexec's proxy, and they are no processes of mpiexec's (taken for them, MPI's start
     waited for ever on the socket)."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
-    path = tmp_path / "job.py"
-    path.write_text(PIPES_FIRST)
-    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
-                        "2", str(path)], timeout=110, env=_on("mpi", subprocess_env))
+    proc = _torchrun_under_mpiexec(tmp_path, _on("mpi", subprocess_env), mpiexec,
+                                   PIPES_FIRST, workers=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
@@ -362,13 +366,7 @@ def test_one_torchrun_worker_under_an_mpi_launcher(tmp_path, subprocess_env, mpi
     of its own, the launcher's variables it inherited from the agent hidden from MPI's start
     (on them, MPICH's start ended the worker with "PMIU_write error ... Bad file
     descriptor")."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
-    path = tmp_path / "job.py"
-    path.write_text(SUM_SCRIPT)
-    proc = run_bounded([mpiexec, "-n", "1", str(torchrun), "--standalone", "--nproc-per-node",
-                        "1", str(path)], timeout=110, env=subprocess_env)
+    proc = _torchrun_under_mpiexec(tmp_path, subprocess_env, mpiexec, SUM_SCRIPT, workers=1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "backend mpi rank 0 of 1 sum 0" in proc.stdout, proc.stdout[-3000:]
 
@@ -379,12 +377,10 @@ def test_an_mpiexec_that_a_torchrun_worker_runs_is_no_job_of_one(tmp_path, subpr
     RANK=0 and WORLD_SIZE=1 (and TORCHELASTIC_RUN_ID) with mpiexec's variables; each ran alone
     as rank 0 of 1, every allreduce its own input, exit status 0. They hold mpiexec's
     connection, so mpiexec started them: both raise, saying what the variables are."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("no torchrun next to the interpreter")
     path = tmp_path / "job.py"
     path.write_text(SUM_SCRIPT)
-    proc = run_bounded([str(torchrun), "--standalone", "--nproc-per-node", "1", "--no-python",
+    proc = run_bounded([str(_torchrun_path()), "--standalone", "--nproc-per-node", "1",
+                        "--no-python",
                         mpiexec, "-n", "2", sys.executable, str(path)], timeout=110,
                        env=subprocess_env)
     assert proc.returncode != 0 and "of 1 sum" not in proc.stdout, proc.stdout[-3000:]

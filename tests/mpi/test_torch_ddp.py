@@ -373,6 +373,17 @@ def test_powersgd_given_to_two_states_keeps_each_models_q(fresh_comm):
     assert torch.equal(run(False), run(True))
 
 
+def _recording(sent: dict, scaler: torch.amp.GradScaler, counted=lambda: True):
+    """ringcomm's hook, adding each gradient it is handed, in true units (divided by the loss
+    scale), to ``sent`` by parameter, where ``counted()``."""
+    def hook(state, bucket):
+        if counted():
+            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                sent[id(p)] = sent[id(p)] + g.double().reshape(-1) / scaler.get_scale()
+        return ringcomm_hook(state, bucket)
+    return hook
+
+
 def test_residuals_follow_the_loss_scale_of_a_grad_scaler(fresh_comm):
     """With a GradScaler whose scale doubles every step, the residuals (kept in the units of
     the loss scale) are rescaled with it, so that in true units every rank's gradients add up
@@ -386,12 +397,7 @@ def test_residuals_follow_the_loss_scale_of_a_grad_scaler(fresh_comm):
     sent = collections.defaultdict(float)
     applied = collections.defaultdict(float)
 
-    def recording(state, bucket):
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            sent[id(p)] = sent[id(p)] + g.double().reshape(-1) / scaler.get_scale()
-        return ringcomm_hook(state, bucket)
-
-    model.register_comm_hook(state, recording)
+    model.register_comm_hook(state, _recording(sent, scaler))
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     gen = torch.Generator().manual_seed(100 + RANK)
     for _ in range(6):
@@ -445,13 +451,7 @@ def test_a_step_the_grad_scaler_skips_adds_nothing_to_later_steps(fresh_comm):
     applied = collections.defaultdict(float)
     skipped = 3
 
-    def recording(state, bucket):
-        if not module.poison:
-            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                sent[id(p)] = sent[id(p)] + g.double().reshape(-1) / scaler.get_scale()
-        return ringcomm_hook(state, bucket)
-
-    model.register_comm_hook(state, recording)
+    model.register_comm_hook(state, _recording(sent, scaler, lambda: not module.poison))
     opt = torch.optim.SGD(module.parameters(), lr=0.0)
     gen = torch.Generator().manual_seed(100 + RANK)
     dropped = {}
