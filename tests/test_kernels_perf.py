@@ -47,7 +47,9 @@ def test_work_counts_the_launches_of_a_call(perf, emulated):
     emulator.launches.clear()
     counted = work.count(lambda: gpu.topk(x, 100))
     assert counted == {"launches": len(emulator.launches)}  # no pool hook, no busy probe
-    assert counted["launches"] == 19  # 2 selections of 6, sample_limits, 2 x count/scan/write
+    # 2 selections of 3 passes (each digit picked by the histogram's last block),
+    # sample_limits, the candidates compacted in one pass, then the final count/scan/write
+    assert counted["launches"] == 11
 
 
 def test_the_loopback_ring_rows_run(perf, emulated):
@@ -115,7 +117,8 @@ def test_the_topk_rows_say_where_their_time_goes(perf, emulated):
                for r in parts[:-2]}
     work = perf.Work(fake).count(lambda: run(0))
     assert sum(kernels.values()) == work["launches"]
-    assert kernels["rc::select_hist"] == kernels["rc::select_pick"] >= 3
+    assert kernels["rc::select_hist"] >= 3 and "rc::select_pick" not in kernels  # FUSED_PICK
+    assert kernels["rc::select_compact"] == 1  # SINGLE_PASS
     assert parts[-2]["kernel"].endswith("beyond its kernels (host, copies)")
     assert parts[-1]["kernel"].endswith("host enqueue") and parts[-1]["us"] > 0
     assert all(r["us"] >= 0 for r in parts[:-2]) and all(r["bytes"] is None for r in parts)

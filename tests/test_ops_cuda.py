@@ -190,12 +190,13 @@ def test_topk_counted_in_one_wave_is_the_same(monkeypatch, dev, rng, ratio):
 
 
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
-def test_topk_compacted_in_one_pass_is_the_same(monkeypatch, dev, rng, ratio):
-    """The exact path's candidates written in one pass (ops/_cuda_topk.py SINGLE_PASS: each
-    tile looks back at the counts of the tiles before it) select what two passes select."""
+def test_topk_compacted_in_two_passes_is_the_same(monkeypatch, dev, rng, ratio):
+    """The exact path's candidates counted in one pass and written in another (ops/_cuda_topk.py
+    SINGLE_PASS off; on, the default, each tile looks back at the counts of the tiles before
+    it) select what one pass selects."""
     from ringcomm.ops import _cuda_topk
 
-    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", True)
+    monkeypatch.setattr(_cuda_topk, "SINGLE_PASS", False)
     n = dev.sampled
     twins.check_topk(dev, rng, n, math.ceil(ratio * n), False, nonfinite=True)
     twins.check_topk_gradients(dev, rng, n, math.ceil(ratio * n))
@@ -203,13 +204,13 @@ def test_topk_compacted_in_one_pass_is_the_same(monkeypatch, dev, rng, ratio):
 
 @pytest.mark.parametrize("approximate", [False, True])
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
-def test_topk_with_digits_picked_in_select_hist_is_the_same(monkeypatch, dev, rng, ratio,
-                                                            approximate):
-    """Each radix pass's digit picked by select_hist's last block (ops/_cuda_topk.py
-    FUSED_PICK) instead of a select_pick launch: the same selections."""
+def test_topk_with_digits_picked_by_select_pick_is_the_same(monkeypatch, dev, rng, ratio,
+                                                             approximate):
+    """Each radix pass's digit picked by a select_pick launch (ops/_cuda_topk.py FUSED_PICK
+    off) instead of by select_hist's last block (the default): the same selections."""
     from ringcomm.ops import _cuda_topk
 
-    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", True)
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", False)
     for n in (dev.large, dev.sampled):
         twins.check_topk(dev, rng, n, math.ceil(ratio * n), approximate, nonfinite=True)
     assert gpu.sample_threshold(dev.put(np.ones(dev.large, np.float32)), 3, 0) == 1.0

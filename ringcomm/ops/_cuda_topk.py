@@ -10,8 +10,8 @@ into a candidate buffer of bounded size and selects among them; when fewer than 
 more than the buffer holds, or all do, it selects from the whole array. The approximate path
 (DGC) writes the non-finite entries and then the earliest entries that reach the threshold or
 the first halving that k entries reach. Both return exactly what NumPy returns. With
-``SINGLE_PASS`` the exact path counts and writes its candidates in one pass over the array
-(select_compact, a decoupled look-back) instead of a counting pass and a writing pass.
+``SINGLE_PASS`` (the default) the exact path counts and writes its candidates in one pass over
+the array (select_compact, a decoupled look-back) instead of a counting pass and a writing pass.
 
 No step waits for the GPU: which of those branches is taken depends on counts that only the
 GPU knows, so the kernels decide it there (``select_scan`` writes a plan that the kernels after
@@ -51,13 +51,14 @@ AGGREGATE = False
 COUNT_WAVE = False
 #: Whether the exact path compacts its candidates in one pass over the array (select_compact:
 #: each tile finds where its entries go by looking back over the counts the tiles before it
-#: published) instead of a pass that counts them and one that writes them. Off until the
-#: kernel benchmark on a GPU shows it faster; the two write the same candidates.
-SINGLE_PASS = False
+#: published) instead of a pass that counts them and one that writes them; the two write the
+#: same candidates. On an H200 (bench/results/gpu/gpu_check.md, 2026-12-04) one pass took an
+#: exact top-k of 1% of 64 Mi float32 from 549 to 412 us; the kernel benchmark keeps timing both.
+SINGLE_PASS = True
 #: Whether select_hist's last block picks the digit itself (one launch a radix pass instead of
-#: select_hist and select_pick: six fewer launches a call). Off until the kernel benchmark on a
-#: GPU measures it; the same state either way.
-FUSED_PICK = False
+#: select_hist and select_pick: six fewer launches a call); the same state either way. With
+#: SINGLE_PASS, 412 -> 402 us on the H200 (11 launches a call instead of 17).
+FUSED_PICK = True
 #: select_compact's ``prefixes``: 0 (tests only) makes every look-back walk to the first tile.
 _LOOK_BACK_PREFIXES = 1
 _NULL = _rt.NULL
