@@ -137,6 +137,16 @@ def _auto_choices(state: Any) -> dict[str, str]:
             for key, (auto, choice) in state.comm.auto_figures.choices.items()}
 
 
+def _auto_trials(state: Any) -> dict[str, float]:
+    """What the hook's trials measured (ms): each candidate's median iteration, the slowest
+    rank's (what the choice compares), or this rank's where the tree keeps only its samples."""
+    trials = getattr(state, "_trials", None)
+    slowest = getattr(trials, "slowest", None)
+    if slowest is None:
+        slowest = {k: statistics.median(v) for k, v in getattr(trials, "samples", {}).items()}
+    return {k: round(1e3 * v, 2) for k, v in slowest.items()}
+
+
 def _sync(torch: Any, device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -194,7 +204,8 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
         for i in range(PROFILE_STEPS):  # the other ranks take the same steps unprofiled
             step(i)
     gc.collect()
-    extra = {"settle_steps": settled, "auto": _auto_choices(state)} if settle else {}
+    extra = ({"settle_steps": settled, "auto": _auto_choices(state),
+              "auto_trials_ms": _auto_trials(state)} if settle else {})
     if state is not None:  # MPI where torchrun's processes joined one MPI world, else gloo
         extra["communicator"] = state.comm.backend
     return {"times": times, "forward_ms": 1e3 * statistics.median(forwards), "digest": digest,
@@ -295,8 +306,8 @@ def worker(args: Any) -> int:
             "same_as_ddp": None if reference is None else everyone[0][0]["digest"] == reference,
             "digest": everyone[0][0]["digest"][:16],
             "forward_ms_by_rank": [round(g["forward_ms"], 2) for g, _ in everyone],
-            **{k: everyone[0][0][k] for k in ("settle_steps", "auto", "communicator")
-               if k in everyone[0][0]}})
+            **{k: everyone[0][0][k] for k in ("settle_steps", "auto", "auto_trials_ms",
+                                               "communicator") if k in everyone[0][0]}})
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -339,9 +350,13 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for r in rows:
             if "auto" in r:
                 chose = ", ".join(f"{c} for {what}" for what, c in r["auto"].items())
+                tried = ", ".join(f"{c} {ms:.1f} ms" for c, ms in
+                                  r.get("auto_trials_ms", {}).items())
+                whose = "slowest rank's" if "[before]" not in r["variant"] else "rank 0's"
+                tried = f" Its trials' iterations ({whose} median): {tried}." if tried else ""
                 lines += [f"- {r['variant']}: timed after its trials ended "
-                          f"({r['settle_steps']} steps beyond the warmup); it chose {chose}.",
-                          ""]
+                          f"({r['settle_steps']} steps beyond the warmup); it chose "
+                          f"{chose}.{tried}", ""]
     lines.append("vs DDP default: DDP default's step time over the variant's (above 1 is "
                  "faster). Forward, by rank: each rank's median host time in forward (ms), "
                  "where DDP's broadcast of the buffers waits for the other ranks: a rank far "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ringcomm
-from ringcomm.algorithms.auto import Auto, LinkModel, predict, wire_bytes
+from ringcomm.algorithms.auto import Auto, LinkModel, Trial, predict, wire_bytes
 from ringcomm.backends.threads import run_ranks
 from ringcomm.codecs.base import Compressor, check_compressed_call
 from ringcomm.comm.base import Communicator
@@ -160,7 +160,7 @@ def test_trials_choose_the_candidate_measured_faster(candidates, expected, feedb
     the ranks agree on the one whose slowest rank was fastest; the dense candidate's trial
     calls are timed too, with error feedback or without (without, they once ran as plain
     dense calls, never counted, so the trials never ended)."""
-    per_rank = _trial_job(candidates, calls=5, feedback=feedback)
+    per_rank = _trial_job(candidates, calls=7, feedback=feedback)
     finals = [repr(r[1]) for r in per_rank]
     assert finals == [repr(expected)] * 2
     for a, b in zip(per_rank[0][0], per_rank[1][0], strict=True):
@@ -177,7 +177,7 @@ def test_trials_end_where_dense_is_tried_first_with_error_feedback():
     def job(t):
         comm = Communicator(t)
         ef = ringcomm.ErrorFeedback()
-        for _ in range(6):
+        for _ in range(8):
             comm.allreduce(np.ones(20_000, np.float32), compression=auto, feedback=ef, name="g")
         key = (id(auto), "host", 20_000, 80_000)
         return comm.auto_figures.choices.get(key, (None, "undecided"))[1]
@@ -185,10 +185,34 @@ def test_trials_end_where_dense_is_tried_first_with_error_feedback():
     assert run_ranks(2, job) == [None, None]
 
 
+def test_each_candidates_trial_calls_run_together_the_first_untimed():
+    """Each candidate's trial calls follow one another and its first is not timed: that call
+    pays for what the candidate before it left (with error feedback, a dense call after a
+    compressed one sends the residual in full, which later dense calls do not). Tried in turn
+    one call each, every timed dense call came after a compressed one."""
+    schedules = []
+
+    def job(t):
+        comm = Communicator(t)
+        auto = Auto((None, FP16), link=GBIT, throughput=EVEN, trials=2)
+        comm.allreduce(np.ones(20_000, np.float32), compression=auto)
+        trial = comm.auto_figures.trials[(id(auto), "host", 20_000, 80_000)][1]
+        schedules.append([Auto.key(c) for c in trial.schedule])
+
+    run_ranks(2, job)
+    first = schedules[0][0]
+    other = "none" if first != "none" else "FP16()"
+    assert schedules == [[first] * 3 + [other] * 3] * 2
+    trial = Trial((None, None, None, FP16, FP16, FP16))
+    for seconds in (9.0, 1.0, 1.0, 9.0, 2.0, 2.0):  # each first call slowed by the one before
+        trial.record(Auto.key(trial.pick()), seconds)
+    assert trial.done and trial.medians() == {"none": 1.0, "FP16()": 2.0}
+
+
 def test_trials_keep_error_feedback_conserving():
     """Trial calls switch between dense (which spends the residual) and compressed ones;
     results plus residuals still equal the inputs."""
-    per_rank = _trial_job((None, FP16), calls=6)
+    per_rank = _trial_job((None, FP16), calls=9)
     total_results = sum(per_rank[0][0])  # every rank holds the same sums
     inputs = per_rank[0][2] + per_rank[1][2]
     residuals = per_rank[0][3] + per_rank[1][3]
@@ -196,7 +220,8 @@ def test_trials_keep_error_feedback_conserving():
 
 
 def test_trials_undecided_until_every_trial_ran():
-    per_rank = _trial_job((None, FP16), calls=3)  # 2 candidates x 2 trials: 4 trial calls
+    # 2 candidates x (1 untimed + 2 timed): 6 trial calls, and the 7th decides
+    per_rank = _trial_job((None, FP16), calls=6)
     assert [r[1] for r in per_rank] == ["undecided"] * 2
 
 

@@ -275,6 +275,10 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     assert list(auto["auto"]) == ["every compressed bucket"], auto
     assert auto["auto"]["every compressed bucket"].split("(")[0] in (
         "none", "FP16", "BF16", "Int8", "TopK"), auto
+    # what the trials measured: every candidate's slowest rank's median iteration
+    assert list(auto["auto_trials_ms"]) == ["none", "BF16()", "Int8(block_size=256, "
+                                            "stochastic=False, seed=0)"], auto
+    assert min(auto["auto_trials_ms"].values()) > 0, auto
     # The hook's communicator: torchrun's processes joined one MPI world where PyTorch sees
     # no GPU, else gloo (the table says which).
     import torch
@@ -283,6 +287,8 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     assert results["ringcomm"]["communicator"] == over, results["ringcomm"]
     assert f"| ringcomm (over {over}) | " in (tmp_path / "train.md").read_text()
     assert "- ringcomm auto: timed after its trials ended" in (
+        tmp_path / "train.md").read_text()
+    assert "Its trials' iterations (slowest rank's median): none " in (
         tmp_path / "train.md").read_text()
     assert "## mlp, ringcomm Int8:" in (tmp_path / "p.txt").read_text()
     with zipfile.ZipFile(tmp_path / "traces.zip") as z:  # both ranks, DDP default and the hook

@@ -40,21 +40,45 @@ def _run(trials: IterationTrials, seconds: dict[str, float], comm: Ranks,
     return ran
 
 
-def test_each_candidate_warms_up_then_runs_its_rounds_then_the_choice():
+def test_each_candidate_runs_an_untimed_iteration_then_its_rounds_then_the_choice():
     auto = ringcomm.Auto((None, FP16, INT8), trials=2)
     trials = IterationTrials(auto, first=2)
     comm = Ranks()
     took = {"none": 1.0, repr(FP16): 0.5, repr(INT8): 0.8}
     ran = _run(trials, took, comm, 14)
-    cycle = ["none", repr(FP16), repr(INT8)]
     # before `first` the first candidate (the iterations do not compress yet, see
-    # RingcommState.compresses), one untimed iteration each, 2 timed rounds, the decision
+    # RingcommState.compresses), then each candidate's block: one untimed iteration, 2 timed
+    # ones; the decision; the choice
     assert ran[:2] == ["none", "none"]
-    assert ran[2:11] == cycle * 3
+    assert ran[2:11] == ["none"] * 3 + [repr(FP16)] * 3 + [repr(INT8)] * 3
     assert trials.choice == repr(FP16) and ran[11:] == [repr(FP16)] * 3
-    assert {k: len(v) for k, v in trials.samples.items()} == {k: 2 for k in cycle}
+    assert {k: len(v) for k, v in trials.samples.items()} == {
+        k: 2 for k in ("none", repr(FP16), repr(INT8))}
     assert trials.samples[repr(INT8)] == pytest.approx([0.8, 0.8])
+    assert trials.slowest == pytest.approx({"none": 1.0, repr(FP16): 0.5, repr(INT8): 0.8})
     assert len(comm.gathered) == 1  # one exchange
+
+
+def test_a_candidates_first_iteration_after_another_is_not_timed():
+    """The iteration where a candidate takes over pays for what the one before left (a dense
+    candidate then sends every residual in full, in the hook, instead of starting its buckets
+    on gloo's threads): it is not timed, wherever it falls, so the dense candidate is timed on
+    the iterations it runs once chosen. Tried in turn one iteration each, every dense
+    iteration was a first one, and a compressor slower than dense was chosen."""
+    auto = ringcomm.Auto((INT8, None), trials=3)  # dense after Int8's block
+    trials = IterationTrials(auto, first=0)
+    now, previous = 0.0, None
+    for it in range(2 * 4):
+        trials.iteration(it, Ranks(), now)
+        key = ringcomm.Auto.key(trials.compression().candidates[0])
+        if key == "none":  # 1.0 s, and 0.5 s more where it follows Int8 (the residuals)
+            now += 1.5 if previous == repr(INT8) else 1.0
+        else:
+            now += 1.2
+        previous = key
+    trials.iteration(8, Ranks(), now)
+    assert trials.choice == "none"
+    assert trials.slowest == pytest.approx({repr(INT8): 1.2, "none": 1.0})
 
 
 def test_the_slowest_rank_decides():

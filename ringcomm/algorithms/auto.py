@@ -7,9 +7,11 @@ also measures those figures, once per communicator, on the first call that needs
 The model sees the link and the codecs alone; in a training job they share the cores with
 backward, and DDP's other buckets share the link. So, with measured figures, the model's choice
 is then tried in the job itself: the first calls of each array size run, in turn, every
-candidate the model puts within ``TRY_WITHIN`` of its best (``trials`` calls each), each call's
-time is kept, and once all have run the ranks agree, in one exchange, on the candidate whose
-slowest rank's median was lowest (the same choice on every rank). Small dense calls, which ride
+candidate the model puts within ``TRY_WITHIN`` of its best, each one untimed call and then
+``trials`` timed ones, and once all have run the ranks agree, in one exchange, on the candidate
+whose slowest rank's median was lowest (the same choice on every rank). A candidate's first
+call is not timed because it pays for what the candidate before it left: with error feedback,
+a dense call after a compressed one sends the residual in full, which later dense calls do not. Small dense calls, which ride
 in the agreement exchange, are not tried. A call's time is what it costs where calls follow
 one another; where they overlap other work (a DDP hook's buckets overlap backward) it can favour
 a candidate whose work slows the rest down, so the DDP hook tries candidates a whole iteration
@@ -54,11 +56,12 @@ DEFAULT_TRIALS = 3
 @dataclass
 class Trial:
     """The calls of one array size that try candidates in the job: which runs on each call,
-    and the seconds each call took on this rank.
+    and the seconds each timed call took on this rank.
 
     Attributes:
-        schedule: the candidate of each trial call, in order (the same on every rank).
-        samples: seconds per call, keyed by ``Auto.key`` of the candidate.
+        schedule: the candidate of each trial call, in order (the same on every rank): each
+            candidate's calls one after another, the first of them untimed.
+        samples: seconds per timed call, keyed by ``Auto.key`` of the candidate.
         calls: the trial calls that have run.
     """
 
@@ -76,8 +79,11 @@ class Trial:
         return self.schedule[self.calls]
 
     def record(self, key: str, seconds: float) -> None:
-        """Keep the time of the call that ran candidate ``key`` (the one ``pick`` named)."""
-        self.samples.setdefault(key, []).append(seconds)
+        """Keep the time of the call that ran candidate ``key`` (the one ``pick`` named),
+        unless it was its candidate's first."""
+        at = self.calls
+        if at > 0 and self.schedule[at - 1] is self.schedule[at]:
+            self.samples.setdefault(key, []).append(seconds)
         self.calls += 1
 
     def medians(self) -> dict[str, float]:
@@ -135,8 +141,9 @@ class Auto:
         link: fixed link figures (for tests or a known network) instead of measuring.
         throughput: fixed per-candidate throughputs (bytes/s, keyed by ``repr`` of the
             candidate, "none" for None) instead of measuring.
-        trials: calls per candidate tried in the job before choosing from their measured
-            times (see the module docstring); 0 chooses from the model alone. None: 3 where
+        trials: timed calls per candidate tried in the job (after an untimed one each) before
+            choosing from their measured times (see the module docstring); 0 chooses from the
+            model alone. None: 3 where
             the figures are measured, 0 where ``link`` and ``throughput`` are both given.
 
     Every rank must pass an equal Auto; the choice is the same on every rank.
@@ -245,7 +252,8 @@ class Auto:
 
     @property
     def rounds(self) -> int:
-        """Trial calls per candidate this Auto makes in the job (0: the model alone)."""
+        """Timed trial calls per candidate this Auto makes in the job, each after an untimed
+        one (0: the model alone)."""
         if self.trials is not None:
             return self.trials
         return 0 if self.link is not None and self.throughput is not None else DEFAULT_TRIALS
@@ -271,7 +279,7 @@ class Auto:
             self._keep(figures, key, best)
             return None
         close.sort(key=lambda c: c is not best)  # the model's pick first
-        trial = Trial(tuple(close) * rounds)
+        trial = Trial(tuple(c for c in close for _ in range(1 + rounds)))
         if len(figures.trials) > 4096:
             figures.trials.clear()
         figures.trials[key] = (self, trial)

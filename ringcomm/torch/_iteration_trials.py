@@ -10,13 +10,21 @@ dense: its kernels and copies compete with backward where a dense bucket's trans
 beside it on gloo's threads.
 
 So the hook gives every compressed bucket of an iteration the same candidate and times whole
-iterations, from one iteration's first bucket to the next one's: first one untimed iteration
-per candidate (their first use compiles codecs, allocates scratch, measures), then
-``rounds`` timed ones each, in the candidates' order. At the first bucket after them the ranks
+iterations, from one iteration's first bucket to the next one's: each candidate in turn runs
+one untimed iteration, then ``rounds`` timed ones. At the first bucket after them the ranks
 agree, in one exchange, on the candidate whose slowest rank's median iteration was shortest;
 every bucket that compresses then uses it. Each candidate runs as an ``Auto`` of that one
 candidate (:func:`only`), so a dense one meeting a residual still sends it, and a dense one
 is started on gloo's threads like an uncompressed bucket.
+
+A candidate's iterations run one after another, its untimed one first, so that what it is
+timed on is what it costs once chosen. The untimed iteration takes its one-off costs (codecs
+compiled, scratch allocated) and what the candidate before it left: after a compressed
+candidate every compressed bucket holds a residual, which the first dense iteration sends in
+full, in the hook, where later dense iterations start their buckets on gloo's threads. Tried
+in turn one iteration each, every timed dense iteration followed a compressed one and was
+timed on that slower path: on one H200 (bench/results/gpu/README.md) the trials then chose
+Int8, whose steps took 45.6 ms against 42.1 ms sent uncompressed.
 """
 
 from __future__ import annotations
@@ -70,10 +78,14 @@ class IterationTrials:
         self.first = first
         self._fixed = {Auto.key(c): only(c, auto) for c in auto.candidates}
         keys = list(self._fixed)
-        self.warmup = tuple(keys)
-        self.schedule = tuple(keys) * auto.rounds
+        #: Each trial iteration's candidate and whether it is timed: per candidate, one untimed
+        #: iteration, then ``auto.rounds`` timed ones.
+        self.schedule = tuple((key, timed) for key in keys
+                              for timed in (False, *(True,) * auto.rounds))
         self.samples: dict[str, list[float]] = {}
         self.choice: str | None = None
+        #: Once chosen: the slowest rank's median iteration (seconds) of each candidate.
+        self.slowest: dict[str, float] | None = None
         self._current = keys[0]
         self._open: tuple[str, float] | None = None  # the timed iteration under way
 
@@ -94,13 +106,10 @@ class IterationTrials:
         if self.choice is not None or it < self.first:
             return
         k = it - self.first
-        if k < len(self.warmup):
-            self._current = self.warmup[k]
-            return
-        k -= len(self.warmup)
         if k < len(self.schedule):
-            self._current = self.schedule[k]
-            self._open = (self._current, now)
+            self._current, timed = self.schedule[k]
+            if timed:
+                self._open = (self._current, now)
             return
         self._decide(comm)
 
@@ -110,6 +119,7 @@ class IterationTrials:
                              for k in keys]])
         slowest = comm.allgather(medians).max(axis=0)  # one row per rank
         self.choice = keys[int(np.argmin(slowest))]
+        self.slowest = {k: float(s) for k, s in zip(keys, slowest, strict=True)}
         _LOG.info("DDP hook: %s, chosen from whole iterations (slowest rank's median: %s)",
                   self.choice, ", ".join(f"{k} {s * 1e3:.1f} ms"
                                          for k, s in zip(keys, slowest, strict=True)))

@@ -248,7 +248,7 @@ def test_auto_is_started_once_it_has_chosen_dense(comm, candidates, started):
     # otherwise fall in the one timed dense trial call, and could outweigh SlowFP16's 30 ms.
     comm.allreduce(_ints(60_000, "float32", salt=99), op="avg")
     outcomes = []
-    for step in range(6):
+    for step in range(8):
         x = _ints(60_000, "float32", salt=step)
         expected = _exact(x, "avg")
         pending = comm.start_allreduce(x, op="avg", compression=auto)
@@ -259,9 +259,9 @@ def test_auto_is_started_once_it_has_chosen_dense(comm, candidates, started):
             np.testing.assert_array_equal(x, expected)
         outcomes.append(pending is not None)
         assert _same_everywhere(x)
-    # A trial call per candidate, the call that decides (in allreduce, together), then the
-    # choice: dense is started from the fourth call.
-    assert outcomes == [False] * 3 + [started] * 3
+    # Two trial calls per candidate (an untimed one, a timed one), the call that decides (in
+    # allreduce, together), then the choice: dense is started from the sixth call.
+    assert outcomes == [False] * 5 + [started] * 3
     assert WORLD.allgather(outcomes) == [outcomes] * SIZE
     assert comm.start_allreduce(np.ones(60_000, np.float32), compression=ringcomm.FP16()) is None
 
@@ -380,30 +380,39 @@ def test_the_hooks_auto_trying_differently_between_ranks_raises_everywhere(comm)
 @pytest.mark.skipif(SIZE < 2, reason="one rank tries nothing: its allreduce is a copy")
 def test_the_hook_starts_the_buckets_auto_sends_uncompressed(comm, monkeypatch):
     """``compression="auto"`` in the hook: each iteration tries one candidate on every bucket
-    (ringcomm.torch._iteration_trials): one untimed iteration each, then ``rounds`` timed ones
-    each, then the choice. The iterations that send uncompressed start their buckets on gloo's
-    threads like uncompressed ones, the others reduce them in the hook; SlowFP16 (30 ms an
-    encoding) loses, and every iteration after the choice starts its buckets. The same on
-    every rank, parameters identical on every rank."""
-    state = RingcommState(comm=comm, compression=_undecided_auto(None, _SlowFP16()),
+    (ringcomm.torch._iteration_trials): each candidate in turn one untimed iteration, then
+    ``rounds`` timed ones, then the choice. The iterations that send uncompressed start their
+    buckets on gloo's threads like uncompressed ones, the others reduce them in the hook;
+    SlowFP16 (30 ms an encoding) loses, and every iteration after the choice starts its
+    buckets. The dense candidate is timed on iterations that start their buckets, as it runs
+    once chosen: the dense iteration right after SlowFP16's sends the residuals it left, in
+    the hook, and is never timed (tried in turn one iteration each, every timed dense
+    iteration did, and a compressor slower than dense could win). The same on every rank,
+    parameters identical on every rank."""
+    state = RingcommState(comm=comm, compression=_undecided_auto(_SlowFP16(), None),
                           overlap=True, start_iter=0, min_compress_bytes=0)
     started: list[bool] = []
+    timed_dense: list[bool] = []
     real = Communicator.start_allreduce
 
     def counting(self, x, **kwargs):
         pending = real(self, x, **kwargs)
         if kwargs.get("compression") is not None:
             started.append(pending is not None)
+            trials = state._trials  # on the thread that runs the calls, in their order
+            if trials._open is not None and trials._open[0] == "none":
+                timed_dense.append(pending is not None)
         return pending
 
     monkeypatch.setattr(Communicator, "start_allreduce", counting)
-    # dense, SlowFP16 (untimed), dense, SlowFP16 (timed: trials=1), then dense chosen (its
-    # first iteration sends the residuals SlowFP16 left, in the hook)
+    # SlowFP16 (untimed, timed: trials=1), dense (untimed: it sends SlowFP16's residuals in
+    # the hook; timed), then dense chosen, its buckets started
     got = _train(state, steps=8)
     assert same_on_all_ranks(got)
     assert WORLD.allgather(started) == [started] * SIZE
     assert state._trials.choice == "none"
     assert not all(started) and all(started[-4:]), started  # trials, then started
+    assert timed_dense and all(timed_dense), timed_dense
 
 
 @pytest.mark.gpu
