@@ -11,11 +11,11 @@ candidate the model puts within ``TRY_WITHIN`` of its best, each one untimed cal
 ``trials`` timed ones, and once all have run the ranks agree, in one exchange, on the candidate
 whose slowest rank's median was lowest (the same choice on every rank). A candidate's first
 call is not timed because it pays for what the candidate before it left: with error feedback,
-a dense call after a compressed one sends the residual in full, which later dense calls do not. Small dense calls, which ride
-in the agreement exchange, are not tried. A call's time is what it costs where calls follow
-one another; where they overlap other work (a DDP hook's buckets overlap backward) it can favour
-a candidate whose work slows the rest down, so the DDP hook tries candidates a whole iteration
-each instead (ringcomm.torch._iteration_trials).
+a dense call after a compressed one sends the residual in full, which later dense calls do
+not. Small dense calls, which ride in the agreement exchange, are not tried. A call's time is
+what it costs where calls follow one another; where they overlap other work (a DDP hook's
+buckets overlap backward) it can favour a candidate whose work slows the rest down, so the DDP
+hook tries candidates a whole iteration each instead (ringcomm.torch._iteration_trials).
 """
 
 from __future__ import annotations
