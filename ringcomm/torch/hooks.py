@@ -93,8 +93,8 @@ class RingcommState:
             whose size differs from the model's group, or whose processes are others.
         compression: a ringcomm compressor, ``"auto"`` (``ringcomm.Auto()``: whichever of
             none, bf16 and int8 makes the training iteration shortest, each tried on every
-            compressed bucket of whole iterations from ``start_iter`` on, one untimed and 3
-            timed iterations each, then chosen for all of them by every rank alike; see
+            compressed bucket of whole iterations from ``start_iter`` on, each in turn one
+            untimed and 3 timed iterations, then chosen for all of them by every rank alike; see
             :mod:`ringcomm.torch._iteration_trials`; an ``Auto`` with fixed figures and no
             trials chooses per bucket from its model) or ``hvd.Compression.<name>``; None
             sends float32.
