@@ -292,6 +292,67 @@ def test_parameter_added_after_wrapping_is_reduced(h):
     assert same_on_all_ranks(flat_params(model))
 
 
+@pytest.mark.parametrize("cast", ["half one layer", "double the model after a step"])
+def test_parameters_cast_after_wrapping_are_reduced_in_their_dtype(h, cast):
+    """A layer cast to float16, or the model to float64, after the optimizer was made (the
+    Parameter objects stay): each gradient is averaged in its own dtype. The fused buckets
+    were kept, so float32 gradients went through a float16 buffer (1e5 came back Inf) and
+    float64 ones were rounded to float32, on every rank alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = h.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                 named_parameters=model.named_parameters())
+    if cast == "double the model after a step":
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        model.double()
+    else:
+        model[1].half()
+    dtype = model[0].weight.dtype
+    x = torch.tensor([[1e5, 1.0 + 1e-12 * (RANK + 1), 3.0]], dtype=torch.float64)
+    opt.zero_grad()
+    model[0](x.to(dtype)).sum().backward()
+    model[1](torch.ones(1, 3, dtype=model[1].weight.dtype)).sum().backward()
+    opt.synchronize()
+    got = model[0].weight.grad
+    assert got.dtype == dtype and same_on_all_ranks(got.double().reshape(-1))
+    exact = gathered(x.to(dtype)).double().mean(0)  # every rank's row, averaged in float64
+    # float32: exact (the entries are); float64: within float64's rounding of the sum, where
+    # float32's would be off by 1e-12
+    torch.testing.assert_close(got[0].double(), exact, rtol=0, atol=1e-14)
+    assert torch.isfinite(model[1].weight.grad).all()
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def test_a_parameter_resized_after_a_step_is_reduced_at_its_new_size(h):
+    """A parameter whose ``.data`` is replaced by a larger tensor between steps (an embedding
+    grown in place): its gradient is averaged at its new size (the kept plan raised a shape
+    error on every rank)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 3))
+    opt = h.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                 named_parameters=model.named_parameters())
+    def loss() -> torch.Tensor:
+        return (model(torch.full((1, 2), float(RANK + 1))) ** 2).sum()
+
+    for step in range(2):
+        if step == 1:
+            model[0].weight.data = torch.arange(8.0).reshape(4, 2) / 8
+            model[0].bias.data = torch.zeros(4)
+            model[1].weight.data = torch.arange(12.0).reshape(3, 4) / 12
+        local = torch.autograd.grad(loss(), list(model.parameters()))  # not accumulated
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert same_on_all_ranks(grads)
+    assert model[0].weight.grad.shape == (4, 2)
+    expected = torch.cat([gathered(g.reshape(1, -1)).mean(0) for g in local])
+    torch.testing.assert_close(grads, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_backward_passes_per_step_that_differs_between_ranks_fails_on_every_rank(h):
     """Rank 0 accumulates two backward passes a step, the others one: the first reduction
     fails on every rank, naming the setting (it paired one rank's two-batch gradients with

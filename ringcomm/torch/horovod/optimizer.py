@@ -91,6 +91,14 @@ else:
     _OptimizerMixin = object
 
 
+
+def _plan_key(active: list[Any]) -> tuple[Any, ...]:
+    """What the fused buckets are cut from: each parameter that takes a gradient, with its
+    dtype, device and shape. A bucket fuses one dtype and device; kept after a cast, it would
+    reduce the cast parameters' gradients in the old dtype (float32 gradients through a float16
+    buffer, Inf above 65504), on every rank alike."""
+    return tuple((id(p), p.dtype, p.device, tuple(p.shape)) for p in active)
+
 class _DistributedOptimizer(_OptimizerMixin):
     """The methods DistributedOptimizer adds to the class of the optimizer it wraps."""
 
@@ -126,7 +134,7 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._owner = f"optimizer{next(_COMPRESSING)}" if ring is not None else ""
         self._reduction = Reduction(self._comm, op, pre, post, custom, ring, self._residuals)
         self._hooked: set[int] = set()
-        self._planned: tuple[int, ...] | None = None
+        self._planned: tuple[Any, ...] | None = None
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[Any, Bucket] = {}
         self._delay: dict[Any, int] = {}
@@ -144,16 +152,18 @@ class _DistributedOptimizer(_OptimizerMixin):
         self._lock = threading.Lock()
         if self._comm is not None and self._comm.size > 1:  # else no hooks (as Horovod)
             active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
-            self._plan(active, tuple(id(p) for p in active))
+            self._plan(active, _plan_key(active))
 
     # ---------------------------------------------------------------------- planning
     def _all_parameters(self) -> list[Any]:
         return [p for g in self.param_groups for p in g["params"]]
 
     def _begin_round(self) -> None:
-        """Start counting gradients of a new step; re-plan if ``requires_grad`` changed."""
+        """Start counting gradients of a new step; re-plan if ``requires_grad`` changed, or a
+        parameter's dtype, device or shape (``module.half()``, ``.to(...)`` and assigning
+        ``.data`` keep the Parameter objects)."""
         active = [p for p in reversed(self._all_parameters()) if p.requires_grad]
-        key = tuple(id(p) for p in active)
+        key = _plan_key(active)
         if key != self._planned:
             self._plan(active, key)
         for b in self._buckets:
@@ -172,7 +182,7 @@ class _DistributedOptimizer(_OptimizerMixin):
         if factor is not None:
             residuals.scale(factor)
 
-    def _plan(self, active: list[Any], key: tuple[int, ...]) -> None:
+    def _plan(self, active: list[Any], key: tuple[Any, ...]) -> None:
         custom = self._reduction.compression is not None and self._reduction.ring is None
         # Custom compressors change each tensor on its own, so their gradients are not fused.
         threshold = 0 if custom else self._threshold
