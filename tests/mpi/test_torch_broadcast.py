@@ -180,6 +180,32 @@ def test_broadcast_optimizer_state_of_distributed_optimizer(h):
     assert same_on_all_ranks(flat_params(model))
 
 
+@pytest.mark.parametrize("how", ["model given", "after a step"])
+def test_broadcast_optimizer_state_with_sparse_momentum(h, how):
+    """SGD with momentum on a sparse embedding holds a sparse momentum buffer (made by the
+    ``model=`` path's sparse zero gradients, or by a step): every rank gets root's, indices
+    and values as root holds them, and trains on identically (a broadcast refused the sparse
+    tensor on every rank)."""
+    torch.manual_seed(RANK)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if how == "after a step":
+        model(torch.tensor([RANK, RANK + 2])).sum().backward()
+        opt.step()
+    h.broadcast_parameters(model.state_dict(), root_rank=ROOT)
+    h.broadcast_optimizer_state(opt, root_rank=ROOT, model=model if how == "model given" else None)
+    buffer = opt.state[model[0].weight]["momentum_buffer"]
+    assert buffer.layout == torch.sparse_coo
+    mine = (buffer._indices(), buffer._values(), opt.state[model[1].weight]["momentum_buffer"])
+    root = MPI.COMM_WORLD.bcast(mine, root=ROOT)
+    assert all(torch.equal(a, b) for a, b in zip(mine, root, strict=True))
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.tensor([step, 5])).sum().backward()
+        opt.step()
+    assert same_on_all_ranks(flat_params(model))
+
+
 def test_broadcast_optimizer_state_refuses_other_parameters(h):
     if SIZE < 2:
         pytest.skip("needs at least 2 ranks")

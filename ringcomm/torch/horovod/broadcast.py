@@ -130,9 +130,25 @@ class _TensorSlot:
         self.on_param_device = t.device == param.device
 
 
+class _SparseValue:
+    """Where root's state held a sparse tensor (SGD's momentum on a sparse embedding's
+    gradients): the tensor itself, on the host, which travels with the skeleton as it is (its
+    indices and values in root's order, coalesced or not), since a broadcast moves dense
+    tensors only."""
+
+    __slots__ = ("on_param_device", "tensor")
+
+    def __init__(self, t: torch.Tensor, param: torch.Tensor) -> None:
+        self.tensor = t.detach().cpu()
+        self.on_param_device = t.device == param.device
+
+
 def _skeleton(value: Any, param: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with every tensor replaced by a _TensorSlot (the tensors go to ``tensors``)."""
+    """``value`` with every dense tensor replaced by a _TensorSlot (the tensors go to
+    ``tensors``) and every sparse one by a _SparseValue holding it."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            return _SparseValue(value, param)
         tensors.append(value)
         return _TensorSlot(value, param)
     if isinstance(value, (list, tuple)):
@@ -143,8 +159,10 @@ def _skeleton(value: Any, param: torch.Tensor, tensors: list[torch.Tensor]) -> A
 
 
 def _flatten(value: Any, out: list[torch.Tensor]) -> None:
+    """This rank's dense state tensors of ``value``, in the order _skeleton meets them."""
     if isinstance(value, torch.Tensor):
-        out.append(value)
+        if value.layout == torch.strided:
+            out.append(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
             _flatten(v, out)
@@ -156,6 +174,9 @@ def _flatten(value: Any, out: list[torch.Tensor]) -> None:
 def _fill(skeleton: Any, param: torch.Tensor, own: list[torch.Tensor],
           received: list[torch.Tensor]) -> Any:
     """Rebuild a state value from root's skeleton, reusing this rank's tensors where they fit."""
+    if isinstance(skeleton, _SparseValue):
+        device = param.device if skeleton.on_param_device else torch.device("cpu")
+        return skeleton.tensor.to(device)
     if isinstance(skeleton, _TensorSlot):
         mine = own.pop(0) if own else None
         device = param.device if skeleton.on_param_device else torch.device("cpu")
@@ -217,8 +238,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     parameters that require one and one step of the optimizer (LBFGS, which steps with a
     closure, is left as it is). Works for every optimizer in torch.optim: afterwards every rank
     holds exactly root's state and root's param-group options with their types (floats stay
-    floats, tuples tuples, None None). Tensors travel by broadcast, in place where this rank's
-    own state already has them.
+    floats, tuples tuples, None None). Dense tensors travel by broadcast, in place where this
+    rank's own state already has them; sparse ones (SGD's momentum on a sparse embedding) as
+    they are, with the options.
 
     Args:
         optimizer: a torch.optim optimizer, or a DistributedOptimizer.
