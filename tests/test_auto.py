@@ -185,28 +185,64 @@ def test_trials_end_where_dense_is_tried_first_with_error_feedback():
     assert run_ranks(2, job) == [None, None]
 
 
-def test_each_candidates_trial_calls_run_together_the_first_untimed():
-    """Each candidate's trial calls follow one another and its first is not timed: that call
-    pays for what the candidate before it left (with error feedback, a dense call after a
-    compressed one sends the residual in full, which later dense calls do not). Tried in turn
-    one call each, every timed dense call came after a compressed one."""
-    schedules = []
+def test_each_candidate_runs_until_its_calls_are_timed_a_names_first_call_untimed():
+    """Each candidate's trial calls follow one another until ``trials`` of them are timed, and
+    a name's first call under a candidate is not: it pays for what the candidate before left
+    that name (with error feedback, a dense call after a compressed one sends the residual in
+    full, which later dense calls do not). Names a, b and c of one size share the trial: tried
+    in turn one call each, every timed dense call came after a compressed one; timing all but
+    a block's first call, 2 of dense's 3 timed calls were still a name's first."""
+    trial = Trial((None, FP16), 3)
+    ran, timed = [], []
+    seconds = {"none": 1.0, "FP16()": 2.0}
+    names = ["a", "b", "c"] * 10
+    for call in range(12):
+        key = Auto.key(trial.pick())
+        name = names[call]
+        first = (key, name) not in ran
+        ran.append((key, name))
+        before = len(trial.samples.get(key, []))
+        trial.record(key, seconds[key] + (9.0 if first else 0.0), name)
+        timed.append(len(trial.samples.get(key, [])) > before)
+    assert trial.done and trial.calls == 12
+    assert [k for k, _ in ran] == ["none"] * 6 + ["FP16()"] * 6
+    assert timed == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    assert trial.medians() == {"none": 1.0, "FP16()": 2.0}
 
+
+def test_calls_that_each_pass_a_name_of_their_own_are_timed_after_a_while():
+    """Names that never come back would leave every call a first one: after LEAD_CALLS untimed
+    calls a candidate's calls are timed whatever their names, so the trials end."""
+    from ringcomm.algorithms.auto import LEAD_CALLS
+
+    trial = Trial((None, FP16), 2)
+    calls = 0
+    while not trial.done:
+        trial.record(Auto.key(trial.pick()), 1.0, f"step{calls}")
+        calls += 1
+    assert calls == 2 * (LEAD_CALLS + 2)
+
+
+def test_the_trials_choice_is_the_same_on_every_rank_with_several_names():
+    """Three names of one size under error feedback, in the same order on every rank: the
+    trial calls and the choice are the same on every rank, results bit-identical."""
     def job(t):
         comm = Communicator(t)
         auto = Auto((None, FP16), link=GBIT, throughput=EVEN, trials=2)
-        comm.allreduce(np.ones(20_000, np.float32), compression=auto)
-        trial = comm.auto_figures.trials[(id(auto), "host", 20_000, 80_000)][1]
-        schedules.append([Auto.key(c) for c in trial.schedule])
+        ef = ringcomm.ErrorFeedback()
+        rng = np.random.default_rng(t.rank)
+        results = []
+        for _ in range(6):
+            for name in ("a", "b", "c"):
+                g = rng.standard_normal(20_000).astype(np.float32)
+                results.append(comm.allreduce(g, compression=auto, feedback=ef, name=name))
+        key = (id(auto), "host", 20_000, 80_000)
+        return results, repr(comm.auto_figures.choices.get(key, (None, "undecided"))[1])
 
-    run_ranks(2, job)
-    first = schedules[0][0]
-    other = "none" if first != "none" else "FP16()"
-    assert schedules == [[first] * 3 + [other] * 3] * 2
-    trial = Trial((None, None, None, FP16, FP16, FP16))
-    for seconds in (9.0, 1.0, 1.0, 9.0, 2.0, 2.0):  # each first call slowed by the one before
-        trial.record(Auto.key(trial.pick()), seconds)
-    assert trial.done and trial.medians() == {"none": 1.0, "FP16()": 2.0}
+    per_rank = run_ranks(2, job)
+    assert per_rank[0][1] == per_rank[1][1] != repr("undecided")
+    for a, b in zip(per_rank[0][0], per_rank[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_trials_keep_error_feedback_conserving():

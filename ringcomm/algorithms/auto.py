@@ -7,15 +7,16 @@ also measures those figures, once per communicator, on the first call that needs
 The model sees the link and the codecs alone; in a training job they share the cores with
 backward, and DDP's other buckets share the link. So, with measured figures, the model's choice
 is then tried in the job itself: the first calls of each array size run, in turn, every
-candidate the model puts within ``TRY_WITHIN`` of its best, each one untimed call and then
-``trials`` timed ones, and once all have run the ranks agree, in one exchange, on the candidate
-whose slowest rank's median was lowest (the same choice on every rank). A candidate's first
-call is not timed because it pays for what the candidate before it left: with error feedback,
-a dense call after a compressed one sends the residual in full, which later dense calls do
-not. Small dense calls, which ride in the agreement exchange, are not tried. A call's time is
-what it costs where calls follow one another; where they overlap other work (a DDP hook's
-buckets overlap backward) it can favour a candidate whose work slows the rest down, so the DDP
-hook tries candidates a whole iteration each instead (ringcomm.torch._iteration_trials).
+candidate the model puts within ``TRY_WITHIN`` of its best, each until ``trials`` of its calls
+are timed, and once all have run the ranks agree, in one exchange, on the candidate whose
+slowest rank's median was lowest (the same choice on every rank). A name's first call under a
+candidate is not timed (:class:`Trial`): it pays for what the candidate before left it (with
+error feedback, a dense call after a compressed one sends the residual in full, which later
+dense calls do not). Small dense calls, which ride in the agreement exchange, are not tried.
+A call's time is what it costs where calls follow one another; where they overlap other work
+(a DDP hook's buckets overlap backward) it can favour a candidate whose work slows the rest
+down, so the DDP hook tries candidates a whole iteration each instead
+(ringcomm.torch._iteration_trials).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from ringcomm.core.log import get_logger
 from ringcomm.core.types import DEFAULT_INLINE_BYTES as INLINE_BYTES
 from ringcomm.core.types import Array, ReduceOp, Transport, accumulation_dtype, check_dtype
 
-__all__ = ["TRY_WITHIN", "Auto", "AutoFigures", "Compression", "Decision", "LinkModel", "Trial",
-           "measure_link", "measure_throughput", "predict", "wire_bytes"]
+__all__ = ["LEAD_CALLS", "TRY_WITHIN", "Auto", "AutoFigures", "Compression", "Decision",
+           "LinkModel", "Trial", "measure_link", "measure_throughput", "predict", "wire_bytes"]
 
 _LOG = get_logger("auto")
 #: Candidates whose modelled time is within this factor of the best are tried in the job.
@@ -53,37 +54,57 @@ TRY_WITHIN = 3.0
 DEFAULT_TRIALS = 3
 
 
+#: Untimed trial calls a candidate makes at most before its calls are timed whatever their
+#: names (calls that each pass a name of their own would otherwise never be timed).
+LEAD_CALLS = 64
+
+
 @dataclass
 class Trial:
     """The calls of one array size that try candidates in the job: which runs on each call,
     and the seconds each timed call took on this rank.
 
+    Each candidate in turn runs until ``rounds`` of its calls are timed. A call is timed only
+    where its name (the residual's, or None) has already run this candidate: the first call
+    of a name pays for what the candidate before left it (with error feedback, a dense call
+    after a compressed one sends the name's residual in full, which later dense calls do
+    not); after ``LEAD_CALLS`` untimed calls every call is timed. The names and their order
+    are the same on every rank (each call is agreed on), so the calls are too.
+
     Attributes:
-        schedule: the candidate of each trial call, in order (the same on every rank): each
-            candidate's calls one after another, the first of them untimed.
+        candidates: the candidates tried, in order.
+        rounds: timed calls per candidate.
         samples: seconds per timed call, keyed by ``Auto.key`` of the candidate.
         calls: the trial calls that have run.
     """
 
-    schedule: tuple[Compressor | None, ...]
+    candidates: tuple[Compressor | None, ...]
+    rounds: int
     samples: dict[str, list[float]] = field(default_factory=dict)
     calls: int = 0
+    _at: int = 0  # the candidate running now
+    _names: set[Any] = field(default_factory=set)  # names that have run it
 
     @property
     def done(self) -> bool:
-        """Whether every trial call has run."""
-        return self.calls >= len(self.schedule)
+        """Whether every candidate has run its timed calls."""
+        return self._at >= len(self.candidates)
 
     def pick(self) -> Compressor | None:
         """The candidate of the next trial call."""
-        return self.schedule[self.calls]
+        return self.candidates[self._at]
 
-    def record(self, key: str, seconds: float) -> None:
-        """Keep the time of the call that ran candidate ``key`` (the one ``pick`` named),
-        unless it was its candidate's first."""
-        at = self.calls
-        if at > 0 and self.schedule[at - 1] is self.schedule[at]:
-            self.samples.setdefault(key, []).append(seconds)
+    def record(self, key: str, seconds: float, name: Any = None) -> None:
+        """Keep the time of the call of ``name`` that ran candidate ``key`` (the one ``pick``
+        named), unless it was the name's first under it (see the class docstring)."""
+        if name in self._names or len(self._names) >= LEAD_CALLS:
+            timed = self.samples.setdefault(key, [])
+            timed.append(seconds)
+            if len(timed) >= self.rounds:
+                self._at += 1
+                self._names = set()
+        else:
+            self._names.add(name)
         self.calls += 1
 
     def medians(self) -> dict[str, float]:
@@ -141,10 +162,10 @@ class Auto:
         link: fixed link figures (for tests or a known network) instead of measuring.
         throughput: fixed per-candidate throughputs (bytes/s, keyed by ``repr`` of the
             candidate, "none" for None) instead of measuring.
-        trials: timed calls per candidate tried in the job (after an untimed one each) before
-            choosing from their measured times (see the module docstring); 0 chooses from the
-            model alone. None: 3 where
-            the figures are measured, 0 where ``link`` and ``throughput`` are both given.
+        trials: timed calls per candidate tried in the job (a name's first call under each is
+            not timed: see :class:`Trial`) before choosing from their measured times; 0 chooses
+            from the model alone. None: 3 where the figures are measured, 0 where ``link`` and
+            ``throughput`` are both given.
 
     Every rank must pass an equal Auto; the choice is the same on every rank.
     """
@@ -252,8 +273,7 @@ class Auto:
 
     @property
     def rounds(self) -> int:
-        """Timed trial calls per candidate this Auto makes in the job, each after an untimed
-        one (0: the model alone)."""
+        """Timed trial calls per candidate this Auto makes in the job (0: the model alone)."""
         if self.trials is not None:
             return self.trials
         return 0 if self.link is not None and self.throughput is not None else DEFAULT_TRIALS
@@ -279,7 +299,7 @@ class Auto:
             self._keep(figures, key, best)
             return None
         close.sort(key=lambda c: c is not best)  # the model's pick first
-        trial = Trial(tuple(c for c in close for _ in range(1 + rounds)))
+        trial = Trial(tuple(close), rounds)
         if len(figures.trials) > 4096:
             figures.trials.clear()
         figures.trials[key] = (self, trial)
@@ -290,7 +310,7 @@ class Auto:
         """Choose, from every rank's trial times (one exchange, collective), the candidate
         whose slowest rank's median was lowest: the same choice on every rank."""
         everyone = t.allgather_object(trial.medians())
-        tried = list(dict.fromkeys(trial.schedule))
+        tried = list(trial.candidates)
         slowest = [max(m[self.key(c)] for m in everyone) for c in tried]
         choice = tried[int(np.argmin(slowest))]
         _LOG.info("%d elements over %d ranks: %s, chosen from calls in the job (slowest "

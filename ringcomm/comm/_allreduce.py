@@ -200,7 +200,7 @@ class Allreduce:
         if trial is not None:  # a call trying one of auto's candidates: keep its time
             if type(x) is not np.ndarray:
                 self._transport.wait_gpu("allreduce")  # the call's device work is done
-            trial[0].record(trial[1], time.perf_counter() - start)
+            trial[0].record(trial[1], time.perf_counter() - start, plan.name)
 
     def _decide(self, policy: Auto, t: Transport, x: Array, name: Any) -> Decision:
         """The decision of an Auto made after the agreement (collective: it may measure the
