@@ -97,7 +97,8 @@ def _plan_key(active: list[Any]) -> tuple[Any, ...]:
     dtype, device and shape. A bucket fuses one dtype and device; kept after a cast, it would
     reduce the cast parameters' gradients in the old dtype (float32 gradients through a float16
     buffer, Inf above 65504), on every rank alike."""
-    return tuple((id(p), p.dtype, p.device, tuple(p.shape)) for p in active)
+    # get_device() (-1 on the host) and the torch.Size: half the time of device and a tuple
+    return tuple((id(p), p.dtype, p.get_device(), p.shape) for p in active)
 
 class _DistributedOptimizer(_OptimizerMixin):
     """The methods DistributedOptimizer adds to the class of the optimizer it wraps."""
