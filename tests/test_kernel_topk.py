@@ -202,10 +202,13 @@ BRANCHES = {
 }
 
 
+@pytest.mark.parametrize("fused_pick", [True, False])
 @pytest.mark.parametrize("case", list(BRANCHES))
-def test_each_branch_matches_numpy(emulated, monkeypatch, compaction, case):
+def test_each_branch_matches_numpy(emulated, monkeypatch, compaction, case, fused_pick):
     """The exact path takes the branch the data calls for, decided on the device, and gives
-    NumPy's selection on every one; the host enqueues the same launches on all of them."""
+    NumPy's selection on every one, each radix digit picked by select_hist's last block (the
+    default) or by select_pick; the host enqueues the same launches on all of them."""
+    monkeypatch.setattr(_cuda_topk, "FUSED_PICK", fused_pick)
     emulator, fake = emulated
     data, use, patch = BRANCHES[case]
     if patch is not None:
