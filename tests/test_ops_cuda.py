@@ -333,3 +333,29 @@ def test_without_cupy_or_gpu_operations_say_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", NoDevice)
     with pytest.raises(RuntimeError, match="no usable CUDA GPU"):
         cuda.zeros((4,), np.float32)
+
+
+def test_residuals_follow_their_buffer_to_the_gpu_and_back(dev):
+    """A DistributedOptimizer whose model moves to the GPU after its first steps keeps its
+    buckets' cut (the Parameter objects stay): the residuals follow the buffer there, and
+    back, values kept (the next call raised that the residual lives on another device)."""
+    pytest.importorskip("torch")
+    import ringcomm
+    from ringcomm.ops import is_device_array
+    from ringcomm.torch._residuals import ResidualLayouts
+
+    ef = ringcomm.ErrorFeedback()
+    layouts = ResidualLayouts(ef)
+    layout = (("a", 0, 3), ("b", 3, 2))
+    host = np.zeros(5, np.float32)
+    layouts.align("b0", layout, host)
+    ef.take("b0", host)[:] = [1, 2, 3, 4, 5]
+    on_gpu = dev.put(np.zeros(5, np.float32))
+    layouts.align("b0", layout, on_gpu)
+    assert is_device_array(ef.residual("b0"))
+    ef.check("b0", on_gpu)
+    np.testing.assert_array_equal(dev.get(ef.residual("b0")), [1, 2, 3, 4, 5])
+    layouts.align("b0", layout, lambda: host)
+    assert not is_device_array(ef.residual("b0"))
+    np.testing.assert_array_equal(ef.residual("b0"), [1, 2, 3, 4, 5])
+

@@ -95,8 +95,19 @@ class ResidualLayouts:
 
     def _align(self, name: str, layout: Layout, like: Any | Callable[[], Any]) -> None:
         self._bury()
-        if self._layouts.get(name) == layout:
+        buffer: list[Any] = []
+
+        def flat() -> Any:
+            if not buffer:
+                buffer.append(like() if callable(like) else like)
+            return buffer[0]
+
+        kept = self.feedback.residual(name)
+        if self._layouts.get(name) == layout and (
+                kept is None or _ops.is_device_array(kept) == _ops.is_device_array(flat())):
             return
+        # Re-cut, or the same cut moved between the host and a GPU (model.cuda() keeps the
+        # Parameter objects): the residual follows its tensors there.
         self._release(name)
         for key, _, _ in layout:
             owner = self._owner.get(key)
@@ -104,10 +115,10 @@ class ResidualLayouts:
                 self._release(owner)
         pieces = [(off, n, self._stash.pop(key)) for key, off, n in layout if key in self._stash]
         if pieces:
-            residual = self.feedback.take(name, like() if callable(like) else like)
+            residual = self.feedback.take(name, flat())
             for off, n, piece in pieces:
                 if piece.size == n:  # a tensor that changed size starts afresh
-                    residual[off: off + n] = piece
+                    _put(residual[off: off + n], piece)
         self._layouts[name] = layout
         for key, _, _ in layout:
             self._owner[key] = name
@@ -218,3 +229,13 @@ def _died(layouts: weakref.ref[ResidualLayouts], key: Hashable) -> None:
     if owner is not None:
         owner._watched.discard(key)
         owner._dead.append(key)
+
+
+def _put(target: Any, piece: Any) -> None:
+    """Write ``piece`` into ``target``, either on the host or on a GPU."""
+    if _ops.is_device_array(target) == _ops.is_device_array(piece):
+        target[...] = piece
+    elif _ops.is_device_array(target):
+        _ops.get(target).copy_from_host(target, piece)
+    else:
+        target[...] = _ops.get(piece).to_host(piece)
