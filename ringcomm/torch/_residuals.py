@@ -95,19 +95,15 @@ class ResidualLayouts:
 
     def _align(self, name: str, layout: Layout, like: Any | Callable[[], Any]) -> None:
         self._bury()
-        buffer: list[Any] = []
-
-        def flat() -> Any:
-            if not buffer:
-                buffer.append(like() if callable(like) else like)
-            return buffer[0]
-
-        kept = self.feedback.residual(name)
-        if self._layouts.get(name) == layout and (
-                kept is None or _ops.is_device_array(kept) == _ops.is_device_array(flat())):
-            return
-        # Re-cut, or the same cut moved between the host and a GPU (model.cuda() keeps the
-        # Parameter objects): the residual follows its tensors there.
+        if self._layouts.get(name) == layout:
+            kept = self.feedback.residual(name)
+            if kept is None:
+                return
+            like = like() if callable(like) else like
+            if _ops.is_device_array(kept) == _ops.is_device_array(like):
+                return
+            # The same cut moved between the host and a GPU (model.cuda() keeps the Parameter
+            # objects): the residual follows its tensors there.
         self._release(name)
         for key, _, _ in layout:
             owner = self._owner.get(key)
@@ -115,7 +111,7 @@ class ResidualLayouts:
                 self._release(owner)
         pieces = [(off, n, self._stash.pop(key)) for key, off, n in layout if key in self._stash]
         if pieces:
-            residual = self.feedback.take(name, flat())
+            residual = self.feedback.take(name, like() if callable(like) else like)
             for off, n, piece in pieces:
                 if piece.size == n:  # a tensor that changed size starts afresh
                     _put(residual[off: off + n], piece)
@@ -232,10 +228,9 @@ def _died(layouts: weakref.ref[ResidualLayouts], key: Hashable) -> None:
 
 
 def _put(target: Any, piece: Any) -> None:
-    """Write ``piece`` into ``target``, either on the host or on a GPU."""
+    """Write ``piece`` into ``target``, either on the host or on a GPU (through the host where
+    they are not on the same kind)."""
     if _ops.is_device_array(target) == _ops.is_device_array(piece):
         target[...] = piece
-    elif _ops.is_device_array(target):
-        _ops.get(target).copy_from_host(target, piece)
     else:
-        target[...] = _ops.get(piece).to_host(piece)
+        _ops.get(target).copy_from_host(target, _ops.get(piece).to_host(piece))

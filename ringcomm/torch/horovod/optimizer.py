@@ -91,7 +91,6 @@ else:
     _OptimizerMixin = object
 
 
-
 def _plan_key(active: list[Any]) -> tuple[Any, ...]:
     """What the fused buckets are cut from: each parameter that takes a gradient, with its
     dtype, device and shape. A bucket fuses one dtype and device; kept after a cast, it would
@@ -99,6 +98,7 @@ def _plan_key(active: list[Any]) -> tuple[Any, ...]:
     buffer, Inf above 65504), on every rank alike."""
     # get_device() (-1 on the host) and the torch.Size: half the time of device and a tuple
     return tuple((id(p), p.dtype, p.get_device(), p.shape) for p in active)
+
 
 class _DistributedOptimizer(_OptimizerMixin):
     """The methods DistributedOptimizer adds to the class of the optimizer it wraps."""
