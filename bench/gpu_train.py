@@ -137,14 +137,16 @@ def _auto_choices(state: Any) -> dict[str, str]:
             for key, (auto, choice) in state.comm.auto_figures.choices.items()}
 
 
-def _auto_trials(state: Any) -> dict[str, float]:
-    """What the hook's trials measured (ms): each candidate's median iteration, the slowest
-    rank's (what the choice compares), or this rank's where the tree keeps only its samples."""
+def _auto_trials(state: Any) -> dict[str, Any]:
+    """What the hook's trials measured: each candidate's median iteration (ms), the slowest
+    rank's (what the choice compares), or this rank's where the tree keeps only its samples;
+    and whose ("of")."""
     trials = getattr(state, "_trials", None)
-    slowest = getattr(trials, "slowest", None)
-    if slowest is None:
-        slowest = {k: statistics.median(v) for k, v in getattr(trials, "samples", {}).items()}
-    return {k: round(1e3 * v, 2) for k, v in slowest.items()}
+    medians, of = getattr(trials, "slowest", None), "slowest rank's"
+    if medians is None:
+        medians = {k: statistics.median(v) for k, v in getattr(trials, "samples", {}).items()}
+        of = "rank 0's"
+    return {"ms": {k: round(1e3 * v, 2) for k, v in medians.items()}, "of": of}
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -205,7 +207,7 @@ def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str
             step(i)
     gc.collect()
     extra = ({"settle_steps": settled, "auto": _auto_choices(state),
-              "auto_trials_ms": _auto_trials(state)} if settle else {})
+              "auto_trials": _auto_trials(state)} if settle else {})
     if state is not None:  # MPI where torchrun's processes joined one MPI world, else gloo
         extra["communicator"] = state.comm.backend
     return {"times": times, "forward_ms": 1e3 * statistics.median(forwards), "digest": digest,
@@ -306,7 +308,7 @@ def worker(args: Any) -> int:
             "same_as_ddp": None if reference is None else everyone[0][0]["digest"] == reference,
             "digest": everyone[0][0]["digest"][:16],
             "forward_ms_by_rank": [round(g["forward_ms"], 2) for g, _ in everyone],
-            **{k: everyone[0][0][k] for k in ("settle_steps", "auto", "auto_trials_ms",
+            **{k: everyone[0][0][k] for k in ("settle_steps", "auto", "auto_trials",
                                                "communicator") if k in everyone[0][0]}})
     gc.collect()
     dist.barrier()
@@ -350,10 +352,10 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for r in rows:
             if "auto" in r:
                 chose = ", ".join(f"{c} for {what}" for what, c in r["auto"].items())
-                tried = ", ".join(f"{c} {ms:.1f} ms" for c, ms in
-                                  r.get("auto_trials_ms", {}).items())
-                whose = "slowest rank's" if "[before]" not in r["variant"] else "rank 0's"
-                tried = f" Its trials' iterations ({whose} median): {tried}." if tried else ""
+                trials = r.get("auto_trials", {})
+                tried = ", ".join(f"{c} {ms:.1f} ms" for c, ms in trials.get("ms", {}).items())
+                tried = (f" Its trials' iterations ({trials['of']} median): {tried}."
+                         if tried else "")
                 lines += [f"- {r['variant']}: timed after its trials ended "
                           f"({r['settle_steps']} steps beyond the warmup); it chose "
                           f"{chose}.{tried}", ""]

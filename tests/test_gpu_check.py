@@ -276,9 +276,10 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     assert auto["auto"]["every compressed bucket"].split("(")[0] in (
         "none", "FP16", "BF16", "Int8", "TopK"), auto
     # what the trials measured: every candidate's slowest rank's median iteration
-    assert list(auto["auto_trials_ms"]) == ["none", "BF16()", "Int8(block_size=256, "
-                                            "stochastic=False, seed=0)"], auto
-    assert min(auto["auto_trials_ms"].values()) > 0, auto
+    assert list(auto["auto_trials"]["ms"]) == ["none", "BF16()", "Int8(block_size=256, "
+                                              "stochastic=False, seed=0)"], auto
+    assert min(auto["auto_trials"]["ms"].values()) > 0, auto
+    assert auto["auto_trials"]["of"] == "slowest rank's", auto
     # The hook's communicator: torchrun's processes joined one MPI world where PyTorch sees
     # no GPU, else gloo (the table says which).
     import torch
