@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ringcomm import ops as _ops
 from ringcomm.backends.gloo_held import hold, pause_at_exit
+from ringcomm.backends.staging import PinnedCopies
 from ringcomm.comm.base import Communicator
 from ringcomm.comm.settings import agree_byte_limit
 from ringcomm.comm.transport import (
@@ -180,6 +181,31 @@ def _staged(recv: Array) -> tuple[np.ndarray, Any]:
     return host, functools.partial(_ops.get(recv).copy_from_host, recv, host)
 
 
+def _staged_exchange(copies: PinnedCopies, send: Array | None, recv: Array | None
+                     ) -> tuple[np.ndarray | None, np.ndarray | None, Callable[[], None]]:
+    """The pinned host buffers a ring exchange of device arrays goes through (the bytes of
+    ``send`` and ``recv``, or None where that one is absent or a host array), and what to
+    do once both messages completed: the received bytes' copy to the device is queued on
+    the current stream (the reduction that reads them follows it there, without the host
+    waiting), and both buffers go back to the pool. A send's copy to the host is waited for
+    here, before gloo reads it."""
+    recv_host = send_host = None
+    if recv is not None and type(recv) is not np.ndarray:
+        recv_host = copies.take(recv.nbytes)
+    if send is not None and type(send) is not np.ndarray:
+        send_host = copies.download(send)
+        copies.synchronize()
+
+    def after() -> None:
+        if send_host is not None:
+            copies.release(send_host)
+        if recv_host is not None:
+            copies.upload(recv_host, recv)
+
+    return (None if send_host is None else send_host[: send.nbytes],
+            None if recv_host is None else recv_host[: recv.nbytes], after)
+
+
 def _new_job_group(seconds: float) -> Any:
     """A gloo group of every rank of torch.distributed's default group, made within
     ``seconds`` (its creation waits for every rank over the group's store)."""
@@ -255,6 +281,7 @@ class TorchDistTransport(TransportBase):
         group's messages do."""
         self._group = group
         self.native_allreduce_bytes = -1
+        self._copies: PinnedCopies | None = None
         pause_at_exit()  # for the tensors PyTorch's own calls hand this process's gloo groups
         self._peers = peers
         self.timeout, self.abort_on_timeout = timeout, abort_on_timeout
@@ -445,14 +472,23 @@ class TorchDistTransport(TransportBase):
             return self._to_self(send, recv)
         tag = _RING_TAG if channel == RING else _P2P_TAG
         works: list[Any] = []
-        after = None
+        send_host, recv_host, after = _staged_exchange(self._pinned(), send, recv) if (
+            _ops.is_device_array(send) or _ops.is_device_array(recv)) else (send, recv, None)
         if recv is not None:
-            host_recv, after = _staged(recv)
-            works.append(self._irecv(_bytes(host_recv), source, tag))
+            works.append(self._irecv(_bytes(recv if recv_host is None else recv_host), source,
+                                     tag))
         if send is not None:
-            works.append(self._isend(_bytes(_host(send)), dest, tag))
+            works.append(self._isend(_bytes(send if send_host is None else send_host), dest,
+                                     tag))
         return _Pair(self, works, source if recv is not None else dest,
                      "ring exchange" if channel == RING else "sendrecv", after)
+
+    def _pinned(self) -> PinnedCopies:
+        """The pinned host buffers device arrays' messages go through (made with the first
+        one: it needs CuPy)."""
+        if self._copies is None:
+            self._copies = PinnedCopies()
+        return self._copies
 
     def _to_self(self, send: Array, recv: Array) -> _Pair:
         # gloo connects no pair from a rank to itself (MPI does): the message is a copy.

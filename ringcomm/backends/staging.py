@@ -1,5 +1,6 @@
 """Device (CuPy) arrays over MPI: handed to a CUDA-aware MPI as they are, otherwise staged
-through page-locked host buffers that are reused between calls.
+through page-locked host buffers that are reused between calls (:class:`PinnedCopies`, which
+the gloo transport stages its messages with too).
 
 Which device: :class:`~ringcomm.backends.cuda_device.DeviceChoice` selects one per process,
 with the first device array (``local_rank % device_count``, or the device asked for), and the
@@ -41,7 +42,7 @@ from ringcomm import ops as _ops
 from ringcomm.core.log import get_logger
 from ringcomm.core.types import Array
 
-__all__ = ["DeviceStaging", "cuda_aware"]
+__all__ = ["DeviceStaging", "PinnedCopies", "cuda_aware"]
 
 _ENV = "RINGCOMM_MPI_CUDA_AWARE"
 _MIN_PINNED = 1 << 16
@@ -161,7 +162,60 @@ def _counts(message: Any, counts: list[int], displs: list[int]) -> list[Any]:
     return [message, (counts, displs)]
 
 
-class DeviceStaging:
+class PinnedCopies:
+    """Copies between device (CuPy) arrays and page-locked host buffers lent from a pool and
+    kept between calls: a transport that moves host bytes only stages device arrays with it
+    (MPI without CUDA support, gloo). A download is queued on the current stream (synchronize
+    before reading the buffer); an upload is queued too, and its buffer goes back to the pool
+    with the copy's event, so it is lent again only once the copy has read it.
+
+    Raises:
+        RuntimeError: CuPy or a GPU is missing.
+    """
+
+    def __init__(self) -> None:
+        from ringcomm.ops import _cuda_runtime
+
+        self._cupy = _cuda_runtime.cp()
+        self._pool = _PinnedPool(self._cupy)
+
+    @property
+    def cuda(self) -> Any:
+        """CuPy's ``cupy.cuda`` (streams, events, devices)."""
+        return self._cupy.cuda
+
+    def synchronize(self) -> None:
+        """Wait for the current stream (the downloads queued on it)."""
+        self._cupy.cuda.get_current_stream().synchronize()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A pinned buffer of at least ``nbytes`` that no queued copy uses (to receive into)."""
+        return self._pool.take(nbytes)
+
+    def download(self, x: Array) -> np.ndarray:
+        """A pinned host buffer with device array ``x`` copied in (queued on the current
+        stream: synchronize before reading it)."""
+        host = self._pool.take(x.nbytes)
+        runtime = self._cupy.cuda.runtime
+        runtime.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost,
+                            self._cupy.cuda.get_current_stream().ptr)
+        return host
+
+    def upload(self, host: np.ndarray, x: Array) -> None:
+        """Queue the copy of pinned ``host`` into device array ``x``; the buffer goes back to
+        the pool with the copy's event, so it is not reused before the copy has read it."""
+        stream = self._cupy.cuda.get_current_stream()
+        runtime = self._cupy.cuda.runtime
+        runtime.memcpyAsync(x.data.ptr, host.ctypes.data, x.nbytes, runtime.memcpyHostToDevice,
+                            stream.ptr)
+        self._pool.give(host, stream.record())
+
+    def release(self, host: np.ndarray) -> None:
+        """Return a pinned buffer no copy is using any more."""
+        self._pool.give(host)
+
+
+class DeviceStaging(PinnedCopies):
     """How one communicator moves CuPy arrays through MPI.
 
     Args:
@@ -177,23 +231,12 @@ class DeviceStaging:
 
     def __init__(self, MPI: Any, direct: bool, *,
                  wait: Callable[[list[Any], int | None, str], None] | None = None) -> None:
-        from ringcomm.ops import _cuda_runtime
-
+        super().__init__()
         self.MPI = MPI
         self.direct = direct
         self.wait = wait if wait is not None else _unbounded_wait(MPI)
-        self._cupy = _cuda_runtime.cp()
-        self._pool = _PinnedPool(self._cupy)
-
-    @property
-    def cuda(self) -> Any:
-        """CuPy's ``cupy.cuda`` (streams, events, devices)."""
-        return self._cupy.cuda
 
     # ------------------------------------------------------------------------ pieces
-    def _sync(self) -> None:
-        self._cupy.cuda.get_current_stream().synchronize()
-
     def _sync_before(self, staged_sends: bool, *arrays: Array) -> None:
         """Wait for the current stream where MPI is about to read what it produces: a staged
         send's download, or (CUDA-aware MPI) any of ``arrays`` on the device, which MPI reads
@@ -201,7 +244,7 @@ class DeviceStaging:
         module's docstring)."""
         device = _ops.is_device_array
         if staged_sends or (self.direct and any(device(a) for a in arrays)):
-            self._sync()
+            self.synchronize()
 
     def message(self, buf: Array, like: Array) -> tuple[Any, int]:
         """The MPI buffer of ``like``'s data, and the factor from elements to its items.
@@ -225,28 +268,6 @@ class DeviceStaging:
         if self.direct or not _ops.is_device_array(x):
             return x
         return self._pool.take(x.nbytes) if incoming else self.download(x)
-
-    def download(self, x: Array) -> np.ndarray:
-        """A pinned host buffer with device array ``x`` copied in (queued on the current
-        stream: synchronize before reading it)."""
-        host = self._pool.take(x.nbytes)
-        runtime = self._cupy.cuda.runtime
-        runtime.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost,
-                            self._cupy.cuda.get_current_stream().ptr)
-        return host
-
-    def upload(self, host: np.ndarray, x: Array) -> None:
-        """Queue the copy of pinned ``host`` into device array ``x``; the buffer goes back to
-        the pool with the copy's event, so it is not reused before the copy has read it."""
-        stream = self._cupy.cuda.get_current_stream()
-        runtime = self._cupy.cuda.runtime
-        runtime.memcpyAsync(x.data.ptr, host.ctypes.data, x.nbytes, runtime.memcpyHostToDevice,
-                            stream.ptr)
-        self._pool.give(host, stream.record())
-
-    def release(self, host: np.ndarray) -> None:
-        """Return a pinned buffer no copy is using any more."""
-        self._pool.give(host)
 
     # -------------------------------------------------------------------- operations
     def isendrecv(self, comm: Any, tag: int, send: Array | None, dest: int, recv: Array | None,
