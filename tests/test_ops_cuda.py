@@ -277,19 +277,90 @@ def test_low_rank_products(dev, rng, n, r):
     np.testing.assert_allclose(dev.get(got), want, rtol=1e-4, atol=1e-4 * rows)
 
 
-@pytest.mark.parametrize("bad", [None, np.nan, np.inf, "overflow"])
-def test_flag_nonfinite(dev, rng, bad):
-    x = rng.standard_normal((8, 5)).astype(np.float32)
-    if bad == "overflow":
-        x[:] = 3e38
-    elif bad is not None:
-        x[3, 2] = bad
+def _low_rank_call(rng: np.random.Generator, shapes: list[tuple[int, int, int]]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """A flat buffer of matrices (rows, cols, rank), their P^T and Q^T in two buffers, the
+    tensors' table (offset, n, m, r, P at, Q at) and the most elements of one."""
+    rows, at, p_at, q_at = [], 0, 0, 0
+    for n, m, r in shapes:
+        rows.append((at, n, m, r, p_at, q_at))
+        at, p_at, q_at = at + n * m + 3, p_at + r * n + 1, q_at + r * m + 2  # gaps between
+    mat = twins.data(rng, at, nonfinite=False)
+    p = twins.data(rng, p_at, nonfinite=False)
+    q = twins.data(rng, q_at, nonfinite=False)
+    return mat, p, q, np.asarray(rows, np.int64), max(n * m for n, m, _ in shapes)
+
+
+SHAPES = [(1, 1, 1), (7, 5, 2), (30, 41, 3), (257, 3, 1)]
+
+
+def test_low_rank_products_of_every_tensor_at_once(dev, rng):
+    """PowerSGD's one-launch passes: P Q^T and M - P Q^T of every tensor of a call have the
+    bits of the per-tensor NumPy twins, and nothing between the tensors is written."""
+    mat, p, q, table, longest = _low_rank_call(rng, SHAPES)
+    table_dev = dev.put(table)
+    want = np.full(mat.size, 9.0, np.float32)
+    ref.outer_sum_parts(want, p, q, table, longest)
+    got = dev.put(np.full(mat.size, 9.0, np.float32))
+    gpu.outer_sum_parts(got, dev.put(p), dev.put(q), table_dev, longest)
+    twins.assert_bits(dev, got, want)
+    for at, n, m, r, po, qo in table.tolist():  # the twin is the per-tensor op
+        one = np.empty((n, m), np.float32)
+        ref.outer_sum(p[po: po + r * n].reshape(r, n), q[qo: qo + r * m].reshape(r, m), one)
+        assert one.tobytes() == want[at: at + n * m].tobytes()
+    want = mat.copy()
+    ref.subtract_outer_parts(want, p, q, table, longest)
+    got = dev.put(mat)
+    gpu.subtract_outer_parts(got, dev.put(p), dev.put(q), table_dev, longest)
+    twins.assert_bits(dev, got, want)
+    gaps = np.ones(mat.size, bool)
+    for at, n, m, *_ in table.tolist():
+        gaps[at: at + n * m] = False
+    assert (want[gaps] == mat[gaps]).all()
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_flag_nonfinite_parts(dev, rng, bad):
+    """A NaN or Inf in one tensor's matrix marks that tensor's P^T (its first entry NaN) and no
+    other; a huge finite matrix is no mark."""
+    mat, p, _, table, longest = _low_rank_call(rng, SHAPES)
+    mat[table[3, 0]:] = 3e38  # the last tensor's float32 sum overflows: still finite
+    if bad is not None:
+        at, n, m = table[2, :3]
+        mat[at + n * m - 1] = bad
     for impl, put, get in ((ref, np.asarray, np.asarray), (gpu, dev.put, dev.get)):
-        flag = put(np.full(4, 2.0, np.float32))
-        impl.flag_nonfinite(put(x), flag)
-        flag = get(flag)
-        assert np.isnan(flag[0]) == (bad is not None), (impl.__name__, flag)
-        assert (flag[1:] == 2.0).all() and (bad is not None or flag[0] == 2.0)
+        flags = put(p.copy())
+        impl.flag_nonfinite_parts(put(mat), flags, put(table), longest)
+        flags = get(flags)
+        marked = np.isnan(flags)
+        assert marked.sum() == (bad is not None), impl.__name__
+        assert bad is None or marked[table[2, 4]]
+        np.testing.assert_array_equal(flags[~marked], p[~marked])
+
+
+@pytest.mark.parametrize("divisor", [0, 3])
+@pytest.mark.parametrize("take", [False, True])
+def test_dense_runs(dev, rng, take, divisor):
+    """Runs copied (and divided) into another buffer, and back; taken ones zeroed at the
+    source, nothing else touched."""
+    src = twins.data(rng, 600, nonfinite=True)
+    runs = np.asarray([(5, 0, 1), (10, 1, 300), (400, 301, 7)], np.int64)
+    ref_src, ref_dst = src.copy(), np.full(310, 7.0, np.float32)
+    ref.dense_runs(ref_dst, ref_src, runs, 300, take=take, divisor=divisor)
+    got_src, got_dst = dev.put(src.copy()), dev.put(np.full(310, 7.0, np.float32))
+    gpu.dense_runs(got_dst, got_src, dev.put(runs), 300, take=take, divisor=divisor)
+    twins.assert_bits(dev, got_src, ref_src)
+    # a quotient's NaN has the GPU's payload (kernels/common.cuh), a copy's the source's
+    (twins.assert_same if divisor else twins.assert_bits)(dev, got_dst, ref_dst)
+    want = np.concatenate([src[5:6], src[10:310], src[400:407]])
+    if divisor:
+        want = want / np.float32(divisor)
+    np.testing.assert_array_equal(ref_dst[:308], want)
+    assert (ref_dst[308:] == 7).all()
+    moved = np.zeros(600, bool)
+    moved[[5, *range(10, 310), *range(400, 407)]] = True
+    assert (ref_src[moved] == 0).all() if take else ref_src.tobytes() == src.tobytes()
+    assert ref_src[~moved].tobytes() == src[~moved].tobytes()
 
 
 def _public_functions(module: object) -> dict[str, object]:

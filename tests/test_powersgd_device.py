@@ -117,3 +117,44 @@ def test_warm_start_keeps_q_on_the_device(thread_device, rng):
     run_ranks(2, job, timeout=120.0)
     assert type(memory[0]) is type(thread_device.put(np.zeros(1, np.float32)))
     assert memory[0].shape == (1, 12)
+
+
+def test_passes_over_the_tensors_are_one_launch_each(thread_device, monkeypatch):
+    """A bucket of 40 tensors launches the low-rank kernels as often as a bucket of 4: the
+    dense tensors in and out, the non-finite marks, the residual and the result are one launch
+    each for all the call's tensors (on a GPU, each launch costs the host tens of
+    microseconds)."""
+    from ringcomm.ops import _cuda_runtime
+
+    launched: list[str] = []
+    real = _cuda_runtime.launch
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> None:
+        launched.append(name)
+        real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_cuda_runtime, "launch", counted)
+
+    def lowrank_launches(shapes: list[tuple[int, ...]]) -> dict[str, int]:
+        length = sum(int(np.prod(s)) for s in shapes)
+        xs = np.random.default_rng(5).standard_normal((2, length)).astype(np.float32)
+        comp = ringcomm.PowerSGD(rank=1, shapes=shapes)
+
+        def job(t: Any) -> None:
+            mine = comp.with_shapes(comp.shapes)
+            mine.memory = ringcomm.PowerSGD().memory
+            Communicator(t).allreduce(thread_device.put(xs[t.rank]), op="avg", compression=mine,
+                                      feedback=ringcomm.ErrorFeedback(), name="b")
+
+        launched.clear()
+        run_ranks(2, job, timeout=120.0)
+        names = ("parts_kernel", "dense_runs", "outer_kernel", "outer_sum_kernel")
+        return {n: launched.count(n) for n in set(launched) if any(k in n for k in names)}
+
+    few = lowrank_launches([(16, 12), (16,), (8, 3, 3, 3), (8,)])
+    many = lowrank_launches([(16, 12), (16,), (8, 3, 3, 3), (8,)] * 10)
+    assert many == few
+    # per rank: the dense tensors into the first ring's buffer and out of it (none went dense
+    # in the second), one mark, one residual, one result
+    assert few == {"rc::dense_runs_kernel": 2 * 2, "rc::flag_nonfinite_parts_kernel": 2,
+                   "rc::subtract_outer_parts_kernel": 2, "rc::outer_sum_parts_kernel": 2}

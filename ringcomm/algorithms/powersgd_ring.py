@@ -16,6 +16,7 @@ from ringcomm.algorithms import ring
 from ringcomm.algorithms.compressed_ring import keep_rounding
 from ringcomm.algorithms.powersgd import (
     MemoryEntry,
+    Part,
     PowerSGD,
     orthonormalize,
     start_q,
@@ -29,9 +30,83 @@ __all__ = ["allreduce"]
 _F32 = np.float32
 
 
+def _table(ops: Any, rows: list[tuple[int, ...]], fields: int) -> Any:
+    """``rows`` as an int64 (k, fields) array of the call's kind (the one-launch ops' tables)."""
+    host = np.asarray(rows, dtype=np.int64).reshape(-1, fields)
+    if ops is _ops.numpy_ops():
+        return host
+    table = ops.empty(host.shape, np.int64)
+    ops.copy_from_host(table, host)
+    return table
+
+
+class _Runs:
+    """Dense tensors moving between the flat buffer and a ring buffer: their runs (adjacent
+    tensors merged) both ways, as tables of the call's kind."""
+
+    def __init__(self, ops: Any, spans: list[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []  # [offset in the flat buffer, offset in the ring's, length]
+        at = 0
+        for offset, size in spans:
+            if size == 0:
+                continue
+            if merged and merged[-1][0] + merged[-1][2] == offset:
+                merged[-1][2] += size
+            else:
+                merged.append([offset, at, size])
+            at += size
+        self.size = at
+        self.longest = max((m[2] for m in merged), default=0)
+        self.out = _table(ops, [tuple(m) for m in merged], 3)  # flat -> ring buffer
+        self.back = _table(ops, [(m[1], m[0], m[2]) for m in merged], 3)  # ring buffer -> flat
+
+
+class _Layout:
+    """Where a call's tensors go in its two ring buffers, for one set of finite P.
+
+    First buffer: the dense tensors, then each low-rank tensor's P^T. Second buffer: the
+    low-rank tensors whose reduced P is not finite (sent dense), then each other's Q^T.
+    """
+
+    def __init__(self, ops: Any, parts: tuple[Part, ...], finite: tuple[bool, ...]) -> None:
+        low = [i for i, p in enumerate(parts) if p.rank]
+        self.dense1 = _Runs(ops, [(p.offset, p.size) for p in parts if not p.rank])
+        self.p_at: dict[int, int] = {}
+        at = self.dense1.size
+        for i in low:
+            self.p_at[i] = at
+            at += parts[i].rank * parts[i].rows
+        self.size1 = at
+        self.flags = _table(ops, [self._row(parts[i], self.p_at[i], 0) for i in low], 6)
+        self.longest = max((parts[i].size for i in low), default=0)
+        kept = [i for i, ok in zip(low, finite, strict=True) if ok]
+        self.dense2 = _Runs(ops, [(parts[i].offset, parts[i].size)
+                                  for i, ok in zip(low, finite, strict=True) if not ok])
+        self.q_at: dict[int, int] = {}
+        at = self.dense2.size
+        for i in kept:
+            self.q_at[i] = at
+            at += parts[i].rank * parts[i].cols
+        self.size2 = at
+        self.products = _table(ops, [self._row(parts[i], self.p_at[i], self.q_at[i])
+                                     for i in kept], 6)
+        self.longest_kept = max((parts[i].size for i in kept), default=0)
+
+    @staticmethod
+    def _row(p: Part, p_at: int, q_at: int) -> tuple[int, ...]:
+        return (p.offset, p.rows, p.cols, p.rank, p_at, q_at)
+
+
+def _device_key(x: Array) -> Any:
+    """Which device's tables a call on ``x`` takes (None: the host's)."""
+    return getattr(getattr(x, "device", None), "id", None)
+
+
 class _Call:
     """One PowerSGD allreduce: the two ring calls and what happens around them, on the array
-    kind of ``x`` (``ops``: NumPy's or the GPU's operations)."""
+    kind of ``x`` (``ops``: NumPy's or the GPU's operations). Every pass over the tensors that
+    is not a product of its own (the dense tensors in and out, the non-finite marks, the
+    residual, the result) is one operation for all of them (one launch on a GPU)."""
 
     def __init__(self, t: Transport, x: Array, comp: PowerSGD, residual: Array | None,
                  segment_bytes: int) -> None:
@@ -39,14 +114,19 @@ class _Call:
         self.ops = ops = _ops.get(x)
         self.parts = comp.parts(x.size)
         self.low = [i for i, p in enumerate(self.parts) if p.rank]
+        self._key = (x.size, ops.__name__, _device_key(x))
         # M is built in the residual itself, which then receives what is not sent.
         self.m = residual if residual is not None else ops.empty(x.size, _F32)
         ops.compensate(x, residual, self.m)
         self.entry = comp.memory.entry(comp.name) if comp.name is not None else MemoryEntry()
-        # Where each low-rank tensor's P sits in the first ring call's buffer, its Q in the
-        # second's (filled by first() and second()).
-        self.p_spans: dict[int, slice] = {}
-        self.q_spans: dict[int, slice] = {}
+        self.layout = self._layout((True,) * len(self.low))
+
+    def _layout(self, finite: tuple[bool, ...]) -> _Layout:
+        key = (*self._key, finite)
+        found = self.comp._layouts.get(key)
+        if found is None:
+            found = self.comp._layouts[key] = _Layout(self.ops, self.parts, finite)
+        return found
 
     def _mat(self, i: int) -> Any:
         p = self.parts[i]
@@ -66,98 +146,85 @@ class _Call:
         self.ops.copy_from_host(moved, kind.to_host(q))
         return moved
 
-    def first(self) -> tuple[Any, dict[int, Any], dict[int, slice]]:
-        """P of every low-rank tensor and the dense tensors, summed in one ring call."""
-        sizes = [p.rank * p.rows if p.rank else p.size for p in self.parts]
-        offsets = np.cumsum([0, *sizes]).tolist()
-        buf = self.ops.empty(offsets[-1], _F32)
-        pts, dense = {}, {}
-        for i, p in enumerate(self.parts):
-            s = slice(offsets[i], offsets[i + 1])
-            if p.rank:
-                self.p_spans[i] = s
-                pts[i] = buf[s].reshape(p.rank, p.rows)
-                mat = self._mat(i)
-                self.ops.matmul(self._start_q(i), mat.T, pts[i])
-                # A non-finite M marks the tensor for the dense fallback on every rank,
-                # whatever the products made of its NaN/Inf (a finite sum that overflows
-                # marks it too).
-                self.ops.flag_nonfinite(mat, pts[i].reshape(-1))
-            else:
-                dense[i] = s
-                buf[s] = self.m[p.span]
-                self.m[p.span] = 0  # sent in full
-        self._ring(buf)
-        return buf, pts, dense
+    def _pt(self, buf: Array, i: int) -> Any:
+        p, at = self.parts[i], self.layout.p_at[i]
+        return buf[at: at + p.rank * p.rows].reshape(p.rank, p.rows)
 
-    def orthonormal(self, buf: Array) -> dict[int, bool]:
+    def first(self) -> Array:
+        """The dense tensors and P of every low-rank tensor, summed in one ring call."""
+        lay, ops = self.layout, self.ops
+        buf = ops.empty(lay.size1, _F32)
+        ops.dense_runs(buf, self.m, lay.dense1.out, lay.dense1.longest, take=True)  # sent in full
+        for i in self.low:
+            ops.matmul(self._start_q(i), self._mat(i).T, self._pt(buf, i))
+        # A non-finite M marks the tensor for the dense fallback on every rank, whatever the
+        # products made of its NaN/Inf (a P that overflows in the sum goes dense too).
+        ops.flag_nonfinite_parts(self.m, buf, lay.flags, lay.longest)
+        self._ring(buf)
+        return buf
+
+    def orthonormal(self, buf: Array) -> tuple[bool, ...]:
         """Orthonormalize every finite reduced P of the first call's ``buf`` in place, on the
         host (the same NumPy code on every rank and device); whether each P is finite."""
-        host = self.ops.to_host(buf)  # ``buf`` itself for NumPy arrays
-        views = {i: host[s].reshape(self.parts[i].rank, self.parts[i].rows)
-                 for i, s in self.p_spans.items()}
-        finite = {i: bool(np.isfinite(v).all()) for i, v in views.items()}
-        for i, v in views.items():
-            if finite[i]:
+        start = self.layout.dense1.size
+        host = self.ops.to_host(buf[start:])  # ``buf`` itself for NumPy arrays
+        finite = []
+        for i in self.low:
+            p, at = self.parts[i], self.layout.p_at[i] - start
+            v = host[at: at + p.rank * p.rows].reshape(p.rank, p.rows)
+            finite.append(bool(np.isfinite(v).all()))
+            if finite[-1]:
                 orthonormalize(v, self.comp.epsilon)
-        if host is not buf:
-            self.ops.copy_from_host(buf, host)
-        return finite
+        if host is not buf and self.low:
+            self.ops.copy_from_host(buf[start:], host)
+        return tuple(finite)
 
-    def second(self, pts: dict[int, Any], finite: dict[int, bool]) -> tuple[
-            Any, dict[int, Any], dict[int, Any]]:
+    def second(self, first: Array, finite: tuple[bool, ...]) -> Array:
         """Q of every tensor whose P is finite, and M of the others (dense), summed in one
         ring call; the residuals are written before the sum."""
-        sizes = [self.parts[i].rank * self.parts[i].cols if finite[i] else self.parts[i].size
-                 for i in self.low]
-        offsets = np.cumsum([0, *sizes]).tolist()
-        buf = self.ops.empty(offsets[-1], _F32)
-        qts, dense = {}, {}
-        for k, i in enumerate(self.low):
-            s, p, mat = slice(offsets[k], offsets[k + 1]), self.parts[i], self._mat(i)
-            if finite[i]:
-                self.q_spans[i] = s
-                qts[i] = buf[s].reshape(p.rank, p.cols)
-                self.ops.matmul(pts[i], mat, qts[i])
-                self.ops.subtract_outer(mat, pts[i], qts[i])  # this rank's share, before the sum
-            else:
-                dense[i] = buf[s]
-                buf[s] = self.m[p.span]
-                self.m[p.span] = 0
+        if not all(finite):
+            self.layout = self._layout(finite)
+        lay, ops = self.layout, self.ops
+        buf = ops.empty(lay.size2, _F32)
+        ops.dense_runs(buf, self.m, lay.dense2.out, lay.dense2.longest, take=True)
+        for i, at in lay.q_at.items():
+            p = self.parts[i]
+            ops.matmul(self._pt(first, i), self._mat(i),
+                       buf[at: at + p.rank * p.cols].reshape(p.rank, p.cols))
+        # this rank's share, before the sum
+        ops.subtract_outer_parts(self.m, first, buf, lay.products, lay.longest_kept)
         self._ring(buf)
-        return buf, qts, dense
+        return buf
 
-    def result(self, acc: Array, op: ReduceOp, first: Any, dense1: dict[int, slice],
-               pts: dict[int, Any], qts: dict[int, Any], dense2: dict[int, Any]) -> None:
+    def result(self, acc: Array, op: ReduceOp, first: Array, second: Array) -> None:
         """The result in float32 ``acc`` (the same bits on every rank); for "avg" the dense
         tensors are divided, and the low-rank ones are P (Q / n)^T."""
-        n = self.t.size
-        for i, p in enumerate(self.parts):
-            dense = first[dense1[i]] if i in dense1 else dense2.get(i)
-            if dense is not None:
-                if op is ReduceOp.AVG:
-                    self.ops.divide(dense, n, acc[p.span])
-                else:
-                    acc[p.span] = dense
-            elif p.size:
-                qt = qts[i]
-                if op is ReduceOp.AVG:
-                    qt = self.ops.empty(qt.shape, _F32)
-                    self.ops.divide(qts[i], n, qt)
-                self.ops.outer_sum(pts[i], qt, acc[p.span].reshape(p.rows, p.cols))
+        lay, ops = self.layout, self.ops
+        n = self.t.size if op is ReduceOp.AVG else 0
+        ops.dense_runs(acc, first, lay.dense1.back, lay.dense1.longest, divisor=n)
+        ops.dense_runs(acc, second, lay.dense2.back, lay.dense2.longest, divisor=n)
+        q = second
+        if n and lay.q_at:
+            q = ops.empty(second.size, _F32)
+            ops.divide(second, n, q)
+        ops.outer_sum_parts(acc, first, q, lay.products, lay.longest_kept)
 
-    def remember(self, buf: Array, qts: dict[int, Any]) -> None:
+    def remember(self, buf: Array) -> None:
         if self.comp.name is None:
             return  # without a name, nothing carries over to the next call
-        if self.comp.warm_start and qts:
+        if self.comp.warm_start and self.layout.q_at:
             host = self.ops.to_host(buf)  # one copy from the device for every tensor's check
-            for i, qt in qts.items():
-                kept = host[self.q_spans[i]].reshape(qt.shape)
+            kept = self.ops.empty(buf.size, _F32)  # one copy for every tensor's next start
+            self.ops.copy(kept, buf)
+            for i, at in self.layout.q_at.items():
+                p = self.parts[i]
+                span = slice(at, at + p.rank * p.cols)
                 # An overflowed Q would send the tensor dense for good.
-                if np.isfinite(kept).all():
-                    fresh = with_dropped_rows_drawn(self.comp, self.entry, i, self.parts[i],
-                                                    kept)
-                    self.entry.qs[i] = qt.copy() if fresh is None else fresh
+                if np.isfinite(host[span]).all():
+                    fresh = with_dropped_rows_drawn(self.comp, self.entry, i, p,
+                                                    host[span].reshape(p.rank, p.cols))
+                    self.entry.qs[i] = (kept[span].reshape(p.rank, p.cols) if fresh is None
+                                        else fresh)
         self.entry.calls += 1
 
 
@@ -169,18 +236,18 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: PowerSGD,
     ``seed`` is unused: the start Q comes from the compressor's seed, the same on every rank."""
     with trace.span("COMPRESS"):
         call = _Call(t, x, comp, residual, segment_bytes)
-    first, pts, dense1 = call.first()
+    first = call.first()
     finite = call.orthonormal(first)
-    second, qts, dense2 = call.second(pts, finite)
+    second = call.second(first, finite)
     # x is spent (M holds it), so the result may go straight into out, even where out is x.
     ops = call.ops
     acc = out if out.dtype == _F32 else ops.empty(x.size, _F32)
     with trace.span("DECOMPRESS"):
-        call.result(acc, op, first, dense1, pts, qts, dense2)
+        call.result(acc, op, first, second)
     if acc is not out:
         ops.copy(out, acc)
         # Every rank holds the whole result; each keeps the rounding of its own chunk of it.
         lo, hi = ring.chunk_bounds(x.size, t.size)[t.rank: t.rank + 2]
         keep_rounding(ops, None if residual is None else residual[lo:hi], acc[lo:hi],
                       out[lo:hi], op, t.size)
-    call.remember(second, qts)
+    call.remember(second)

@@ -41,21 +41,24 @@ __all__ = [
     "compensate",
     "copy",
     "copy_from_host",
+    "dense_runs",
     "divide",
     "empty",
-    "flag_nonfinite",
+    "flag_nonfinite_parts",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
     "matmul",
     "outer_sum",
+    "outer_sum_parts",
     "pad8",
     "reduce",
     "sample_threshold",
     "scatter_add",
     "sparse_residual",
     "subtract_outer",
+    "subtract_outer_parts",
     "to_host",
     "topk",
     "topk_overflow",
@@ -389,8 +392,43 @@ def subtract_outer(mat: Array, pt: Array, qt: Array) -> None:
     _rt.launch("rc::subtract_outer_kernel", _rt.grid(mat.size), (mat, pt, qt, *dims))
 
 
-def flag_nonfinite(x: Array, flag: Any) -> None:
-    """Set ``flag[0]`` to NaN if the float32 sum of ``x`` is not finite; no wait for the GPU."""
-    cupy = _rt.cp()
-    bad = ~cupy.isfinite(cupy.sum(x, dtype=_F32))
-    flag[:1] = cupy.where(bad, _F32(np.nan), flag[:1])
+# Every low-rank tensor of a call in one launch (twins: ops/numpy.py *_parts, dense_runs).
+#: Blocks a tensor (or a dense run) gets at most in the one-launch passes.
+_PART_BLOCKS = 1024
+
+
+def _per_part(longest: int) -> np.int32:
+    return np.int32(max(1, min(-(-longest // _rt.BLOCK), _PART_BLOCKS)))
+
+
+def _parts_launch(name: str, table: Array, fields: int, longest: int,
+                  args: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> None:
+    rows = table.size // fields
+    if rows == 0 or longest == 0:
+        return
+    per = _per_part(longest)
+    _rt.launch(name, rows * int(per), (*args, table, per, *tail))
+
+
+def outer_sum_parts(out: Array, p: Array, q: Array, parts: Array, longest: int) -> None:
+    """``out[at:at + n m] = P Q^T`` for every tensor of ``parts``, one launch."""
+    _parts_launch("rc::outer_sum_parts_kernel", parts, 6, longest, (out, p, q))
+
+
+def subtract_outer_parts(mat: Array, p: Array, q: Array, parts: Array, longest: int) -> None:
+    """``mat[at:at + n m] -= P Q^T`` for every tensor of ``parts``, one launch."""
+    _parts_launch("rc::subtract_outer_parts_kernel", parts, 6, longest, (mat, p, q))
+
+
+def flag_nonfinite_parts(mat: Array, p: Array, parts: Array, longest: int) -> None:
+    """P^T's first entry NaN where the tensor's matrix holds a NaN or an Inf, one launch; no
+    wait for the GPU."""
+    _parts_launch("rc::flag_nonfinite_parts_kernel", parts, 6, longest, (mat, p))
+
+
+def dense_runs(dst: Array, src: Array, runs: Array, longest: int, *, take: bool = False,
+               divisor: int = 0) -> None:
+    """Copy runs of float32 ``src`` into ``dst`` (maybe divided, maybe taken out of ``src``),
+    one launch."""
+    _parts_launch("rc::dense_runs_kernel", runs, 3, longest, (dst, src),
+                  (np.int32(take), np.float32(divisor)))

@@ -31,21 +31,24 @@ __all__ = [
     "compensate",
     "copy",
     "copy_from_host",
+    "dense_runs",
     "divide",
     "empty",
-    "flag_nonfinite",
+    "flag_nonfinite_parts",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
     "matmul",
     "outer_sum",
+    "outer_sum_parts",
     "pad8",
     "reduce",
     "sample_threshold",
     "scatter_add",
     "sparse_residual",
     "subtract_outer",
+    "subtract_outer_parts",
     "to_host",
     "topk",
     "topk_overflow",
@@ -467,13 +470,56 @@ def subtract_outer(mat: np.ndarray, pt: np.ndarray, qt: np.ndarray) -> None:
             mat[lo:hi] -= np.multiply.outer(pt[k, lo:hi], qt[k])
 
 
-def flag_nonfinite(x: np.ndarray, flag: np.ndarray) -> None:
-    """Set ``flag[0]`` to NaN if the float32 sum of ``x`` is not finite (NaN or Inf in ``x``,
-    or a sum that overflows); leave it otherwise."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = np.sum(x, dtype=_F32)
-    if not np.isfinite(total):
-        flag[0] = np.nan
+# Every low-rank tensor of a call at once (PowerSGD): ``parts`` is int64 (k, 6), a row per
+# tensor: its offset in the flat buffer, rows n, cols m, rank r, and where its P^T (r x n) and
+# Q^T (r x m) start in their buffers. ``longest`` (the most elements of one tensor or run) sizes
+# the GPU's launch; the host twins loop over the rows.
+def _low_rank_parts(parts: np.ndarray, p: np.ndarray, q: np.ndarray | None
+                    ) -> list[tuple[slice, int, int, np.ndarray, np.ndarray | None]]:
+    out = []
+    for at, n, m, r, po, qo in parts.tolist():
+        pt = p[po: po + r * n].reshape(r, n)
+        qt = None if q is None else q[qo: qo + r * m].reshape(r, m)
+        out.append((slice(at, at + n * m), n, m, pt, qt))
+    return out
+
+
+def outer_sum_parts(out: np.ndarray, p: np.ndarray, q: np.ndarray, parts: np.ndarray,
+                    longest: int) -> None:
+    """``out[at:at + n m] = P Q^T`` for every tensor of ``parts`` (as :func:`outer_sum`)."""
+    for span, n, m, pt, qt in _low_rank_parts(parts, p, q):
+        outer_sum(pt, qt, out[span].reshape(n, m))
+
+
+def subtract_outer_parts(mat: np.ndarray, p: np.ndarray, q: np.ndarray, parts: np.ndarray,
+                         longest: int) -> None:
+    """``mat[at:at + n m] -= P Q^T`` for every tensor of ``parts`` (as :func:`subtract_outer`)."""
+    for span, n, m, pt, qt in _low_rank_parts(parts, p, q):
+        subtract_outer(mat[span].reshape(n, m), pt, qt)
+
+
+def flag_nonfinite_parts(mat: np.ndarray, p: np.ndarray, parts: np.ndarray,
+                         longest: int) -> None:
+    """Set the first entry of a tensor's P^T to NaN where its matrix in ``mat`` holds a NaN or
+    an Inf, for every tensor of ``parts``; leave the others."""
+    for span, _, _, pt, _ in _low_rank_parts(parts, p, None):
+        if pt.size and not np.isfinite(mat[span]).all():
+            pt.reshape(-1)[0] = np.nan
+
+
+def dense_runs(dst: np.ndarray, src: np.ndarray, runs: np.ndarray, longest: int, *,
+               take: bool = False, divisor: int = 0) -> None:
+    """Copy runs of float32 ``src`` into ``dst`` (``runs``: int64 (k, 3), a row per run: its
+    offset in src, its offset in dst, its length); ``take``: zero them in ``src`` afterwards;
+    ``divisor`` > 0: ``dst = src / divisor`` (float32)."""
+    for at, to, length in runs.tolist():
+        values = src[at: at + length]
+        if divisor > 0:
+            np.divide(values, _F32(divisor), out=dst[to: to + length])
+        else:
+            dst[to: to + length] = values
+        if take:
+            values[...] = 0
 
 
 def _row_blocks(mat: np.ndarray, block_bytes: int = 1 << 18) -> list[tuple[int, int]]:
