@@ -57,6 +57,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ringcomm (piece by piece)": ("ringcomm", {"host_staging": False}),
     "ringcomm Int8": ("ringcomm", {"compression": "int8"}),
     "ringcomm Int8 (host codecs)": ("ringcomm", {"compression": "int8", "host_staging": True}),
+    "ringcomm Int8 (four segments a chunk)": ("ringcomm", {"compression": "int8",
+                                                           "device_segments": 4}),
     "ringcomm TopK(0.01)": ("ringcomm", {"compression": "topk"}),
     "ringcomm PowerSGD(rank=1)": ("ringcomm", {"compression": "powersgd"}),
     "ringcomm auto": ("ringcomm", {"compression": "auto"}),
@@ -107,6 +109,7 @@ def _register(torch: Any, model: Any, family: str, options: dict[str, Any]) -> A
         from ringcomm.torch import RingcommState, ringcomm_hook
 
         options = dict(options)
+        options.pop("device_segments", None)  # the ring's, set around the variant (_train)
         options["compression"] = _compression(options.get("compression"))
         state = RingcommState(**options)
         model.register_comm_hook(state, ringcomm_hook)
@@ -155,7 +158,28 @@ def _sync(torch: Any, device: str) -> None:
 
 
 def _train(torch: Any, args: Any, name: str, device: str, rank: int) -> dict[str, Any]:
-    """Train one variant; its step times and the digest of its parameters."""
+    """Train one variant; its step times and the digest of its parameters. A variant's
+    ``device_segments`` sets the ring's segments a chunk of device arrays for its steps."""
+    from ringcomm.algorithms import ring
+    from ringcomm.comm import transport
+
+    segments = VARIANTS[name][1].get("device_segments")
+    # the ring's default and every backend's own (gloo sets one), where the tree has them
+    owners = [ring, transport.TransportBase, *transport.TransportBase.__subclasses__()]
+    saved = [(o, vars(o)[k]) for o in owners
+             for k in ("DEVICE_SEGMENTS", "device_segments") if k in vars(o)]
+    if segments is not None:
+        for o, _ in saved:
+            setattr(o, "DEVICE_SEGMENTS" if o is ring else "device_segments", segments)
+    try:
+        return _train_variant(torch, args, name, device, rank)
+    finally:
+        for o, value in saved:
+            setattr(o, "DEVICE_SEGMENTS" if o is ring else "device_segments", value)
+
+
+def _train_variant(torch: Any, args: Any, name: str, device: str, rank: int
+                   ) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     family, options = VARIANTS[name]

@@ -369,6 +369,10 @@ def test_device_segments_are_few_whatever_segment_bytes_says(monkeypatch, emulat
     monkeypatch.setattr(ring, "DEVICE_SEGMENT_BYTES", 8192)
     assert ring.segment_elems(dev, 2, 1024, 4) == 2048  # at most DEVICE_SEGMENT_BYTES
     assert ring.segment_elems(dev, 2, 1024, 2) == 4096
+    assert ring.segment_elems(dev, 2, 1024, 4, 1) == 2048  # a backend's one: still capped
+    monkeypatch.setattr(ring, "DEVICE_SEGMENT_BYTES", 16 << 20)
+    assert ring.segment_elems(dev, 2, 1024, 4, 1) == 20_000  # the whole chunk
+    assert ring.segment_elems(host, 2, 1024, 4, 1) == 256  # host arrays: the host's rule
     monkeypatch.setattr(ring, "DEVICE_SEGMENTS", 0)
     assert ring.segment_elems(dev, 2, 1024, 4) == 256  # off: the host's rule
 

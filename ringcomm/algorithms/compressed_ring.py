@@ -151,7 +151,7 @@ def allreduce(t: Transport, x: Array, out: Array, op: ReduceOp, comp: DenseCompr
               segment_bytes: int = ring.DEFAULT_SEGMENT_BYTES) -> None:
     """Ring-allreduce flat ``x`` plus ``residual`` into ``out`` through ``comp``; the residual
     receives every error this rank makes."""
-    seg = ring.segment_elems(x, t.size, segment_bytes, 4)
+    seg = ring.segment_elems(x, t.size, segment_bytes, 4, t.device_segments)
     layout = ring.RingLayout.build(x.size, t.size, t.rank, seg, comp.align)
     ring.run(t, layout, CompressedCodec(t, x, out, op, comp, residual, seed, layout))
 

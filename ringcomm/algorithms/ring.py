@@ -53,19 +53,24 @@ WINDOW = 2
 # arrays is cut into at most DEVICE_SEGMENTS segments, each up to DEVICE_SEGMENT_BYTES (the
 # ring's device scratch is WINDOW of them), never smaller than segment_bytes. The array kind is
 # part of every call's agreement, so every rank lays the ring out alike. 0 segments: the host's
-# rule on the GPU too (bench/kernels_perf.py compares both).
+# rule on the GPU too (bench/kernels_perf.py compares both). A backend may set its own count
+# (``device_segments`` of its transport, the same on every rank): gloo stages every message
+# through host memory, one synchronization each, and takes 1.
 DEVICE_SEGMENTS = 4
 DEVICE_SEGMENT_BYTES = 16 << 20
 
 
-def segment_elems(x: Array, n: int, segment_bytes: int, itemsize: int) -> int:
+def segment_elems(x: Array, n: int, segment_bytes: int, itemsize: int,
+                  segments: int | None = None) -> int:
     """Elements per ring segment of flat ``x`` over ``n`` ranks, whose messages carry
-    ``itemsize`` bytes per element before any encoding."""
+    ``itemsize`` bytes per element before any encoding; a device array's chunk is cut into
+    at most ``segments`` (``DEVICE_SEGMENTS`` when None)."""
     seg = max(1, segment_bytes // itemsize)
-    if DEVICE_SEGMENTS and _ops.is_device_array(x):
+    cut = DEVICE_SEGMENTS if segments is None else segments
+    if cut and _ops.is_device_array(x):
         chunk = -(-x.size // n)
         cap = max(seg, DEVICE_SEGMENT_BYTES // itemsize)
-        seg = max(seg, min(cap, -(-chunk // DEVICE_SEGMENTS)))
+        seg = max(seg, min(cap, -(-chunk // cut)))
     return seg
 
 
@@ -368,7 +373,7 @@ def _codec(t: Transport, x: Array, y: Any, op: ReduceOp, layout: RingLayout,
 
 
 def _layout(t: Transport, x: Array, segment_bytes: int) -> RingLayout:
-    seg = segment_elems(x, t.size, segment_bytes, x.dtype.itemsize)
+    seg = segment_elems(x, t.size, segment_bytes, x.dtype.itemsize, t.device_segments)
     return RingLayout.build(x.size, t.size, t.rank, seg)
 
 

@@ -203,6 +203,9 @@ class TransportBase:
     #: device arrays as they are (gloo's, which copies CUDA tensors through pinned host
     #: memory on streams and threads of its own).
     starts_native_allreduce: bool = False
+    #: Segments the ring cuts a chunk of device arrays into at most; None: the ring's own
+    #: ``DEVICE_SEGMENTS``. A class attribute of the backend, so the same on every rank.
+    device_segments: int | None = None
 
     def __init__(self, rank: int, size: int, *, local_rank: int | None = None,
                  local_size: int | None = None) -> None:

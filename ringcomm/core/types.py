@@ -307,6 +307,8 @@ class Transport(Protocol):
         starts_native_allreduce: whether ``start_native_allreduce`` starts the library's
             own allreduce of host and device arrays as they are (gloo, which copies device
             arrays through pinned host memory itself).
+        device_segments: the segments the ring cuts a chunk of device arrays into at most
+            (None: the ring's default), the same on every rank of the backend.
         default_inline_bytes: the largest dense allreduce that rides in the agreement's
             exchange where the user sets none (the same on every rank).
     """
@@ -326,6 +328,7 @@ class Transport(Protocol):
     follows_nodes_on_device: bool
     moves_device_arrays: bool
     starts_native_allreduce: bool
+    device_segments: int | None
 
     @property
     def failure(self) -> Exception | None:

@@ -121,6 +121,8 @@ def test_dense_ring_of_device_arrays(comm, world, rng, kind, dtype, segment_byte
 def test_pinned_buffers_are_kept_between_calls(comm, world, rng, kind, monkeypatch):
     """After a first compressed call, the same calls allocate no pinned memory, and the pool
     keeps a bounded number of buffers."""
+    if comm.size == 1:
+        pytest.skip("one rank sends no messages")
     made: list[int] = []
     real = kind.cupy.cuda.alloc_pinned_memory
 
@@ -151,3 +153,17 @@ def test_sendrecv_of_device_arrays(comm, kind):
     host = np.zeros(100, np.int64)
     comm.sendrecv(kind.put(np.arange(100, dtype=np.int64) * comm.rank), right, host, left)
     np.testing.assert_array_equal(host, np.arange(100) * left)
+
+
+def test_a_chunk_of_device_arrays_is_one_segment(comm, kind):
+    """gloo stages every message through host memory, waiting for its copy: a chunk of device
+    arrays travels as one segment (up to the ring's cap), the same layout on every rank; host
+    arrays keep the host's segments."""
+    from ringcomm.algorithms import ring
+
+    t = comm.transport
+    n = 4 * kind.large
+    device = ring._layout(t, kind.put(np.zeros(n, np.float32)), 4096)
+    host = ring._layout(t, np.zeros(n, np.float32), 4096)
+    assert device.nseg == 1
+    assert host.nseg > 1
