@@ -474,12 +474,12 @@ def subtract_outer(mat: np.ndarray, pt: np.ndarray, qt: np.ndarray) -> None:
 # tensor: its offset in the flat buffer, rows n, cols m, rank r, and where its P^T (r x n) and
 # Q^T (r x m) start in their buffers. ``longest`` (the most elements of one tensor or run) sizes
 # the GPU's launch; the host twins loop over the rows.
-def _low_rank_parts(parts: np.ndarray, p: np.ndarray, q: np.ndarray | None
-                    ) -> list[tuple[slice, int, int, np.ndarray, np.ndarray | None]]:
+def _low_rank_parts(parts: np.ndarray, p: np.ndarray, q: np.ndarray
+                    ) -> list[tuple[slice, int, int, np.ndarray, np.ndarray]]:
     out = []
     for at, n, m, r, po, qo in parts.tolist():
         pt = p[po: po + r * n].reshape(r, n)
-        qt = None if q is None else q[qo: qo + r * m].reshape(r, m)
+        qt = q[qo: qo + r * m].reshape(r, m) if q.size else q
         out.append((slice(at, at + n * m), n, m, pt, qt))
     return out
 
@@ -502,7 +502,7 @@ def flag_nonfinite_parts(mat: np.ndarray, p: np.ndarray, parts: np.ndarray,
                          longest: int) -> None:
     """Set the first entry of a tensor's P^T to NaN where its matrix in ``mat`` holds a NaN or
     an Inf, for every tensor of ``parts``; leave the others."""
-    for span, _, _, pt, _ in _low_rank_parts(parts, p, None):
+    for span, _, _, pt, _ in _low_rank_parts(parts, p, p[:0]):
         if pt.size and not np.isfinite(mat[span]).all():
             pt.reshape(-1)[0] = np.nan
 
