@@ -82,13 +82,18 @@ __global__ void subtract_outer_parts_kernel(float* mat, const float* p, const fl
   }
 }
 
-// p[t.p] = NaN (the first entry of the tensor's P^T) where its matrix holds a NaN or an Inf
-// (several threads may write it, all the same bits)
-__global__ void flag_nonfinite_parts_kernel(const float* mat, float* p, const i64* parts,
-                                            int per_part) {
+// p[t.p] = NaN (the first entry of the tensor's P^T) where its matrix holds a NaN, an Inf or
+// an entry above FLT_MAX / (n ranks r) in magnitude, past which Q (at most n ranks times the
+// largest entry, P's entries being at most 1), the result (r times Q's largest) or the
+// residual could overflow: such a tensor goes dense (several threads may write the mark, all
+// the same bits). The bound is a double, the same division as the NumPy twin's.
+__global__ void mark_dense_parts_kernel(const float* mat, float* p, const i64* parts,
+                                        int per_part, int ranks) {
   const LowRankPart t = part_row(parts, per_part);
+  const double limit = ddiv(3.4028234663852886e38, (double)t.n * (double)ranks * (double)t.r);
   for (i64 e = part_first(per_part); e < t.n * t.m; e += part_stride(per_part)) {
-    if (!finite_f(mat[t.at + e])) {
+    const float x = mat[t.at + e];
+    if (!(f2d(x < 0.0f ? -x : x) <= limit)) {
       p[t.p] = ffrom(QUIET_NAN);
       return;
     }

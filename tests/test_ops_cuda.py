@@ -319,22 +319,31 @@ def test_low_rank_products_of_every_tensor_at_once(dev, rng):
     assert (want[gaps] == mat[gaps]).all()
 
 
-@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
-def test_flag_nonfinite_parts(dev, rng, bad):
-    """A NaN or Inf in one tensor's matrix marks that tensor's P^T (its first entry NaN) and no
-    other; a huge finite matrix is no mark."""
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf, "large", "at the limit"])
+def test_mark_dense_parts(dev, rng, bad):
+    """A NaN, an Inf or an entry above FLT_MAX / (n ranks r) in one tensor's matrix marks that
+    tensor's P^T (its first entry NaN) and no other; an entry at the bound is no mark."""
+    ranks = 3
     mat, p, _, table, longest = _low_rank_call(rng, SHAPES)
-    mat[table[3, 0]:] = 3e38  # the last tensor's float32 sum overflows: still finite
-    if bad is not None:
-        at, n, m = table[2, :3]
+    at, n, m, r = table[2, :4].tolist()
+    limit = ref.dense_limit(n, ranks, r)
+    mat[table[3, 0]:] = 3e38 / (table[3, 1] * ranks * table[3, 3]) / 2  # large, below it
+    if bad == "large":
+        mat[at + 5] = -np.nextafter(np.float32(limit), np.float32(np.inf))
+    elif bad == "at the limit":
+        below = np.float32(limit)
+        below = below if float(below) <= limit else np.nextafter(below, np.float32(0))
+        mat[at + 5] = below
+    elif bad is not None:
         mat[at + n * m - 1] = bad
+    marks = bad not in (None, "at the limit")
     for impl, put, get in ((ref, np.asarray, np.asarray), (gpu, dev.put, dev.get)):
         flags = put(p.copy())
-        impl.flag_nonfinite_parts(put(mat), flags, put(table), longest)
+        impl.mark_dense_parts(put(mat), flags, put(table), longest, ranks)
         flags = get(flags)
         marked = np.isnan(flags)
-        assert marked.sum() == (bad is not None), impl.__name__
-        assert bad is None or marked[table[2, 4]]
+        assert marked.sum() == marks, impl.__name__
+        assert not marks or marked[table[2, 4]]
         np.testing.assert_array_equal(flags[~marked], p[~marked])
 
 

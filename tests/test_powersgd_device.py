@@ -156,5 +156,30 @@ def test_passes_over_the_tensors_are_one_launch_each(thread_device, monkeypatch)
     assert many == few
     # per rank: the dense tensors into the first ring's buffer and out of it (none went dense
     # in the second), one mark, one residual, one result
-    assert few == {"rc::dense_runs_kernel": 2 * 2, "rc::flag_nonfinite_parts_kernel": 2,
+    assert few == {"rc::dense_runs_kernel": 2 * 2, "rc::mark_dense_parts_kernel": 2,
                    "rc::subtract_outer_parts_kernel": 2, "rc::outer_sum_parts_kernel": 2}
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_matrix_too_large_for_q_goes_dense(thread_device, where):
+    """Every entry 2e37 in a 1024 x 4 matrix at 2 ranks: P stays finite, but Q = M^T P would
+    overflow (1024 x 2 x 2e37), so the tensor goes dense: the exact sum 4e37, no residual, and
+    the next call, of ones, is right too (an Inf residual would poison it)."""
+    put, get = ((np.asarray, np.asarray) if where == "host"
+                else (thread_device.put, thread_device.get))
+    big = np.full(1024 * 4, 2e37, np.float32)
+
+    def job(t: Any) -> list[np.ndarray]:
+        comm = Communicator(t)
+        comp = ringcomm.PowerSGD(rank=1, shapes=[(1024, 4)])
+        ef = ringcomm.ErrorFeedback()
+        got = [get(comm.allreduce(put(big), compression=comp, feedback=ef, name="b"))]
+        got.append(get(ef.residual("b")))
+        got.append(get(comm.allreduce(put(np.ones_like(big)), compression=comp, feedback=ef,
+                                      name="b")))
+        return got
+
+    for first, residual, second in run_ranks(2, job, timeout=120.0):
+        np.testing.assert_array_equal(first, np.float32(4e37))
+        assert not residual.any()
+        np.testing.assert_allclose(second, 2.0, rtol=1e-5)

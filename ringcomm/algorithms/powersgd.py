@@ -20,7 +20,7 @@ for their buckets.
 
 Host and device arrays. The same algorithm runs on NumPy and CuPy arrays, through the
 operations of ``ringcomm.ops`` (``matmul``, ``outer_sum_parts``, ``subtract_outer_parts``,
-``dense_runs``, ``flag_nonfinite_parts``): on a GPU the projections are cuBLAS products, one per
+``dense_runs``, ``mark_dense_parts``): on a GPU the projections are cuBLAS products, one per
 tensor, and every other pass (the dense tensors into and out of the ring buffers, the marks of
 non-finite tensors, the residual and the result) is one kernel for all the call's tensors. The
 reduced P, a few floats per row, is orthonormalized on the host (one copy each way), so every
@@ -51,8 +51,10 @@ zero rather than scaling their rounding up to norm 1.)
 Non-finite values. A rank whose M of a tensor holds NaN or Inf puts a NaN into that tensor's
 P, so the reduced P, the same bits on every rank, is not finite; every rank then sends that
 tensor dense in the second ring call, so that NaN and Inf land exactly where the dense allreduce
-would put them, and its residual is spent. (A finite M whose P overflows in the sum goes dense
-too.) The other tensors' M is finite, so are their residuals.
+would put them, and its residual is spent. So does a tensor whose M has an entry so large that
+Q, the result or the residual could overflow (above FLT_MAX / (n size r) in magnitude:
+``ops.numpy.dense_limit``), and one whose reduced P overflowed. The other tensors' results and
+residuals are finite.
 
 Where Q lives. A compressor is stateless; the Q of each tensor (for warm start) and the count
 of calls are the state of a :class:`LowRankMemory`, keyed by the call's ``name``, which a
@@ -200,6 +202,11 @@ class PowerSGD(Compressor):
         self.seed = int(seed)
         self.memory = LowRankMemory() if memory is None else memory
         self.name: str | None = None
+        #: The ring's layouts of this compressor's calls (ringcomm.algorithms.powersgd_ring),
+        #: by shapes, length, array kind and which tensors went dense; shared by the copies
+        #: ``with_shapes`` and ``bind`` make, so that an unshaped compressor bound to each
+        #: call's array keeps them too.
+        self._layouts: dict[Any, Any] = {}
         self._set_shapes(shapes)
 
     def _set_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
@@ -207,10 +214,6 @@ class PowerSGD(Compressor):
         if self.shapes is not None and any(d < 0 for s in self.shapes for d in s):
             raise ValueError(f"shapes must have dimensions >= 0, got {self.shapes}")
         self._parts: tuple[Part, ...] | None = None
-        #: The ring's layouts of this compressor's calls (ringcomm.algorithms.powersgd_ring),
-        #: by length, array kind and which tensors went dense; shared by the copies ``bind``
-        #: makes.
-        self._layouts: dict[Any, Any] = {}
         self._repr: str | None = None
 
     # ------------------------------------------------------------------ binding to a call

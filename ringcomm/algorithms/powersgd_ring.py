@@ -28,6 +28,8 @@ from ringcomm.core.types import Array, ReduceOp, Transport
 __all__ = ["allreduce"]
 
 _F32 = np.float32
+#: Layouts a compressor keeps (its copies' included) before it starts afresh.
+_KEPT_LAYOUTS = 64
 
 
 def _table(ops: Any, rows: list[tuple[int, ...]], fields: int) -> Any:
@@ -114,7 +116,7 @@ class _Call:
         self.ops = ops = _ops.get(x)
         self.parts = comp.parts(x.size)
         self.low = [i for i, p in enumerate(self.parts) if p.rank]
-        self._key = (x.size, ops.__name__, _device_key(x))
+        self._key = (comp.shapes, x.size, ops.__name__, _device_key(x))
         # M is built in the residual itself, which then receives what is not sent.
         self.m = residual if residual is not None else ops.empty(x.size, _F32)
         ops.compensate(x, residual, self.m)
@@ -123,9 +125,12 @@ class _Call:
 
     def _layout(self, finite: tuple[bool, ...]) -> _Layout:
         key = (*self._key, finite)
-        found = self.comp._layouts.get(key)
+        kept = self.comp._layouts
+        found = kept.get(key)
         if found is None:
-            found = self.comp._layouts[key] = _Layout(self.ops, self.parts, finite)
+            if len(kept) >= _KEPT_LAYOUTS:  # a compressor called on ever new shapes
+                kept.clear()
+            found = kept[key] = _Layout(self.ops, self.parts, finite)
         return found
 
     def _mat(self, i: int) -> Any:
@@ -157,9 +162,10 @@ class _Call:
         ops.dense_runs(buf, self.m, lay.dense1.out, lay.dense1.longest, take=True)  # sent in full
         for i in self.low:
             ops.matmul(self._start_q(i), self._mat(i).T, self._pt(buf, i))
-        # A non-finite M marks the tensor for the dense fallback on every rank, whatever the
-        # products made of its NaN/Inf (a P that overflows in the sum goes dense too).
-        ops.flag_nonfinite_parts(self.m, buf, lay.flags, lay.longest)
+        # A non-finite M, or one so large that Q, the result or the residual could overflow,
+        # marks the tensor for the dense fallback on every rank, whatever the products made of
+        # it (a P that overflows in the sum goes dense too).
+        ops.mark_dense_parts(self.m, buf, lay.flags, lay.longest, self.t.size)
         self._ring(buf)
         return buf
 

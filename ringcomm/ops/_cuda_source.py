@@ -127,7 +127,7 @@ _NAMES = {
     "cast.cu": lambda: [cast_name(k, f) for k in ("encode", "decode", "hop") for f in _FORMATS],
     "lowrank.cu": lambda: ["rc::outer_sum_kernel", "rc::subtract_outer_kernel",
                            "rc::outer_sum_parts_kernel", "rc::subtract_outer_parts_kernel",
-                           "rc::flag_nonfinite_parts_kernel", "rc::dense_runs_kernel"],
+                           "rc::mark_dense_parts_kernel", "rc::dense_runs_kernel"],
     "topk.cu": lambda: ["rc::select_hist", "rc::select_pick", "rc::sample_limits",
                         "rc::select_count", "rc::select_scan", "rc::select_write",
                         "rc::select_compact"],

@@ -30,7 +30,7 @@ from ringcomm.ops._cuda_codecs import (
     int8_hop,
 )
 from ringcomm.ops._cuda_topk import sample_threshold, topk
-from ringcomm.ops.numpy import cast_nbytes, int8_nbytes, pad8
+from ringcomm.ops.numpy import cast_nbytes, dense_limit, int8_nbytes, pad8
 
 __all__ = [
     "ascontiguous",
@@ -41,14 +41,15 @@ __all__ = [
     "compensate",
     "copy",
     "copy_from_host",
+    "dense_limit",
     "dense_runs",
     "divide",
     "empty",
-    "flag_nonfinite_parts",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
+    "mark_dense_parts",
     "matmul",
     "outer_sum",
     "outer_sum_parts",
@@ -420,10 +421,11 @@ def subtract_outer_parts(mat: Array, p: Array, q: Array, parts: Array, longest: 
     _parts_launch("rc::subtract_outer_parts_kernel", parts, 6, longest, (mat, p, q))
 
 
-def flag_nonfinite_parts(mat: Array, p: Array, parts: Array, longest: int) -> None:
-    """P^T's first entry NaN where the tensor's matrix holds a NaN or an Inf, one launch; no
-    wait for the GPU."""
-    _parts_launch("rc::flag_nonfinite_parts_kernel", parts, 6, longest, (mat, p))
+def mark_dense_parts(mat: Array, p: Array, parts: Array, longest: int, ranks: int) -> None:
+    """P^T's first entry NaN where the tensor's matrix holds a NaN, an Inf or an entry above
+    ``ops.numpy.dense_limit`` in magnitude, one launch; no wait for the GPU."""
+    _parts_launch("rc::mark_dense_parts_kernel", parts, 6, longest, (mat, p),
+                  (np.int32(ranks),))
 
 
 def dense_runs(dst: Array, src: Array, runs: Array, longest: int, *, take: bool = False,

@@ -31,14 +31,15 @@ __all__ = [
     "compensate",
     "copy",
     "copy_from_host",
+    "dense_limit",
     "dense_runs",
     "divide",
     "empty",
-    "flag_nonfinite_parts",
     "int8_decode",
     "int8_encode",
     "int8_hop",
     "int8_nbytes",
+    "mark_dense_parts",
     "matmul",
     "outer_sum",
     "outer_sum_parts",
@@ -498,12 +499,26 @@ def subtract_outer_parts(mat: np.ndarray, p: np.ndarray, q: np.ndarray, parts: n
         subtract_outer(mat[span].reshape(n, m), pt, qt)
 
 
-def flag_nonfinite_parts(mat: np.ndarray, p: np.ndarray, parts: np.ndarray,
-                         longest: int) -> None:
-    """Set the first entry of a tensor's P^T to NaN where its matrix in ``mat`` holds a NaN or
-    an Inf, for every tensor of ``parts``; leave the others."""
-    for span, _, _, pt, _ in _low_rank_parts(parts, p, p[:0]):
-        if pt.size and not np.isfinite(mat[span]).all():
+#: float32's largest finite value (a double, exactly).
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def dense_limit(rows: int, ranks: int, rank: int) -> float:
+    """The largest magnitude of an entry of an n x m matrix that PowerSGD at rank r over
+    ``ranks`` ranks reduces low-rank: Q = M^T P (P's entries at most 1) is at most n ranks
+    times M's largest entry, the result r times Q's largest, so below FLT_MAX / (n ranks r)
+    nothing overflows."""
+    return _FLT_MAX / (float(rows) * float(ranks) * float(rank))
+
+
+def mark_dense_parts(mat: np.ndarray, p: np.ndarray, parts: np.ndarray, longest: int,
+                     ranks: int) -> None:
+    """Set the first entry of a tensor's P^T to NaN where its matrix in ``mat`` holds a NaN,
+    an Inf or an entry above :func:`dense_limit` in magnitude, for every tensor of
+    ``parts``; leave the others."""
+    for span, n, _, pt, _ in _low_rank_parts(parts, p, p[:0]):
+        largest = float(np.max(np.abs(mat[span])))  # NaN where any is NaN
+        if pt.size and not largest <= dense_limit(n, ranks, pt.shape[0]):
             pt.reshape(-1)[0] = np.nan
 
 
