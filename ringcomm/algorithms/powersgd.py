@@ -22,7 +22,8 @@ Host and device arrays. The same algorithm runs on NumPy and CuPy arrays, throug
 operations of ``ringcomm.ops`` (``matmul``, ``outer_sum_parts``, ``subtract_outer_parts``,
 ``dense_runs``, ``mark_dense_parts``): on a GPU the projections are cuBLAS products, one per
 tensor, and every other pass (the dense tensors into and out of the ring buffers, the marks of
-non-finite tensors, the residual and the result) is one kernel for all the call's tensors. The
+the tensors that go dense, the residual and the result) is one kernel for all the call's
+tensors. The
 reduced P, a few floats per row, is orthonormalized on the host (one copy each way), so every
 rank and every device runs the same elementwise NumPy code on it.
 

@@ -79,7 +79,7 @@ class _Layout:
             self.p_at[i] = at
             at += parts[i].rank * parts[i].rows
         self.size1 = at
-        self.flags = _table(ops, [self._row(parts[i], self.p_at[i], 0) for i in low], 6)
+        self.marks = _table(ops, [self._row(parts[i], self.p_at[i], 0) for i in low], 6)
         self.longest = max((parts[i].size for i in low), default=0)
         kept = [i for i, ok in zip(low, finite, strict=True) if ok]
         self.dense2 = _Runs(ops, [(parts[i].offset, parts[i].size)
@@ -107,8 +107,8 @@ def _device_key(x: Array) -> Any:
 class _Call:
     """One PowerSGD allreduce: the two ring calls and what happens around them, on the array
     kind of ``x`` (``ops``: NumPy's or the GPU's operations). Every pass over the tensors that
-    is not a product of its own (the dense tensors in and out, the non-finite marks, the
-    residual, the result) is one operation for all of them (one launch on a GPU)."""
+    is not a product of its own (the dense tensors in and out, the marks of tensors that go
+    dense, the residual, the result) is one operation for all of them (one launch on a GPU)."""
 
     def __init__(self, t: Transport, x: Array, comp: PowerSGD, residual: Array | None,
                  segment_bytes: int) -> None:
@@ -165,7 +165,7 @@ class _Call:
         # A non-finite M, or one so large that Q, the result or the residual could overflow,
         # marks the tensor for the dense fallback on every rank, whatever the products made of
         # it (a P that overflows in the sum goes dense too).
-        ops.mark_dense_parts(self.m, buf, lay.flags, lay.longest, self.t.size)
+        ops.mark_dense_parts(self.m, buf, lay.marks, lay.longest, self.t.size)
         self._ring(buf)
         return buf
 
