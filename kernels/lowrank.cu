@@ -7,27 +7,35 @@
 
 namespace rc {
 
+// Element e of an n x m matrix, for P^T (r x n) and Q^T (r x m): (P Q^T)[e] summed in k order,
+// and v - (P Q^T)[e] one outer product at a time (what every kernel below writes).
+RC_FN float outer_at(const float* pt, const float* qt, i64 n, i64 m, i64 r, i64 e) {
+  const i64 i = e / m, j = e - i * m;
+  float acc = fmul(pt[i], qt[j]);
+  for (i64 k = 1; k < r; ++k) acc = fadd(acc, fmul(pt[k * n + i], qt[k * m + j]));
+  return acc;
+}
+
+RC_FN float minus_outer_at(float v, const float* pt, const float* qt, i64 n, i64 m, i64 r,
+                           i64 e) {
+  const i64 i = e / m, j = e - i * m;
+  for (i64 k = 0; k < r; ++k) v = fsub(v, fmul(pt[k * n + i], qt[k * m + j]));
+  return v;
+}
+
 // out = sum_k pt[k, :] (outer) qt[k, :]
 __global__ void outer_sum_kernel(float* out, const float* pt, const float* qt, i64 n, i64 m,
                                  int r) {
-  const i64 total = n * m;
-  for (i64 e = global_thread(); e < total; e += thread_count()) {
-    const i64 i = e / m, j = e - i * m;
-    float acc = fmul(pt[i], qt[j]);
-    for (int k = 1; k < r; ++k) acc = fadd(acc, fmul(pt[k * n + i], qt[k * m + j]));
-    out[e] = acc;
+  for (i64 e = global_thread(); e < n * m; e += thread_count()) {
+    out[e] = outer_at(pt, qt, n, m, r, e);
   }
 }
 
 // mat -= pt[k, :] (outer) qt[k, :] for k = 0 .. r-1, in that order
 __global__ void subtract_outer_kernel(float* mat, const float* pt, const float* qt, i64 n,
                                       i64 m, int r) {
-  const i64 total = n * m;
-  for (i64 e = global_thread(); e < total; e += thread_count()) {
-    const i64 i = e / m, j = e - i * m;
-    float v = mat[e];
-    for (int k = 0; k < r; ++k) v = fsub(v, fmul(pt[k * n + i], qt[k * m + j]));
-    mat[e] = v;
+  for (i64 e = global_thread(); e < n * m; e += thread_count()) {
+    mat[e] = minus_outer_at(mat[e], pt, qt, n, m, r, e);
   }
 }
 
@@ -61,10 +69,7 @@ __global__ void outer_sum_parts_kernel(float* out, const float* p, const float* 
   const float* pt = p + t.p;
   const float* qt = q + t.q;
   for (i64 e = part_first(per_part); e < t.n * t.m; e += part_stride(per_part)) {
-    const i64 i = e / t.m, j = e - i * t.m;
-    float acc = fmul(pt[i], qt[j]);
-    for (i64 k = 1; k < t.r; ++k) acc = fadd(acc, fmul(pt[k * t.n + i], qt[k * t.m + j]));
-    out[t.at + e] = acc;
+    out[t.at + e] = outer_at(pt, qt, t.n, t.m, t.r, e);
   }
 }
 
@@ -75,10 +80,7 @@ __global__ void subtract_outer_parts_kernel(float* mat, const float* p, const fl
   const float* pt = p + t.p;
   const float* qt = q + t.q;
   for (i64 e = part_first(per_part); e < t.n * t.m; e += part_stride(per_part)) {
-    const i64 i = e / t.m, j = e - i * t.m;
-    float v = mat[t.at + e];
-    for (i64 k = 0; k < t.r; ++k) v = fsub(v, fmul(pt[k * t.n + i], qt[k * t.m + j]));
-    mat[t.at + e] = v;
+    mat[t.at + e] = minus_outer_at(mat[t.at + e], pt, qt, t.n, t.m, t.r, e);
   }
 }
 

@@ -63,6 +63,16 @@ class _Runs:
         self.back = _table(ops, [(m[1], m[0], m[2]) for m in merged], 3)  # ring buffer -> flat
 
 
+def _packed(start: int, sizes: dict[int, int]) -> tuple[dict[int, int], int]:
+    """Where each tensor's ``sizes`` elements start when they follow one another from
+    ``start``, in order, and where the last ends."""
+    at, offsets = start, {}
+    for i, size in sizes.items():
+        offsets[i] = at
+        at += size
+    return offsets, at
+
+
 class _Layout:
     """Where a call's tensors go in its two ring buffers, for one set of finite P.
 
@@ -73,23 +83,15 @@ class _Layout:
     def __init__(self, ops: Any, parts: tuple[Part, ...], finite: tuple[bool, ...]) -> None:
         low = [i for i, p in enumerate(parts) if p.rank]
         self.dense1 = _Runs(ops, [(p.offset, p.size) for p in parts if not p.rank])
-        self.p_at: dict[int, int] = {}
-        at = self.dense1.size
-        for i in low:
-            self.p_at[i] = at
-            at += parts[i].rank * parts[i].rows
-        self.size1 = at
+        self.p_at, self.size1 = _packed(self.dense1.size,
+                                        {i: parts[i].rank * parts[i].rows for i in low})
         self.marks = _table(ops, [self._row(parts[i], self.p_at[i], 0) for i in low], 6)
         self.longest = max((parts[i].size for i in low), default=0)
         kept = [i for i, ok in zip(low, finite, strict=True) if ok]
         self.dense2 = _Runs(ops, [(parts[i].offset, parts[i].size)
                                   for i, ok in zip(low, finite, strict=True) if not ok])
-        self.q_at: dict[int, int] = {}
-        at = self.dense2.size
-        for i in kept:
-            self.q_at[i] = at
-            at += parts[i].rank * parts[i].cols
-        self.size2 = at
+        self.q_at, self.size2 = _packed(self.dense2.size,
+                                        {i: parts[i].rank * parts[i].cols for i in kept})
         self.products = _table(ops, [self._row(parts[i], self.p_at[i], self.q_at[i])
                                      for i in kept], 6)
         self.longest_kept = max((parts[i].size for i in kept), default=0)
