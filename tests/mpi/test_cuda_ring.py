@@ -9,7 +9,7 @@ on every rank, and the residuals of error feedback must match too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -87,16 +87,16 @@ def _forbid_real_cuda(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(cupy.cuda, "alloc_pinned_memory", forbidden)
 
 
-@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
-def kind(request, comm, world):
-    """Device arrays of a GPU, or of the CPU emulator (built by rank 0, loaded by all). Each
-    case starts and ends with no staging and no device selected on the transport."""
-    _forget_device_arrays(comm)
-    if request.param == "cuda":
+def device_kinds(name: str, comm, world, forget: Callable[[], None]) -> Iterator[Kind]:
+    """The body of a module's ``kind`` fixture: device arrays of a GPU (``name`` "cuda") or of
+    the CPU emulator (built by rank 0, loaded by all), ``forget`` called before and after, so
+    that the transport keeps nothing (staging, a device) of another kind."""
+    forget()
+    if name == "cuda":
         try:
             yield _cuda(comm)
         finally:
-            _forget_device_arrays(comm)
+            forget()
         return
     import gpu_emulator
 
@@ -116,7 +116,18 @@ def kind(request, comm, world):
         try:
             yield Kind("emulated", fake.asarray, lambda a: a.get(), 20_011, fake)
         finally:
-            _forget_device_arrays(comm)
+            forget()
+
+
+#: The parameters of a ``kind`` fixture: a GPU (marker ``gpu``) and the emulator.
+KINDS = [pytest.param("cuda", marks=pytest.mark.gpu), "emulated"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request, comm, world):
+    """Device arrays of a GPU, or of the CPU emulator. Each case starts and ends with no
+    staging and no device selected on the transport."""
+    yield from device_kinds(request.param, comm, world, lambda: _forget_device_arrays(comm))
 
 
 @pytest.fixture(autouse=True)

@@ -17,12 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpi_helpers import same_on_all_ranks  # noqa: E402
-from test_cuda_ring import (  # noqa: E402
-    Kind,
-    _cuda,
-    _EmulatedDevice,
-    _forbid_real_cuda,
-)
+from test_cuda_ring import KINDS, Kind, device_kinds  # noqa: E402
 from torch_helpers import gloo_communicator  # noqa: E402
 
 import ringcomm  # noqa: E402
@@ -41,36 +36,15 @@ COMPRESSORS = {
 }
 
 
-@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
+@pytest.fixture(scope="module", params=KINDS)
 def kind(request, comm, world):
-    """Device arrays of a GPU, or of the CPU emulator (built by rank 0, loaded by all); the
-    transport's pinned buffers are this kind's (dropped before and after)."""
-    comm.transport._copies = None
-    if request.param == "cuda":
-        try:
-            yield _cuda(comm)
-        finally:
-            comm.transport._copies = None
-        return
-    import gpu_emulator
+    """Device arrays of a GPU, or of the CPU emulator; the transport's pinned buffers are this
+    kind's (dropped before and after)."""
 
-    missing = None
-    if world.Get_rank() == 0:
-        try:
-            gpu_emulator.build(gpu_emulator.cache_dir())
-        except FileNotFoundError as err:
-            missing = str(err)
-    missing = world.bcast(missing, root=0)
-    if missing:
-        pytest.skip(f"emulated kernels: {missing}")
-    emulator = gpu_emulator.build(gpu_emulator.cache_dir())
-    with gpu_emulator.installed(emulator) as fake, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(fake.cuda), "Device", _EmulatedDevice, raising=False)
-        _forbid_real_cuda(patch)
-        try:
-            yield Kind("emulated", fake.asarray, lambda a: a.get(), 20_011, fake)
-        finally:
-            comm.transport._copies = None
+    def forget() -> None:
+        comm.transport._copies = None
+
+    yield from device_kinds(request.param, comm, world, forget)
 
 
 def _same(kind: Kind, world: Any, got: Any, want: np.ndarray) -> None:
